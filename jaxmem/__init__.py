@@ -1,0 +1,23 @@
+"""jaxmem: plan, measure, explain and reduce GPU memory for LLM training in JAX."""
+import os as _os
+
+# The aot extra installs the CUDA plugin on machines without a GPU; without this it
+# tries (and noisily fails) to start CUDA on every import.
+if "JAX_PLATFORMS" not in _os.environ and not _os.path.exists("/proc/driver/nvidia"):
+    _os.environ["JAX_PLATFORMS"] = "cpu"
+
+__version__ = "0.1.0"
+
+
+def load_hf(path, dtype="float32", mesh=None, **kwargs):
+    """Loads a local Hugging Face checkpoint; see jaxmem.hf.load_hf."""
+    from jaxmem.hf import load_hf as _load
+
+    return _load(path, dtype=dtype, mesh=mesh, **kwargs)
+
+
+def save_hf(model, path, **kwargs):
+    """Writes a model in Hugging Face format; see jaxmem.hf.save_hf."""
+    from jaxmem.hf import save_hf as _save
+
+    return _save(model, path, **kwargs)

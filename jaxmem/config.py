@@ -1,0 +1,382 @@
+"""Typed, frozen run configuration: YAML files plus dotted `key=value` overrides."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line and names the key."""
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    preset: str = "tiny"
+    vocab_size: int = 0
+    d_model: int = 0
+    n_layers: int = 0
+    n_heads: int = 0
+    n_kv_heads: int = 0
+    head_dim: int = 0
+    d_ff: int = 0
+    rope_theta: float = 10000.0
+    # Llama-3 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings}; None means plain theta.
+    rope_scaling: dict | None = None
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    tie_embeddings: bool = False
+    max_seq_len: int = 8192
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = 1
+    fsdp: int = -1
+    tp: int = 1
+    rules: Literal["fsdp", "fsdp_tp", "dp"] = "fsdp"
+    zero_stage: Literal[1, 2, 3] = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    enabled: bool = False
+    init_scale: float = 2.0**15
+    growth_interval: int = 2000
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    min_scale: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    param_dtype: Dtype = "float32"
+    compute_dtype: Dtype = "float32"
+    master_weights: bool = False  # fp32 master copy held by the optimizer
+    grad_reduce_dtype: Dtype = "float32"
+    moment_dtype: Literal["float32", "bfloat16"] = "float32"
+    loss_scale: LossScaleConfig = LossScaleConfig()
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 3e-4
+    warmup_steps: int = 10
+    decay_steps: int = 0  # 0: train.steps
+    min_lr_ratio: float = 0.1
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_norm: float = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 100
+    micro_batch: int = 1  # per data-parallel way
+    seq_len: int = 128
+    global_batch: int = 0  # 0: micro_batch x data ways x grad_accum
+    grad_accum: int = 0  # 0: derived from global_batch, or 1
+    log_every: int = 10
+    seed: int = 0
+    progress: bool = True
+    tensorboard: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    kind: Literal["synthetic", "text", "bin"] = "synthetic"
+    path: str = ""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    tokenizer: str = ""  # optional tokenizer.json for kind=text; default: bytes
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 0  # 0: only at the end
+    keep: int = 3
+    async_save: bool = True
+    enabled: bool = True
+    init_from: str = ""  # params-only orbax checkpoint (e.g. from `jaxmem import-hf`) to start from
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    auto: bool = True  # SLURM/cluster auto-detection when no coordinator is given
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    preset: str = "none"
+    granularity: Literal["layer", "segments", "every_k", "nested"] = "layer"
+    every_k: int = 1
+    # per checkpoint name: remat | device | offload; overrides the preset
+    names: dict = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: Literal["device", "host"] = "device"
+    optimizer_update: Literal["host", "device"] = "host"
+    params: Literal["device", "host"] = "device"
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = "naive"
+    attention: Literal["auto", "xla", "pallas", "cudnn"] = "xla"
+    norm: Literal["auto", "xla", "pallas"] = "xla"
+    loss_block_t: int = 1024
+    loss_block_v: int = 4096
+    attn_block_q: int = 64
+    attn_block_k: int = 64
+    z_loss: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    name: str = ""  # empty: the attached devices
+    gpus_per_host: int = 0  # 0: from the mesh size
+    hosts: int = 1
+    headroom: float = 0.10
+    host_ram_gb: float = 0.0  # 0: the target's default
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    out_dir: str = "runs/default"
+    model: ModelConfig = ModelConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    precision: PrecisionConfig = PrecisionConfig()
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig = TrainConfig()
+    data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    distributed: DistributedConfig = DistributedConfig()
+    remat: RematConfig = RematConfig()
+    offload: OffloadConfig = OffloadConfig()
+    kernels: KernelConfig = KernelConfig()
+    target: TargetConfig = TargetConfig()
+
+
+# ---------------------------------------------------------------- building
+
+
+def _allowed(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for c in choices:
+            if value == c and type(value) is type(c):
+                return c
+            if isinstance(c, int) and isinstance(value, str) and value.lstrip("-").isdigit() and int(value) == c:
+                return c
+        raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or value == "null":
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: {value!r} is not a bool; use true or false")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: {value!r} is not an int")
+        if isinstance(value, int):
+            return value
+        if isinstance(value, float) and value.is_integer():
+            return int(value)
+        if isinstance(value, str):
+            try:
+                return int(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: {value!r} is not an int")
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str):
+            try:
+                return float(value)
+            except ValueError:
+                pass
+        raise ConfigError(f"{key}: {value!r} is not a number")
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        raise ConfigError(f"{key}: {value!r} is not a string")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: {value!r} is not a mapping")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, key + ".")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls, raw: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}: unknown key; allowed keys are {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _to_raw(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_raw(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _to_raw(v) for k, v in obj.items()}
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return _to_raw(cfg)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
+        key, text = item.split("=", 1)
+        _set_dotted(raw, key.strip(), _parse_scalar(text))
+    return raw
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is not None:  # a config may extend another one, relative to itself
+        parent = read_yaml(path.parent / base)
+        raw = _merge(parent, raw)
+    return raw
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def from_dict(raw: dict) -> Config:
+    cfg = _build(Config, raw)
+    from jaxmem.model.presets import resolve_model  # late: presets import config
+
+    cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model, raw.get("model", {})))
+    validate(cfg)
+    return cfg
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config (or the defaults) and applies dotted overrides."""
+    raw = read_yaml(path) if path else {}
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def validate(cfg: Config) -> None:
+    def positive(key, v):
+        if v <= 0:
+            raise ConfigError(f"{key}: must be > 0, got {v}")
+
+    m = cfg.model
+    for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+        positive(f"model.{k}", getattr(m, k))
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    for k in ("steps", "micro_batch", "seq_len", "log_every"):
+        positive(f"train.{k}", getattr(cfg.train, k))
+    for k in ("dp", "fsdp", "tp"):
+        v = getattr(cfg.parallel, k)
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
+    if [cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.tp].count(-1) > 1:
+        raise ConfigError("parallel: at most one of dp, fsdp, tp may be -1 (fill)")
+    if cfg.train.global_batch < 0 or cfg.train.grad_accum < 0:
+        raise ConfigError("train.global_batch / train.grad_accum: must be >= 0 (0 means derived)")
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    if cfg.data.kind in ("text", "bin") and not cfg.data.path:
+        raise ConfigError(f"data.path: required for data.kind={cfg.data.kind}")
+    if cfg.data.path and cfg.data.kind != "synthetic" and not Path(cfg.data.path).is_file():
+        raise ConfigError(f"data.path: file {cfg.data.path} not found")
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer: file {cfg.data.tokenizer} not found")
+    p = cfg.precision
+    if p.loss_scale.enabled and p.compute_dtype != "float16":
+        raise ConfigError("precision.loss_scale.enabled: loss scaling is for compute_dtype=float16 only")
+    if not 0 <= cfg.target.headroom < 1:
+        raise ConfigError(f"target.headroom: must be in [0, 1), got {cfg.target.headroom}")
+    if cfg.remat.every_k < 1:
+        raise ConfigError(f"remat.every_k: must be >= 1, got {cfg.remat.every_k}")
+    if cfg.train.seq_len > m.max_seq_len:
+        raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    from jaxmem import remat  # late: remat imports model names
+
+    remat.validate(cfg.remat)
+
+
+def config_hash(cfg: Config, extra: str = "") -> str:
+    text = json.dumps(to_dict(cfg), sort_keys=True) + extra
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def dump_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

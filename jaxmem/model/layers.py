@@ -1,0 +1,86 @@
+"""Transformer block: RMSNorm, GQA attention with RoPE, SwiGLU MLP.
+
+Parameters name logical axes (`out_sharding` metadata); activations name theirs
+through `constrain`; key tensors carry checkpoint names. Nothing here knows
+meshes, remat policies or which kernel implements an op: `ForwardContext` says.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from jaxmem.config import ModelConfig
+from jaxmem.model.axes import constrain
+from jaxmem.model.names import CheckpointName as CN
+from jaxmem.model.rope import apply_rope
+
+ACT_BTD = ("act_batch", "act_seq", "act_embed")
+ACT_BTNH = ("act_batch", "act_seq", "act_heads", None)
+ACT_BTF = ("act_batch", "act_seq", "act_mlp")
+
+
+def param(rngs, shape, axes, dtype, init="normal", std=0.02):
+    if init == "ones":
+        value = jnp.ones(shape, dtype)
+    elif init == "zeros":
+        value = jnp.zeros(shape, dtype)
+    else:
+        value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
+    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+
+
+def tag(x, name: CN):
+    return checkpoint_name(x, name.value)
+
+
+class Block(nnx.Module):
+    """One decoder layer; `attention_part` and `mlp_part` are separable remat segments."""
+
+    def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
+        d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
+        self.attn_norm = param(rngs, (d,), ("norm",), dtype, "ones")
+        self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), dtype)
+        self.wk = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        self.wv = param(rngs, (d, k, h), ("embed", "kv_heads", "head_dim"), dtype)
+        if cfg.qkv_bias:
+            self.bq = param(rngs, (n, h), ("heads", "head_dim"), dtype, "zeros")
+            self.bk = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, "zeros")
+            self.bv = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, "zeros")
+        self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype, std=out_std)
+        self.mlp_norm = param(rngs, (d,), ("norm",), dtype, "ones")
+        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.w_up = param(rngs, (d, f), ("embed", "mlp"), dtype)
+        self.w_down = param(rngs, (f, d), ("mlp", "embed"), dtype, std=out_std)
+        self.qkv_bias = cfg.qkv_bias
+        self.eps = cfg.norm_eps
+
+    def attention_part(self, x_btd, positions_bt, segment_ids_bt, inv_freq, ctx):
+        cd = ctx.compute_dtype
+        x_btd = tag(x_btd, CN.LAYER_INPUT)
+        normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM).astype(cd)
+        q = jnp.einsum("BTD,DNH->BTNH", normed, self.wq[...].astype(cd))
+        k = jnp.einsum("BTD,DKH->BTKH", normed, self.wk[...].astype(cd))
+        v = jnp.einsum("BTD,DKH->BTKH", normed, self.wv[...].astype(cd))
+        if self.qkv_bias:
+            q, k, v = q + self.bq[...].astype(cd), k + self.bk[...].astype(cd), v + self.bv[...].astype(cd)
+        q = tag(constrain(q, ACT_BTNH), CN.QUERY_PROJ)
+        k = tag(constrain(k, ACT_BTNH), CN.KEY_PROJ)
+        v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
+        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
+        context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
+        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo[...].astype(cd))
+        out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
+        return x_btd + out.astype(x_btd.dtype)
+
+    def mlp_part(self, x_btd, ctx):
+        cd = ctx.compute_dtype
+        normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM).astype(cd)
+        gate = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_gate[...].astype(cd)), ACT_BTF), CN.MLP_GATE)
+        up = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_up[...].astype(cd)), ACT_BTF), CN.MLP_UP)
+        act = tag(jax.nn.silu(gate) * up, CN.MLP_ACT)
+        out = jnp.einsum("BTF,FD->BTD", act, self.w_down[...].astype(cd))
+        out = tag(constrain(out, ACT_BTD), CN.MLP_OUT)
+        return x_btd + out.astype(x_btd.dtype)

@@ -1,0 +1,101 @@
+"""The decoder: embedding, a scan over stacked Blocks, final norm, LM head."""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jaxmem.config import ModelConfig
+from jaxmem.kernels.attention.reference import attention_reference
+from jaxmem.kernels.rms_norm.reference import rms_norm_reference
+from jaxmem.model.axes import constrain
+from jaxmem.model.layers import ACT_BTD, Block, param
+from jaxmem.model.rope import inverse_frequencies
+
+
+def _plain_scan(body, h, stacked_state):
+    def step(carry, layer_state):
+        return body(carry, layer_state), None
+
+    return jax.lax.scan(step, h, stacked_state)[0]
+
+
+def _identity_segment(name: str, fn: Callable) -> Callable:
+    return fn
+
+
+@dataclasses.dataclass(frozen=True)
+class ForwardContext:
+    """How the model's ops run; built from config by jaxmem.runtime, never by the model.
+
+    attention(q, k, v, segment_ids) and norm(x, w, eps) pick kernels;
+    scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
+    per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts.
+    """
+
+    compute_dtype: Any = jnp.float32
+    attention: Callable = lambda q, k, v, seg: attention_reference(q, k, v, segment_ids_bt=seg)
+    norm: Callable = rms_norm_reference
+    scan_layers: Callable = _plain_scan
+    segment: Callable = _identity_segment
+
+
+DEFAULT_CONTEXT = ForwardContext()
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, param_dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), param_dtype)
+
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def make_layers(key):
+            return Block(cfg, param_dtype, nnx.Rngs(params=key))
+
+        self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
+        self.final_norm = param(rngs, (cfg.d_model,), ("norm",), param_dtype, "ones")
+        if not cfg.tie_embeddings:
+            self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), param_dtype)
+
+    def lm_head_weight(self) -> jax.Array:
+        """[D, V] output projection (the transposed embedding when tied)."""
+        return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+    def hidden(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
+               positions_bt=None) -> jax.Array:
+        """Final-norm hidden states [B, T, D] in the compute dtype."""
+        cfg = self.cfg
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        h = jnp.take(self.embed[...], tokens_bt, axis=0).astype(ctx.compute_dtype)
+        h = constrain(h, ACT_BTD)
+        graphdef, stacked = nnx.split(self.layers)
+
+        def body(h_btd, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            attn = ctx.segment("attention", layer.attention_part)
+            mlp = ctx.segment("mlp", layer.mlp_part)
+            h_btd = attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ctx)
+            return constrain(mlp(h_btd, ctx), ACT_BTD)
+
+        h = ctx.scan_layers(body, h, stacked)
+        return ctx.norm(h, self.final_norm[...], cfg.norm_eps).astype(ctx.compute_dtype)
+
+    def __call__(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT, **kwargs) -> jax.Array:
+        """Logits [B, T, V] in fp32 (for inference and parity checks; training uses a loss kernel)."""
+        h = self.hidden(tokens_bt, ctx, **kwargs)
+        w = self.lm_head_weight().astype(ctx.compute_dtype)
+        return jnp.einsum("BTD,DV->BTV", h, w, preferred_element_type=jnp.float32)
+
+
+def init_model(cfg: ModelConfig, *, seed: int = 0, param_dtype=jnp.float32) -> Transformer:
+    return Transformer(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=seed))
+
+
+def abstract_model(cfg: ModelConfig, *, param_dtype=jnp.float32) -> Transformer:
+    """The model with ShapeDtypeStruct leaves: no memory is allocated."""
+    return nnx.eval_shape(lambda: init_model(cfg, param_dtype=param_dtype))

@@ -1,0 +1,225 @@
+"""The train program: sharded train state, its shardings, and the jitted step.
+
+`jaxmem train`, `jaxmem plan` and user scripts all build their step here, so the
+step that is planned is the step that runs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmem import kernels, remat, sharding
+from jaxmem.config import Config, ConfigError
+from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.model import ForwardContext, abstract_model, init_model
+from jaxmem.model.axes import activation_rules
+from jaxmem.optim import make_optimizer, schedule
+from jaxmem.precision import Precision, all_finite, init_loss_scale, update_loss_scale
+
+
+def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
+    """(grad_accum, micro-batch rows per step across all data ways)."""
+    t = cfg.train
+    rows = t.micro_batch * data_ways
+    if t.global_batch and t.grad_accum:
+        if t.global_batch != rows * t.grad_accum:
+            raise ConfigError(f"train.global_batch: {t.global_batch} != micro_batch {t.micro_batch} x data ways "
+                              f"{data_ways} x grad_accum {t.grad_accum}; give one of global_batch or grad_accum")
+        return t.grad_accum, rows
+    if t.global_batch:
+        if t.global_batch % rows:
+            raise ConfigError(f"train.global_batch: {t.global_batch} is not a multiple of micro_batch "
+                              f"{t.micro_batch} x data ways {data_ways} = {rows}")
+        return t.global_batch // rows, rows
+    return (t.grad_accum or 1), rows
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    cfg: Config
+    mesh: Mesh
+    precision: Precision
+    graphdef: Any
+    optimizer: optax.GradientTransformation
+    state_shardings: dict
+    abstract_state: dict  # ShapeDtypeStructs carrying shardings
+    grad_specs: dict
+    grad_accum: int
+    rows: int  # global rows per micro-batch
+    ctx: ForwardContext
+
+    # ------------------------------------------------------------ batches
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        return (self.grad_accum, self.rows, self.cfg.train.seq_len + 1)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        data = sharding.batch_spec(self.mesh)[0]
+        return NamedSharding(self.mesh, P(None, data, None))
+
+    def abstract_batch(self) -> dict:
+        return {"tokens": jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)}
+
+    def shard_batch(self, local_tokens) -> dict:
+        """Builds the global batch from this process's rows [A, rows/processes, T+1]."""
+        arr = jax.make_array_from_process_local_data(self.batch_sharding, local_tokens, self.batch_shape)
+        return {"tokens": arr}
+
+    # ------------------------------------------------------------ state
+    def init_state(self, seed: int | None = None) -> dict:
+        seed = self.cfg.train.seed if seed is None else seed
+        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
+
+    def _fresh_state(self, seed: int) -> dict:
+        model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
+        params = nnx.to_pure_dict(nnx.split(model)[1])
+        return _assemble_state(self.cfg, self.precision, self.optimizer, params)
+
+    def model(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params)
+
+    # ------------------------------------------------------------ step
+    def step_fn(self):
+        return _make_step(self)
+
+    def jit_step(self):
+        return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
+                       out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+
+    def lower(self):
+        return self.jit_step().lower(self.abstract_state, self.abstract_batch())
+
+
+def _assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
+    master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if prec.master else None
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": opt.init(master or params)}
+    if master is not None:
+        state["master"] = master
+    if cfg.precision.loss_scale.enabled:
+        state["loss_scale"] = init_loss_scale(cfg.precision.loss_scale)
+    return state
+
+
+def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainProgram:
+    """Everything needed to init, step, checkpoint and plan a run, without allocating weights."""
+    mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
+    prec = Precision.from_config(cfg.precision)
+    opt = make_optimizer(cfg)
+    model = abstract_model(cfg.model, param_dtype=prec.param)
+    graphdef, abstract_params_state = nnx.split(model)
+    remat.group_size(cfg.remat, cfg.model.n_layers)  # validates every_k before any compile
+
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    sharded = sharding.param_specs(abstract_params_state, rules, mesh)
+    replicated = sharding.param_specs(abstract_params_state, sharding.without_data_axes(rules), mesh)
+    stage = cfg.parallel.zero_stage
+    param_specs = sharded if stage == 3 else replicated
+    grad_specs = sharded if stage >= 2 else replicated
+    opt_specs = sharded
+
+    abstract_params = nnx.to_pure_dict(abstract_params_state)
+    abstract = jax.eval_shape(lambda p: _assemble_state(cfg, prec, opt, p), abstract_params)
+    specs = {"step": P(), "params": param_specs}
+    specs["opt"] = optax.tree_utils.tree_map_params(
+        opt, lambda _, spec: spec, abstract["opt"], opt_specs, transform_non_params=lambda _: P(),
+        is_leaf=lambda x: isinstance(x, P))
+    if "master" in abstract:
+        specs["master"] = opt_specs
+    if "loss_scale" in abstract:
+        specs["loss_scale"] = {"scale": P(), "good_steps": P()}
+    shardings = sharding.named(mesh, specs)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    grad_accum, rows = batch_layout(cfg, sharding.data_ways(mesh))
+    platform = kernels.platform_of(mesh.devices.flat)
+    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers)
+    ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform),
+                         norm=kernels.select_norm(cfg.kernels, platform), scan_layers=scan_layers, segment=segment)
+    return TrainProgram(cfg, mesh, prec, graphdef, opt, shardings, abstract, grad_specs, grad_accum, rows, ctx)
+
+
+def _make_step(prog: TrainProgram):
+    cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    constrainer = sharding.activation_constrainer(rules, mesh)
+    loss_impl = kernels.select_loss(cfg.kernels, kernels.platform_of(mesh.devices.flat))
+    grad_shardings = sharding.named(mesh, prog.grad_specs)
+    param_shardings = prog.state_shardings["params"]
+    lr_at = schedule(cfg)
+    scaling = cfg.precision.loss_scale
+
+    def micro_loss(params, inputs_bt, labels_bt, denom):
+        model = nnx.merge(prog.graphdef, params)
+        with activation_rules(constrainer):
+            h_btd = model.hidden(inputs_bt, prog.ctx)
+        w_dv = model.lm_head_weight().astype(prec.compute)
+        loss_sum, _ = loss_impl(h_btd.reshape(-1, h_btd.shape[-1]), w_dv, labels_bt.reshape(-1))
+        return loss_sum / denom, loss_sum
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)
+
+    def step(state, batch):
+        tokens = batch["tokens"]
+        inputs, labels = tokens[..., :-1], tokens[..., 1:]
+        n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+        scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
+        p_grad = jax.tree.map(lambda x: x.astype(prec.grad_reduce), state["params"])
+
+        def one(mb_inputs, mb_labels):
+            g, loss_sum = grad_fn(p_grad, mb_inputs, mb_labels, n_valid / scale)
+            return jax.lax.with_sharding_constraint(g, grad_shardings), loss_sum
+
+        if prog.grad_accum == 1:
+            grads, loss_sum = one(inputs[0], labels[0])
+            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
+        else:
+            def acc(carry, mb):
+                g, l = one(*mb)
+                return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+
+            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
+            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+            (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        grad_norm = optax.global_norm(grads)
+        weights = state["master"] if "master" in state else state["params"]
+        updates, new_opt = prog.optimizer.update(grads, state["opt"], weights)
+        new_weights = optax.apply_updates(weights, updates)
+        new_params = jax.tree.map(lambda w: w.astype(prec.param), new_weights)
+        new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
+
+        new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
+        if "master" in state:
+            new_state["master"] = new_weights
+        finite = jnp.bool_(True)
+        if "loss_scale" in state:  # fp16: skip the update on overflow, then back off
+            finite = all_finite(grads)
+            kept = {k: state[k] for k in ("params", "opt", "master") if k in state}
+            for k in kept:
+                new_state[k] = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state[k], kept[k])
+            new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
+        count = _adam_count(new_opt)
+        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
+                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
+        return new_state, metrics
+
+    return step
+
+
+def _adam_count(opt_state):
+    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
+        if isinstance(leaf, optax.ScaleByAdamState):
+            return leaf.count
+    return jnp.int32(0)
+
+
+def count_params(prog: TrainProgram) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))
