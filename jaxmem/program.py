@@ -15,12 +15,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import kernels, remat, sharding
+from jaxmem import kernels, offload, remat, sharding
 from jaxmem.config import Config, ConfigError
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.model import ForwardContext, abstract_model, init_model
 from jaxmem.model.axes import activation_rules
-from jaxmem.optim import make_optimizer, schedule
+from jaxmem.optim import clip_by_global_norm, global_norm, make_optimizer, schedule
 from jaxmem.precision import Precision, all_finite, init_loss_scale, update_loss_scale
 
 
@@ -116,6 +116,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     model = abstract_model(cfg.model, param_dtype=prec.param)
     graphdef, abstract_params_state = nnx.split(model)
     remat.group_size(cfg.remat, cfg.model.n_layers)  # validates every_k before any compile
+    offload.validate(cfg)
 
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     sharded = sharding.param_specs(abstract_params_state, rules, mesh)
@@ -135,12 +136,13 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
         specs["master"] = opt_specs
     if "loss_scale" in abstract:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
-    shardings = sharding.named(mesh, specs)
+    shardings = offload.place_shardings(cfg, sharding.named(mesh, specs))
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     grad_accum, rows = batch_layout(cfg, sharding.data_ways(mesh))
     platform = kernels.platform_of(mesh.devices.flat)
-    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers)
+    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
+                                            fetch=offload.layer_fetch(cfg, prec.grad_reduce))
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform),
                          norm=kernels.select_norm(cfg.kernels, platform), scan_layers=scan_layers, segment=segment)
     return TrainProgram(cfg, mesh, prec, graphdef, opt, shardings, abstract, grad_specs, grad_accum, rows, ctx)
@@ -150,7 +152,7 @@ def _make_step(prog: TrainProgram):
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     constrainer = sharding.activation_constrainer(rules, mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, kernels.platform_of(mesh.devices.flat))
+    loss_impl = kernels.select_loss(cfg.kernels, kernels.platform_of(mesh.devices.flat), mesh=mesh)
     grad_shardings = sharding.named(mesh, prog.grad_specs)
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
@@ -166,20 +168,41 @@ def _make_step(prog: TrainProgram):
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
+    def update(grads, opt_state, weights, params, scale):
+        """AdamW on (possibly loss-scaled) grads; runs on the device or the host (jaxmem.offload)."""
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
+        grad_norm = global_norm(grads)
+        grads = clip_by_global_norm(grads, grad_norm, cfg.optimizer.clip_norm)
+        updates, new_opt = prog.optimizer.update(grads, opt_state, weights)
+        new_weights = optax.apply_updates(weights, updates)
+        new_params = jax.tree.map(lambda w: w.astype(prec.param), new_weights)
+        finite = jnp.bool_(True)
+        if scaling.enabled:  # fp16: on inf/nan keep the old weights and optimizer state
+            finite = all_finite(grads)
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_params, new_opt, new_weights = keep(new_params, params), keep(new_opt, opt_state), keep(
+                new_weights, weights)
+        return new_params, new_opt, new_weights, (grad_norm, finite)
+
     def step(state, batch):
+        state = offload.mark_host_entries(cfg, state)
         tokens = batch["tokens"]
         inputs, labels = tokens[..., :-1], tokens[..., 1:]
         n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
-        p_grad = jax.tree.map(lambda x: x.astype(prec.grad_reduce), state["params"])
+        params = state["params"]
+        p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
         def one(mb_inputs, mb_labels):
             g, loss_sum = grad_fn(p_grad, mb_inputs, mb_labels, n_valid / scale)
+            if cfg.offload.params == "host":  # layer gradients already sit on the host, next to the weights
+                rest = {k: v for k, v in g.items() if k != "layers"}
+                rest = jax.lax.with_sharding_constraint(rest, {k: grad_shardings[k] for k in rest})
+                return dict(rest, layers=g["layers"]), loss_sum
             return jax.lax.with_sharding_constraint(g, grad_shardings), loss_sum
 
         if prog.grad_accum == 1:
             grads, loss_sum = one(inputs[0], labels[0])
-            grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         else:
             def acc(carry, mb):
                 g, l = one(*mb)
@@ -188,25 +211,18 @@ def _make_step(prog: TrainProgram):
             zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
             zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
             (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
-        grads = jax.tree.map(lambda g: g / scale, grads)
-        grad_norm = optax.global_norm(grads)
-        weights = state["master"] if "master" in state else state["params"]
-        updates, new_opt = prog.optimizer.update(grads, state["opt"], weights)
-        new_weights = optax.apply_updates(weights, updates)
-        new_params = jax.tree.map(lambda w: w.astype(prec.param), new_weights)
-        new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
+        weights = state["master"] if "master" in state else params
+        new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
+            cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
+        if cfg.offload.params != "host":
+            new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
 
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
         if "master" in state:
             new_state["master"] = new_weights
-        finite = jnp.bool_(True)
-        if "loss_scale" in state:  # fp16: skip the update on overflow, then back off
-            finite = all_finite(grads)
-            kept = {k: state[k] for k in ("params", "opt", "master") if k in state}
-            for k in kept:
-                new_state[k] = jax.tree.map(lambda new, old: jnp.where(finite, new, old), new_state[k], kept[k])
+        if "loss_scale" in state:  # fp16: the skipped step backs the scale off
             new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
-        count = _adam_count(new_opt)
+        count = offload.to_device(_adam_count(new_opt))
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
                    "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
         return new_state, metrics

@@ -79,7 +79,23 @@ def policy(cfg: RematConfig):
         names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
         offload_src="device", offload_dst="pinned_host")
     base = PRESETS[cfg.preset].get("base")
-    return cp.save_from_both_policies(getattr(cp, base), named) if base else named
+    return _with_base(getattr(cp, base), named, set(offloaded)) if base else named
+
+
+def _with_base(base, named, offloaded: set):
+    """Values the base policy saves stay on the device, except tagged values chosen for offload.
+
+    (jax's save_from_both_policies only combines boolean policies, and the named
+    offload policy returns saveable / offloadable / recompute markers.)
+    """
+
+    def combined(prim, *args, **params):
+        decision = named(prim, *args, **params)
+        if params.get("name") in offloaded:
+            return decision
+        return True if base(prim, *args, **params) else decision
+
+    return combined
 
 
 def group_size(cfg: RematConfig, n_layers: int) -> int:

@@ -1,7 +1,8 @@
 """Fused kernels and the dispatch that turns `kernels.*` config choices into functions.
 
 An implementation that cannot run where it was asked raises KernelUnavailable;
-only `auto` falls back.
+only `auto` falls back. Pallas kernels run in interpret mode on CPU (that is
+how their numerics are tested); jax-triton and cuDNN have no CPU path.
 """
 from __future__ import annotations
 
@@ -11,41 +12,114 @@ import jax
 
 from jaxmem.config import KernelConfig
 from jaxmem.kernels.attention.reference import attention_reference
+from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
+
+GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
 
 class KernelUnavailable(RuntimeError):
     pass
 
 
+def _is_gpu(platform: str) -> bool:
+    return platform.lower() in GPU_PLATFORMS
+
+
+def _pallas_interpret(key: str, platform: str) -> bool:
+    """Pallas (Triton backend) runs compiled on GPUs and interpreted on CPU; nowhere else."""
+    if _is_gpu(platform):
+        return False
+    if platform == "cpu":
+        return True
+    raise KernelUnavailable(f"{key}='pallas' needs a GPU (Triton backend) or CPU (interpret mode), "
+                            f"not platform {platform!r}")
+
+
 def select_attention(cfg: KernelConfig, platform: str):
     """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H]."""
     impl = cfg.attention
     if impl == "auto":
-        impl = "xla"
+        impl = "pallas" if _is_gpu(platform) else "xla"
     if impl == "xla":
         return lambda q, k, v, seg: attention_reference(q, k, v, segment_ids_bt=seg)
-    raise KernelUnavailable(f"kernels.attention={impl!r} is not implemented yet")
+    if impl == "pallas":
+        from jaxmem.kernels.attention.config import AttentionBlocks
+        from jaxmem.kernels.attention.pallas import flash_attention
+
+        blocks = AttentionBlocks(block_q=cfg.attn_block_q, block_k=cfg.attn_block_k)
+        interpret = _pallas_interpret("kernels.attention", platform)
+        return lambda q, k, v, seg: flash_attention(q, k, v, seg, blocks=blocks, interpret=interpret)
+    if impl == "cudnn":
+        if not _is_gpu(platform):
+            raise KernelUnavailable(f"kernels.attention='cudnn' needs an NVIDIA GPU with cuDNN, not platform "
+                                    f"{platform!r}; use 'xla' or 'pallas'")
+        from jaxmem.kernels.attention.cudnn import cudnn_attention
+
+        return cudnn_attention
+    raise KernelUnavailable(f"kernels.attention={impl!r} is not a known implementation")
 
 
 def select_norm(cfg: KernelConfig, platform: str):
     """fn(x, weight, eps) -> y."""
     impl = cfg.norm
-    if impl in ("auto", "xla"):
+    if impl == "auto":
+        impl = "pallas" if _is_gpu(platform) else "xla"
+    if impl == "xla":
         return rms_norm_reference
-    raise KernelUnavailable(f"kernels.norm={impl!r} is not implemented yet")
+    if impl == "pallas":
+        from jaxmem.kernels.rms_norm.pallas import rms_norm
+
+        interpret = _pallas_interpret("kernels.norm", platform)
+        return lambda x, w, eps=1e-6: rms_norm(x, w, eps, interpret=interpret)
+    raise KernelUnavailable(f"kernels.norm={impl!r} is not a known implementation")
 
 
-def select_loss(cfg: KernelConfig, platform: str):
-    """fn(h_td, w_dv, labels_t) -> (loss_sum, n_valid)."""
+def loss_blocks(cfg: KernelConfig) -> CrossEntropyBlocks:
+    return CrossEntropyBlocks(block_t=cfg.loss_block_t, block_v=cfg.loss_block_v)
+
+
+def select_loss(cfg: KernelConfig, platform: str, mesh=None):
+    """fn(h_td, w_dv, labels_t) -> (loss_sum, n_valid).
+
+    With a mesh, the fused kernels run per shard (tokens over the data axes,
+    vocab over tp) inside shard_map instead of being replicated by GSPMD.
+    """
     impl = cfg.loss
     if impl == "auto":
-        impl = "naive"
+        impl = "pallas" if _is_gpu(platform) else "chunked"
+    blocks = loss_blocks(cfg)
     if impl == "naive":
         return functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss)
-    raise KernelUnavailable(f"kernels.loss={impl!r} is not implemented yet")
+    if impl == "chunked":
+        from jaxmem.kernels.cross_entropy import chunked as module
+
+        extra = {}
+    elif impl == "pallas":
+        from jaxmem.kernels.cross_entropy import pallas as module
+
+        extra = {"interpret": _pallas_interpret("kernels.loss", platform)}
+    elif impl == "triton":
+        if not _is_gpu(platform):
+            raise KernelUnavailable(f"kernels.loss='triton' (jax-triton) has no CPU or interpret path; platform "
+                                    f"is {platform!r}: use 'chunked' or 'pallas'")
+        from jaxmem.kernels.cross_entropy import triton as module
+
+        extra = {}
+    else:
+        raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")
+    if mesh is None or mesh.size == 1:
+        return functools.partial(module.linear_cross_entropy, blocks=blocks, ignore_index=IGNORE_INDEX,
+                                 z_loss=cfg.z_loss, **extra)
+    from jaxmem.kernels.cross_entropy.sharded import shard_loss
+
+    forward = functools.partial(module.forward_stats, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
+    backward = functools.partial(module.backward_grads, blocks=blocks, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss,
+                                 **extra)
+    return shard_loss(forward, backward, mesh, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss)
 
 
 def platform_of(devices) -> str:
+    devices = list(devices) if devices is not None else []
     return devices[0].platform if devices else jax.default_backend()

@@ -28,7 +28,7 @@ def param(rngs, shape, axes, dtype, init="normal", std=0.02):
         value = jnp.zeros(shape, dtype)
     else:
         value = (std * jax.random.normal(rngs.params(), shape, jnp.float32)).astype(dtype)
-    return nnx.Param(value, sharding_names=axes, eager_sharding=False)
+    return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
 def tag(x, name: CN):

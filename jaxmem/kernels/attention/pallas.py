@@ -1,0 +1,227 @@
+"""Flash attention in Pallas (Triton backend): causal, GQA, segment ids; never holds [T, S] scores.
+
+Forward: one program per (query block, batch, q head) walks the key blocks
+with an online softmax (base 2, fp32) and saves the per-row logsumexp.
+Backward: dq per (query block, batch, q head); dk/dv per (key block, batch,
+kv head), looping over the group's q heads so GQA needs no [B, S, N, H]
+expanded copy of k or v. Sequences that are not a multiple of the blocks are
+padded; padded keys are masked, padded queries get a zero cotangent.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxmem.kernels.attention.config import AttentionBlocks
+
+MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
+LOG2E = math.log2(math.e)
+
+
+def _mask(scores, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
+    keep = None
+    if causal:
+        keep = q_pos[:, None] >= k_pos[None, :]
+    if kv_len is not None:
+        inside = jnp.broadcast_to(k_pos[None, :] < kv_len, scores.shape)
+        keep = inside if keep is None else keep & inside
+    if q_seg is not None:
+        same = q_seg[:, None] == k_seg[None, :]
+        keep = same if keep is None else keep & same
+    return scores if keep is None else jnp.where(keep, scores, MASK)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk):
+    i = pl.program_id(0)
+    q = q_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    q_seg = None if seg_ref is None else seg_ref[pl.ds(i * bq, bq)]
+
+    def step(j, carry):
+        o, m, l = carry
+        ks = pl.ds(j * bk, bk)
+        k_pos = j * bk + jnp.arange(bk)
+        s = plgpu.dot(q, k_ref[ks, :], trans_b=True) * (scale * LOG2E)
+        s = _mask(s, q_pos, k_pos, q_seg, None if seg_ref is None else seg_ref[ks], causal=causal, kv_len=kv_len)
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        p = jnp.exp2(s - m_new[:, None])
+        correction = jnp.exp2(m - m_new)
+        o = o * correction[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[ks, :])
+        return o, m_new, l * correction + jnp.sum(p, axis=1)
+
+    n_k = k_ref.shape[0] // bk
+    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+    h = q_ref.shape[-1]
+    init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    o, m, l = jax.lax.fori_loop(0, upper, step, init)
+    o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log2(l)
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len, bq, bk):
+    i = pl.program_id(0)
+    q, do = q_ref[...], do_ref[...]
+    lse, delta = lse_ref[...], delta_ref[...]
+    q_pos = i * bq + jnp.arange(bq)
+    q_seg = None if seg_ref is None else seg_ref[pl.ds(i * bq, bq)]
+
+    def step(j, dq):
+        ks = pl.ds(j * bk, bk)
+        k, v = k_ref[ks, :], v_ref[ks, :]
+        s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)
+        s = _mask(s, q_pos, j * bk + jnp.arange(bk), q_seg, None if seg_ref is None else seg_ref[ks],
+                  causal=causal, kv_len=kv_len)
+        p = jnp.exp2(s - lse[:, None])
+        ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
+        return dq + plgpu.dot(ds.astype(k.dtype), k)
+
+    n_k = k_ref.shape[0] // bk
+    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+    dq = jax.lax.fori_loop(0, upper, step, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
+                kv_len, bq, bk, group):
+    j = pl.program_id(0)
+    k, v = k_ref[...], v_ref[...]
+    k_pos = j * bk + jnp.arange(bk)
+    k_seg = None if seg_ref is None else seg_ref[pl.ds(j * bk, bk)]
+    n_q = q_ref.shape[0] // bq
+    lower = (j * bk) // bq if causal else 0
+
+    def step(g, i, carry):
+        dk, dv = carry
+        qs = pl.ds(i * bq, bq)
+        q, do = q_ref[qs, g, :], do_ref[qs, g, :]
+        s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)
+        s = _mask(s, i * bq + jnp.arange(bq), k_pos, None if seg_ref is None else seg_ref[qs], k_seg,
+                  causal=causal, kv_len=kv_len)
+        p = jnp.exp2(s - lse_ref[g, qs][:, None])
+        dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
+        ds = p * (plgpu.dot(do, v, trans_b=True) - delta_ref[g, qs][:, None])
+        return dk + plgpu.dot(ds.astype(q.dtype), q, trans_a=True), dv
+
+    carry = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
+    for g in range(group):  # the q heads sharing this kv head
+        carry = jax.lax.fori_loop(lower, n_q, functools.partial(step, g), carry)
+    dk, dv = carry
+    dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def _params(blocks: AttentionBlocks):
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+
+
+def attention_cost(b, t, s, n, h, itemsize, *, causal=True, matmuls=2, passes=1) -> pl.CostEstimate:
+    """FLOPs of `matmuls` [T,S]x[.,H] products per head, one exp per score, and the q/k/v/o bytes moved.
+
+    Forward: 2 matmuls; dq: 3; dk/dv: 4 (the scores are recomputed in both backward kernels).
+    """
+    pairs = b * n * t * s * (0.5 if causal else 1.0)
+    io = passes * b * (2 * t * n + 2 * s * n) * h * itemsize + b * n * t * 8
+    return pl.CostEstimate(flops=int(2 * matmuls * pairs * h), transcendentals=int(pairs), bytes_accessed=int(io))
+
+
+def _specs(b, t, s, n, kv, h, bq, group, seg):
+    q_spec = pl.BlockSpec((None, bq, None, h), lambda i, b_, n_: (b_, i, n_, 0))
+    kv_spec = pl.BlockSpec((None, s, None, h), lambda i, b_, n_: (b_, 0, n_ // group, 0))
+    seg_spec = None if seg is None else pl.BlockSpec((None, t), lambda i, b_, n_: (b_, 0))
+    row_spec = pl.BlockSpec((None, None, bq), lambda i, b_, n_: (b_, n_, i))
+    return q_spec, kv_spec, seg_spec, row_spec
+
+
+def _forward(q, k, v, seg, *, blocks, causal, scale, kv_len, interpret):
+    b, t, n, h = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    bq, bk = blocks.block_q, blocks.block_k
+    q_spec, kv_spec, seg_spec, row_spec = _specs(b, t, s, n, kv, h, bq, n // kv, seg)
+    kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, kv_len=kv_len, bq=bq, bk=bk)
+    return pl.pallas_call(
+        kernel, grid=(t // bq, b, n), in_specs=[q_spec, kv_spec, kv_spec, seg_spec], out_specs=[q_spec, row_spec],
+        out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
+        compiler_params=_params(blocks), cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal),
+        interpret=interpret, name="flash_attention_fwd",
+    )(q, k, v, seg)
+
+
+def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, interpret):
+    b, t, n, h = q.shape
+    s, kv = k.shape[1], k.shape[2]
+    group = n // kv
+    bq, bk = blocks.block_q, blocks.block_k
+    delta = jnp.einsum("BTNH,BTNH->BNT", o.astype(jnp.float32), do.astype(jnp.float32))
+    q_spec, kv_spec, seg_spec, row_spec = _specs(b, t, s, n, kv, h, bq, group, seg)
+    common = dict(scale=scale, causal=causal, kv_len=kv_len, bq=bq, bk=bk)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, **common), grid=(t // bq, b, n),
+        in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec], out_specs=q_spec,
+        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=_params(blocks),
+        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=3),
+        interpret=interpret, name="flash_attention_dq",
+    )(q, k, v, seg, do, lse, delta)
+    group_spec = pl.BlockSpec((None, t, group, h), lambda j, b_, kh: (b_, 0, kh, 0))
+    group_rows = pl.BlockSpec((None, group, t), lambda j, b_, kh: (b_, kh, 0))
+    block_kv = pl.BlockSpec((None, bk, None, h), lambda j, b_, kh: (b_, j, kh, 0))
+    seg_all = None if seg is None else pl.BlockSpec((None, t), lambda j, b_, kh: (b_, 0))
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, group=group, **common), grid=(s // bk, b, kv),
+        in_specs=[group_spec, block_kv, block_kv, seg_all, group_spec, group_rows, group_rows],
+        out_specs=[block_kv, block_kv],
+        out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+        compiler_params=_params(blocks), interpret=interpret, name="flash_attention_dkv",
+        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=4, passes=2),
+    )(q, k, v, seg, do, lse, delta)
+    return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
+def _flash(q, k, v, seg, blocks, causal, scale, kv_len, interpret):
+    return _forward(q, k, v, seg, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, interpret=interpret)[0]
+
+
+def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret):
+    o, lse = _forward(q, k, v, seg, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, interpret=interpret)
+    return o, (q, k, v, seg, o, lse)
+
+
+def _flash_bwd(blocks, causal, scale, kv_len, interpret, res, do):
+    q, k, v, seg, o, lse = res
+    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
+                           interpret=interpret)
+    return dq, dk, dv, None
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: AttentionBlocks = AttentionBlocks(),
+                    causal: bool = True, scale: float | None = None, interpret: bool = False):
+    """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H]."""
+    b, t, n, h = q_btnh.shape
+    s, kv = k_bskh.shape[1], k_bskh.shape[2]
+    if n % kv:
+        raise ValueError(f"flash_attention: q heads {n} must be a multiple of kv heads {kv}")
+    if h & (h - 1) or h < 16:
+        raise ValueError(f"flash_attention: head_dim {h} must be a power of two >= 16 (Triton tiles)")
+    if t != s:
+        raise ValueError(f"flash_attention: query length {t} != key length {s}; only self-attention is supported")
+    scale = h**-0.5 if scale is None else float(scale)
+    step = max(blocks.block_q, blocks.block_k)
+    pad = -t % step
+    q, k, v, seg = q_btnh, k_bskh, v_bskh, segment_ids_bt
+    if pad:
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+        if seg is not None:
+            seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
+    if seg is not None:
+        seg = seg.astype(jnp.int32)
+    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, interpret)
+    return out[:, :t] if pad else out

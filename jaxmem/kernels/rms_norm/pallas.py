@@ -1,0 +1,120 @@
+"""Fused RMSNorm in Pallas (Triton backend): one pass forward, one pass backward, no fp32 copies of x.
+
+Forward saves only the per-row 1/rms (fp32). Backward gives dx per row block
+and a per-block partial of dw (already summed over the block's rows); the
+partials, [rows / block, D] fp32, are summed across blocks outside.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxmem.kernels.rms_norm.config import RmsNormBlocks
+
+
+def _tile(ref, rows, cols, d):
+    mask = jnp.broadcast_to((cols < d)[None, :], (rows.size, cols.size))
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0).astype(jnp.float32), mask
+
+
+def _forward_kernel(x_ref, w_ref, y_ref, rstd_ref, *, br: int, dp: int, eps: float):
+    d = x_ref.shape[1]
+    rows = pl.program_id(0) * br + jnp.arange(br)
+    cols = jnp.arange(dp)
+    x, mask = _tile(x_ref, rows, cols, d)
+    w = plgpu.load(w_ref.at[cols], mask=cols < d, other=0).astype(jnp.float32)
+    rstd = jax.lax.rsqrt(jnp.sum(x * x, axis=1) / d + eps)
+    plgpu.store(y_ref.at[rows[:, None], cols[None, :]], ((x * rstd[:, None]) * w[None, :]).astype(y_ref.dtype),
+                mask=mask)
+    rstd_ref[pl.ds(pl.program_id(0) * br, br)] = rstd
+
+
+def _backward_kernel(x_ref, w_ref, rstd_ref, dy_ref, dx_ref, dw_ref, *, br: int, dp: int):
+    d = x_ref.shape[1]
+    i = pl.program_id(0)
+    rows = i * br + jnp.arange(br)
+    cols = jnp.arange(dp)
+    x, mask = _tile(x_ref, rows, cols, d)
+    dy, _ = _tile(dy_ref, rows, cols, d)
+    w = plgpu.load(w_ref.at[cols], mask=cols < d, other=0).astype(jnp.float32)
+    rstd = rstd_ref[pl.ds(i * br, br)]
+    x_hat = x * rstd[:, None]
+    w_dy = w[None, :] * dy
+    mean = jnp.sum(x_hat * w_dy, axis=1) / d
+    dx = (w_dy - x_hat * mean[:, None]) * rstd[:, None]
+    plgpu.store(dx_ref.at[rows[:, None], cols[None, :]], dx.astype(dx_ref.dtype), mask=mask)
+    plgpu.store(dw_ref.at[i, cols], jnp.sum(dy * x_hat, axis=0), mask=cols < d)
+
+
+def _layout(x, blocks: RmsNormBlocks):
+    d = x.shape[-1]
+    dp = pl.next_power_of_2(d)
+    br = blocks.rows(dp)
+    x2 = x.reshape(-1, d)
+    pad = -x2.shape[0] % br
+    if pad:  # zero rows: finite 1/rms, and their zero cotangent adds nothing to dw
+        x2 = jnp.pad(x2, ((0, pad), (0, 0)))
+    return x2, dp, br
+
+
+def rms_norm_cost(rows: int, d: int, itemsize: int, backward: bool = False) -> pl.CostEstimate:
+    """Elementwise FLOPs and bytes: forward reads x, writes y; backward reads x, dy, writes dx."""
+    return pl.CostEstimate(flops=rows * d * (8 if backward else 4), transcendentals=rows,
+                           bytes_accessed=rows * d * itemsize * (3 if backward else 2) + rows * 4)
+
+
+def _forward(x, weight, eps, blocks, interpret):
+    x2, dp, br = _layout(x, blocks)
+    r, d = x2.shape
+    y, rstd = pl.pallas_call(
+        functools.partial(_forward_kernel, br=br, dp=dp, eps=eps), grid=(r // br,),
+        out_shape=[jax.ShapeDtypeStruct(x2.shape, x.dtype), jax.ShapeDtypeStruct((r,), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps),
+        cost_estimate=rms_norm_cost(r, d, x.dtype.itemsize), interpret=interpret, name="rms_norm_fwd",
+    )(x2, weight)
+    n = x.size // d
+    return y[:n].reshape(x.shape), rstd
+
+
+def _backward(x, weight, rstd, dy, blocks, interpret):
+    x2, dp, br = _layout(x, blocks)
+    dy2, _, _ = _layout(dy, blocks)
+    r, d = x2.shape
+    dx, dw_blocks = pl.pallas_call(
+        functools.partial(_backward_kernel, br=br, dp=dp), grid=(r // br,),
+        out_shape=[jax.ShapeDtypeStruct(x2.shape, x.dtype), jax.ShapeDtypeStruct((r // br, d), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps),
+        cost_estimate=rms_norm_cost(r, d, x.dtype.itemsize, backward=True), interpret=interpret,
+        name="rms_norm_bwd",
+    )(x2, weight, rstd, dy2)
+    n = x.size // d
+    return dx[:n].reshape(x.shape), jnp.sum(dw_blocks, axis=0).astype(weight.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x, weight, eps, blocks, interpret):
+    return _forward(x, weight, eps, blocks, interpret)[0]
+
+
+def _rms_norm_fwd(x, weight, eps, blocks, interpret):
+    y, rstd = _forward(x, weight, eps, blocks, interpret)
+    return y, (x, weight, rstd)
+
+
+def _rms_norm_bwd(eps, blocks, interpret, res, dy):
+    x, weight, rstd = res
+    return _backward(x, weight, rstd, dy, blocks, interpret)
+
+
+_rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
+def rms_norm(x, weight, eps: float = 1e-6, *, blocks: RmsNormBlocks = RmsNormBlocks(), interpret: bool = False):
+    """Like `rms_norm_reference`: x / rms(x) * weight over the last dim, fp32 inside, x's dtype out."""
+    if weight.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight shape {weight.shape} != last dim of x {x.shape[-1:]}")
+    return _rms_norm(x, weight, float(eps), blocks, interpret)

@@ -1,0 +1,100 @@
+"""The one place that patches jax internals: host memory placement of jit arguments on compile-only devices.
+
+Why: compile-only GPU devices (deviceless AOT compiles) expose no memory spaces,
+so `NamedSharding(..., memory_kind="pinned_host")` is canonicalized to the
+default kind at construction and host placement of jit arguments and results
+vanishes silently. Real devices (GPU, CPU) need no patch: `host_sharding` then
+returns an ordinary pinned-host sharding.
+
+How: `host_sharding` returns a fresh sharding object whose identity is recorded.
+Two private jax 0.10.2 functions are wrapped so that lowering treats exactly
+those objects as `pinned_host`: `pxla.are_all_shardings_default_mem_kind` (else
+jax drops every memory kind) and `mlir._get_mem_kind` (the per-argument lookup).
+The wrapped lowering then writes `mhlo.memory_kind` on those arguments, and XLA
+gives them the host memory space (`S(5)` in the entry layout).
+
+The patch is pinned to the exact jax version; any other version raises
+`ShimUnsupported` instead of guessing. tests/test_shim.py fails loudly if the
+patch stops putting bytes on the host.
+"""
+from __future__ import annotations
+
+import threading
+
+import jax
+from jax.sharding import NamedSharding
+
+SUPPORTED_JAX = "0.10.2"
+HOST_KIND = "pinned_host"
+
+
+class ShimUnsupported(RuntimeError):
+    pass
+
+
+_lock = threading.Lock()
+_host_by_id: dict[int, NamedSharding] = {}  # keeps the objects alive, so their ids stay unique
+_installed = False
+
+
+def has_memory_spaces(sharding: NamedSharding) -> bool:
+    """Whether the sharding's devices expose memory spaces (real devices do; compile-only ones do not)."""
+    device = next(iter(sharding.device_set))
+    try:
+        return bool(device.addressable_memories())
+    except Exception:  # compile-only device objects may not implement the query at all
+        return False
+
+
+def host_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The same sharding placed in pinned host memory, also for compile-only devices."""
+    if has_memory_spaces(sharding):
+        return sharding.with_memory_kind(HOST_KIND)
+    install()
+    fresh = NamedSharding(sharding.mesh, sharding.spec)
+    with _lock:
+        _host_by_id[id(fresh)] = fresh
+    return fresh
+
+
+def is_host(sharding) -> bool:
+    """True for a sharding that lowers to pinned host memory (either real or via the shim)."""
+    if sharding is None:
+        return False
+    return getattr(sharding, "memory_kind", None) == HOST_KIND or id(sharding) in _host_by_id
+
+
+def install() -> None:
+    """Wraps the two private lowering hooks (idempotent). Raises ShimUnsupported on another jax."""
+    global _installed
+    if _installed:
+        return
+    if jax.__version__ != SUPPORTED_JAX:
+        raise ShimUnsupported(f"jaxmem.memory_kinds_shim supports jax {SUPPORTED_JAX} only, found "
+                              f"{jax.__version__}: host offload cannot be compiled for compile-only devices")
+    from jax._src.interpreters import mlir, pxla
+
+    missing = [f"{m.__name__}.{n}" for m, n in ((mlir, "_get_mem_kind"),
+                                                  (pxla, "are_all_shardings_default_mem_kind"))
+               if not callable(getattr(m, n, None))]
+    if missing:
+        raise ShimUnsupported(f"jax {jax.__version__} lacks {', '.join(missing)}; update jaxmem.memory_kinds_shim")
+    original_kind = mlir._get_mem_kind
+    original_all_default = pxla.are_all_shardings_default_mem_kind
+
+    def get_mem_kind(s):
+        if s is not None and id(s) in _host_by_id and _host_by_id[id(s)] is s:
+            return HOST_KIND
+        kind = original_kind(s)
+        # jax drops every kind when one is None; compile-only shardings report None for "device".
+        return "device" if kind is None and s is not None and hasattr(s, "memory_kind") else kind
+
+    def all_default(shardings):
+        shardings = list(shardings)
+        if any(id(s) in _host_by_id and _host_by_id[id(s)] is s for s in shardings):
+            return False
+        return original_all_default(shardings)
+
+    mlir._get_mem_kind = get_mem_kind
+    pxla.are_all_shardings_default_mem_kind = all_default
+    _installed = True

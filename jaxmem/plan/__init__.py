@@ -1,0 +1,23 @@
+"""Memory planner: the analytic bill, the compiled figures for a (deviceless) GPU target, and verdicts."""
+from __future__ import annotations
+
+from jaxmem.aot import Topology, resolve_topology
+from jaxmem.config import Config
+
+
+def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:
+    """The full plan dict (schema: docs/plan_schema.md) for `cfg` on `topo`."""
+    from jaxmem.plan.bill import compute_bill
+    from jaxmem.plan.compiled import compile_step
+    from jaxmem.plan.costmodel import estimate
+    from jaxmem.plan.report import build_plan
+    from jaxmem.program import batch_layout
+
+    bill = compute_bill(cfg, topo.n_devices)
+    accum, rows = batch_layout(cfg, bill.mesh["dp"] * bill.mesh["fsdp"])
+    cost = estimate(cfg, bill, topo.gpu, topo.n_devices, accum, rows)
+    compiled = compile_step(cfg, topo)[1] if compile else None
+    return build_plan(cfg, topo, bill, compiled, cost, source)
+
+
+__all__ = ["plan", "resolve_topology", "Topology"]

@@ -1,0 +1,240 @@
+"""The analytic per-device memory bill: model states, saved activations by checkpoint name, working set,
+logits, temporaries and host-resident bytes, computed from the config alone (no compile)."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+
+import jax
+import numpy as np
+from flax import nnx
+
+from jaxmem import remat, sharding
+from jaxmem.config import Config
+from jaxmem.model import abstract_model
+from jaxmem.model.names import CheckpointName as CN
+from jaxmem.precision import Precision
+
+# Device-bill categories in display order; `host` holds the host-resident counterparts.
+CATEGORIES = ("params", "grads", "master", "opt_m", "opt_v", "inputs", "activations", "working_set", "logits",
+              "temporaries")
+HOST_CATEGORIES = ("params", "master", "opt_m", "opt_v", "activations")
+
+_BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
+_BTF = (CN.MLP_GATE, CN.MLP_UP, CN.MLP_ACT)
+_DOT_NAMES = (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.ATTN_OUT, CN.MLP_GATE, CN.MLP_UP,
+              CN.MLP_OUT)
+# Bytes per score element XLA keeps live while differentiating plain attention: fp32 scores, fp32 softmax
+# grad and the compute-dtype probs (the where-mask fuses away); checked against deviceless compiles.
+_SCORE_WORKING_COPIES_F32 = 2
+
+
+@dataclasses.dataclass
+class Bill:
+    """Per-device bytes; every figure is an estimate (analytic)."""
+
+    device: dict[str, int]
+    host: dict[str, int]
+    activations_by_name: dict[str, int]  # saved on device, all layers
+    offloaded_by_name: dict[str, int]  # saved on host, all layers
+    mesh: dict[str, int]
+    notes: list[str]
+
+    @property
+    def device_total(self) -> int:
+        """The estimated peak: the loss phase (logits, LM head) and one layer's backward (working set,
+        gathered layer weights and gradients = temporaries) are never live together; the larger counts."""
+        d = self.device
+        phases = ("working_set", "logits", "temporaries")
+        layer_phase = d["working_set"] + d["temporaries"]
+        return sum(v for k, v in d.items() if k not in phases) + max(layer_phase, d["logits"])
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def to_json(self) -> dict:
+        return {**{k: int(v) for k, v in self.device.items()}, "device_total": int(self.device_total),
+                "host": {k: int(v) for k, v in self.host.items()}, "host_total": int(self.host_total),
+                "activations_by_name": dict(self.activations_by_name),
+                "offloaded_by_name": dict(self.offloaded_by_name), "notes": list(self.notes),
+                "label": "estimated (analytic)"}
+
+
+def _itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _fake_mesh(sizes: dict[str, int]):
+    # logical_to_spec only reads mesh.shape, so planning needs no devices
+    return types.SimpleNamespace(shape=dict(sizes))
+
+
+def _shard_elems(shape, spec, sizes) -> int:
+    div = 1
+    for axes in spec:
+        for a in (axes if isinstance(axes, tuple) else (axes,)):
+            if a is not None:
+                div *= sizes[str(a)]
+    return math.prod(shape) // div
+
+
+def _state_bytes(leaves_specs, sizes, dtype_of) -> int:
+    return sum(_shard_elems(x.shape, s, sizes) * _itemsize(dtype_of(x)) for x, s in leaves_specs)
+
+
+def state_leaves(cfg: Config, sizes: dict[str, int]):
+    """(abstract param leaves, sharded specs, replicated specs) for the mesh sizes."""
+    prec = Precision.from_config(cfg.precision)
+    state = nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1]
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    mesh = _fake_mesh(sizes)
+    leaves = jax.tree.leaves(nnx.to_pure_dict(state))
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    sharded = jax.tree.leaves(sharding.param_specs(state, rules, mesh), is_leaf=is_spec)
+    replicated = jax.tree.leaves(sharding.param_specs(state, sharding.without_data_axes(rules), mesh),
+                                 is_leaf=is_spec)
+    return leaves, sharded, replicated
+
+
+def name_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
+    """Elements per device of each checkpointed tensor, for one layer."""
+    m, t = cfg.model, cfg.train
+    tp = sizes["tp"]
+    bt = t.micro_batch * t.seq_len
+    heads = m.n_heads // tp if m.n_heads % tp == 0 else m.n_heads
+    kv = m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else m.n_kv_heads
+    ff = m.d_ff // tp if m.d_ff % tp == 0 else m.d_ff
+    out = {n.value: bt * m.d_model for n in _BTD}
+    out.update({n.value: bt * ff for n in _BTF})
+    out.update({CN.QUERY_PROJ.value: bt * heads * m.head_dim, CN.ATTN_CONTEXT.value: bt * heads * m.head_dim,
+                CN.KEY_PROJ.value: bt * kv * m.head_dim, CN.VALUE_PROJ.value: bt * kv * m.head_dim})
+    return out
+
+
+def score_elems(cfg: Config, sizes: dict[str, int]) -> int:
+    """Elements per device of one layer's attention score matrix [B, N, T, S] (plain XLA attention)."""
+    m, t = cfg.model, cfg.train
+    heads = m.n_heads // sizes["tp"] if m.n_heads % sizes["tp"] == 0 else m.n_heads
+    return t.micro_batch * heads * t.seq_len * t.seq_len
+
+
+def attention_materializes_scores(cfg: Config) -> bool:
+    return cfg.kernels.attention in ("xla", "auto")
+
+
+def saved_choices(cfg: Config) -> dict[str, str]:
+    """Per checkpoint name: where its per-layer value lives across the backward (device/host/remat)."""
+    choices = remat.name_choices(cfg.remat)
+    if not remat.uses_checkpoint(cfg.remat):
+        return {n: "device" for n in choices}
+    out = {n: {"device": "device", "offload": "host"}.get(c, "remat") for n, c in choices.items()}
+    if out[CN.LAYER_INPUT.value] == "remat":
+        out[CN.LAYER_INPUT.value] = "device"  # the checkpointed layer's input is always a residual
+    base = remat.PRESETS[cfg.remat.preset].get("base")
+    if base == "dots_saveable":
+        for n in _DOT_NAMES:
+            out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
+    elif base == "dots_with_no_batch_dims_saveable":
+        for n in _DOT_NAMES:
+            if n != CN.ATTN_CONTEXT:
+                out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
+    return out
+
+
+def scores_saved(cfg: Config) -> bool:
+    """Whether plain-XLA attention keeps each layer's scores across the backward."""
+    if not attention_materializes_scores(cfg):
+        return False
+    if not remat.uses_checkpoint(cfg.remat):
+        return True
+    return remat.PRESETS[cfg.remat.preset].get("base") == "dots_saveable"
+
+
+def logits_bytes(cfg: Config, sizes: dict[str, int]) -> int:
+    """Live loss-side bytes per device: fp32 logits and their gradient, per kernel choice."""
+    k, m = cfg.kernels, cfg.model
+    tokens = cfg.train.micro_batch * cfg.train.seq_len
+    vocab = m.vocab_size // sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else m.vocab_size
+    if k.loss in ("naive", "auto"):
+        return 2 * tokens * vocab * 4
+    if k.loss == "chunked":
+        return 2 * min(tokens, k.loss_block_t) * vocab * 4 + tokens * 4
+    return 2 * min(tokens, k.loss_block_t) * min(vocab, k.loss_block_v) * 4 + 2 * tokens * 4
+
+
+def compute_bill(cfg: Config, n_devices: int) -> Bill:
+    """Analytic per-device bill for `cfg` sharded over `n_devices`."""
+    sizes = sharding.mesh_shape(cfg.parallel, n_devices)
+    prec = Precision.from_config(cfg.precision)
+    m, t = cfg.model, cfg.train
+    leaves, sharded, replicated = state_leaves(cfg, sizes)
+    zero = cfg.parallel.zero_stage
+    param_specs = sharded if zero == 3 else replicated
+    grad_specs = sharded if zero >= 2 else replicated
+    params = _state_bytes(zip(leaves, param_specs), sizes, lambda x: prec.param)
+    grads = _state_bytes(zip(leaves, grad_specs), sizes, lambda x: prec.grad_reduce)  # cast to fp32 on use
+    master = _state_bytes(zip(leaves, sharded), sizes, lambda x: np.float32) if prec.master else 0
+    moment = _state_bytes(zip(leaves, sharded), sizes, lambda x: prec.moment)
+    data_ways = sizes["dp"] * sizes["fsdp"]
+    from jaxmem.program import batch_layout
+
+    accum, rows = batch_layout(cfg, data_ways)
+    inputs = accum * (rows // data_ways) * (t.seq_len + 1) * 4 + 4 + 4 * _count_scalars(cfg)
+    cd = _itemsize(prec.compute)
+
+    per_name = name_shapes(cfg, sizes)
+    where = saved_choices(cfg)
+    saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in where.items() if w == "device"}
+    saved_host = {n: per_name[n] * cd * m.n_layers for n, w in where.items() if w == "host"}
+    notes = []
+    scores = score_elems(cfg, sizes)
+    if scores_saved(cfg):
+        saved_dev["attention_scores"] = scores * 4 * m.n_layers
+        notes.append("plain XLA attention keeps the S x S scores of every layer (use a flash kernel or a "
+                     "policy that does not save dots)")
+    activations = sum(saved_dev.values())
+
+    # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients.
+    layer_all = sum(per_name.values()) * cd
+    working = 2 * layer_all
+    if attention_materializes_scores(cfg):
+        working += scores * (4 * _SCORE_WORKING_COPIES_F32 + cd)
+    logits = logits_bytes(cfg, sizes)
+
+    # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
+    # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
+    gather_ways = sizes["fsdp"] * sizes["dp"] if zero == 3 else 1
+    layer_full = _layer_param_elems(cfg) // sizes["tp"]
+    head_full = m.d_model * m.vocab_size // sizes["tp"]
+    temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gather_ways > 1 else 0)
+    logits += head_full * 4 + (head_full * cd if gather_ways > 1 else 0)
+    if accum > 1:
+        temporaries += _state_bytes(zip(leaves, grad_specs), sizes, lambda x: np.float32)  # fp32 accumulator
+    device = dict(params=params, grads=grads, master=master, opt_m=moment, opt_v=moment, inputs=inputs,
+                  activations=activations, working_set=working, logits=logits, temporaries=temporaries)
+    host = {k: 0 for k in HOST_CATEGORIES}
+    if cfg.offload.optimizer == "host":
+        for k in ("master", "opt_m", "opt_v"):
+            host[k], device[k] = device[k], 0
+    if cfg.offload.params == "host":
+        host["params"], device["params"] = device["params"], 0
+    host["activations"] = sum(saved_host.values())
+    return Bill(device, host, saved_dev, saved_host, sizes, notes)
+
+
+def _layer_param_elems(cfg: Config) -> int:
+    m = cfg.model
+    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
+    return 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+
+
+def _count_scalars(cfg: Config) -> int:
+    """Scalar state leaves besides `step`: optimizer counters (read from optax itself) and the loss scale."""
+    from jaxmem.optim import make_optimizer
+
+    leaves, _, _ = state_leaves(cfg, {"dp": 1, "fsdp": 1, "tp": 1})
+    opt_state = jax.eval_shape(make_optimizer(cfg).init, leaves)
+    return sum(1 for x in jax.tree.leaves(opt_state) if x.ndim == 0) + (2 if cfg.precision.loss_scale.enabled
+                                                                          else 0)

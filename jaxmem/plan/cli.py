@@ -1,0 +1,58 @@
+"""`jaxmem plan CONFIG [CONFIG ...] [key=value ...] [--target T] [--json FILE] [--plot FILE]`."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__)
+    ap.add_argument("items", nargs="+", help="config YAML files, then dotted key=value overrides for all of them")
+    ap.add_argument("--target", default=None, help="GPU target to compile for deviceless (default: config)")
+    ap.add_argument("--gpus-per-host", type=int, default=None)
+    ap.add_argument("--hosts", type=int, default=None)
+    ap.add_argument("--json", dest="json_path", default=None, help="write the plan(s) as JSON")
+    ap.add_argument("--plot", default=None, help="write a PNG stacked-bar chart (one bar per config)")
+    ap.add_argument("--no-compile", action="store_true", help="analytic bill and cost model only")
+    return ap.parse_args(argv)
+
+
+def split_items(items: list[str]) -> tuple[list[str], list[str]]:
+    from jaxmem.config import ConfigError
+
+    configs = [i for i in items if "=" not in i]
+    overrides = [i for i in items if "=" in i]
+    if not configs:
+        raise ConfigError("plan: give at least one config file")
+    for c in configs:
+        if not Path(c).is_file():
+            raise ConfigError(f"{c}: config file not found")
+    return configs, overrides
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jaxmem.config import load_config
+    from jaxmem.plan import plan, resolve_topology
+    from jaxmem.plan.report import render
+
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    configs, overrides = split_items(args.items)
+    # Resolve and validate every config before the first compile.
+    jobs = []
+    for path in configs:
+        cfg = load_config(path, overrides)
+        jobs.append((path, cfg, resolve_topology(cfg, args.target, args.gpus_per_host, args.hosts)))
+    plans = []
+    for path, cfg, topo in jobs:
+        result = plan(cfg, topo, compile=not args.no_compile, source=path)
+        render(result)
+        plans.append(result)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(plans[0] if len(plans) == 1 else plans, indent=2))
+    if args.plot:
+        from jaxmem.plan.plot import plot_plans
+
+        plot_plans(plans, args.plot, labels=[Path(p).stem for p in configs])
+    return 0 if all(p["fits"] is not False for p in plans) else 1

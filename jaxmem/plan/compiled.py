@@ -1,0 +1,95 @@
+"""Compile the real train step for a topology and read XLA's memory analysis, capturing the C++ log
+(over-budget and rematerialization warnings) that a compile prints instead of failing."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import sys
+import tempfile
+import time
+
+from jaxmem.aot import Topology
+from jaxmem.config import Config
+
+DEVICE_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
+HOST_FIELDS = ("host_argument", "host_output", "host_alias", "host_temp", "host_generated_code")
+# XLA messages that mean the program is over the memory budget (or was reshaped because of it).
+WARNING_PATTERNS = (
+    re.compile(r"exceeds the base limit"),
+    re.compile(r"Can't reduce memory use below"),
+    re.compile(r"hlo_rematerialization.*(?:memory|limit)", re.I),
+    re.compile(r"gpu_hlo_schedule.*memory", re.I),
+    re.compile(r"(?:RESOURCE_EXHAUSTED|[Oo]ut of memory)"),
+)
+
+
+@dataclasses.dataclass
+class CompiledFigures:
+    """memory_analysis() of the compiled step, per device; device and host bytes kept apart."""
+
+    fields: dict[str, int]
+    warnings: list[str]
+    compile_seconds: float
+    label: str
+
+    @property
+    def device_total(self) -> int:
+        f = self.fields
+        return f["argument"] + f["output"] - f["alias"] + f["temp"]
+
+    @property
+    def host_total(self) -> int:
+        f = self.fields
+        return f["host_argument"] + f["host_output"] - f["host_alias"] + f["host_temp"]
+
+    def to_json(self) -> dict:
+        return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
+                "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
+                "label": self.label}
+
+
+@contextlib.contextmanager
+def captured_stderr():
+    """Redirects file descriptor 2 (where XLA's C++ logging goes) into a list of lines."""
+    lines: list[str] = []
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile(mode="w+b") as tmp:
+        os.dup2(tmp.fileno(), 2)
+        try:
+            yield lines
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            tmp.seek(0)
+            lines.extend(tmp.read().decode(errors="replace").splitlines())
+
+
+def memory_warnings(lines: list[str]) -> list[str]:
+    out = []
+    for line in lines:
+        if any(p.search(line) for p in WARNING_PATTERNS):
+            text = re.sub(r"^[EWI]\d{4} [\d:.]+\s+\d+\s+", "", line.strip())  # drop the glog prefix
+            if text not in out:
+                out.append(text)
+    return out
+
+
+def compile_step(cfg: Config, topo: Topology):
+    """(compiled executable, figures) for the train step of `cfg` on `topo`."""
+    from jaxmem.program import build_program
+
+    start = time.perf_counter()
+    with captured_stderr() as lines:
+        prog = build_program(cfg, devices=list(topo.devices()))
+        compiled = prog.lower().compile()
+    seconds = time.perf_counter() - start
+    ma = compiled.memory_analysis()
+    fields = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in DEVICE_FIELDS + HOST_FIELDS}
+    where = "(deviceless)" if topo.name else "(attached devices)"
+    figures = CompiledFigures(fields, memory_warnings(lines), seconds, f"compiled for {topo.label} {where}")
+    return compiled, figures
+

@@ -1,0 +1,248 @@
+"""`jaxmem train CONFIG [key=value ...]`: a config-driven, resumable training run.
+
+A run writes to `out_dir`: `config.yaml` (the resolved config), `metrics.jsonl`
+(one JSON object per logged step: step, loss, grad_norm, lr, tokens_per_sec,
+step_time_s, tokens) and `checkpoints/`. Times and tokens/s are wall-clock figures
+measured on the host the run ran on (over the steps since the previous record),
+on whatever devices it had: CPU figures say nothing about a GPU. Starting a run in
+an out_dir that holds checkpoints resumes from the latest complete one.
+
+For scripts, the pieces used here are importable: `jaxmem.config.load_config`,
+`jaxmem.program.build_program`, `jaxmem.data.batches`, `jaxmem.checkpoint.Checkpoints`
+and `initial_state` below (see scripts/train_example.py).
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from pathlib import Path
+
+import jax
+
+from jaxmem import distributed
+from jaxmem.checkpoint import Checkpoints, init_from, math_hash, run_meta
+from jaxmem.config import Config, dump_yaml, load_config
+from jaxmem.data import Batches, TokenSource, make_source
+from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line, summary_writer_class
+from jaxmem.precision import all_finite
+from jaxmem.program import TrainProgram, build_program
+
+_DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+_USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (CONFIG defaults to configs/tiny.yaml)"
+
+
+class TrainError(RuntimeError):
+    """A run stopped for a reason the user must act on; the message is short and says what to do."""
+
+
+def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, int, int | None, int | None]:
+    """(state, start step, data position, resumed-from step): latest checkpoint, else init_from, else fresh."""
+    cfg = prog.cfg
+    latest = ckpts.latest_step() if ckpts else None
+    if latest is not None:
+        try:
+            state, meta = ckpts.restore(prog.abstract_state, latest)
+        except (ValueError, KeyError, TypeError) as e:
+            raise TrainError(f"{ckpts.directory} step {latest} does not fit this run's train state "
+                             f"({str(e).splitlines()[0]}); use a new out_dir") from None
+        rows = prog.grad_accum * prog.rows
+        if meta.get("config_hash") != math_hash(cfg) or meta.get("batch_rows") != rows:
+            _note(f"resuming step {latest} saved with other model/optimizer/data/batch settings; "
+                  "losses will not continue the saved run's curve exactly")
+        return state, int(meta["step"]), int(meta["data_position"]), latest
+    if cfg.checkpoint.init_from:
+        return init_from(prog, cfg.checkpoint.init_from), 0, None, None
+    return prog.init_state(), 0, None, None
+
+
+def _note(text: str) -> None:
+    if jax.process_index() == 0:
+        print(f"jaxmem train: {text}", file=sys.stderr)
+
+
+def _is_oom(e: Exception) -> bool:
+    text = str(e)
+    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+
+
+def _oom_error(when: str, e: Exception) -> TrainError:
+    first = str(e).strip().splitlines()[0][:200]
+    return TrainError(f"out of device memory while {when} the train step ({first}); run `jaxmem explain CONFIG` "
+                      "with the same overrides to see which buffers fill the memory")
+
+
+def compile_step(prog: TrainProgram):
+    """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError)."""
+    try:
+        return prog.jit_step().lower(prog.abstract_state, prog.abstract_batch()).compile()
+    except jax.errors.JaxRuntimeError as e:
+        if _is_oom(e):
+            raise _oom_error("compiling", e) from None
+        raise
+
+
+def _state_finite(state: dict) -> bool:
+    weights = {k: state[k] for k in ("params", "master") if k in state}
+    return bool(jax.jit(all_finite)(weights))
+
+
+class _Outputs:
+    """metrics.jsonl, TensorBoard, progress bar and plain log lines (process 0 only)."""
+
+    def __init__(self, cfg: Config, start: int):
+        self.lead = jax.process_index() == 0
+        self.plain = not cfg.train.progress
+        self.writers = []
+        if self.lead:
+            out = Path(cfg.out_dir)
+            out.mkdir(parents=True, exist_ok=True)
+            dump_yaml(cfg, out / "config.yaml")
+            if cfg.train.tensorboard:
+                self.writers.append(TensorBoardWriter(out / "tensorboard"))
+            self.writers.append(JsonlWriter(out / "metrics.jsonl"))
+        self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and cfg.train.progress)
+
+    def record(self, record: dict) -> None:
+        if not self.lead:
+            return
+        for w in self.writers:
+            w.write(record)
+        self.bar.show(record)
+        if self.plain:
+            print(log_line(record), flush=True)
+
+    def close(self) -> None:
+        self.bar.close()
+        for w in self.writers:
+            w.close()
+
+
+def run(cfg: Config) -> dict:
+    """Trains `cfg` (resuming from `<out_dir>/checkpoints` if it holds one); returns a summary dict.
+
+    The summary has `records` (the metrics.jsonl records of this invocation),
+    `start_step`, `final_step`, `resumed_from`, `compile_time_s` and `checkpoint_steps`.
+    """
+    distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
+    if cfg.train.tensorboard:
+        summary_writer_class()  # a missing writer fails now, not after the compile
+    source = make_source(cfg)  # a text file is read and checked against the vocabulary here
+    prog = build_program(cfg)
+    ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
+    try:
+        return _train(cfg, prog, ckpts, source)
+    finally:
+        if ckpts:
+            ckpts.close()  # finishes saves already started; the state that failed is never among them
+
+
+def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: TokenSource) -> dict:
+    total, every = cfg.train.steps, cfg.checkpoint.every
+    state, start, position, resumed = initial_state(prog, ckpts)
+    summary = {"out_dir": str(cfg.out_dir), "start_step": start, "final_step": start, "resumed_from": resumed,
+               "records": [], "compile_time_s": None, "checkpoint_steps": []}
+    outputs = _Outputs(cfg, start)
+    try:
+        if start >= total:
+            _note(f"{cfg.out_dir} already holds step {start} >= train.steps={total}; nothing to train")
+            return summary
+        data = Batches(source, prog, start, position)
+        batch = next(data)  # bad data fails here, before the compile
+        t0 = time.perf_counter()
+        step_fn = compile_step(prog)
+        summary["compile_time_s"] = time.perf_counter() - t0
+        _note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {total} on "
+              f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
+        pending, last_sync, last_saved = [], time.perf_counter(), resumed
+        for done in range(start + 1, total + 1):
+            state, metrics = step_fn(state, batch)
+            pending.append((done, metrics))
+            if done < total:
+                batch = next(data)  # built on the host while the devices run the step
+            outputs.bar.advance(done)
+            save_now = ckpts is not None and ((every and done % every == 0) or done == total)
+            log_now = done % cfg.train.log_every == 0 or done == total or done == start + 1
+            if not (save_now or log_now):
+                continue
+            host = jax.device_get([m for _, m in pending])  # waits for the steps; surfaces NaN and OOM
+            now = time.perf_counter()
+            _check_finite(cfg, pending, host, ckpts)
+            if log_now:
+                record = _record(done, host, now - last_sync, cfg.precision.loss_scale.enabled)
+                summary["records"].append(record)
+                outputs.record(record)
+            pending, last_sync = [], now
+            if save_now and done != last_saved:
+                if not _state_finite(state):
+                    raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
+                                     f"step {last_saved}); lower optimizer.lr")
+                ckpts.save(done, state, run_meta(cfg, done, data.position_at(done), data.per_step))
+                last_saved = done
+        summary["final_step"] = total
+        if ckpts:
+            ckpts.wait()
+            summary["checkpoint_steps"] = ckpts.all_steps()
+        return summary
+    except jax.errors.JaxRuntimeError as e:
+        if _is_oom(e):
+            raise _oom_error("running", e) from None
+        raise
+    finally:
+        outputs.close()
+
+
+def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | None) -> None:
+    if cfg.precision.loss_scale.enabled:
+        return  # fp16: overflowing steps are skipped by the loss scaler, not fatal
+    for (step, _), m in zip(pending, host):
+        if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
+            if ckpts:
+                ckpts.wait()  # saves of earlier, finite steps still count
+            last = ckpts.latest_step() if ckpts else None
+            raise TrainError(f"step {step}: loss is {float(m['loss'])} (grad_norm {float(m['grad_norm'])}); "
+                             f"stopped without saving this state (last good checkpoint: step {last}); "
+                             "lower optimizer.lr or check the data")
+
+
+def _record(step: int, host: list, elapsed: float, scaled: bool) -> dict:
+    last = host[-1]
+    tokens = sum(float(m["tokens"]) for m in host)
+    record = {"step": step, "loss": float(last["loss"]), "grad_norm": float(last["grad_norm"]),
+              "lr": float(last["lr"]), "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed / len(host),
+              "tokens": int(last["tokens"])}
+    if scaled:
+        record.update(loss_scale=float(last["loss_scale"]), update_skipped=bool(last["update_skipped"]))
+    return record
+
+
+def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
+    """(config path or None, overrides) from `[CONFIG] [key=value ...]`."""
+    if argv and "=" not in argv[0]:
+        return argv[0], argv[1:]
+    return None, list(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0
+    path, overrides = parse_args(argv)
+    if path is None and _DEFAULT_CONFIG.is_file():
+        path = str(_DEFAULT_CONFIG)
+    cfg = load_config(path, overrides)
+    try:
+        summary = run(cfg)
+    except TrainError as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return 1
+    records = summary["records"]
+    if records and jax.process_index() == 0:
+        print(f"jaxmem train: steps {summary['start_step']}->{summary['final_step']}, loss "
+              f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; outputs in {cfg.out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Flash attention (Pallas, interpret mode on CPU) vs the fp32 reference: forward and VJP."""
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxmem.config import KernelConfig
+from jaxmem.kernels import KernelUnavailable, select_attention
+from jaxmem.kernels.attention.config import AttentionBlocks
+from jaxmem.kernels.attention.pallas import flash_attention
+from jaxmem.kernels.attention.reference import attention_reference
+from test_kernels_common import TOLERANCES, assert_close
+
+SMALL = AttentionBlocks(block_q=16, block_k=16)
+
+
+def _inputs(b, t, n, kv, h, dtype, segments):
+    k = jax.random.split(jax.random.key(t * n + kv), 5)
+    q = jax.random.normal(k[0], (b, t, n, h), jnp.float32).astype(dtype)
+    key = jax.random.normal(k[1], (b, t, kv, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(k[2], (b, t, kv, h), jnp.float32).astype(dtype)
+    ct = jax.random.normal(k[3], (b, t, n, h), jnp.float32)
+    seg = None
+    if segments:  # packed sequences: segment boundaries at random positions
+        seg = jnp.cumsum(jax.random.bernoulli(k[4], 0.15, (b, t)), axis=1).astype(jnp.int32)
+    return q, key, v, ct, seg
+
+
+class AttentionCases:
+    """Forward and VJP of `attend(q, k, v, seg)` against `attention_reference` in fp32."""
+
+    def attend(self, q, k, v, seg):
+        raise NotImplementedError
+
+    def check(self, b, t, n, kv, h, dtype, segments=False):
+        q, k, v, ct, seg = _inputs(b, t, n, kv, h, dtype, segments)
+
+        def ref(q, k, v):
+            f32 = lambda x: x.astype(jnp.float32)
+            return jnp.sum(attention_reference(f32(q), f32(k), f32(v), segment_ids_bt=seg) * ct)
+
+        out, grads = jax.jit(jax.value_and_grad(lambda q, k, v: jnp.sum(self.attend(q, k, v, seg).astype(jnp.float32)
+                                                                          * ct), (0, 1, 2)))(q, k, v)
+        ref_out, ref_grads = jax.value_and_grad(ref, (0, 1, 2))(q, k, v)
+        rtol, gtol = TOLERANCES[dtype]
+        direct = jax.jit(lambda q, k, v: self.attend(q, k, v, seg))(q, k, v)
+        assert_close(direct, attention_reference(*(x.astype(jnp.float32) for x in (q, k, v)), segment_ids_bt=seg),
+                     rtol * 5, "output")
+        for name, g, r in zip(("dq", "dk", "dv"), grads, ref_grads):
+            assert g.dtype == dtype
+            assert_close(g, r, gtol, name)
+
+    def test_mha_head_dim_64_odd_length(self):
+        self.check(1, 37, 2, 2, 64, jnp.float32)
+
+    def test_mqa_head_dim_128(self):
+        self.check(1, 24, 2, 1, 128, jnp.float32)
+
+    def test_gqa_segments_bf16(self):
+        self.check(2, 40, 4, 2, 32, jnp.bfloat16, segments=True)
+
+    def test_eight_kv_heads(self):
+        self.check(1, 16, 8, 8, 16, jnp.float32, segments=True)
+
+
+class TestPallasInterpret(AttentionCases):
+    def attend(self, q, k, v, seg):
+        return flash_attention(q, k, v, seg, blocks=SMALL, interpret=True)
+
+
+def test_bad_inputs_and_dispatch():
+    q = jnp.zeros((1, 16, 3, 16))
+    kv = jnp.zeros((1, 16, 2, 16))
+    with pytest.raises(ValueError, match="multiple of kv heads"):
+        flash_attention(q, kv, kv, interpret=True)
+    with pytest.raises(ValueError, match="head_dim 24"):
+        flash_attention(jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)), jnp.zeros((1, 16, 2, 24)))
+    with pytest.raises(ValueError, match="power of two"):
+        AttentionBlocks(block_q=24)
+    with pytest.raises(KernelUnavailable, match="cudnn.*NVIDIA GPU"):
+        select_attention(KernelConfig(attention="cudnn"), "cpu")
+    assert select_attention(KernelConfig(attention="auto"), "cpu") is not None
+
+
+@pytest.mark.slow
+def test_pallas_compiles_for_h100_llama3_8b_seq_8192():
+    """Deviceless sm_90 compile of llama3-8b attention (32 q heads, 8 kv heads, head_dim 128) fwd+bwd."""
+    from jaxmem.aot import target_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
+    spec = lambda n: jax.ShapeDtypeStruct((1, 8192, n, 128), jnp.bfloat16, sharding=sharding)
+
+    def fwd_bwd(q, k, v):
+        out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v), q, k, v)
+        return vjp(out)
+
+    memory = jax.jit(fwd_bwd).lower(spec(32), spec(8), spec(8)).compile().memory_analysis()
+    # the XLA path holds 32 x 8192 x 8192 fp32 scores (8 GiB) and their gradient; the kernel holds none
+    assert memory.temp_size_in_bytes < 0.25 * 2**30

@@ -1,0 +1,170 @@
+"""Planner: deviceless compile of tiny configs for h100-80g, exact state bytes, JSON schema, plots."""
+import json
+import math
+import os
+
+import pytest
+
+from jaxmem.aot import resolve_topology
+from jaxmem.config import ConfigError, load_config
+from jaxmem.plan import plan
+from jaxmem.plan.bill import compute_bill
+from jaxmem.plan.compiled import CompiledFigures, captured_stderr, memory_warnings
+from jaxmem.plan.report import offload_status
+from jaxmem.targets import TARGETS
+
+TINY_FP32 = ["parallel.fsdp=8", "parallel.zero_stage=3", "precision.param_dtype=float32",
+             "precision.master_weights=false", "target.name=h100-80g"]
+SCHEMA_KEYS = {"schema_version", "config", "config_hash", "model", "params", "target", "devices", "mesh",
+               "analytic", "compiled", "fits", "fits_basis", "usable_device_bytes", "host_fits",
+               "host_bytes_per_node", "offload", "cost", "warnings"}
+
+
+@pytest.fixture(scope="module")
+def tiny_plan():
+    cfg = load_config("configs/tiny.yaml", TINY_FP32)
+    return cfg, plan(cfg, resolve_topology(cfg), source="configs/tiny.yaml")
+
+
+def test_every_target_has_published_figures():
+    assert {"h100-80g", "h200-141g", "a100-80g", "a100-40g", "l40s-48g", "rtx4090-24g"} <= set(TARGETS)
+    for t in TARGETS.values():
+        text = t.target_config_text()
+        assert f"device_memory_size: {t.hbm_bytes}" in text and f"core_count: {t.core_count}" in text
+        assert t.source and t.bf16_flops > 1e14 and t.host_link_bandwidth > 0 and t.interconnect_bandwidth > 0
+    assert TARGETS["h200-141g"].hbm_bytes > TARGETS["h100-80g"].hbm_bytes > TARGETS["a100-40g"].hbm_bytes
+    assert TARGETS["a100-80g"].compute_capability == (8, 0)
+
+
+def test_tiny_deviceless_compile_for_h100(tiny_plan):
+    _, p = tiny_plan
+    assert SCHEMA_KEYS <= set(p)
+    c = p["compiled"]
+    assert c["label"] == "compiled for 8 x h100-80g (deviceless)"
+    assert c["device_total"] == c["argument"] + c["output"] - c["alias"] + c["temp"]
+    assert c["host_total"] == 0 and p["offload"]["requested"] is False
+    assert p["devices"] == 8 and p["target"]["name"] == "h100-80g"
+    assert p["fits"] is True and p["fits_basis"] == "compiled"
+    assert p["params"] == 803_968
+    assert p["usable_device_bytes"] == int(TARGETS["h100-80g"].hbm_bytes * 0.9)
+
+
+def test_analytic_state_bytes_equal_compiled_arguments(tiny_plan):
+    # fp32, no master, ZeRO-3: arguments are exactly params + m + v + tokens + step/count scalars.
+    _, p = tiny_plan
+    a = p["analytic"]
+    assert a["master"] == 0 and a["params"] == a["opt_m"] == a["opt_v"]
+    assert a["params"] + a["opt_m"] + a["opt_v"] + a["inputs"] == p["compiled"]["argument"]
+
+
+def test_analytic_total_within_tolerance_of_compiled(tiny_plan):
+    _, p = tiny_plan
+    assert abs(p["analytic"]["device_total"] / p["compiled"]["device_total"] - 1) < 0.5
+
+
+def test_json_schema_types(tiny_plan):
+    _, p = tiny_plan
+    p = json.loads(json.dumps(p))
+    assert isinstance(p["params"], int) and isinstance(p["fits"], bool) and isinstance(p["warnings"], list)
+    for key in ("device_total", "host_total", "params", "grads", "opt_m", "opt_v", "activations", "logits"):
+        assert isinstance(p["analytic"][key], int)
+    for key in ("argument", "output", "alias", "temp", "host_argument", "host_output", "host_alias", "host_temp",
+                "device_total", "host_total"):
+        assert isinstance(p["compiled"][key], int)
+    assert p["analytic"]["label"] == "estimated (analytic)" and p["cost"]["label"] == "estimated (cost model)"
+
+
+def test_plot_writes_png(tiny_plan, tmp_path):
+    from jaxmem.plan.plot import plot_plans
+
+    _, p = tiny_plan
+    out = plot_plans([p, p], tmp_path / "ladder.png", labels=["a", "b"])
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 5000
+
+
+def test_cli_ladder_json_and_plot_without_compile(tmp_path, capsys):
+    from jaxmem.plan.cli import main
+
+    js, png = tmp_path / "p.json", tmp_path / "ladder.png"
+    rc = main(["configs/tiny.yaml", "configs/tiny.yaml", "parallel.fsdp=8", "--target", "a100-40g",
+               "--gpus-per-host", "8", "--no-compile", "--json", str(js), "--plot", str(png)])
+    assert rc == 0
+    plans = json.loads(js.read_text())
+    assert len(plans) == 2 and plans[0]["compiled"] is None and plans[0]["fits_basis"] == "analytic"
+    assert plans[0]["target"]["device_memory_bytes"] == TARGETS["a100-40g"].hbm_bytes
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert "estimated (analytic)" in capsys.readouterr().out
+
+
+def test_topology_flags_override_config_and_bad_values_are_rejected():
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=-1", "target.name=h100-80g", "target.gpus_per_host=4"])
+    topo = resolve_topology(cfg, "h200-141g", 8, 1)
+    assert (topo.name, topo.n_devices) == ("h200-141g", 8)
+    assert resolve_topology(cfg).n_devices == 4
+    with pytest.raises(ConfigError, match="target.name"):
+        resolve_topology(cfg, "h100-800g")
+    with pytest.raises(ConfigError, match="parallel"):
+        resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=8"]), "h100-80g", 4)
+    with pytest.raises(ConfigError, match="gpus_per_host"):
+        resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=-1"]), "h100-80g")
+
+
+def test_bill_saved_activations_follow_the_remat_policy():
+    base = ["model.preset=llama3-8b", "parallel.fsdp=8", "train.seq_len=1024", "precision.compute_dtype=bfloat16"]
+    btd = 1024 * 4096 * 2 * 32  # B*T*D bf16 over 32 layers
+    full = compute_bill(load_config(None, base + ["remat.preset=full"]), 8)
+    assert full.activations_by_name == {"layer_input": btd}
+    sel = compute_bill(load_config(None, base + ["remat.preset=selective"]), 8)
+    assert sel.activations_by_name["mlp_gate"] == 1024 * 14336 * 2 * 32
+    assert sel.activations_by_name["key_proj"] == 1024 * 8 * 128 * 2 * 32
+    off = compute_bill(load_config(None, base + ["remat.preset=offload_layer_inputs"]), 8)
+    assert off.offloaded_by_name == {"layer_input": btd} and off.host["activations"] == btd
+    none = compute_bill(load_config(None, base + ["remat.preset=none"]), 8)
+    assert none.activations_by_name["attention_scores"] == 32 * 1024 * 1024 * 4 * 32
+    flash = compute_bill(load_config(None, base + ["remat.preset=none", "kernels.attention=pallas"]), 8)
+    assert "attention_scores" not in flash.activations_by_name
+
+
+def test_bill_offload_moves_state_to_host_and_kernels_shrink_logits():
+    base = ["model.preset=llama3-8b", "parallel.fsdp=8", "precision.param_dtype=bfloat16",
+            "precision.master_weights=true"]
+    dev = compute_bill(load_config(None, base), 8)
+    host = compute_bill(load_config(None, base + ["offload.optimizer=host"]), 8)
+    assert dev.device["master"] == dev.device["opt_m"] * 1 and host.device["opt_m"] == 0
+    assert host.host["master"] + host.host["opt_m"] + host.host["opt_v"] == 3 * dev.device["opt_m"]
+    n = 8_030_261_248
+    assert math.isclose(dev.device["opt_m"], n * 4 / 8, rel_tol=1e-3)
+    long = base + ["train.seq_len=4096", "parallel.zero_stage=2"]  # ZeRO-2: no gathered LM head
+    naive = compute_bill(load_config(None, long + ["kernels.loss=naive"]), 8).device["logits"]
+    chunked = compute_bill(load_config(None, long + ["kernels.loss=chunked"]), 8).device["logits"]
+    head_grad = 4096 * 128256 * 4
+    assert naive == 2 * 4096 * 128256 * 4 + head_grad
+    assert chunked == 2 * 1024 * 128256 * 4 + 4096 * 4 + head_grad
+
+
+def test_offload_messages():
+    cfg = load_config("configs/tiny.yaml", ["offload.optimizer=host"])
+    fields = {k: 0 for k in ("argument", "output", "alias", "temp", "generated_code", "host_argument",
+                             "host_output", "host_alias", "host_temp", "host_generated_code")}
+    none = CompiledFigures(dict(fields), [], 0.0, "x")
+    assert offload_status(cfg, none)["message"] == "offload requested but nothing moved"
+    moved = CompiledFigures(dict(fields, host_argument=3 * 2**30), [], 0.0, "x")
+    assert offload_status(cfg, moved)["message"] == "offload verified: 3.00 GiB on host"
+
+
+def test_stderr_capture_keeps_memory_warnings_only():
+    with captured_stderr() as lines:
+        os.write(2, b"W0000 00:00:1.0 1 gpu_hlo_schedule.cc:1] Memory usage 9GiB exceeds the base limit 5GiB\n")
+        os.write(2, b"I0000 00:00:1.0 1 cudart_stub.cc:31] Could not find cuda drivers\n")
+    assert memory_warnings(lines) == ["gpu_hlo_schedule.cc:1] Memory usage 9GiB exceeds the base limit 5GiB"]
+
+
+@pytest.mark.slow
+def test_llama3_8b_on_one_rtx4090_does_not_fit():
+    cfg = load_config(None, ["model.preset=llama3-8b", "parallel.fsdp=1", "train.seq_len=512",
+                             "target.name=rtx4090-24g", "target.gpus_per_host=1"])
+    p = plan(cfg, resolve_topology(cfg))
+    assert p["fits"] is False
+    assert p["compiled"]["device_total"] > TARGETS["rtx4090-24g"].hbm_bytes
+    assert any("does not fit" in w for w in p["warnings"])
+    assert any("exceeds" in w or "Can't reduce" in w for w in p["warnings"]), p["warnings"]
