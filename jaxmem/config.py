@@ -140,8 +140,12 @@ class KernelConfig:
     loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = "naive"
     attention: Literal["auto", "xla", "pallas", "cudnn"] = "xla"
     norm: Literal["auto", "xla", "pallas"] = "xla"
-    loss_block_t: int = 1024
-    loss_block_v: int = 4096
+    loss_block_t: int = 1024  # chunked loss: tokens per tile
+    loss_block_v: int = 4096  # chunked loss: vocab columns per tile
+    fused_loss_block_t: int = 128  # pallas / triton loss tiles (powers of two)
+    fused_loss_block_v: int = 128
+    fused_loss_block_d: int = 64
+    fused_loss_slab_v: int = 16384  # vocab columns per backward pass: bounds the fp32 dW scratch
     attn_block_q: int = 64
     attn_block_k: int = 64
     z_loss: float = 0.0

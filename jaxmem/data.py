@@ -8,7 +8,6 @@ only the rows its devices hold.
 """
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Protocol
 
@@ -63,13 +62,16 @@ class StreamSource:
     def __init__(self, tokens: np.ndarray, seq_len: int, seed: int, vocab_size: int, origin: str):
         self.tokens, self.seq_len, self.seed, self.vocab_size, self.origin = tokens, seq_len, seed, vocab_size, origin
         self.n_windows = (len(tokens) - 1) // seq_len
+        self._orders: dict[int, np.ndarray] = {}
         if self.n_windows < 1:
             raise ConfigError(f"data.path: {origin} holds {len(tokens)} tokens, fewer than "
                               f"train.seq_len + 1 = {seq_len + 1}")
 
-    @functools.lru_cache(maxsize=2)
     def _order(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        if epoch not in self._orders:  # batches walk forward: keep this epoch and the one before
+            self._orders = {e: o for e, o in self._orders.items() if e == epoch - 1}
+            self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
+        return self._orders[epoch]
 
     def samples(self, indices: np.ndarray, length: int) -> np.ndarray:
         if length != self.seq_len + 1:

@@ -80,7 +80,7 @@ def _model_frame(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr):
     """The innermost jaxmem frame that is not step/scan plumbing, else the innermost jaxmem frame."""
     stack = module.stack(ins.frame)
     ours = [f for f in stack if "jaxmem/" in f.file and "site-packages" not in f.file]
-    model = [f for f in ours if not any(_rel(f.file).startswith(p) for p in _PLUMBING)]
+    model = [f for f in ours if not any(_rel(f.file).startswith(p) for p in _PLUMBING) and f.function != "tag"]
     return (model or ours or [None])[0], stack
 
 
@@ -120,12 +120,22 @@ def _source_name(frame) -> str | None:
 
 
 def _shape_name(cfg: Config, shape: tuple[int, ...]) -> str | None:
+    """Checkpoint name(s) a per-layer tensor of this shape can be (when the source line names none)."""
     m, t = cfg.model, cfg.train.seq_len
     if len(shape) >= 2 and shape[-1] == t and shape[-2] == t:
         return "attention_scores"
-    if shape and shape[-1] in (m.d_ff,) or (shape and m.d_ff % shape[-1] == 0 and shape[-1] > m.d_model):
+    if len(shape) >= 2 and shape[-1] == m.head_dim:
+        if shape[-2] in _divided(m.n_kv_heads) and m.n_kv_heads != m.n_heads:
+            return "key_proj|value_proj"
+        if shape[-2] in _divided(m.n_heads):
+            return "query_proj|attn_context"
+    if shape and shape[-1] in _divided(m.d_ff) and shape[-1] not in _divided(m.d_model):
         return "mlp_gate|mlp_up|mlp_act"
     return None
+
+
+def _divided(n: int) -> set[int]:
+    return {n // d for d in (1, 2, 4, 8, 16) if n % d == 0}
 
 
 def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
@@ -142,6 +152,8 @@ def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
             src_ins, frame = _defining(module, root.operands[i], depth=6, prefer=_LAYER_CODE)
             if frame is None or not any(_rel(frame.file).startswith(p) for p in _LAYER_CODE):
                 src_ins, frame = _defining(module, name)
+    elif ins is not None and _is_residual_write(ins):
+        src_ins, frame = _defining(module, name, depth=6, prefer=_LAYER_CODE)
     elif ins is not None:
         src_ins, frame = _defining(module, name)
     if op_name.startswith("state['params']"):
@@ -152,7 +164,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
         category, key = "temp", "temp"
     elif frame is not None and "cross_entropy" in frame.file and shape and shape[-1] in _vocab_dims(cfg):
         category, key = "logits", "logits"
-    elif ins is not None and ins.opcode == "while":
+    elif ins is not None and (ins.opcode == "while" or _is_residual_write(ins)):
         category, key = "activation", "activation"
         ckpt = (_source_name(frame) if frame else None) or _shape_name(cfg, shape)
         if ckpt == "attention_scores":
@@ -164,7 +176,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
     elif _shape_name(cfg, shape) == "attention_scores":
         key = "scores"
     if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
-        ckpt = None
+        ckpt = _shape_name(cfg, shape)
     suggestion = SUGGESTIONS["activation_unnamed" if key == "activation" and not ckpt else key]
     if "{name}" in suggestion:
         suggestion = suggestion.format(name=ckpt.split("|")[0])
@@ -172,6 +184,11 @@ def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
     return {"buffer": f"{name}{index}", "bytes": size, "shape": list(shape), "dtype": dtype,
             "category": category, "checkpoint_name": ckpt, "source": source, "op": op_name,
             "suggestion": suggestion}
+
+
+def _is_residual_write(ins) -> bool:
+    """A per-layer value written into its stacked [layers, ...] scan residual inside the loop body."""
+    return "while/body" in ins.op_name and "dynamic_update_slice" in ins.op_name
 
 
 def _vocab_dims(cfg: Config) -> set[int]:
@@ -234,7 +251,7 @@ def render(result: dict, console=None) -> None:
 
 def is_oom(exc: BaseException) -> bool:
     text = f"{type(exc).__name__} {exc}"
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text or "out of memory" in text
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "out of device memory"))
 
 
 def _attached_target() -> str:
@@ -258,9 +275,8 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
         return False
     from rich.console import Console
 
-    console = Console(file=file or sys.stderr)
-    first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-    console.print(f"[red]out of memory:[/red] {first}")
+    console = Console(file=file or sys.stderr, width=160)
+    console.print("[red]out of memory[/red]: the buffers live at the peak of this step (explain):")
     try:
         import jax
 

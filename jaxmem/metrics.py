@@ -81,7 +81,9 @@ class ProgressBar:
             self._progress.update(self._task, completed=completed)
 
     def show(self, record: dict) -> None:
+        """Updates the bar's fields and prints the record's line above the bar."""
         if self._progress:
+            self._progress.console.print(log_line(record), highlight=False)
             self._progress.update(self._task, loss=_fmt(record["loss"], 4), tps=_fmt(record["tokens_per_sec"], 0),
                                   step_time=_fmt(record["step_time_s"], 3))
 

@@ -1,5 +1,5 @@
 """Host placement of optimizer state and parameters, the optimizer update on host or device, and the
-compiled-memory check that offload really moved bytes.
+per-device byte figures of a compiled step (the planner's verdict "offload verified" reads the same fields).
 
 `offload.optimizer: host` keeps master weights, m and v in pinned host memory
 between steps; `offload.optimizer_update` says where AdamW runs (`host` under
@@ -23,10 +23,9 @@ from jaxmem.config import Config, ConfigError
 
 DEVICE = jax.memory.Space.Device
 HOST = jax.memory.Space.Host
-GIB = 1024**3
 
 
-def validate(cfg: Config) -> None:
+def validate(cfg: Config, grad_accum: int = 1) -> None:
     """One-line errors for lever combinations the step cannot honour, before any compile."""
     from jaxmem import remat
 
@@ -34,8 +33,12 @@ def validate(cfg: Config) -> None:
         if not remat.uses_checkpoint(cfg.remat):
             raise ConfigError("offload.params=host: needs a remat preset other than none (layer weights are "
                               "fetched again in the backward pass instead of being kept on the device)")
-        if cfg.train.grad_accum > 1:
-            raise ConfigError("offload.params=host: needs train.grad_accum=1 (gradients land on the host)")
+        if cfg.remat.granularity != "layer":
+            raise ConfigError(f"offload.params=host: needs remat.granularity=layer (got {cfg.remat.granularity!r}); "
+                              "the per-layer fetch must sit inside the layer's checkpoint")
+        if grad_accum > 1:
+            raise ConfigError(f"offload.params=host: needs train.grad_accum=1, got {grad_accum} from train.* "
+                              "(gradients land on the host, where they cannot be accumulated)")
 
 
 def host_keys(cfg: Config) -> tuple[str, ...]:
@@ -103,18 +106,21 @@ def cast_for_grad(cfg: Config, params: dict, dtype) -> dict:
 
 
 def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params, scale):
-    """Runs `update(grads, opt, weights, params, scale) -> (new_params, new_opt, new_weights, aux)` where
-    the config says, and returns its results in the memory spaces the train state keeps them in."""
-    on_host = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
-    if on_host:
-        new_params, new_opt, new_weights, aux = compute_on("device_host")(jax.jit(update))(
-            *to_host((grads, opt_state, weights, params, scale)))
-        aux = to_device(aux)
-    else:
-        new_params, new_opt, new_weights, aux = update(*to_device((grads, opt_state, weights, params, scale)))
-    opt_space = HOST if cfg.offload.optimizer == "host" else DEVICE
-    put = lambda tree, space: jax.tree.map(lambda x: jax.device_put(x, space), tree)  # noqa: E731
-    return _put_params(cfg, new_params, DEVICE), put(new_opt, opt_space), put(new_weights, opt_space), aux
+    """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.optim.layerwise_update) where the
+    config says: on the host under compute_on("device_host"), or on the device with each layer's slice
+    of a host-resident state streamed in and its results streamed back."""
+    opt_home = HOST if cfg.offload.optimizer == "host" else DEVICE
+    layer_home = HOST if cfg.offload.params == "host" else DEVICE
+    put = lambda space: (lambda tree: jax.tree.map(lambda x: jax.device_put(x, space), tree))  # noqa: E731
+    if cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host":
+        run = compute_on("device_host")(jax.jit(lambda *a: update(*a)))
+        new_params, new_opt, new_weights, aux = run(*to_host((grads, opt_state, weights, params, scale)))
+        rest = {k: v for k, v in new_params.items() if k != "layers"}
+        layers = put(layer_home)(new_params["layers"])
+        return dict(to_device(rest), layers=layers), new_opt, new_weights, to_device(aux)
+    homes = {"rest": (put(DEVICE), put(opt_home), put(opt_home)),
+             "layers": (put(layer_home), put(opt_home), put(opt_home))}
+    return update(grads, opt_state, weights, params, scale, fetch=to_device, homes=homes)
 
 
 # ---------------------------------------------------------------- compiled memory
@@ -128,18 +134,3 @@ def memory_figures(compiled) -> dict:
     f["device"] = f["argument"] + f["output"] - f["alias"] + f["temp"]
     f["host"] = f["host_argument"] + f["host_output"] - f["host_alias"] + f["host_temp"]
     return f
-
-
-def offload_requested(cfg: Config) -> bool:
-    from jaxmem import remat
-
-    return bool(host_keys(cfg)) or bool(remat.offloaded_names(cfg.remat))
-
-
-def offload_verdict(cfg: Config, figures: dict) -> str | None:
-    """The line `plan` prints: host offload on GPU can be a silent no-op, so say what the compile shows."""
-    if not offload_requested(cfg):
-        return None
-    if figures["host"] <= 0:
-        return "offload requested but nothing moved (0 bytes in host memory in the compiled step)"
-    return f"offload verified: {figures['host'] / GIB:.2f} GiB on host"

@@ -76,3 +76,81 @@ def _moments_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTra
         return new_updates, cast(new_state)
 
     return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------- layer-wise state and update
+# The optimizer state is {"rest": state of the non-layer params, "layers": the per-layer states stacked
+# along the layer axis}. The update then walks the layers one at a time (lax.map), so its fp32
+# temporaries are one layer's worth wherever it runs, and a host-resident state can be streamed through
+# the device a layer at a time.
+
+
+def init_opt_state(opt: optax.GradientTransformation, weights: dict) -> dict:
+    rest = {k: v for k, v in weights.items() if k != "layers"}
+    return {"rest": opt.init(rest), "layers": jax.vmap(opt.init)(weights["layers"])}
+
+
+def opt_state_specs(opt: optax.GradientTransformation, abstract_opt: dict, weight_specs: dict, non_param_spec):
+    """Partition specs of the layer-wise state: param-shaped leaves follow the weights' specs."""
+    rest_specs = {k: v for k, v in weight_specs.items() if k != "layers"}
+
+    def specs(state, tree):
+        return optax.tree_utils.tree_map_params(opt, lambda _, spec: spec, state, tree,
+                                                transform_non_params=lambda _: non_param_spec,
+                                                is_leaf=lambda x: isinstance(x, type(non_param_spec)))
+
+    return {"rest": specs(abstract_opt["rest"], rest_specs), "layers": specs(abstract_opt["layers"],
+                                                                             weight_specs["layers"])}
+
+
+def adam_count(opt_state: dict) -> jax.Array:
+    for leaf in jax.tree.leaves(opt_state["rest"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
+        if isinstance(leaf, optax.ScaleByAdamState):
+            return leaf.count
+    return jnp.int32(0)
+
+
+def _split(tree):
+    return {k: v for k, v in tree.items() if k != "layers"}, tree["layers"]
+
+
+def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
+                     skip_nonfinite: bool, fetch=lambda t: t, homes=None):
+    """AdamW over the non-layer params, then layer by layer.
+
+    grads are unscaled by `scale`, clipped by their global norm (optax's rule), and with
+    `skip_nonfinite` an inf/nan anywhere keeps every old value. `fetch(tree)` brings a slice to where the
+    math runs; `homes[part]` = (params, opt, weights) functions put the results of part "rest" or "layers"
+    back where that state lives.
+    Returns (new_params, new_opt_state, new_weights, (grad_norm, finite)).
+    """
+    same = (lambda t: t,) * 3
+    homes = homes or {"rest": same, "layers": same}
+    g_rest, g_layers = _split(grads)
+
+    def sums(g):
+        g = jax.tree.map(lambda x: x.astype(jnp.float32) / scale, fetch(g))
+        leaves = jax.tree.leaves(g)
+        return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+    sq_rest, ok_rest = sums(g_rest)
+    sq_layers, ok_layers = jax.lax.map(sums, g_layers)
+    norm = jnp.sqrt(sq_rest + jnp.sum(sq_layers))
+    finite = jnp.logical_and(ok_rest, jnp.all(ok_layers)) if skip_nonfinite else jnp.bool_(True)
+
+    def one(g, s, w, p_old, home):
+        g, s, w, p_old = fetch((g, s, w, p_old))
+        g = clip_by_global_norm(jax.tree.map(lambda x: x.astype(jnp.float32) / scale, g), norm, clip_norm)
+        updates, new_s = opt.update(g, s, w)
+        new_w = optax.apply_updates(w, updates)
+        new_p = jax.tree.map(lambda x: x.astype(param_dtype), new_w)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_p, new_s, new_w = keep(new_p, p_old), keep(new_s, s), keep(new_w, w)
+        return home[0](new_p), home[1](new_s), home[2](new_w)
+
+    w_rest, w_layers = _split(weights)
+    p_rest, p_layers = _split(old_params) if old_params is not None else (None, None)
+    new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
+    lp, ls, lw = jax.lax.map(lambda x: one(*x, homes["layers"]), (g_layers, opt_state["layers"], w_layers, p_layers))
+    return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

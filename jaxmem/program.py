@@ -6,6 +6,7 @@ step that is planned is the step that runs.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -20,8 +21,9 @@ from jaxmem.config import Config, ConfigError
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.model import ForwardContext, abstract_model, init_model
 from jaxmem.model.axes import activation_rules
-from jaxmem.optim import clip_by_global_norm, global_norm, make_optimizer, schedule
-from jaxmem.precision import Precision, all_finite, init_loss_scale, update_loss_scale
+from jaxmem.optim import (adam_count, init_opt_state, layerwise_update, make_optimizer, opt_state_specs,
+                          schedule)
+from jaxmem.precision import Precision, init_loss_scale, update_loss_scale
 
 
 def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
@@ -100,7 +102,7 @@ class TrainProgram:
 
 def _assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
     master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if prec.master else None
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": opt.init(master or params)}
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": init_opt_state(opt, master or params)}
     if master is not None:
         state["master"] = master
     if cfg.precision.loss_scale.enabled:
@@ -116,7 +118,6 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     model = abstract_model(cfg.model, param_dtype=prec.param)
     graphdef, abstract_params_state = nnx.split(model)
     remat.group_size(cfg.remat, cfg.model.n_layers)  # validates every_k before any compile
-    offload.validate(cfg)
 
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     sharded = sharding.param_specs(abstract_params_state, rules, mesh)
@@ -129,9 +130,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     abstract_params = nnx.to_pure_dict(abstract_params_state)
     abstract = jax.eval_shape(lambda p: _assemble_state(cfg, prec, opt, p), abstract_params)
     specs = {"step": P(), "params": param_specs}
-    specs["opt"] = optax.tree_utils.tree_map_params(
-        opt, lambda _, spec: spec, abstract["opt"], opt_specs, transform_non_params=lambda _: P(),
-        is_leaf=lambda x: isinstance(x, P))
+    specs["opt"] = opt_state_specs(opt, abstract["opt"], opt_specs, P())
     if "master" in abstract:
         specs["master"] = opt_specs
     if "loss_scale" in abstract:
@@ -140,11 +139,12 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     grad_accum, rows = batch_layout(cfg, sharding.data_ways(mesh))
+    offload.validate(cfg, grad_accum)
     platform = kernels.platform_of(mesh.devices.flat)
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
-    ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform),
-                         norm=kernels.select_norm(cfg.kernels, platform), scan_layers=scan_layers, segment=segment)
+    ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
+                         norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers, segment=segment)
     return TrainProgram(cfg, mesh, prec, graphdef, opt, shardings, abstract, grad_specs, grad_accum, rows, ctx)
 
 
@@ -167,22 +167,6 @@ def _make_step(prog: TrainProgram):
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
-
-    def update(grads, opt_state, weights, params, scale):
-        """AdamW on (possibly loss-scaled) grads; runs on the device or the host (jaxmem.offload)."""
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) / scale, grads)
-        grad_norm = global_norm(grads)
-        grads = clip_by_global_norm(grads, grad_norm, cfg.optimizer.clip_norm)
-        updates, new_opt = prog.optimizer.update(grads, opt_state, weights)
-        new_weights = optax.apply_updates(weights, updates)
-        new_params = jax.tree.map(lambda w: w.astype(prec.param), new_weights)
-        finite = jnp.bool_(True)
-        if scaling.enabled:  # fp16: on inf/nan keep the old weights and optimizer state
-            finite = all_finite(grads)
-            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
-            new_params, new_opt, new_weights = keep(new_params, params), keep(new_opt, opt_state), keep(
-                new_weights, weights)
-        return new_params, new_opt, new_weights, (grad_norm, finite)
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
@@ -212,6 +196,8 @@ def _make_step(prog: TrainProgram):
             zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
             (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
         weights = state["master"] if "master" in state else params
+        update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
+                                   param_dtype=prec.param, skip_nonfinite=scaling.enabled)
         new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
             cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
         if cfg.offload.params != "host":
@@ -222,19 +208,12 @@ def _make_step(prog: TrainProgram):
             new_state["master"] = new_weights
         if "loss_scale" in state:  # fp16: the skipped step backs the scale off
             new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
-        count = offload.to_device(_adam_count(new_opt))
+        count = offload.to_device(adam_count(new_opt))
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
                    "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
         return new_state, metrics
 
     return step
-
-
-def _adam_count(opt_state):
-    for leaf in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
-        if isinstance(leaf, optax.ScaleByAdamState):
-            return leaf.count
-    return jnp.int32(0)
 
 
 def count_params(prog: TrainProgram) -> int:

@@ -9,6 +9,7 @@ import math
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jaxmem.config import ConfigError, RematConfig
 from jaxmem.model.names import ALL_NAMES, CheckpointName as CN
@@ -110,6 +111,26 @@ def group_size(cfg: RematConfig, n_layers: int) -> int:
     return k
 
 
+def _is_arrays(x) -> bool:
+    return all(isinstance(leaf, (jax.Array, np.ndarray, np.generic)) for leaf in jax.tree.leaves(x))
+
+
+def _checkpoint_arrays_only(ckpt, fn):
+    """ckpt(fn) where the non-array arguments (the ForwardContext) are closed over, not traced."""
+
+    def wrapped(*args):
+        static = {i: a for i, a in enumerate(args) if not _is_arrays(a)}
+        dynamic = [a for i, a in enumerate(args) if i not in static]
+
+        def inner(*dyn):
+            it = iter(dyn)
+            return fn(*(static[i] if i in static else next(it) for i in range(len(args))))
+
+        return ckpt(inner)(*dynamic)
+
+    return wrapped
+
+
 def _scan(body, h, xs):
     return jax.lax.scan(lambda c, x: (body(c, x), None), h, xs)[0]
 
@@ -127,7 +148,7 @@ def layer_scan(cfg: RematConfig, n_layers: int, fetch: Callable = lambda s: s):
         return lambda h, s: body(h, fetch(s))
 
     def segment(name, fn):
-        return ckpt(fn) if cfg.granularity == "segments" else fn
+        return _checkpoint_arrays_only(ckpt, fn) if cfg.granularity == "segments" and pol is not None else fn
 
     k = group_size(cfg, n_layers)
 

@@ -236,6 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(cfg)
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
+        from jaxmem.explain import report_oom  # late: explain compiles in a subprocess, only on OOM
+
+        report_oom(cfg, e)
         return 1
     records = summary["records"]
     if records and jax.process_index() == 0:

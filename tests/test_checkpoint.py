@@ -1,6 +1,8 @@
 """Checkpoints: round trip, keep-last-K, finalized steps only, reshard restore, init_from."""
 import dataclasses
 import json
+import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +13,7 @@ import pytest
 
 from jaxmem.checkpoint import Checkpoints, init_from, math_hash, run_meta
 from jaxmem.config import ConfigError, load_config, to_dict
+from jaxmem.data import batches
 from jaxmem.kernels.cross_entropy.reference import cross_entropy_from_logits
 from jaxmem.program import build_program
 from jaxmem.train import run
@@ -18,9 +21,11 @@ from jaxmem.train import run
 BASE = ["train.seq_len=32", "train.micro_batch=2", "train.progress=false", "train.log_every=1",
         "optimizer.decay_steps=10"]
 
+TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
+
 
 def _cfg(tmp_path, *overrides):
-    return load_config("configs/tiny.yaml", [f"out_dir={tmp_path}", *BASE, *overrides])
+    return load_config(TINY, [f"out_dir={tmp_path}", *BASE, *overrides])
 
 
 def _adam(opt_state) -> optax.ScaleByAdamState:
@@ -81,8 +86,6 @@ def test_restore_onto_a_different_mesh(tmp_path):
     assert meta["step"] == 2 and meta["data_position"] == 32
     # resuming on the new mesh replays step 3 like the uninterrupted fsdp=8 run
     ckpts.close()
-    import shutil
-
     shutil.rmtree(tmp_path / "checkpoints" / "3")
     resumed = run(tp_cfg)
     assert resumed["resumed_from"] == 2 and [r["step"] for r in resumed["records"]] == [3]
@@ -121,8 +124,6 @@ def test_training_starts_from_init_from_params(tmp_path):
     first = run(cfg)["records"][0]["loss"]
     # independent reference: the loaded params' logits on step 0's batch, plain cross-entropy
     prog = build_program(cfg)
-    from jaxmem.data import batches
-
     tokens = np.asarray(next(batches(cfg, prog))["tokens"])[0]
     model = prog.model(jax.tree.map(jnp.asarray, saved))
     logits = model(jnp.asarray(tokens[:, :-1]))

@@ -86,3 +86,14 @@ def test_oom_hook_ignores_other_errors():
     cfg = load_config("configs/tiny.yaml")
     assert not report_oom(cfg, ValueError("shape mismatch"))
     assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB"))
+
+
+def test_oom_hook_prints_the_explain_report():
+    import io
+
+    cfg = load_config("configs/tiny.yaml", ["target.name=h100-80g", "train.seq_len=128"])
+    out = io.StringIO()
+    assert report_oom(cfg, RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB"), top=3, file=out)
+    text = out.getvalue()
+    assert "buffers live at the peak" in text and "compiled for 8 x h100-80g (deviceless)" in text
+    assert "could not explain" not in text

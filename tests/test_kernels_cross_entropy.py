@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, Mesh
 
-from jaxmem.config import KernelConfig
-from jaxmem.kernels import KernelUnavailable, select_loss
+from jaxmem.config import ConfigError, KernelConfig
+from jaxmem.kernels import KernelUnavailable, select_attention, select_loss
 from jaxmem.kernels.cross_entropy import chunked, pallas
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
@@ -46,15 +46,14 @@ class CrossEntropyCases:
     def check(self, t, d, v, dtype, z_loss=0.0, blocks=None):
         blocks = blocks or self.blocks
         h, w, labels = _inputs(t, d, v, dtype)
-        f = jax.jit(lambda h, w: self.loss(h, w, labels, z_loss, blocks)[0])
-        loss, grads = jax.value_and_grad(f, (0, 1))(h, w)
+        f = lambda h, w: self.loss(h, w, labels, z_loss, blocks)
+        (loss, n_valid), grads = jax.jit(jax.value_and_grad(f, (0, 1), has_aux=True))(h, w)
         ref_loss, ref_grads = _reference(h, w, labels, z_loss)
         rtol, gtol = TOLERANCES[dtype]
         assert_close(loss, ref_loss, rtol, "loss")
         assert_close(grads[0], ref_grads[0], gtol, "dh")
         assert_close(grads[1], ref_grads[1], gtol, "dW")
         assert grads[0].dtype == h.dtype and grads[1].dtype == w.dtype
-        n_valid = self.loss(h, w, labels, z_loss, blocks)[1]
         assert int(n_valid) == int(np.sum(np.asarray(labels) != IGNORE_INDEX))
 
     @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -111,6 +110,12 @@ def test_dispatch_choices_and_errors():
         select_loss(KernelConfig(loss="triton"), "cpu")
     with pytest.raises(ValueError, match="block_t"):
         CrossEntropyBlocks(block_t=0)
+    with pytest.raises(ConfigError, match="kernels.fused_loss_block_v: 100 must be a power of two"):
+        select_loss(KernelConfig(loss="pallas", fused_loss_block_v=100), "cpu")
+    with pytest.raises(ConfigError, match="kernels.loss_block_t: 0"):
+        select_loss(KernelConfig(loss="chunked", loss_block_t=0), "cpu")
+    with pytest.raises(ConfigError, match="kernels.attn_block_q"):
+        select_attention(KernelConfig(attention="pallas", attn_block_q=24), "cpu")
 
 
 @pytest.mark.slow

@@ -68,16 +68,11 @@ def test_bad_offload_combinations_fail_before_compile():
     with pytest.raises(ConfigError, match="offload.params=host: needs train.grad_accum=1"):
         build_program(load_config(None, TINY + ["offload.params=host", "train.grad_accum=2"]),
                       devices=jax.devices()[:2])
+    with pytest.raises(ConfigError, match="offload.params=host: needs remat.granularity=layer"):
+        build_program(load_config(None, TINY + ["offload.params=host", "remat.granularity=segments"]),
+                      devices=jax.devices()[:2])
     with pytest.raises(ConfigError, match="offload.optimizer"):
         load_config(None, ["offload.optimizer=disk"])
-
-
-def test_verdict_says_when_nothing_moved():
-    cfg = load_config(None, ["offload.optimizer=host"])
-    nothing = dict.fromkeys(("host", "device"), 0)
-    assert offload.offload_verdict(cfg, nothing).startswith("offload requested but nothing moved")
-    assert offload.offload_verdict(cfg, dict(nothing, host=3 * 1024**3)) == "offload verified: 3.00 GiB on host"
-    assert offload.offload_verdict(load_config(None, []), nothing) is None
 
 
 # ---------------------------------------------------------------- deviceless H100

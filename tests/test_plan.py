@@ -168,3 +168,14 @@ def test_llama3_8b_on_one_rtx4090_does_not_fit():
     assert p["compiled"]["device_total"] > TARGETS["rtx4090-24g"].hbm_bytes
     assert any("does not fit" in w for w in p["warnings"])
     assert any("exceeds" in w or "Can't reduce" in w for w in p["warnings"]), p["warnings"]
+
+
+def test_without_target_it_compiles_for_the_attached_devices():
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=-1"])
+    topo = resolve_topology(cfg)
+    assert topo.name == "" and topo.n_devices == 8
+    p = plan(cfg, topo)
+    assert p["compiled"]["label"] == "compiled for 8 x attached (attached devices)"
+    assert p["fits"] is None and p["target"]["name"] == "attached" and p["cost"]["step_seconds"] == 0.0
+    assert p["analytic"]["params"] + p["analytic"]["opt_m"] + p["analytic"]["opt_v"] + p["analytic"]["inputs"] \
+        == p["compiled"]["argument"]

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from jaxmem.config import KernelConfig
+from jaxmem.config import ConfigError, KernelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
@@ -37,8 +37,11 @@ def _pallas_interpret(key: str, platform: str) -> bool:
                             f"not platform {platform!r}")
 
 
-def select_attention(cfg: KernelConfig, platform: str):
-    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H]."""
+def select_attention(cfg: KernelConfig, platform: str, mesh=None):
+    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H].
+
+    With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp).
+    """
     impl = cfg.attention
     if impl == "auto":
         impl = "pallas" if _is_gpu(platform) else "xla"
@@ -48,9 +51,10 @@ def select_attention(cfg: KernelConfig, platform: str):
         from jaxmem.kernels.attention.config import AttentionBlocks
         from jaxmem.kernels.attention.pallas import flash_attention
 
+        check_block_sizes(cfg)
         blocks = AttentionBlocks(block_q=cfg.attn_block_q, block_k=cfg.attn_block_k)
         interpret = _pallas_interpret("kernels.attention", platform)
-        return lambda q, k, v, seg: flash_attention(q, k, v, seg, blocks=blocks, interpret=interpret)
+        return lambda q, k, v, seg: flash_attention(q, k, v, seg, blocks=blocks, interpret=interpret, mesh=mesh)
     if impl == "cudnn":
         if not _is_gpu(platform):
             raise KernelUnavailable(f"kernels.attention='cudnn' needs an NVIDIA GPU with cuDNN, not platform "
@@ -61,8 +65,8 @@ def select_attention(cfg: KernelConfig, platform: str):
     raise KernelUnavailable(f"kernels.attention={impl!r} is not a known implementation")
 
 
-def select_norm(cfg: KernelConfig, platform: str):
-    """fn(x, weight, eps) -> y."""
+def select_norm(cfg: KernelConfig, platform: str, mesh=None):
+    """fn(x, weight, eps) -> y. With a mesh, Pallas RMSNorm runs per shard (rows over the data axes)."""
     impl = cfg.norm
     if impl == "auto":
         impl = "pallas" if _is_gpu(platform) else "xla"
@@ -72,12 +76,29 @@ def select_norm(cfg: KernelConfig, platform: str):
         from jaxmem.kernels.rms_norm.pallas import rms_norm
 
         interpret = _pallas_interpret("kernels.norm", platform)
-        return lambda x, w, eps=1e-6: rms_norm(x, w, eps, interpret=interpret)
+        return lambda x, w, eps=1e-6: rms_norm(x, w, eps, interpret=interpret, mesh=mesh)
     raise KernelUnavailable(f"kernels.norm={impl!r} is not a known implementation")
 
 
+_POWER_OF_TWO_KEYS = ("attn_block_q", "attn_block_k", "fused_loss_block_t", "fused_loss_block_v",
+                      "fused_loss_block_d")
+
+
+def check_block_sizes(cfg: KernelConfig) -> None:
+    """One-line ConfigError naming the key, before anything is traced or compiled."""
+    for name in ("loss_block_t", "loss_block_v", "fused_loss_slab_v") + _POWER_OF_TWO_KEYS:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ConfigError(f"kernels.{name}: {value} must be a positive int")
+        if name in _POWER_OF_TWO_KEYS and (value & (value - 1) or value < 16):
+            raise ConfigError(f"kernels.{name}: {value} must be a power of two >= 16 (Triton tiles)")
+
+
 def loss_blocks(cfg: KernelConfig) -> CrossEntropyBlocks:
-    return CrossEntropyBlocks(block_t=cfg.loss_block_t, block_v=cfg.loss_block_v)
+    check_block_sizes(cfg)
+    return CrossEntropyBlocks(block_t=cfg.loss_block_t, block_v=cfg.loss_block_v,
+                              pallas_block_t=cfg.fused_loss_block_t, pallas_block_v=cfg.fused_loss_block_v,
+                              pallas_block_d=cfg.fused_loss_block_d, slab_v=cfg.fused_loss_slab_v)
 
 
 def select_loss(cfg: KernelConfig, platform: str, mesh=None):

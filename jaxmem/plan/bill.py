@@ -19,15 +19,16 @@ from jaxmem.precision import Precision
 # Device-bill categories in display order; `host` holds the host-resident counterparts.
 CATEGORIES = ("params", "grads", "master", "opt_m", "opt_v", "inputs", "activations", "working_set", "logits",
               "temporaries")
-HOST_CATEGORIES = ("params", "master", "opt_m", "opt_v", "activations")
+HOST_CATEGORIES = ("params", "master", "opt_m", "opt_v", "activations", "temporaries")
 
 _BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
 _BTF = (CN.MLP_GATE, CN.MLP_UP, CN.MLP_ACT)
 _DOT_NAMES = (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.ATTN_OUT, CN.MLP_GATE, CN.MLP_UP,
               CN.MLP_OUT)
-# Bytes per score element XLA keeps live while differentiating plain attention: fp32 scores, fp32 softmax
-# grad and the compute-dtype probs (the where-mask fuses away); checked against deviceless compiles.
+# Per score element XLA keeps live while differentiating plain attention: fp32 scores, their fp32 gradient,
+# the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless H100 compiles).
 _SCORE_WORKING_COPIES_F32 = 2
+_MASK_BYTES = 1
 
 
 @dataclasses.dataclass
@@ -52,7 +53,11 @@ class Bill:
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values())
+        """Host state plus the larger of the offloaded activations and the host optimizer update's buffers:
+        the activations are dead before the update runs, so XLA reuses their host space."""
+        h = self.host
+        return sum(v for k, v in h.items() if k not in ("activations", "temporaries")) + max(h["activations"],
+                                                                                          h["temporaries"])
 
     def to_json(self) -> dict:
         return {**{k: int(v) for k, v in self.device.items()}, "device_total": int(self.device_total),
@@ -120,8 +125,18 @@ def score_elems(cfg: Config, sizes: dict[str, int]) -> int:
     return t.micro_batch * heads * t.seq_len * t.seq_len
 
 
-def attention_materializes_scores(cfg: Config) -> bool:
-    return cfg.kernels.attention in ("xla", "auto")
+def resolved_kernels(cfg: Config, gpu: bool) -> dict[str, str]:
+    """The attention and loss implementations `auto` picks on this platform (as jaxmem.kernels does)."""
+    attention, loss = cfg.kernels.attention, cfg.kernels.loss
+    if attention == "auto":
+        attention = "pallas" if gpu else "xla"
+    if loss == "auto":
+        loss = "pallas" if gpu else "chunked"
+    return {"attention": attention, "loss": loss}
+
+
+def attention_materializes_scores(cfg: Config, gpu: bool = True) -> bool:
+    return resolved_kernels(cfg, gpu)["attention"] == "xla"
 
 
 def saved_choices(cfg: Config) -> dict[str, str]:
@@ -143,29 +158,32 @@ def saved_choices(cfg: Config) -> dict[str, str]:
     return out
 
 
-def scores_saved(cfg: Config) -> bool:
+def scores_saved(cfg: Config, gpu: bool = True) -> bool:
     """Whether plain-XLA attention keeps each layer's scores across the backward."""
-    if not attention_materializes_scores(cfg):
+    if not attention_materializes_scores(cfg, gpu):
         return False
     if not remat.uses_checkpoint(cfg.remat):
         return True
     return remat.PRESETS[cfg.remat.preset].get("base") == "dots_saveable"
 
 
-def logits_bytes(cfg: Config, sizes: dict[str, int]) -> int:
+def logits_bytes(cfg: Config, sizes: dict[str, int], gpu: bool = True) -> int:
     """Live loss-side bytes per device: fp32 logits and their gradient, per kernel choice."""
     k, m = cfg.kernels, cfg.model
+    loss = resolved_kernels(cfg, gpu)["loss"]
     tokens = cfg.train.micro_batch * cfg.train.seq_len
     vocab = m.vocab_size // sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else m.vocab_size
-    if k.loss in ("naive", "auto"):
+    if loss == "naive":
         return 2 * tokens * vocab * 4
-    if k.loss == "chunked":
+    if loss == "chunked":
         return 2 * min(tokens, k.loss_block_t) * vocab * 4 + tokens * 4
-    return 2 * min(tokens, k.loss_block_t) * min(vocab, k.loss_block_v) * 4 + 2 * tokens * 4
+    # fused kernels: one [block_t, block_v] fp32 tile and its gradient, plus per-token lse
+    return 2 * min(tokens, k.fused_loss_block_t) * min(vocab, k.fused_loss_block_v) * 4 + 2 * tokens * 4
 
 
-def compute_bill(cfg: Config, n_devices: int) -> Bill:
-    """Analytic per-device bill for `cfg` sharded over `n_devices`."""
+def compute_bill(cfg: Config, n_devices: int, gpu: bool = True) -> Bill:
+    """Analytic per-device bill for `cfg` sharded over `n_devices` (GPUs, or CPU devices: `auto` kernels
+    resolve differently)."""
     sizes = sharding.mesh_shape(cfg.parallel, n_devices)
     prec = Precision.from_config(cfg.precision)
     m, t = cfg.model, cfg.train
@@ -190,7 +208,7 @@ def compute_bill(cfg: Config, n_devices: int) -> Bill:
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in where.items() if w == "host"}
     notes = []
     scores = score_elems(cfg, sizes)
-    if scores_saved(cfg):
+    if scores_saved(cfg, gpu):
         saved_dev["attention_scores"] = scores * 4 * m.n_layers
         notes.append("plain XLA attention keeps the S x S scores of every layer (use a flash kernel or a "
                      "policy that does not save dots)")
@@ -199,9 +217,9 @@ def compute_bill(cfg: Config, n_devices: int) -> Bill:
     # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients.
     layer_all = sum(per_name.values()) * cd
     working = 2 * layer_all
-    if attention_materializes_scores(cfg):
-        working += scores * (4 * _SCORE_WORKING_COPIES_F32 + cd)
-    logits = logits_bytes(cfg, sizes)
+    if attention_materializes_scores(cfg, gpu):
+        working += scores * (4 * _SCORE_WORKING_COPIES_F32 + cd + _MASK_BYTES)
+    logits = logits_bytes(cfg, sizes, gpu)
 
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
@@ -218,6 +236,9 @@ def compute_bill(cfg: Config, n_devices: int) -> Bill:
     if cfg.offload.optimizer == "host":
         for k in ("master", "opt_m", "opt_v"):
             host[k], device[k] = device[k], 0
+        if cfg.offload.optimizer_update == "host":  # fp32 grads, new m and v, new params (compiles agree)
+            fp32_grads = _state_bytes(zip(leaves, sharded), sizes, lambda x: np.float32)
+            host["temporaries"] = fp32_grads + host["opt_m"] + host["opt_v"] + params
     if cfg.offload.params == "host":
         host["params"], device["params"] = device["params"], 0
     host["activations"] = sum(saved_host.values())

@@ -26,7 +26,8 @@ def offload_status(cfg: Config, compiled: CompiledFigures | None) -> dict:
         return {"requested": True, "verified": None, "message": "offload requested (not compiled: unverified)"}
     host = compiled.host_total
     if host > 0:
-        return {"requested": True, "verified": True, "message": f"offload verified: {host / GIB:.2f} GiB on host"}
+        amount = f"{host / GIB:.2f} GiB" if host >= GIB / 100 else f"{host / 1024**2:.2f} MiB"
+        return {"requested": True, "verified": True, "message": f"offload verified: {amount} on host"}
     return {"requested": True, "verified": False, "message": "offload requested but nothing moved"}
 
 
@@ -76,8 +77,16 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
     }
 
 
-def _gib(x) -> str:
-    return "-" if x is None else f"{x / GIB:,.2f}"
+def _seconds(x: float) -> str:
+    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+
+
+def _unit(largest: int) -> tuple[str, int]:
+    return ("GiB", GIB) if largest >= GIB else ("MiB", 1024**2)
+
+
+def _fmt(x, unit: tuple[str, int]) -> str:
+    return "-" if x is None else f"{x / unit[1]:,.2f}"
 
 
 def render(plan: dict, console=None) -> None:
@@ -88,9 +97,11 @@ def render(plan: dict, console=None) -> None:
 
     console = console or Console()
     a, c = plan["analytic"], plan["compiled"]
+    unit = _unit(max(a["device_total"], a["host_total"], c["device_total"] if c else 0))
+    _gib = lambda x: _fmt(x, unit)  # noqa: E731
     title = f"{plan['config'] or plan['model']}: {plan['params']:,} params on {plan['devices']} x " \
             f"{plan['target']['name']} (mesh {plan['mesh']})"
-    bill = Table(title=title, caption="GiB per device")
+    bill = Table(title=title, caption=f"{unit[0]} per device")
     bill.add_column("category")
     bill.add_column("estimated (analytic)", justify="right")
     bill.add_column("host, estimated (analytic)", justify="right")
@@ -98,14 +109,16 @@ def render(plan: dict, console=None) -> None:
         host = a["host"].get(k) if k in HOST_CATEGORIES else None
         bill.add_row(k, _gib(a[k]), _gib(host) if host else "")
     for name, b in a["activations_by_name"].items():
-        bill.add_row(f"  saved {name}", _gib(b), _gib(a["offloaded_by_name"].get(name)) or "")
+        off = a["offloaded_by_name"].get(name)
+        bill.add_row(f"  saved {name}", _gib(b), _gib(off) if off else "")
     for name, b in a["offloaded_by_name"].items():
         if name not in a["activations_by_name"]:
             bill.add_row(f"  offloaded {name}", "", _gib(b))
-    bill.add_row("total", _gib(a["device_total"]), _gib(a["host_total"]), style="bold")
+    bill.add_row("peak = state + activations + max(layer phase, loss phase)", _gib(a["device_total"]),
+                 _gib(a["host_total"]), style="bold")
     console.print(bill)
     if c is not None:
-        comp = Table(title=c["label"], caption="GiB per device; device = argument + output - alias + temp")
+        comp = Table(title=c["label"], caption=f"{unit[0]} per device; device = argument + output - alias + temp")
         comp.add_column("field")
         comp.add_column("device", justify="right")
         comp.add_column("host", justify="right")
@@ -115,12 +128,14 @@ def render(plan: dict, console=None) -> None:
         console.print(comp)
     cost = plan["cost"]
     console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute); "
-                  + (f"step {cost['step_seconds']:.3f} s, MFU {cost['mfu']:.1%} " if cost["step_seconds"] else "")
+                  + (f"step {_seconds(cost['step_seconds'])}, MFU {cost['mfu']:.1%} " if cost["step_seconds"] else "")
                   + "[estimated (cost model)]")
     verdict = {True: "[green]fits[/green]", False: "[red]does not fit[/red]", None: "no capacity known"}
     usable = plan["usable_device_bytes"]
-    console.print(f"verdict: {verdict[plan['fits']]} ({plan['fits_basis']} figure vs {_gib(usable)} GiB usable); "
-                  f"host RAM: {verdict[plan['host_fits']]} ({_gib(plan['host_bytes_per_node'])} GiB per node)")
+    gib = _unit(GIB)
+    console.print(f"verdict: {verdict[plan['fits']]} ({plan['fits_basis']} figure vs {_fmt(usable, gib)} GiB "
+                  f"usable); host RAM: {verdict[plan['host_fits']]} "
+                  f"({_fmt(plan['host_bytes_per_node'], gib)} GiB per node)")
     if plan["offload"]["requested"]:
         console.print(plan["offload"]["message"])
     for w in plan["warnings"]:

@@ -18,7 +18,10 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax.sharding import PartitionSpec as P
+
 from jaxmem.kernels.attention.config import AttentionBlocks
+from jaxmem.kernels.mesh_axes import data_axes, is_sharded, tp_axis
 
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
 LOG2E = math.log2(math.e)
@@ -182,20 +185,44 @@ def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, interp
     return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _flash(q, k, v, seg, blocks, causal, scale, kv_len, interpret):
-    return _forward(q, k, v, seg, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, interpret=interpret)[0]
+def _sharded(fn, mesh, kv_heads: int, has_seg: bool, ins: str, outs: str):
+    """fn run per shard: batch over the data axes, heads over tp when the kv heads split evenly.
+
+    ins / outs name each argument's layout: x = [B, T, heads, H], r = [B, heads, T], s = segment ids.
+    """
+    if not is_sharded(mesh):
+        return fn
+    data, tp = data_axes(mesh), tp_axis(mesh)
+    heads = tp if tp is not None and kv_heads % mesh.shape[tp] == 0 else None
+    spec = {"x": P(data, None, heads, None), "r": P(data, heads, None), "s": P(data, None) if has_seg else P()}
+    body = fn if has_seg else (lambda q, k, v, _, *rest: fn(q, k, v, None, *rest))
+    mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec[c] for c in ins),
+                           out_specs=tuple(spec[c] for c in outs), check_vma=False)
+    if has_seg:
+        return mapped
+    # shard_map needs an array where the segment ids would be: a dummy scalar stands in for None
+    return lambda q, k, v, _, *rest: mapped(q, k, v, jnp.zeros((), jnp.int32), *rest)
 
 
-def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret):
-    o, lse = _forward(q, k, v, seg, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, interpret=interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+def _flash(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh):
+    return _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh)[0]
+
+
+def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh):
+    forward = functools.partial(_forward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
+                                interpret=interpret)
+    o, lse = _sharded(lambda *a: tuple(forward(*a)), mesh, k.shape[2], seg is not None, "xxxs", "xr")(
+        q, k, v, seg)
     return o, (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(blocks, causal, scale, kv_len, interpret, res, do):
+def _flash_bwd(blocks, causal, scale, kv_len, interpret, mesh, res, do):
     q, k, v, seg, o, lse = res
-    dq, dk, dv = _backward(q, k, v, seg, o, lse, do, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
-                           interpret=interpret)
+    backward = functools.partial(_backward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
+                                 interpret=interpret)
+    dq, dk, dv = _sharded(lambda *a: tuple(backward(*a)), mesh, k.shape[2], seg is not None, "xxxsxrx", "xxx")(
+        q, k, v, seg, o, lse, do)
     return dq, dk, dv, None
 
 
@@ -203,8 +230,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: AttentionBlocks = AttentionBlocks(),
-                    causal: bool = True, scale: float | None = None, interpret: bool = False):
-    """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H]."""
+                    causal: bool = True, scale: float | None = None, interpret: bool = False, mesh=None):
+    """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H].
+
+    With a mesh, runs per shard: batch over the data axes, heads over tp.
+    """
     b, t, n, h = q_btnh.shape
     s, kv = k_bskh.shape[1], k_bskh.shape[2]
     if n % kv:
@@ -223,5 +253,5 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
             seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
     if seg is not None:
         seg = seg.astype(jnp.int32)
-    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, interpret)
+    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, interpret, mesh)
     return out[:, :t] if pad else out

@@ -27,14 +27,6 @@ def _pad_tokens(h_td, labels_t, block_t: int, ignore_index: int):
     return h_td, labels_t
 
 
-def zeros_varying_like(shape, dtype, *like):
-    """Zeros that vary over the same mesh axes as `like`: inside shard_map a loop carry must keep its type."""
-    z = jnp.zeros(shape, dtype)
-    for x in like:
-        z = z + jnp.zeros_like(x.reshape(-1)[0], dtype)
-    return z
-
-
 def _vocab_starts(v: int, block_v: int):
     """Start column of each vocab chunk; the last one is pulled back to end at V (it overlaps the previous)."""
     n = -(-v // block_v)
@@ -72,7 +64,7 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
             target = target + jnp.sum(jnp.where(hit, logits, 0.0), axis=1)
             return (m_new, s, target), None
 
-        zero = zeros_varying_like((bt,), jnp.float32, h_cd, w_dv)
+        zero = jnp.zeros((bt,), jnp.float32)
         init = (zero - jnp.inf, zero, zero)
         (m, s, target), _ = jax.lax.scan(vocab_chunk, init, (nominal, starts))
         return None, (m + jnp.log(s), target)
@@ -132,13 +124,11 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
                                                      rows, axis=0)
             return (dh, dw_chunk), None
 
-        dw_zero = zeros_varying_like((d, bv), jnp.float32, h_pad, w_dv)
-        (dh, dw_chunk), _ = jax.lax.scan(token_chunk, (dh, dw_zero), jnp.arange(n_t))
+        (dh, dw_chunk), _ = jax.lax.scan(token_chunk, (dh, jnp.zeros((d, bv), jnp.float32)), jnp.arange(n_t))
         dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
         return (dh, dw), None
 
-    init = (zeros_varying_like(h_pad.shape, jnp.float32, h_pad, w_dv, g),
-            zeros_varying_like(w_dv.shape, w_dv.dtype, h_pad, w_dv, g))
+    init = (jnp.zeros(h_pad.shape, jnp.float32), jnp.zeros(w_dv.shape, w_dv.dtype))
     (dh, dw), _ = jax.lax.scan(vocab_chunk, init, (nominal, starts))
     return dh[:t].astype(h_td.dtype), dw
 

@@ -8,11 +8,11 @@ import dataclasses
 class CrossEntropyBlocks:
     block_t: int = 1024  # tokens per tile (chunked); Pallas uses pallas_block_t
     block_v: int = 4096  # vocab columns per tile (chunked); Pallas uses pallas_block_v
-    pallas_block_t: int = 64
+    pallas_block_t: int = 128  # tokens per tile of the Pallas / Triton kernels
     pallas_block_v: int = 128
-    pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas kernels
+    pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas / Triton kernels
     slab_v: int = 16384  # vocab columns per backward call: bounds the fp32 dW scratch to [D, slab_v]
-    num_warps: int = 4
+    num_warps: int = 8
     num_stages: int = 2
 
     def __post_init__(self):

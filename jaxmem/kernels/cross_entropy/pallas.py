@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmem.kernels.cross_entropy.chunked import loss_sum, zeros_varying_like
+from jaxmem.kernels.cross_entropy.chunked import loss_sum
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
@@ -120,12 +120,6 @@ def backward_cost(t: int, d: int, v: int, itemsize: int, blocks: CrossEntropyBlo
                            bytes_accessed=itemsize * (2 * n_t * d * v + 2 * n_v * t * d) + 4 * 2 * (n_t * d * v + n_v * t * d))
 
 
-def _out(shape, dtype, *like):
-    """Output struct varying over the mesh axes of `like` (pallas_call needs it under shard_map)."""
-    mat = jax.typeof(zeros_varying_like((), jnp.float32, *like)).manual_axis_type
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=mat)
-
-
 def _pad_tokens(h_td, labels_t, bt: int, ignore_index: int):
     pad = -h_td.shape[0] % bt
     if pad:
@@ -142,7 +136,7 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
     bt, bv, bd, _ = _tiles(t, d, v, blocks)
     h_pad, labels_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
     tp = h_pad.shape[0]
-    out = _out((tp,), jnp.float32, h_pad, w_dv)
+    out = jax.ShapeDtypeStruct((tp,), jnp.float32)
     lse, target = pl.pallas_call(
         functools.partial(_forward_kernel, bt=bt, bv=bv, bd=bd),
         grid=(tp // bt,), out_shape=(out, out),
@@ -169,7 +163,7 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     call = pl.pallas_call(
         functools.partial(_backward_kernel, bt=bt, bv=bv, bd=bd),
         grid=(tp // bt, slab // bv),
-        out_shape=(_out((tp, d), jnp.float32, h_pad, w_dv, soft), _out((d, slab), jnp.float32, h_pad, w_dv, soft)),
+        out_shape=(jax.ShapeDtypeStruct((tp, d), jnp.float32), jax.ShapeDtypeStruct((d, slab), jnp.float32)),
         input_output_aliases={7: 0, 8: 1},
         compiler_params=plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages),
         cost_estimate=backward_cost(t, d, slab, h_td.dtype.itemsize, blocks),
@@ -181,11 +175,10 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
         nominal = s * slab
         start = jnp.minimum(nominal, v - slab)
         dh, dw_slab = call(h_pad, w_dv, labels_pad, lse, soft, onehot, jnp.stack([start, nominal]).astype(jnp.int32),
-                           dh, zeros_varying_like((d, slab), jnp.float32, dh))
+                           dh, jnp.zeros((d, slab), jnp.float32))
         return dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_slab.astype(dw.dtype), start, axis=1)
 
-    init = (zeros_varying_like((tp, d), jnp.float32, h_pad, w_dv, soft),
-            zeros_varying_like((d, v), w_dv.dtype, h_pad, w_dv, soft))
+    init = (jnp.zeros((tp, d), jnp.float32), jnp.zeros((d, v), w_dv.dtype))
     dh, dw = jax.lax.fori_loop(0, -(-v // slab), one_slab, init)
     return dh[:t].astype(h_td.dtype), dw
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmem.kernels.cross_entropy.chunked import loss_sum
-from jaxmem.sharding import DATA_AXES, MeshAxis
+from jaxmem.kernels.mesh_axes import data_axes, tp_axis
 
 
 def _local_labels(labels_t, v_local: int, tp, ignore_index: int):
@@ -30,8 +30,7 @@ def shard_loss(forward, backward, mesh: Mesh, *, ignore_index: int, z_loss: floa
 
     forward(h, w, labels) -> (lse, target); backward(h, w, labels, lse, g) -> (dh, dw).
     """
-    data = tuple(a.value for a in DATA_AXES if mesh.shape[a] > 1) or None
-    tp = MeshAxis.TP.value if mesh.shape[MeshAxis.TP] > 1 else None
+    data, tp = data_axes(mesh), tp_axis(mesh)
 
     def psum_if(x, axes):
         return x if axes is None else jax.lax.psum(x, axes)

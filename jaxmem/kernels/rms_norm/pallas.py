@@ -13,6 +13,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.kernels.mesh_axes import data_axes, is_sharded
 from jaxmem.kernels.rms_norm.config import RmsNormBlocks
 
 
@@ -92,29 +95,53 @@ def _backward(x, weight, rstd, dy, blocks, interpret):
         name="rms_norm_bwd",
     )(x2, weight, rstd, dy2)
     n = x.size // d
-    return dx[:n].reshape(x.shape), jnp.sum(dw_blocks, axis=0).astype(weight.dtype)
+    return dx[:n].reshape(x.shape), jnp.sum(dw_blocks, axis=0)  # dw stays fp32 until every row is summed
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
-def _rms_norm(x, weight, eps, blocks, interpret):
-    return _forward(x, weight, eps, blocks, interpret)[0]
+def _row_specs(mesh, ndim: int):
+    data = data_axes(mesh)
+    return P(data, *([None] * (ndim - 1))), P(data)
 
 
-def _rms_norm_fwd(x, weight, eps, blocks, interpret):
-    y, rstd = _forward(x, weight, eps, blocks, interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _rms_norm(x, weight, eps, blocks, interpret, mesh):
+    return _rms_norm_fwd(x, weight, eps, blocks, interpret, mesh)[0]
+
+
+def _rms_norm_fwd(x, weight, eps, blocks, interpret, mesh):
+    forward = lambda x, w: tuple(_forward(x, w, eps, blocks, interpret))
+    if is_sharded(mesh):  # rows per shard; the weight is whole on every device
+        rows, flat = _row_specs(mesh, x.ndim)
+        forward = jax.shard_map(forward, mesh=mesh, in_specs=(rows, P()), out_specs=(rows, flat), check_vma=False)
+    y, rstd = forward(x, weight)
     return y, (x, weight, rstd)
 
 
-def _rms_norm_bwd(eps, blocks, interpret, res, dy):
+def _rms_norm_bwd(eps, blocks, interpret, mesh, res, dy):
     x, weight, rstd = res
-    return _backward(x, weight, rstd, dy, blocks, interpret)
+
+    def backward(x, w, rstd, dy):
+        dx, dw = _backward(x, w, rstd, dy, blocks, interpret)
+        data = data_axes(mesh) if is_sharded(mesh) else None
+        # dw stays fp32 until every shard's rows are summed
+        return dx, (dw if data is None else jax.lax.psum(dw, data)).astype(w.dtype)
+
+    if is_sharded(mesh):
+        rows, flat = _row_specs(mesh, x.ndim)
+        backward = jax.shard_map(backward, mesh=mesh, in_specs=(rows, P(), flat, rows), out_specs=(rows, P()),
+                                 check_vma=False)
+    return backward(x, weight, rstd, dy)
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
-def rms_norm(x, weight, eps: float = 1e-6, *, blocks: RmsNormBlocks = RmsNormBlocks(), interpret: bool = False):
-    """Like `rms_norm_reference`: x / rms(x) * weight over the last dim, fp32 inside, x's dtype out."""
+def rms_norm(x, weight, eps: float = 1e-6, *, blocks: RmsNormBlocks = RmsNormBlocks(), interpret: bool = False,
+             mesh=None):
+    """Like `rms_norm_reference`: x / rms(x) * weight over the last dim, fp32 inside, x's dtype out.
+
+    With a mesh, rows are split over the data axes and dw is summed across them.
+    """
     if weight.shape != x.shape[-1:]:
         raise ValueError(f"rms_norm: weight shape {weight.shape} != last dim of x {x.shape[-1:]}")
-    return _rms_norm(x, weight, float(eps), blocks, interpret)
+    return _rms_norm(x, weight, float(eps), blocks, interpret, mesh)
