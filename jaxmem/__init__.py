@@ -5,6 +5,8 @@ import os as _os
 # tries (and noisily fails) to start CUDA on every import.
 if "JAX_PLATFORMS" not in _os.environ and not _os.path.exists("/proc/driver/nvidia"):
     _os.environ["JAX_PLATFORMS"] = "cpu"
+    # ... and its loader logs "Could not find cuda drivers" at INFO level on every start.
+    _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
 __version__ = "0.1.0"
 
