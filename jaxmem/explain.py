@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--dump-dir", default=None, help="keep XLA's dump files here")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if args.top < 1:
         raise ConfigError(f"--top: must be >= 1, got {args.top}")
     cfg = load_config(args.config, args.overrides)

@@ -1,9 +1,9 @@
-"""AdamW with warmup + cosine decay (optax), and global-norm clipping applied by the step.
+"""AdamW with warmup + cosine decay (optax), its layer-wise state, and the layer-by-layer update.
 
-Clipping sits outside the optax chain so the same code runs on the device and,
-under `compute_on("device_host")`, on the host: optax's norm builds device-space
-zeros for the imaginary part, which the host computation cannot mix with host
-values.
+Clipping and the global norm sit outside the optax chain, in `layerwise_update`,
+so the same code runs on the device and, under `compute_on("device_host")`, on
+the host: optax's norm builds device-space zeros for the imaginary part, which a
+host computation cannot mix with host values.
 """
 from __future__ import annotations
 
@@ -31,11 +31,6 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
                         mu_dtype=prec.moment, mask=_decay_mask)
     return _moments_in(adamw, prec.moment)
-
-
-def global_norm(tree) -> jax.Array:
-    """sqrt of the sum of squares of every leaf, in fp32 (real leaves only)."""
-    return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
 
 
 def clip_by_global_norm(tree, norm: jax.Array, max_norm: float):
@@ -110,6 +105,12 @@ def adam_count(opt_state: dict) -> jax.Array:
     return jnp.int32(0)
 
 
+def _same_space(x, like):
+    """x in like's memory space (optax builds some scalars, e.g. Adam's count, from device constants)."""
+    space = jax.typeof(like).memory_space
+    return x if jax.typeof(x).memory_space == space else jax.device_put(x, space)
+
+
 def _split(tree):
     return {k: v for k, v in tree.items() if k != "layers"}, tree["layers"]
 
@@ -152,5 +153,17 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     w_rest, w_layers = _split(weights)
     p_rest, p_layers = _split(old_params) if old_params is not None else (None, None)
     new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
-    lp, ls, lw = jax.lax.map(lambda x: one(*x, homes["layers"]), (g_layers, opt_state["layers"], w_layers, p_layers))
+
+    # State and weights are the loop carry, updated in place (they are donated); new params are the
+    # scan's stacked output, a param-dtype copy.
+    def layer(carry, _):
+        i, s_all, w_all = carry
+        take = lambda t: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), t)  # noqa
+        p, s, w = one(take(g_layers), take(s_all), take(w_all), take(p_layers), homes["layers"])
+        put = lambda all_, new: jax.tree.map(  # noqa: E731
+            lambda a, n: jax.lax.dynamic_update_index_in_dim(a, _same_space(n, a), i, 0), all_, new)
+        return (i + 1, put(s_all, s), put(w_all, w)), p
+
+    n_layers = jax.tree.leaves(w_layers)[0].shape[0]
+    (_, ls, lw), lp = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers), None, length=n_layers)
     return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

@@ -144,7 +144,8 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
-                         norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers, segment=segment)
+                         norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
+                         segment=segment)
     return TrainProgram(cfg, mesh, prec, graphdef, opt, shardings, abstract, grad_specs, grad_accum, rows, ctx)
 
 

@@ -114,6 +114,7 @@ def _row(overrides: list[str], key: str, p: dict, cached: bool) -> dict:
         "fits": p["fits"], "host_fits": p["host_fits"],
         "step_seconds_estimated": p["cost"]["step_seconds"], "mfu_estimated": p["cost"]["mfu"],
         "warnings": len(p["warnings"]), "target": p["target"]["name"], "devices": p["devices"],
+        "usable_device_bytes": p["usable_device_bytes"],
     })
     return row
 
@@ -157,6 +158,9 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
     if front:
         ax.plot([r["device_bytes"] / GIB for r in front], [r["step_seconds_estimated"] for r in front], "k--",
                 linewidth=0.8, label="Pareto front")
+    usable = {r["usable_device_bytes"] for r in ok if r.get("usable_device_bytes")}
+    for u in usable:
+        ax.axvline(u / GIB, color="red", linestyle=":", linewidth=1, label="usable capacity (after headroom)")
     for r in ok:
         ax.annotate(r["point"], (r["device_bytes"] / GIB, r["step_seconds_estimated"]), fontsize=6)
     basis = ok[0]["device_bytes_basis"] if ok else "analytic"
@@ -164,7 +168,8 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
         else "estimated (analytic)"
     ax.set_xlabel(f"device GiB per GPU, {where}")
     ax.set_ylabel("step time, s, estimated (cost model)")
-    ax.set_title("sweep: memory vs estimated step time")
+    ax.set_title(f"sweep on {ok[0]['devices']} x {ok[0]['target']}: memory vs estimated step time" if ok
+                 else "sweep: no point planned")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -183,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=None, help="plan cache folder (default: <out>/cache)")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS)
     ap.add_argument("--no-compile", action="store_true", help="analytic bills only")
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     src = Path(args.source)
     if not src.is_file():
         raise ConfigError(f"{src}: file not found")

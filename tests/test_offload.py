@@ -109,3 +109,28 @@ def test_deviceless_optimizer_and_params_on_host():
     assert par["host_argument"] == moved + layers
     # the layer weights leave the device, and so do their gradients (bf16, produced per layer)
     assert par["device"] <= opt["device"] - layers, (opt, par, layers)
+
+
+def test_layerwise_update_matches_plain_optax():
+    import jax.numpy as jnp
+    import optax
+
+    from jaxmem.optim import init_opt_state, layerwise_update
+
+    rng = np.random.RandomState(0)
+    weights = {"embed": jnp.asarray(rng.randn(6, 4), jnp.float32),
+               "layers": {"w": jnp.asarray(rng.randn(3, 4, 5), jnp.float32), "n": jnp.ones((3, 5))}}
+    adamw = optax.adamw(1e-2, weight_decay=0.1)
+    reference = optax.chain(optax.clip_by_global_norm(0.5), adamw)
+    ref_w, ref_s = weights, reference.init(weights)
+    w, s = weights, init_opt_state(adamw, weights)
+    for step in range(3):
+        grads = jax.tree.map(lambda x: jnp.asarray(rng.randn(*x.shape), jnp.float32) * (step + 1), weights)
+        updates, ref_s = reference.update(grads, ref_s, ref_w)
+        ref_w = optax.apply_updates(ref_w, updates)
+        scaled = jax.tree.map(lambda g: g * 8.0, grads)  # loss scale 8, unscaled inside
+        p, s, w, (norm, finite) = layerwise_update(adamw, scaled, s, w, None, jnp.float32(8.0), clip_norm=0.5,
+                                                   param_dtype=jnp.float32, skip_nonfinite=False)
+        np.testing.assert_allclose(norm, optax.global_norm(grads), rtol=1e-6)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), w, ref_w)
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), p, w)

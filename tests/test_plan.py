@@ -179,3 +179,25 @@ def test_without_target_it_compiles_for_the_attached_devices():
     assert p["fits"] is None and p["target"]["name"] == "attached" and p["cost"]["step_seconds"] == 0.0
     assert p["analytic"]["params"] + p["analytic"]["opt_m"] + p["analytic"]["opt_v"] + p["analytic"]["inputs"] \
         == p["compiled"]["argument"]
+
+
+def test_cost_model_counts_recompute_and_labels_estimates():
+    from jaxmem.plan.costmodel import estimate, recompute_flops_per_layer
+    from jaxmem.model.presets import param_count
+
+    base = ["model.preset=llama3-8b", "parallel.fsdp=8", "train.seq_len=2048", "train.micro_batch=1"]
+    tokens = 8 * 2048
+    m = load_config(None, base).model
+    d, f, n, k, h, s = m.d_model, m.d_ff, m.n_heads, m.n_kv_heads, m.head_dim, 2048
+    layer_forward = tokens * (2 * d * n * h * 2 + 2 * d * k * h * 2 + 4 * s * n * h + 3 * 2 * d * f)
+    full = load_config(None, base + ["remat.preset=full"])
+    assert recompute_flops_per_layer(full, tokens) == layer_forward
+    assert recompute_flops_per_layer(load_config(None, base + ["remat.preset=none"]), tokens) == 0
+    # selective keeps every matmul output: only norms and the elementwise activation are recomputed
+    assert recompute_flops_per_layer(load_config(None, base + ["remat.preset=selective"]), tokens) == 0
+    cost = estimate(full, compute_bill(full, 8), TARGETS["h100-80g"], 8, 1, 8)
+    matmul_params = param_count(m) - m.vocab_size * m.d_model
+    assert cost.model_flops == 6 * matmul_params * tokens + 3 * 4 * tokens * s * n * h * m.n_layers
+    assert cost.recompute_flops == layer_forward * m.n_layers
+    assert 0 < cost.mfu < 0.7 and cost.step_seconds >= cost.compute_seconds
+    assert cost.to_json()["label"] == "estimated (cost model)"

@@ -125,8 +125,11 @@ def select_loss(cfg: KernelConfig, platform: str, mesh=None):
         if not _is_gpu(platform):
             raise KernelUnavailable(f"kernels.loss='triton' (jax-triton) has no CPU or interpret path; platform "
                                     f"is {platform!r}: use 'chunked' or 'pallas'")
-        from jaxmem.kernels.cross_entropy import triton as module
-
+        try:
+            from jaxmem.kernels.cross_entropy import triton as module
+        except ImportError as e:
+            raise KernelUnavailable(f"kernels.loss='triton' needs jax-triton and triton ({e}); "
+                                    "pip install 'jaxmem[triton]'") from e
         extra = {}
     else:
         raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")

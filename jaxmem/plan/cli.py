@@ -16,7 +16,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--json", dest="json_path", default=None, help="write the plan(s) as JSON")
     ap.add_argument("--plot", default=None, help="write a PNG stacked-bar chart (one bar per config)")
     ap.add_argument("--no-compile", action="store_true", help="analytic bill and cost model only")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:

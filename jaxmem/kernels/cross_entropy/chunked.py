@@ -43,7 +43,7 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
     """Per-token logsumexp and target logit (fp32); a label outside [0, V) has target 0."""
     t, v = h_td.shape[0], w_dv.shape[1]
     bv = min(blocks.block_v, v)
-    bt = blocks.block_t
+    bt = min(blocks.block_t, h_td.shape[0])  # a short sequence is one chunk, not padded to block_t
     h_td, labels_t = _pad_tokens(h_td, labels_t, bt, ignore_index)
     nominal, starts = _vocab_starts(v, bv)
     cols = jnp.arange(bv, dtype=jnp.int32)
@@ -88,7 +88,7 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     t, d = h_td.shape
     v = w_dv.shape[1]
     bv = min(blocks.block_v, v)
-    bt = blocks.block_t
+    bt = min(blocks.block_t, h_td.shape[0])  # a short sequence is one chunk, not padded to block_t
     h_pad, lab_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
     n_t = h_pad.shape[0] // bt
     lse = jnp.pad(lse, (0, h_pad.shape[0] - lse.shape[0]))

@@ -117,7 +117,8 @@ def backward_cost(t: int, d: int, v: int, itemsize: int, blocks: CrossEntropyBlo
     bt, bv, *_ = _tiles(t, d, v, blocks)
     n_t, n_v = -(-t // bt), -(-v // bv)
     return pl.CostEstimate(flops=6 * t * d * v, transcendentals=t * v,
-                           bytes_accessed=itemsize * (2 * n_t * d * v + 2 * n_v * t * d) + 4 * 2 * (n_t * d * v + n_v * t * d))
+                           bytes_accessed=itemsize * (2 * n_t * d * v + 2 * n_v * t * d)
+                           + 4 * 2 * (n_t * d * v + n_v * t * d))  # fp32 atomic read + write of dW and dh
 
 
 def _pad_tokens(h_td, labels_t, bt: int, ignore_index: int):
