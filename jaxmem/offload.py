@@ -83,13 +83,6 @@ def mark_host_entries(cfg: Config, state: dict) -> dict:
     return out
 
 
-def _put_params(cfg: Config, params: dict, default_space) -> dict:
-    if cfg.offload.params != "host" or params is None:
-        return jax.tree.map(lambda x: jax.device_put(x, default_space), params)
-    out = to_device({k: v for k, v in params.items() if k != "layers"})
-    return dict(out, layers=to_host(params["layers"]))
-
-
 def layer_fetch(cfg: Config, dtype) -> Callable:
     """fetch(layer_state) for remat.layer_scan: host weights come to the device, in the grad dtype."""
     if cfg.offload.params != "host":
@@ -106,9 +99,9 @@ def cast_for_grad(cfg: Config, params: dict, dtype) -> dict:
 
 
 def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params, scale):
-    """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.optim.layerwise_update) where the
-    config says: on the host under compute_on("device_host"), or on the device with each layer's slice
-    of a host-resident state streamed in and its results streamed back."""
+    """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.optim.layerwise_update)
+    where the config says: on the host under compute_on("device_host"), or on the device with each
+    layer's slice of a host-resident state streamed in and its results streamed back."""
     opt_home = HOST if cfg.offload.optimizer == "host" else DEVICE
     layer_home = HOST if cfg.offload.params == "host" else DEVICE
     put = lambda space: (lambda tree: jax.tree.map(lambda x: jax.device_put(x, space), tree))  # noqa: E731

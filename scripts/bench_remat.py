@@ -40,9 +40,10 @@ def _dot_flops(eqn) -> int:
 
 
 def matmul_flops(jaxpr, multiplier: int = 1) -> int:
-    """Matmul FLOPs of a jaxpr: dot_general, plus each Pallas kernel's declared cost estimate (the flash
-    attention kernels declare their matmul FLOPs); recurses into sub-jaxprs, scan bodies count `length`
-    times, so the forward ops a checkpoint recomputes in the backward pass are counted where they rerun."""
+    """Matmul FLOPs of a jaxpr (all devices together): dot_general, plus each Pallas kernel's declared cost
+    estimate (the flash attention kernels declare their matmul FLOPs); recurses into sub-jaxprs, scan
+    bodies count `length` times, shard_map bodies once per shard, so the forward ops a checkpoint
+    recomputes in the backward pass are counted where they rerun."""
     total = 0
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "dot_general":
@@ -53,6 +54,9 @@ def matmul_flops(jaxpr, multiplier: int = 1) -> int:
                 raise ValueError("a pallas_call without a cost_estimate: its FLOPs cannot be counted")
             total += multiplier * int(cost.flops)
         inner = multiplier * (eqn.params["length"] if eqn.primitive.name == "scan" else 1)
+        if eqn.primitive.name == "shard_map":  # the body's shapes are per shard: every shard runs it
+            mesh = eqn.params["mesh"]
+            inner *= math.prod(mesh.shape[a] for a in eqn.params["newly_manual_axes"])
         for value in eqn.params.values():
             for sub in value if isinstance(value, (list, tuple)) else [value]:
                 if isinstance(sub, jcore.ClosedJaxpr):
@@ -62,15 +66,18 @@ def matmul_flops(jaxpr, multiplier: int = 1) -> int:
     return total
 
 
-def measure(preset: str, overrides: list[str]) -> dict:
+def measure(preset: str, overrides: list[str], known: dict | None = None) -> dict:
+    """Compiles for the memory figures (or reuses `known`, a row of an earlier run) and counts FLOPs."""
     cfg = load_config(BASE, COMMON + overrides + [f"remat.preset={preset}"])
     devices = aot.target_devices("h100-80g", 8)
     t0 = time.time()
-    figures = memory_figures(build_program(cfg, devices=devices).lower().compile())
-    compile_s = time.time() - t0
+    figures = known or memory_figures(build_program(cfg, devices=devices).lower().compile())
+    compile_s = known["compile_seconds"] if known else time.time() - t0
     prog = build_program(cfg, devices=devices)  # traced again: the compiled executable holds no jaxpr
     flops = matmul_flops(jax.make_jaxpr(prog.step_fn())(prog.abstract_state, prog.abstract_batch()).jaxpr)
     layer_inputs = cfg.model.n_layers * cfg.train.micro_batch * cfg.train.seq_len * cfg.model.d_model * 2
+    figures = {k: v for k, v in figures.items() if k not in ("preset", "matmul_flops", "compile_seconds",
+                                                             "layer_input_bytes")}
     return {"preset": preset, **figures, "matmul_flops": flops, "compile_seconds": round(compile_s, 1),
             "layer_input_bytes": layer_inputs}
 
@@ -115,11 +122,16 @@ def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--presets", default=",".join(remat.PRESETS))
     ap.add_argument("--out", default="benchmarks")
+    ap.add_argument("--flops-only", action="store_true",
+                    help="recount FLOPs, reusing the memory figures of OUT/remat.json (same overrides)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    known = {}
+    if args.flops_only:
+        known = {r["preset"]: r for r in json.loads((Path(args.out) / "remat.json").read_text())["rows"]}
     rows = []
     for preset in args.presets.split(","):
-        rows.append(measure(preset, args.overrides))
+        rows.append(measure(preset, args.overrides, known.get(preset)))
         print(json.dumps(rows[-1]), flush=True)
     out = Path(args.out)
     out.mkdir(exist_ok=True)

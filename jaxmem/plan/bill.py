@@ -199,7 +199,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True) -> Bill:
     from jaxmem.program import batch_layout
 
     accum, rows = batch_layout(cfg, data_ways)
-    inputs = accum * (rows // data_ways) * (t.seq_len + 1) * 4 + 4 + 4 * _count_scalars(cfg)
+    inputs = accum * (rows // data_ways) * (t.seq_len + 1) * 4 + _counter_bytes(cfg)
     cd = _itemsize(prec.compute)
 
     per_name = name_shapes(cfg, sizes)
@@ -251,11 +251,15 @@ def _layer_param_elems(cfg: Config) -> int:
     return 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
 
 
-def _count_scalars(cfg: Config) -> int:
-    """Scalar state leaves besides `step`: optimizer counters (read from optax itself) and the loss scale."""
+def _counter_bytes(cfg: Config) -> int:
+    """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
+    program's own state layout so it follows jaxmem.program."""
     from jaxmem.optim import make_optimizer
+    from jaxmem.program import _assemble_state
 
-    leaves, _, _ = state_leaves(cfg, {"dp": 1, "fsdp": 1, "tp": 1})
-    opt_state = jax.eval_shape(make_optimizer(cfg).init, leaves)
-    return sum(1 for x in jax.tree.leaves(opt_state) if x.ndim == 0) + (2 if cfg.precision.loss_scale.enabled
-                                                                          else 0)
+    prec = Precision.from_config(cfg.precision)
+    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
+    state = jax.eval_shape(lambda p: _assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+    small = [x for k, x in state.items() if k not in ("params", "master", "opt")]
+    small += [x for x in jax.tree.leaves(state["opt"]) if not np.issubdtype(x.dtype, np.floating)]
+    return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(small))
