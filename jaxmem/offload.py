@@ -51,14 +51,20 @@ def host_keys(cfg: Config) -> tuple[str, ...]:
     return keys
 
 
-def place_shardings(cfg: Config, shardings: dict) -> dict:
-    """State shardings with the host-resident entries moved to pinned host memory."""
+def place_shardings(cfg: Config, shardings: dict, abstract: dict) -> dict:
+    """State shardings with the host-resident entries moved to pinned host memory.
+
+    Scalars (Adam's step count) stay on the device: XLA 0.10.2 fails to compile
+    ("doesn't have correct host memory space color") when a host scalar argument
+    feeds the host computation.
+    """
     out = dict(shardings)
+    host = lambda s, a: memory_kinds_shim.host_sharding(s) if a.ndim else s  # noqa: E731
     for key in host_keys(cfg):
         if key == "params":
-            out[key] = dict(out[key], layers=jax.tree.map(memory_kinds_shim.host_sharding, out[key]["layers"]))
+            out[key] = dict(out[key], layers=jax.tree.map(host, out[key]["layers"], abstract[key]["layers"]))
         elif key in out:
-            out[key] = jax.tree.map(memory_kinds_shim.host_sharding, out[key])
+            out[key] = jax.tree.map(host, out[key], abstract[key])
     return out
 
 
@@ -70,6 +76,11 @@ def to_host(tree):
     return jax.tree.map(lambda x: jax.device_put(x, HOST), tree)
 
 
+def _state_home(tree):
+    """Host-resident optimizer state between steps: arrays on the host, scalars on the device."""
+    return jax.tree.map(lambda x: jax.device_put(x, HOST if x.ndim else DEVICE), tree)
+
+
 def mark_host_entries(cfg: Config, state: dict) -> dict:
     """Names the host-resident inputs as host values inside the step.
 
@@ -77,7 +88,7 @@ def mark_host_entries(cfg: Config, state: dict) -> dict:
     devices the shim places the buffers on the host but the avals still say
     device, and compute_on needs every input in the same space.
     """
-    out = {k: to_host(v) if k in host_keys(cfg) and k != "params" else v for k, v in state.items()}
+    out = {k: _state_home(v) if k in host_keys(cfg) and k != "params" else v for k, v in state.items()}
     if cfg.offload.params == "host":
         out["params"] = dict(state["params"], layers=to_host(state["params"]["layers"]))
     return out
@@ -110,8 +121,9 @@ def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params,
         new_params, new_opt, new_weights, aux = run(*to_host((grads, opt_state, weights, params, scale)))
         rest = {k: v for k, v in new_params.items() if k != "layers"}
         layers = put(layer_home)(new_params["layers"])
-        return dict(to_device(rest), layers=layers), new_opt, new_weights, to_device(aux)
-    homes = {"rest": (put(DEVICE), put(opt_home), put(opt_home)),
+        return dict(to_device(rest), layers=layers), _state_home(new_opt), new_weights, to_device(aux)
+    state_home = _state_home if opt_home == HOST else put(DEVICE)
+    homes = {"rest": (put(DEVICE), state_home, state_home),
              "layers": (put(layer_home), put(opt_home), put(opt_home))}
     return update(grads, opt_state, weights, params, scale, fetch=to_device, homes=homes)
 

@@ -135,7 +135,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
         specs["master"] = opt_specs
     if "loss_scale" in abstract:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
-    shardings = offload.place_shardings(cfg, sharding.named(mesh, specs))
+    shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     grad_accum, rows = batch_layout(cfg, sharding.data_ways(mesh))

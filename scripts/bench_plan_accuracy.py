@@ -32,8 +32,8 @@ BASE = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "p
 TOLERANCE = 0.10
 MISS_NOTE = (
     "Where the bill misses: XLA's compiled device total is the size of its buffer assignment, which exceeds the "
-    "bytes live at the peak (llama3-8b, full remat, seq 4096, optimizer on the device, program of 02:40 UTC: 23.33 GiB assigned vs "
-    "17.62 GiB live at the peak, read with `jaxmem explain`). The bill estimates live bytes, and its layer phase "
+    "bytes live at the peak (llama3-8b, full remat, seq 4096, optimizer on the device, program of 02:40 UTC: "
+    "23.33 GiB assigned vs 17.62 GiB live at the peak, read with `jaxmem explain`). The bill estimates live bytes, and its layer phase "
     "assumes 11 bytes per plain-XLA attention score element (fp32 scores, fp32 score gradient, bf16 probs, mask; "
     "`jaxmem explain` showed 7 to 11 at the peaks), which offsets that slack while the optimizer update runs on "
     "the device. With the optimizer state and update on the host the device peak drops below the bill's layer "

@@ -95,7 +95,7 @@ def render(rows: list[dict], overrides: list[str]) -> str:
              "FLOPs each flash-attention Pallas kernel declares in its cost estimate; scan bodies count x trip "
              "count, and forward ops a checkpoint reruns in the backward pass count again. Elementwise "
              "recompute (norms, SiLU, RoPE) is not counted. Nothing here was measured on a GPU.", "",
-             f"Command: `JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_remat.py {' '.join(overrides)}`".strip(),
+             "Command: `" + " ".join(["JAX_PLATFORMS=cpu .venv/bin/python scripts/bench_remat.py", *overrides]) + "`",
              f"Config: `{BASE}` + `{' '.join(COMMON + overrides)}`", "",
              "| preset | device GiB | temp GiB | host GiB | saved activations GiB | vs none | extra FLOPs vs none |",
              "|---|---:|---:|---:|---:|---:|---:|"]
@@ -106,7 +106,12 @@ def render(rows: list[dict], overrides: list[str]) -> str:
         lines.append(f"| {r['preset']} | {r['device'] / GIB:.2f} | {r['temp'] / GIB:.2f} | {r['host'] / GIB:.2f} | "
                      f"{s / GIB:.2f} | {frac} | {extra} |" if s is not None else f"| {r['preset']} | ... |")
     lines += ["", "*saved activations* = temp (device + host) minus `full`'s temp, plus the layer inputs `full` "
-              "keeps (L x B x T x D x 2 bytes): the bytes a preset keeps alive for the backward pass.", ""]
+              "keeps (L x B x T x D x 2 bytes): the bytes a preset keeps alive for the backward pass.", "",
+              "Why `selective` and `dots` still cost a few percent: the flash-attention forward kernel runs "
+              "again in the backward pass, because its logsumexp residual carries no checkpoint name (and is "
+              "not a dot), so no names-based policy can keep it; everything else they recompute is "
+              "elementwise. `offload_*` presets keep what their device twins keep, in pinned host memory "
+              "(`host GiB`), at the same FLOPs.", ""]
     if none and full and "selective" in by:
         sel = by["selective"]
         cut = 1 - saved(sel) / saved(none)

@@ -67,7 +67,8 @@ StackFrames
 1 {file_location_id=1 parent_frame_id=1}
 
 ENTRY %main (p: f32[2]) -> f32[2] {
-  %w = (s32[], f32[4,2,8]{2,1,0}, /*index=2*/bf16[3]{0}) while(%t), condition=%c, body=%b, metadata={op_name="jit(step)/while" stack_frame_id=1}
+  %w = (s32[], f32[4,2,8]{2,1,0}, /*index=2*/bf16[3]{0}) while(%t), condition=%c, body=%b, \
+metadata={op_name="jit(step)/while" stack_frame_id=1}
   ROOT %r = f32[2]{0} add(%p, %p)
 }
 """

@@ -104,7 +104,8 @@ def test_sharded_loss_matches_reference(impl, shape):
 
 def test_dispatch_choices_and_errors():
     assert select_loss(KernelConfig(loss="auto"), "cpu").func is chunked.linear_cross_entropy
-    assert select_loss(KernelConfig(loss="auto"), "gpu").func is pallas.linear_cross_entropy
+    assert select_loss(KernelConfig(loss="auto"), "gpu").func is chunked.linear_cross_entropy
+    assert select_loss(KernelConfig(loss="pallas"), "gpu").keywords["interpret"] is False
     assert select_loss(KernelConfig(loss="pallas"), "cpu").keywords["interpret"] is True
     with pytest.raises(KernelUnavailable, match="kernels.loss='triton'.*no CPU"):
         select_loss(KernelConfig(loss="triton"), "cpu")

@@ -53,7 +53,8 @@ def test_offloaded_training_matches_all_device(name, all_device):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                              rtol=1e-6, atol=1e-7), state[key], ref_state[key])
     if "offload.optimizer=host" in VARIANTS[name]:
-        assert _kinds(state["opt"]) == _kinds(state["master"]) == {"pinned_host"}
+        arrays = [x for x in jax.tree.leaves((state["opt"], state["master"])) if x.ndim]
+        assert {x.sharding.memory_kind for x in arrays} == {"pinned_host"}
     if "offload.params=host" in VARIANTS[name]:
         assert _kinds(state["params"]["layers"]) == {"pinned_host"}
         assert _kinds(state["params"]["embed"]) == {"device"}
@@ -83,7 +84,8 @@ H100_8B = ["model.preset=llama3-8b", "model.n_layers=2", "train.seq_len=2048", "
 
 
 def _bytes(tree) -> int:
-    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    """Bytes of the arrays in `tree` (scalars, e.g. Adam's count, stay on the device by design)."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree) if x.ndim)
 
 
 def _compile(overrides):

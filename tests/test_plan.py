@@ -117,10 +117,12 @@ def test_bill_saved_activations_follow_the_remat_policy():
     sel = compute_bill(load_config(None, base + ["remat.preset=selective"]), 8)
     assert sel.activations_by_name["mlp_gate"] == 1024 * 14336 * 2 * 32
     assert sel.activations_by_name["key_proj"] == 1024 * 8 * 128 * 2 * 32
+    assert "mlp_out" not in sel.activations_by_name  # the layer output is no residual of its own backward
     off = compute_bill(load_config(None, base + ["remat.preset=offload_layer_inputs"]), 8)
     assert off.offloaded_by_name == {"layer_input": btd} and off.host["activations"] == btd
     none = compute_bill(load_config(None, base + ["remat.preset=none"]), 8)
     assert none.activations_by_name["attention_scores"] == 32 * 1024 * 1024 * 4 * 32
+    assert none.activations_by_name["norm_inputs_fp32"] == 4 * 1024 * 4096 * 4 * 32
     flash = compute_bill(load_config(None, base + ["remat.preset=none", "kernels.attention=pallas"]), 8)
     assert "attention_scores" not in flash.activations_by_name
 
