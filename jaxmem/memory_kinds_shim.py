@@ -64,6 +64,18 @@ def is_host(sharding) -> bool:
     return getattr(sharding, "memory_kind", None) == HOST_KIND or id(sharding) in _host_by_id
 
 
+def uses_shim(tree) -> bool:
+    """Whether any sharding in `tree` is a shim host sharding (compile-only devices)."""
+    return any(id(s) in _host_by_id and _host_by_id[id(s)] is s for s in jax.tree.leaves(tree))
+
+
+def clear_lowering_caches() -> None:
+    """jax caches lowerings keyed on sharding equality, which cannot tell a shim host sharding from its
+    default twin (measured: compiling the all-device step first made the host-offload step fail with
+    "doesn't have correct host memory space color"). Lower shim programs between cleared caches."""
+    jax.clear_caches()
+
+
 def install() -> None:
     """Wraps the two private lowering hooks (idempotent). Raises ShimUnsupported on another jax."""
     global _installed

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import kernels, offload, remat, sharding
+from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding
 from jaxmem.config import Config, ConfigError
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.model import ForwardContext, abstract_model, init_model
@@ -97,7 +97,13 @@ class TrainProgram:
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
     def lower(self):
-        return self.jit_step().lower(self.abstract_state, self.abstract_batch())
+        if not memory_kinds_shim.uses_shim(self.state_shardings):
+            return self.jit_step().lower(self.abstract_state, self.abstract_batch())
+        memory_kinds_shim.clear_lowering_caches()
+        try:
+            return self.jit_step().lower(self.abstract_state, self.abstract_batch())
+        finally:
+            memory_kinds_shim.clear_lowering_caches()
 
 
 def _assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:

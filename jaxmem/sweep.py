@@ -83,7 +83,10 @@ def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, 
     results: dict[str, dict] = {}
     if todo:
         ctx = multiprocessing.get_context("spawn")
-        with futures.ProcessPoolExecutor(max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx) as pool:
+        # A fresh process per point: compiles with host memory placement misbehave after other compiles in the
+        # same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
+        with futures.ProcessPoolExecutor(max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx,
+                                         max_tasks_per_child=1) as pool:
             running = {pool.submit(_plan_point, config, base_overrides + o, target, compile): (o, k, p)
                        for o, k, p in todo}
             for fut in futures.as_completed(running):

@@ -30,6 +30,11 @@ BASE = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "p
         "precision.grad_reduce_dtype=bfloat16", "train.seq_len=4096", "train.micro_batch=1", "parallel.fsdp=-1",
         "parallel.zero_stage=3", "kernels.loss=naive", "kernels.attention=xla", "target.gpus_per_host=8"]
 TOLERANCE = 0.10
+PROCESS_NOTE = (
+    "The `full-remat+opt-host` rows come from a separate process (`--setting full-remat+opt-host --merge`): "
+    "compiled in the same process after the other configs, their host-placement compile failed three runs out "
+    "of three (XLA: `Copy-start ... doesn't have correct host memory space color S(5)`), while a fresh process "
+    "compiled them each time; `jaxmem sweep` therefore plans every point in a fresh worker process.")
 MISS_NOTE = (
     "Where the bill misses: XLA's compiled device total is the size of its buffer assignment, which exceeds the "
     "bytes live at the peak (llama3-8b, full remat, seq 4096, optimizer on the device, program of 02:40 UTC: "
@@ -137,6 +142,7 @@ def write(rows: list[dict], qwen_s: float | None, target: str) -> None:
               "else (compiled: temp + output - alias).", ""]
     if ok < len([r for r in rows if "error" not in r]):
         lines += [MISS_NOTE, ""]
+    lines += [PROCESS_NOTE, ""]
     for run in qwen_s or []:
         how = f" with `{' '.join(run['overrides'])}`" if run["overrides"] else ""
         state = f"failed ({run['error']})" if run["error"] else "completed"
