@@ -129,7 +129,7 @@ def render(plan: dict, console=None) -> None:
     cost = plan["cost"]
     console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute); "
                   + (f"step {_seconds(cost['step_seconds'])}, MFU {cost['mfu']:.1%} " if cost["step_seconds"] else "")
-                  + "[estimated (cost model)]")
+                  + "- estimated (cost model)")
     verdict = {True: "[green]fits[/green]", False: "[red]does not fit[/red]", None: "no capacity known"}
     usable = plan["usable_device_bytes"]
     gib = _unit(GIB)
