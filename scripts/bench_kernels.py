@@ -158,7 +158,7 @@ def _roofline(cost) -> dict:
 
 def costs() -> dict:
     blocks = loss_blocks(KernelConfig())
-    n, kv, h = LLAMA3_8B["n"], LLAMA3_8B["kv"], LLAMA3_8B["h"]
+    n, h = LLAMA3_8B["n"], LLAMA3_8B["h"]
     return {
         "cross_entropy_fwd (pallas)": _roofline(pallas_ce.forward_cost(T, D, V, 2, blocks)),
         "cross_entropy_bwd (pallas)": _roofline(pallas_ce.backward_cost(T, D, V, 2, blocks)),

@@ -8,13 +8,12 @@ in a fp32 [T, D] buffer. Runs on every backend.
 """
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
 
 
 def _pad_tokens(h_td, labels_t, block_t: int, ignore_index: int):
@@ -75,13 +74,6 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
     return lse.reshape(-1)[:t], target.reshape(-1)[:t]
 
 
-def loss_sum(lse, target, labels_t, ignore_index, z_loss):
-    """Sum over valid tokens of lse - target + z_loss * lse^2 (the reference's per-token loss)."""
-    valid = labels_t != ignore_index
-    per_token = lse - target + z_loss * lse * lse
-    return jnp.sum(jnp.where(valid, per_token, 0.0))
-
-
 def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, ignore_index: int = IGNORE_INDEX,
                    z_loss: float = 0.0):
     """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard)."""
@@ -133,27 +125,10 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     return dh[:t].astype(h_td.dtype), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _chunked_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, z_loss):
-    return _chunked_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)[0]
-
-
-def _chunked_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss):
-    lse, target = forward_stats(h_td, w_dv, labels_t, blocks=blocks, ignore_index=ignore_index)
-    return loss_sum(lse, target, labels_t, ignore_index, z_loss), (h_td, w_dv, labels_t, lse)
-
-
-def _chunked_bwd(blocks, ignore_index, z_loss, res, g):
-    h_td, w_dv, labels_t, lse = res
-    dh, dw = backward_grads(h_td, w_dv, labels_t, lse, g, blocks=blocks, ignore_index=ignore_index, z_loss=z_loss)
-    return dh, dw, None
-
-
-_chunked_loss_sum.defvjp(_chunked_fwd, _chunked_bwd)
+_chunked = fused_linear_cross_entropy(forward_stats, backward_grads)
 
 
 def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = CrossEntropyBlocks(),
-                                 ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0):
+                         ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
-    loss = _chunked_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, float(z_loss))
-    return loss, jnp.sum(labels_t != ignore_index)
+    return _chunked(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)

@@ -18,9 +18,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxmem.kernels.cross_entropy.chunked import loss_sum
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
 
 
 def _pow2_divisor(n: int, cap: int) -> int:
@@ -184,28 +184,10 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     return dh[:t].astype(h_td.dtype), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _fused_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, interpret):
-    return _fused_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, interpret)[0]
-
-
-def _fused_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, interpret):
-    lse, target = forward_stats(h_td, w_dv, labels_t, blocks=blocks, ignore_index=ignore_index, interpret=interpret)
-    return loss_sum(lse, target, labels_t, ignore_index, z_loss), (h_td, w_dv, labels_t, lse)
-
-
-def _fused_bwd(blocks, ignore_index, z_loss, interpret, res, g):
-    h_td, w_dv, labels_t, lse = res
-    dh, dw = backward_grads(h_td, w_dv, labels_t, lse, g, blocks=blocks, ignore_index=ignore_index, z_loss=z_loss,
-                            interpret=interpret)
-    return dh, dw, None
-
-
-_fused_loss_sum.defvjp(_fused_fwd, _fused_bwd)
+_fused = fused_linear_cross_entropy(forward_stats, backward_grads)
 
 
 def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = CrossEntropyBlocks(),
                                 ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0, interpret: bool = False):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
-    loss = _fused_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, float(z_loss), interpret)
-    return loss, jnp.sum(labels_t != ignore_index)
+    return _fused(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, (("interpret", interpret),))

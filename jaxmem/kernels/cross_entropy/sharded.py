@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmem.kernels.cross_entropy.chunked import loss_sum
+from jaxmem.kernels.cross_entropy.vjp import loss_sum
 from jaxmem.kernels.mesh_axes import data_axes, tp_axis
 
 

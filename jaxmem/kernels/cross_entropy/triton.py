@@ -8,16 +8,15 @@ running the very same kernels under Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
 import triton
 import triton.language as tl
 
-from jaxmem.kernels.cross_entropy.chunked import loss_sum
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
 
 COMPUTE_CAPABILITY = 90
 
@@ -148,27 +147,10 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     return dh.astype(h_td.dtype), dw
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
-def _fused_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, z_loss):
-    return _fused_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)[0]
-
-
-def _fused_fwd(h_td, w_dv, labels_t, blocks, ignore_index, z_loss):
-    lse, target = forward_stats(h_td, w_dv, labels_t, blocks=blocks, ignore_index=ignore_index)
-    return loss_sum(lse, target, labels_t, ignore_index, z_loss), (h_td, w_dv, labels_t, lse)
-
-
-def _fused_bwd(blocks, ignore_index, z_loss, res, g):
-    h_td, w_dv, labels_t, lse = res
-    return (*backward_grads(h_td, w_dv, labels_t, lse, g, blocks=blocks, ignore_index=ignore_index, z_loss=z_loss),
-            None)
-
-
-_fused_loss_sum.defvjp(_fused_fwd, _fused_bwd)
+_fused = fused_linear_cross_entropy(forward_stats, backward_grads)
 
 
 def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = CrossEntropyBlocks(),
                          ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
-    loss = _fused_loss_sum(h_td, w_dv, labels_t, blocks, ignore_index, float(z_loss))
-    return loss, jnp.sum(labels_t != ignore_index)
+    return _fused(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)
