@@ -1,7 +1,9 @@
 """`jaxmem` command line: each subcommand lives in its own module's `main(argv)`."""
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import sys
 
 COMMANDS = {
@@ -19,6 +21,21 @@ def _usage() -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """Silences C++ logging on fd 2 (the CUDA plugin's "Could not find cuda drivers" lines on CPU hosts)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -28,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"jaxmem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    if not os.path.exists("/proc/driver/nvidia"):  # no GPU here: the plugin's import chatter is noise
+        with _quiet_native_stderr():
+            import jax  # noqa: F401
     module = importlib.import_module(COMMANDS[name][0])
     from jaxmem.config import ConfigError
 

@@ -137,9 +137,9 @@ class OffloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = "naive"
-    attention: Literal["auto", "xla", "pallas", "cudnn"] = "xla"
-    norm: Literal["auto", "xla", "pallas"] = "xla"
+    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = "auto"
+    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
+    norm: Literal["auto", "xla", "pallas"] = "auto"
     loss_block_t: int = 1024  # chunked loss: tokens per tile
     loss_block_v: int = 4096  # chunked loss: vocab columns per tile
     fused_loss_block_t: int = 128  # pallas / triton loss tiles (powers of two)

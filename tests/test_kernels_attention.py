@@ -5,7 +5,7 @@ import pytest
 
 from jaxmem.config import KernelConfig
 from jaxmem.kernels import KernelUnavailable, select_attention
-from jaxmem.kernels.attention.config import AttentionBlocks
+from jaxmem.kernels.attention.config import SHARED_MEMORY_BUDGET, AttentionBlocks, fit_shared_memory
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.kernels.attention.reference import attention_reference
 from test_kernels_common import TOLERANCES, assert_close
@@ -96,3 +96,22 @@ def test_pallas_compiles_for_h100_llama3_8b_seq_8192():
     memory = jax.jit(fwd_bwd).lower(spec(32), spec(8), spec(8)).compile().memory_analysis()
     # the XLA path holds 32 x 8192 x 8192 fp32 scores (8 GiB) and their gradient; the kernel holds none
     assert memory.temp_size_in_bytes < 0.25 * 2**30
+
+
+def test_blocks_shrink_to_fit_the_smallest_shared_memory():
+    bf16 = fit_shared_memory(AttentionBlocks(), 128, 2)
+    assert bf16 == AttentionBlocks()  # the defaults already fit in bf16
+    fp32 = fit_shared_memory(AttentionBlocks(), 128, 4)
+    assert (fp32.block_q, fp32.block_k) == (64, 32)
+    assert 4 * 128 * (fp32.block_q + 2 * fp32.num_stages * fp32.block_k) <= SHARED_MEMORY_BUDGET
+
+
+def test_fp32_head_dim_128_compiles_for_rtx4090():
+    """Deviceless sm_89 compile (99 KiB shared memory): the default 64 x 64 fp32 tiles would not fit."""
+    from jaxmem.aot import target_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("rtx4090-24g", 1)[0])
+    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32, sharding=sharding)
+    loss = lambda q, k, v: flash_attention(q, k, v).sum()
+    jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()

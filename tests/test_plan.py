@@ -110,7 +110,8 @@ def test_topology_flags_override_config_and_bad_values_are_rejected():
 
 
 def test_bill_saved_activations_follow_the_remat_policy():
-    base = ["model.preset=llama3-8b", "parallel.fsdp=8", "train.seq_len=1024", "precision.compute_dtype=bfloat16"]
+    base = ["model.preset=llama3-8b", "parallel.fsdp=8", "train.seq_len=1024", "precision.compute_dtype=bfloat16",
+            "kernels.attention=xla"]
     btd = 1024 * 4096 * 2 * 32  # B*T*D bf16 over 32 layers
     full = compute_bill(load_config(None, base + ["remat.preset=full"]), 8)
     assert full.activations_by_name == {"layer_input": btd}

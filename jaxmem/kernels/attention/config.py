@@ -20,3 +20,29 @@ class AttentionBlocks:
             value = getattr(self, name)
             if value & (value - 1) or value < 16:
                 raise ValueError(f"attention block size {name}: {value} must be a power of two >= 16")
+
+
+# Smallest opt-in shared memory per block among the shipped targets (RTX 4090 / L40S, sm_89: 99 KiB),
+# rounded down: blocks that fit it build on every target.
+SHARED_MEMORY_BUDGET = 96 * 1024
+
+
+def fit_shared_memory(blocks: AttentionBlocks, head_dim: int, itemsize: int,
+                      budget: int = SHARED_MEMORY_BUDGET) -> AttentionBlocks:
+    """Halves block_k, then block_q (not below 16) until the tiles fit `budget` bytes of shared memory.
+
+    Estimate: one q tile plus `num_stages` pipelined k and v tiles, the kernels' largest working set.
+    """
+    def need(b: AttentionBlocks) -> int:
+        return itemsize * head_dim * (b.block_q + 2 * b.num_stages * b.block_k)
+
+    while need(blocks) > budget:
+        if blocks.block_k > 16 and blocks.block_k >= blocks.block_q:
+            blocks = dataclasses.replace(blocks, block_k=blocks.block_k // 2)
+        elif blocks.block_q > 16:
+            blocks = dataclasses.replace(blocks, block_q=blocks.block_q // 2)
+        elif blocks.block_k > 16:
+            blocks = dataclasses.replace(blocks, block_k=blocks.block_k // 2)
+        else:
+            break
+    return blocks

@@ -20,7 +20,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.kernels.attention.config import AttentionBlocks
+from jaxmem.kernels.attention.config import AttentionBlocks, fit_shared_memory
 from jaxmem.kernels.mesh_axes import data_axes, is_sharded, tp_axis
 
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
@@ -244,6 +244,7 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
     if t != s:
         raise ValueError(f"flash_attention: query length {t} != key length {s}; only self-attention is supported")
     scale = h**-0.5 if scale is None else float(scale)
+    blocks = fit_shared_memory(blocks, h, q_btnh.dtype.itemsize)
     step = max(blocks.block_q, blocks.block_k)
     pad = -t % step
     q, k, v, seg = q_btnh, k_bskh, v_bskh, segment_ids_bt
