@@ -22,6 +22,11 @@ class GpuTarget:
     shared_memory_per_block_optin: int
     source: str
 
+    def peak_flops(self, compute_dtype: str) -> float:
+        """Dense matmul peak for the compute dtype. fp32 matmuls run as TF32 on these GPUs by default,
+        at half the bf16 rate on every shipped target (per the same datasheets)."""
+        return self.bf16_flops / 2 if compute_dtype == "float32" else self.bf16_flops
+
     def target_config_text(self) -> str:
         major, minor = self.compute_capability
         return (

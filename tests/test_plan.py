@@ -122,7 +122,8 @@ def test_bill_saved_activations_follow_the_remat_policy():
     off = compute_bill(load_config(None, base + ["remat.preset=offload_layer_inputs"]), 8)
     assert off.offloaded_by_name == {"layer_input": btd} and off.host["activations"] == btd
     none = compute_bill(load_config(None, base + ["remat.preset=none"]), 8)
-    assert none.activations_by_name["attention_scores"] == 32 * 1024 * 1024 * 4 * 32
+    # fp32 scores + fp32 softmax + bf16 probs per score element, every layer
+    assert none.activations_by_name["attention_scores"] == 32 * 1024 * 1024 * (4 + 4 + 2) * 32
     assert none.activations_by_name["norm_inputs_fp32"] == 4 * 1024 * 4096 * 4 * 32
     flash = compute_bill(load_config(None, base + ["remat.preset=none", "kernels.attention=pallas"]), 8)
     assert "attention_scores" not in flash.activations_by_name
@@ -206,3 +207,9 @@ def test_cost_model_counts_recompute_and_labels_estimates():
     assert cost.recompute_flops == layer_recompute * m.n_layers
     assert 0 < cost.mfu < 0.7 and cost.step_seconds >= cost.compute_seconds
     assert cost.to_json()["label"] == "estimated (cost model)"
+    # fp32 matmuls run as TF32, at half the bf16 peak: the same FLOPs take twice as long
+    fp32 = load_config(None, base + ["remat.preset=full", "precision.compute_dtype=float32"])
+    bf16 = load_config(None, base + ["remat.preset=full", "precision.compute_dtype=bfloat16"])
+    t32 = estimate(fp32, compute_bill(fp32, 8), TARGETS["h100-80g"], 8, 1, 8).compute_seconds
+    t16 = estimate(bf16, compute_bill(bf16, 8), TARGETS["h100-80g"], 8, 1, 8).compute_seconds
+    assert t32 == pytest.approx(2 * t16)

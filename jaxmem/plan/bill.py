@@ -29,6 +29,11 @@ _DOT_NAMES = (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.ATT
 # the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless H100 compiles).
 _SCORE_WORKING_COPIES_F32 = 2
 _MASK_BYTES = 1
+# Per score element saved for the backward when plain attention is not rematerialized: the fp32 scores,
+# the fp32 softmax output and the compute-dtype probs fed to the second matmul. Fitted to deviceless
+# H100 compiles of configs/ladder/{1-fp32,2-bf16}.yaml (Llama-3-8B, seq 4096, no remat): 11.2 and 9.5
+# bytes per element measured from the compiled totals, 12 and 10 here.
+_SAVED_SCORE_BYTES_F32 = 8
 
 
 @dataclasses.dataclass
@@ -230,7 +235,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True) -> Bill:
     notes = []
     scores = score_elems(cfg, sizes)
     if scores_saved(cfg, gpu):
-        saved_dev["attention_scores"] = scores * 4 * m.n_layers
+        saved_dev["attention_scores"] = scores * (_SAVED_SCORE_BYTES_F32 + cd) * m.n_layers
         notes.append("plain XLA attention keeps the S x S scores of every layer (use a flash kernel or a "
                      "policy that does not save dots)")
     activations = sum(saved_dev.values())

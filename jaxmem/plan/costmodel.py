@@ -96,7 +96,8 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     hardware = model_flops + recompute
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)
-    compute = hardware / (n_devices * gpu.bf16_flops * MATMUL_EFFICIENCY)
+    peak = gpu.peak_flops(cfg.precision.compute_dtype)
+    compute = hardware / (n_devices * peak * MATMUL_EFFICIENCY)
     # FSDP: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch.
     ways = bill.mesh["fsdp"] * bill.mesh["dp"] if cfg.parallel.zero_stage == 3 else 1
     weight_bytes = n_params * 2 / bill.mesh["tp"]
@@ -106,5 +107,5 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
         host_bytes += bill.device["grads"] + n_params * 2 / n_devices
     host_link = host_bytes / gpu.host_link_bandwidth
     step = max(compute, collective, host_link)
-    mfu = model_flops / (step * n_devices * gpu.bf16_flops) if step else 0.0
+    mfu = model_flops / (step * n_devices * peak) if step else 0.0
     return Cost(n_params, model_flops, hardware, recompute, compute, collective, host_link, step, mfu, tokens)
