@@ -15,6 +15,24 @@ def assert_close(actual, expected, tol, what):
     assert err <= tol * scale, f"{what}: max |err| {err:.3g} > {tol} x max |ref| {scale:.3g}"
 
 
+LLAMA3_LOSS_SHAPE = (8192, 4096, 128256)  # tokens, hidden, vocab
+
+
+def compile_loss_for_h100(linear_cross_entropy, shape=LLAMA3_LOSS_SHAPE):
+    """Deviceless sm_90 compile of loss + grads of h and W in bf16; returns XLA's memory analysis."""
+    import jax
+
+    from jaxmem.aot import target_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
+    t, d, v = shape
+    args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((t,), jnp.int32, sharding=sharding))
+    step = lambda h, w, l: jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, l)[0], (0, 1))(h, w)
+    return jax.jit(step).lower(*args).compile().memory_analysis()
+
+
 def test_assert_close_rejects_a_wrong_value():
     assert_close(jnp.ones(3), jnp.ones(3), 1e-6, "same")
     try:

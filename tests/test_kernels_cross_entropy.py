@@ -12,7 +12,7 @@ from jaxmem.kernels import KernelUnavailable, select_attention, select_loss
 from jaxmem.kernels.cross_entropy import chunked, pallas
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
-from test_kernels_common import TOLERANCES, assert_close
+from test_kernels_common import LLAMA3_LOSS_SHAPE, compile_loss_for_h100, TOLERANCES, assert_close
 
 SMALL = CrossEntropyBlocks(block_t=16, block_v=64, pallas_block_t=16, pallas_block_v=64, pallas_block_d=16,
                            slab_v=192)
@@ -122,16 +122,8 @@ def test_dispatch_choices_and_errors():
 @pytest.mark.slow
 def test_pallas_compiles_for_h100_at_llama3_size():
     """Deviceless sm_90 compile at T=8192, D=4096, V=128256 (bf16): builds, and the scratch stays small."""
-    from jaxmem.aot import target_devices
-
-    dev = target_devices("h100-80g", 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(dev)
-    t, d, v = 8192, 4096, 128256
-    args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16, sharding=sharding),
-            jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=sharding),
-            jax.ShapeDtypeStruct((t,), jnp.int32, sharding=sharding))
-    step = lambda h, w, l: jax.value_and_grad(lambda h, w: pallas.linear_cross_entropy(h, w, l)[0], (0, 1))(h, w)
-    memory = jax.jit(step).lower(*args).compile().memory_analysis()
+    t, d, v = LLAMA3_LOSS_SHAPE
+    memory = compile_loss_for_h100(pallas.linear_cross_entropy)
     # the naive [T, V] fp32 logits alone are 4.2 GB; the fused scratch is dh fp32 + one fp32 dW slab
     assert memory.temp_size_in_bytes < 0.5 * 2**30
     assert memory.output_size_in_bytes >= 2 * (t * d + d * v)

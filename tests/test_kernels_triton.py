@@ -10,12 +10,11 @@ import subprocess
 import sys
 import textwrap
 
-import jax
-import jax.numpy as jnp
 import pytest
 
 from jaxmem.config import KernelConfig
 from jaxmem.kernels import KernelUnavailable, select_loss
+from test_kernels_common import compile_loss_for_h100
 
 INTERPRETED = textwrap.dedent("""
     import numpy as np, torch, triton
@@ -77,14 +76,7 @@ def test_triton_on_cpu_is_refused():
 
 @pytest.mark.slow
 def test_triton_compiles_for_h100_at_llama3_size():
-    from jaxmem.aot import target_devices
     from jaxmem.kernels.cross_entropy import triton as triton_ce
 
-    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
-    t, d, v = 8192, 4096, 128256
-    args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16, sharding=sharding),
-            jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=sharding),
-            jax.ShapeDtypeStruct((t,), jnp.int32, sharding=sharding))
-    step = lambda h, w, l: jax.value_and_grad(lambda h, w: triton_ce.linear_cross_entropy(h, w, l)[0], (0, 1))(h, w)
-    memory = jax.jit(step).lower(*args).compile().memory_analysis()
+    memory = compile_loss_for_h100(triton_ce.linear_cross_entropy)
     assert memory.temp_size_in_bytes < 0.5 * 2**30
