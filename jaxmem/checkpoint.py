@@ -130,10 +130,7 @@ def init_from(prog, path: str | Path) -> dict:
 
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
-    from jaxmem.program import _assemble_state  # the one place that defines the state's layout
-
     check_model_json(path, prog.cfg)
     params = restore_params(path, prog.abstract_state["params"])
-    assemble = jax.jit(lambda p: _assemble_state(prog.cfg, prog.precision, prog.optimizer, p),
-                       out_shardings=prog.state_shardings, donate_argnums=(0,))
+    assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=(0,))
     return assemble(params)

@@ -82,8 +82,11 @@ class TrainProgram:
 
     def _fresh_state(self, seed: int) -> dict:
         model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
-        params = nnx.to_pure_dict(nnx.split(model)[1])
-        return _assemble_state(self.cfg, self.precision, self.optimizer, params)
+        return self.state_from_params(nnx.to_pure_dict(nnx.split(model)[1]))
+
+    def state_from_params(self, params) -> dict:
+        """A step-0 train state (fresh optimizer state, master = fp32 params) around given params."""
+        return assemble_state(self.cfg, self.precision, self.optimizer, params)
 
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
@@ -106,7 +109,8 @@ class TrainProgram:
             memory_kinds_shim.clear_lowering_caches()
 
 
-def _assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
+def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
+    """The train state's layout, the one place that defines it."""
     master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if prec.master else None
     state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": init_opt_state(opt, master or params)}
     if master is not None:
@@ -134,7 +138,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     opt_specs = sharded
 
     abstract_params = nnx.to_pure_dict(abstract_params_state)
-    abstract = jax.eval_shape(lambda p: _assemble_state(cfg, prec, opt, p), abstract_params)
+    abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), abstract_params)
     specs = {"step": P(), "params": param_specs}
     specs["opt"] = opt_state_specs(opt, abstract["opt"], opt_specs, P())
     if "master" in abstract:

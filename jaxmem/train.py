@@ -75,7 +75,7 @@ def _oom_error(when: str, e: Exception) -> TrainError:
 def compile_step(prog: TrainProgram):
     """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError)."""
     try:
-        return prog.jit_step().lower(prog.abstract_state, prog.abstract_batch()).compile()
+        return prog.lower().compile()
     except jax.errors.JaxRuntimeError as e:
         if _is_oom(e):
             raise _oom_error("compiling", e) from None

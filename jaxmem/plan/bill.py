@@ -281,11 +281,11 @@ def _counter_bytes(cfg: Config) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
     program's own state layout so it follows jaxmem.program."""
     from jaxmem.optim import make_optimizer
-    from jaxmem.program import _assemble_state
+    from jaxmem.program import assemble_state
 
     prec = Precision.from_config(cfg.precision)
     params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
-    state = jax.eval_shape(lambda p: _assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+    state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params)
     small = [x for k, x in state.items() if k not in ("params", "master", "opt")]
     small += [x for x in jax.tree.leaves(state["opt"]) if not np.issubdtype(x.dtype, np.floating)]
     return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(small))
