@@ -8,13 +8,15 @@ different mesh or parallel layout than the one that saved it.
 from __future__ import annotations
 
 import dataclasses
-import json
+import re
 from pathlib import Path
 
 import jax
 import orbax.checkpoint as ocp
 
 from jaxmem.config import Config, ConfigError, config_hash
+from jaxmem.hf_config import read_json_object
+from jaxmem.precision import all_finite
 
 _STATE, _META = "state", "meta"
 
@@ -26,6 +28,48 @@ _TRAIN_LOCAL = ("progress", "tensorboard", "log_every", "micro_batch", "grad_acc
 # ModelConfig fields that must agree between an init_from checkpoint and the run.
 _MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
                "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
+RUN_META_KEYS = ("step", "data_position", "batch_rows")  # what `jaxmem train` reads back to resume
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why orbax failed: its innermost cause, without tensorstore's JSON spec."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    text = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)  # the step directory, named already
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _is_oom(e: Exception) -> bool:
+    return "RESOURCE_EXHAUSTED" in str(e)  # not damage: the devices are too small for the state
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """'opt.layers.0.mu.wq' -> shape for every leaf of a state, abstract state or orbax tree metadata."""
+    def name(path):
+        return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+    return {name(path): tuple(getattr(leaf, "shape", ())) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _saved_shapes(item_dir: Path) -> dict[str, tuple]:
+    """Leaf shapes of the orbax item at `item_dir`, from its metadata files only (no array is read)."""
+    tree = ocp.StandardCheckpointHandler().metadata(item_dir)  # raises on a missing or unreadable _METADATA
+    if tree is None:
+        raise FileNotFoundError(f"no tree metadata in {item_dir}")
+    return _shapes(tree)
+
+
+def _mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+    """What differs between a saved tree and the one a restore needs; None if they fit (dtypes may differ)."""
+    for key, shape in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params.")):  # params first
+        if key not in saved:
+            return f"it has no {key}"
+        if saved[key] != shape:
+            return f"{key} has shape {list(saved[key])}, this run's has {list(shape)}"
+    extra = sorted(set(saved) - set(wanted))
+    return f"it has {extra[0]}, which this run's state lacks" if extra else None
 
 
 def math_hash(cfg: Config) -> str:
@@ -52,8 +96,11 @@ class Checkpoints:
 
     def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
         self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():  # else the first save fails, after training
+            raise ConfigError(f"{self.directory}: is a file, not a checkpoint directory; move it or use a new out_dir")
+        # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
-                                               create=True)
+                                               create=False)
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
 
     @classmethod
@@ -78,14 +125,52 @@ class Checkpoints:
         self._manager.save(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}), force=True)
 
-    def restore(self, abstract_state: dict, step: int | None = None) -> tuple[dict, dict]:
-        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings."""
+    def restore(self, abstract_state: dict, step: int | None = None,
+                required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings.
+
+        `required_meta` names integer fields the meta item must hold (a resume needs RUN_META_KEYS).
+        A step directory that is damaged, or holds another model's state, is a one-line ConfigError
+        that says what to do; shapes are compared before any array is read.
+        """
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
-        out = self._manager.restore(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardRestore(abstract_state), _META: ocp.args.JsonRestore()}))
-        return out[_STATE], out[_META]
+        meta = self._restore_meta(step, required_meta)
+        try:
+            saved = _saved_shapes(self.directory / str(step) / _STATE)
+        except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
+            raise self._damaged(step, f"{_STATE} metadata: {_reason(e)}") from None
+        problem = _mismatch(saved, _shapes(abstract_state))
+        if problem:
+            raise ConfigError(f"{self.directory / str(step)}: holds a train state that does not fit this run "
+                              f"({problem}); resume with the config that saved it, or use a new out_dir")
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(
+                **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
+        except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
+            if _is_oom(e):
+                raise
+            raise self._damaged(step, _reason(e)) from None
+        # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
+        if not bool(jax.jit(all_finite)(state)):
+            raise self._damaged(step, "it holds inf/NaN values")
+        return state, meta
+
+    def _restore_meta(self, step: int, required: tuple[str, ...]) -> dict:
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        except Exception as e:  # missing item, garbage or cut-short JSON
+            raise self._damaged(step, f"{_META}: {_reason(e)}") from None
+        if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in required):
+            raise self._damaged(step, f"{_META} lacks {', '.join(required)}")
+        return meta
+
+    def _damaged(self, step: int, reason: str) -> ConfigError:
+        earlier = [s for s in self.all_steps() if s < step]
+        then = f"resume from step {earlier[-1]}" if earlier else "start from scratch"
+        return ConfigError(f"{self.directory / str(step)}: checkpoint is incomplete or damaged ({reason}); "
+                           f"delete this directory to {then}")
 
     def wait(self) -> None:
         """Blocks until every started save is finalized."""
@@ -104,7 +189,7 @@ def check_model_json(path: str | Path, cfg: Config) -> None:
     model_json = Path(path) / "model.json"
     if not model_json.is_file():
         raise ConfigError(f"checkpoint.init_from: {model_json} not found (expected a `jaxmem import-hf` output dir)")
-    saved = json.loads(model_json.read_text())
+    saved = read_json_object(model_json)
     mine = dataclasses.asdict(cfg.model)
     for key in _MODEL_KEYS:
         if key in saved and saved[key] != mine[key]:
@@ -119,10 +204,26 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
         raise ConfigError(f"checkpoint.init_from: {params_dir} not found (expected a `jaxmem import-hf` output dir)")
     with ocp.StandardCheckpointer() as ckptr:
         try:
-            return ckptr.restore(params_dir, abstract_params)
-        except (ValueError, KeyError) as e:
-            first = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise ConfigError(f"checkpoint.init_from: {params_dir} does not match the model's params ({first})") from None
+            saved = _saved_shapes(params_dir)
+        except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
+            raise _damaged_params(params_dir, _reason(e)) from None
+        problem = _mismatch(saved, _shapes(abstract_params))
+        if problem:
+            raise ConfigError(f"checkpoint.init_from: {params_dir} does not match the model's params ({problem})")
+        try:
+            params = ckptr.restore(params_dir, abstract_params)
+        except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
+            if _is_oom(e):
+                raise
+            raise _damaged_params(params_dir, _reason(e)) from None
+    if not bool(jax.jit(all_finite)(params)):
+        raise _damaged_params(params_dir, "it holds inf/NaN values")
+    return params
+
+
+def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
+    return ConfigError(f"checkpoint.init_from: {params_dir} is incomplete or damaged ({reason}); "
+                       "run `jaxmem import-hf` again")
 
 
 def init_from(prog, path: str | Path) -> dict:

@@ -49,12 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         with _quiet_native_stderr():
             import jax  # noqa: F401
     module = importlib.import_module(COMMANDS[name][0])
+    from jaxmem.compat import UnsupportedVersion
     from jaxmem.config import ConfigError
 
     try:
         return module.main(rest) or 0
     except ConfigError as e:
         print(f"jaxmem {name}: config error: {e}", file=sys.stderr)
+        return 2
+    except UnsupportedVersion as e:
+        print(f"jaxmem {name}: unsupported version: {e}", file=sys.stderr)
         return 2
 
 

@@ -296,21 +296,59 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
-def read_yaml(path: str | Path) -> dict:
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a repeated key: YAML keeps the last one, silently dropping a whole section."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def _parse_yaml(path: Path) -> Any:
+    try:
+        return yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # bytes: YAML detects UTF-8/UTF-16 itself
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(f"{path}: binary content ({e.reason} at byte {e.position}); "
+                          "a config is a UTF-8 YAML file") from None
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}: " if e.problem_mark else ""
+        raise ConfigError(f"{path}: not valid YAML ({where}{e.problem or e.context})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
+def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    try:
-        raw = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    raw = _parse_yaml(path)
+    if raw is None:  # an empty file (or only comments) is more likely a mistake than a wish for the defaults
+        raise ConfigError(f"{path}: empty config; expected a mapping of sections such as model: and train:")
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
     base = raw.pop("base", None)
     if base is not None:  # a config may extend another one, relative to itself
-        parent = read_yaml(path.parent / base)
-        raw = _merge(parent, raw)
+        raw = _merge(_read_base(path, base, _chain), raw)
     return raw
+
+
+def _read_base(path: Path, base: Any, chain: tuple[Path, ...]) -> dict:
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
+    parent = path.parent / base
+    if not parent.is_file():
+        raise ConfigError(f"{path}: base {base} not found (looked for {parent})")
+    chain = (*chain, path.resolve())
+    if parent.resolve() in chain:
+        raise ConfigError(f"{path}: base {base} leads back to {parent} (a cycle of base: files)")
+    return read_yaml(parent, chain)
 
 
 def _merge(a: dict, b: dict) -> dict:

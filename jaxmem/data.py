@@ -95,12 +95,13 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int, origin: str) -> None:
 
 def _text_tokens(cfg: Config) -> np.ndarray:
     path = Path(cfg.data.path)
+    if not cfg.data.tokenizer:  # byte-level: every byte is a token, so any file is valid input
+        return np.frombuffer(path.read_bytes(), np.uint8)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as e:
-        raise ConfigError(f"data.path: {path} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    if not cfg.data.tokenizer:
-        return np.frombuffer(text.encode("utf-8"), np.uint8)
+        raise ConfigError(f"data.path: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
+                          f"data.tokenizer={cfg.data.tokenizer} needs UTF-8") from None
     try:
         from tokenizers import Tokenizer
     except ImportError:
@@ -108,8 +109,39 @@ def _text_tokens(cfg: Config) -> np.ndarray:
     try:
         tokenizer = Tokenizer.from_file(cfg.data.tokenizer)
     except Exception as e:  # the tokenizers library raises a bare Exception on bad files
-        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} is not a tokenizer.json ({e})") from None
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ConfigError(f"data.tokenizer: {cfg.data.tokenizer} is not a tokenizer.json ({first})") from None
     return np.asarray(tokenizer.encode(text, add_special_tokens=False).ids, np.int64)
+
+
+_HEAD = 4096  # tokens of a bin file read at once to catch a wrong data.bin_dtype before training
+
+
+def _bin_tokens(cfg: Config) -> np.ndarray:
+    path, dtype = cfg.data.path, np.dtype(cfg.data.bin_dtype)
+    size = Path(path).stat().st_size
+    if size == 0:
+        raise ConfigError(f"data.path: {path} is empty; expected {cfg.data.bin_dtype} token ids")
+    if size % dtype.itemsize:
+        raise ConfigError(f"data.path: {path} is {size} bytes, not a whole number of "
+                          f"data.bin_dtype={cfg.data.bin_dtype} tokens")
+    tokens = np.memmap(path, dtype=dtype, mode="r")  # read lazily: only the rows asked for
+    _check_bin_head(np.asarray(tokens[:_HEAD]), cfg)
+    return tokens
+
+
+def _check_bin_head(head: np.ndarray, cfg: Config) -> None:
+    """A file of the other token width reads as valid-looking ids; its first tokens give it away."""
+    path, vocab = cfg.data.path, cfg.model.vocab_size
+    # uint32 ids below 65536 read as uint16: every second value is the zero high half.
+    if head.dtype == np.uint16 and len(head) >= 64 and head[0::2].any() and not head[1::2].any():
+        raise ConfigError(f"data.path: {path} looks like uint32 tokens (every second uint16 is 0); "
+                          "set data.bin_dtype=uint32")
+    # uint16 ids read as uint32: two ids fused into one value above 65535.
+    if head.dtype == np.uint32 and vocab <= 1 << 16 and head.size and int(head.max()) >= 1 << 16:
+        raise ConfigError(f"data.path: {path} holds token id {int(head.max())} >= model.vocab_size={vocab} "
+                          "and looks like uint16 tokens; set data.bin_dtype=uint16")
+    _check_vocab(head, vocab, path)
 
 
 def make_source(cfg: Config) -> TokenSource:
@@ -123,13 +155,7 @@ def make_source(cfg: Config) -> TokenSource:
         _check_vocab(tokens, vocab, what)  # a text file is small enough to check whole
         return StreamSource(tokens, cfg.train.seq_len, seed, vocab, what)
     if kind == "bin":
-        dtype = np.dtype(cfg.data.bin_dtype)
-        size = Path(cfg.data.path).stat().st_size
-        if size % dtype.itemsize:
-            raise ConfigError(f"data.path: {cfg.data.path} is {size} bytes, not a whole number of "
-                              f"data.bin_dtype={cfg.data.bin_dtype} tokens")
-        tokens = np.memmap(cfg.data.path, dtype=dtype, mode="r")  # read lazily: only the rows asked for
-        return StreamSource(tokens, cfg.train.seq_len, seed, vocab, cfg.data.path)
+        return StreamSource(_bin_tokens(cfg), cfg.train.seq_len, seed, vocab, cfg.data.path)
     raise ConfigError(f"data.kind: {kind!r} is not allowed; use one of 'synthetic', 'text', 'bin'")
 
 

@@ -6,6 +6,7 @@ Also `report_oom(cfg, exc)`, for the training loop: explain an out-of-memory ins
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import re
@@ -18,9 +19,15 @@ from jaxmem.aot import Topology, resolve_topology
 from jaxmem.config import Config, ConfigError, from_dict, load_config, to_dict
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
+from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE
 
+# param: the train state's weights, and copies of them (all-gathered, cast, sliced); grad: gradients (the
+# backward pass's, reduce-scattered, accumulated over micro-batches); optimizer: optimizer state (m, v, fp32
+# master) and the update's temporaries; activation: per-layer values a scan keeps for the backward pass;
+# logits: [tokens, vocab] (and its gradient); temp: the rest (one op's working memory, the batch).
 CATEGORIES = ("param", "grad", "optimizer", "activation", "logits", "temp")
-_PLUMBING = ("jaxmem/program.py", "jaxmem/remat.py", "jaxmem/sharding.py", "jaxmem/model/axes.py")
+_PLUMBING = ("jaxmem/program.py", "jaxmem/remat.py", "jaxmem/sharding.py", "jaxmem/model/axes.py",
+             "jaxmem/explain.py")  # (the dump compile's caller)
 # Where per-layer values are computed (the scan call in transformer.py only owns the stacking).
 _LAYER_CODE = ("jaxmem/model/layers.py", "jaxmem/model/rope.py", "jaxmem/kernels/")
 SUGGESTIONS = {
@@ -30,6 +37,12 @@ SUGGESTIONS = {
               "does not save dots (remat.preset=full or selective)",
     "param": "parameters: shard them (parallel.zero_stage=3 with a larger fsdp axis) or offload.params=host",
     "optimizer": "optimizer state: offload.optimizer=host, or precision.moment_dtype=bfloat16",
+    "optimizer_temp": "optimizer update temporary (AdamW math, or a new copy of the state or params before it "
+                      "replaces the old): offload.optimizer=host with offload.optimizer_update=host runs the "
+                      "update off the GPU; precision.moment_dtype=bfloat16 halves the moments",
+    "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
+                  "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
+                  "a larger fsdp axis) shrinks it",
     "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them",
     "gathered": "all-gathered full weight (FSDP): fewer layers gathered ahead (XLA's scheduler prefetch; "
                 "lower remat.every_k) or add tensor parallelism (parallel.tp)",
@@ -119,10 +132,20 @@ def _source_name(frame) -> str | None:
     return None
 
 
-def _shape_name(cfg: Config, shape: tuple[int, ...]) -> str | None:
-    """Checkpoint name(s) a per-layer tensor of this shape can be (when the source line names none)."""
+def _is_scores(cfg: Config, shape, frame=None) -> bool:
+    """S x S attention scores: two seq_len dims (when d_model == seq_len too, a heads dim after the first or
+    attention code)."""
     m, t = cfg.model, cfg.train.seq_len
-    if len(shape) >= 2 and shape[-1] == t and shape[-2] == t:
+    if list(shape).count(t) < 2:
+        return False
+    heads = (_divided(m.n_heads) | _divided(m.n_kv_heads) | _divided(max(m.n_heads // m.n_kv_heads, 1))) - {1}
+    return m.d_model != t or any(d in heads for d in shape[1:]) or (frame is not None and "attention" in frame.file)
+
+
+def _shape_name(cfg: Config, shape: tuple[int, ...], frame=None) -> str | None:
+    """Checkpoint name(s) a per-layer tensor of this shape can be (when the source line names none)."""
+    m = cfg.model
+    if _is_scores(cfg, shape, frame):
         return "attention_scores"
     if len(shape) >= 2 and shape[-1] == m.head_dim:
         if shape[-2] in _divided(m.n_kv_heads) and m.n_kv_heads != m.n_heads:
@@ -138,68 +161,398 @@ def _divided(n: int) -> set[int]:
     return {n // d for d in (1, 2, 4, 8, 16) if n % d == 0}
 
 
-def classify(cfg: Config, module, name: str, index: str, size: int) -> dict:
-    ins = module.instrs.get(name)
-    type_ = hlo_dump.element_type(ins.type, index) if ins else "?"
-    dtype, shape = hlo_dump.parse_array_type(type_)
-    op_name = ins.op_name if ins else ""
-    category, key, ckpt = "temp", "temp", None
-    src_ins, frame = (None, None)
-    if ins is not None and ins.opcode == "while" and ins.body and index.strip("{}"):
-        root = module.instrs.get(module.roots.get(ins.body, ""))
-        i = int(index.strip("{}").split(",")[0])
-        if root is not None and i < len(root.operands):
-            src_ins, frame = _defining(module, root.operands[i], depth=6, prefer=_LAYER_CODE)
-            if frame is None or not any(_rel(frame.file).startswith(p) for p in _LAYER_CODE):
-                src_ins, frame = _defining(module, name)
-    elif ins is not None and _is_residual_write(ins):
-        src_ins, frame = _defining(module, name, depth=6, prefer=_LAYER_CODE)
-    elif ins is not None:
-        src_ins, frame = _defining(module, name)
-    if op_name.startswith("state['params']"):
-        category, key = "param", "param"
-    elif op_name.startswith(("state['opt']", "state['master']")):
-        category, key = "optimizer", "optimizer"
-    elif op_name.startswith("batch"):
-        category, key = "temp", "temp"
-    elif frame is not None and "cross_entropy" in frame.file and shape and shape[-1] in _vocab_dims(cfg):
-        category, key = "logits", "logits"
-    elif ins is not None and (ins.opcode == "while" or _is_residual_write(ins)):
-        category, key = "activation", "activation"
-        ckpt = (_source_name(frame) if frame else None) or _shape_name(cfg, shape)
-        if ckpt == "attention_scores":
-            key = "scores"
-    elif ins is not None and "all-gather" in ins.opcode:
-        category, key = "temp", "gathered"
-    elif "transpose(" in op_name and _is_param_shape(cfg, shape, module):
-        category, key = "grad", "grad"
-    elif _shape_name(cfg, shape) == "attention_scores":
-        key = "scores"
-    if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
-        ckpt = _shape_name(cfg, shape)
-    suggestion = SUGGESTIONS["activation_unnamed" if key == "activation" and not ckpt else key]
-    if "{name}" in suggestion:
-        suggestion = suggestion.format(name=ckpt.split("|")[0])
-    source = f"{_rel(frame.file)}:{frame.line} {frame.function}" if frame else (op_name or name)
-    return {"buffer": f"{name}{index}", "bytes": size, "shape": list(shape), "dtype": dtype,
-            "category": category, "checkpoint_name": ckpt, "source": source, "op": op_name,
-            "suggestion": suggestion}
-
-
-def _is_residual_write(ins) -> bool:
-    """A per-layer value written into its stacked [layers, ...] scan residual inside the loop body."""
-    return "while/body" in ins.op_name and "dynamic_update_slice" in ins.op_name
-
-
 def _vocab_dims(cfg: Config) -> set[int]:
     v = cfg.model.vocab_size
     return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0}
 
 
-def _is_param_shape(cfg: Config, shape, module) -> bool:
-    params = {hlo_dump.parse_array_type(i.type)[1] for i in module.instrs.values()
-              if i.opcode == "parameter" and i.op_name.startswith("state['params']")}
-    return tuple(shape) in params
+# ------------------------------------------------------------------ what a buffer is
+# A peak buffer is classified from what it is, not from the nearest model source line:
+#   * an argument of the step (an ENTRY parameter): its train-state path (state['params'] -> param;
+#     state['opt'], state['master'] -> optimizer; the batch -> temp);
+#   * else the phase of the op that wrote it, from the jax name stack in its op_name: the step's named
+#     scopes "optimizer_update/" (the update) and "grads/" (loss and gradients), and inside the latter
+#     "transpose(" (the backward pass) or "jvp(" (the forward pass). A loop's buffer takes the loop's phase
+#     (a value only passed through a loop, where it was made); an op without a name stack takes the phase
+#     of the ops that read it;
+#   * and its shape against the train state: weight-shaped (a parameter's shape, one layer's, the stacked
+#     [L, ...] or remat-grouped [L/k, k, ...] one, or a shard of it, up to a relayout) or token-shaped (a
+#     seq_len or micro_batch x seq_len dim).
+# Then: anything the update writes -> optimizer (its temporaries); an all-gathered weight, or one only moved,
+# cast, sliced or relaid out from state['params'] (dataflow) -> param; weight-shaped from the backward pass,
+# a reduce-scatter or the micro-batch accumulation -> grad; [tokens, vocab] -> logits; a per-layer value a
+# scan keeps ([L, ...] residuals, token-shaped) -> activation (with its checkpoint name); other
+# weight-shaped values -> param; the rest -> temp. The evidence used is in each buffer's "why".
+
+_STATE_CATEGORY = (("state['params']", "param"), ("state['opt']", "optimizer"), ("state['master']", "optimizer"))
+
+
+@dataclasses.dataclass
+class StateShapes:
+    """The shapes a weight-shaped buffer can have (size-1 dims dropped) -> the parameter, and the token dims."""
+
+    exact: dict[tuple[int, ...], list[str]]
+    relaid: dict[tuple[int, ...], list[str]]  # by sorted dims: XLA may transpose a weight (layout assignment)
+    tokens: set[int]
+
+    def weight(self, shape) -> str | None:
+        """The parameter(s) this shape can belong to, e.g. "layers.w_gate|w_up"; None if not weight-shaped."""
+        s = tuple(d for d in shape if d != 1)
+        if len(s) < 2:  # vectors are too ambiguous to call weights
+            return None
+        names = list(dict.fromkeys(self.exact.get(s) or self.relaid.get(tuple(sorted(s))) or ()))
+        if not names:
+            return None
+        return "|".join([names[0]] + [n.removeprefix("layers.") if names[0].startswith("layers.") else n
+                                      for n in names[1:]])
+
+    def token_shaped(self, shape) -> bool:
+        return any(d in self.tokens for d in shape)
+
+
+def _state_path(op_name: str) -> str:
+    """"state['opt']['layers'][0].mu['w_up']" -> "layers.w_up" (the parameter a state leaf belongs to)."""
+    keys = re.findall(r"\['([^']+)'\]", op_name)[1:]
+    keys = [k for k in keys if k not in ("rest",)]
+    return ("layers." if "layers" in keys[:-1] else "") + keys[-1] if keys else op_name
+
+
+def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> StateShapes:
+    """From the model config (global shapes) and the step's arguments in `module` (this device's shards)."""
+    import jax
+    from flax import nnx
+
+    from jaxmem.model import abstract_model
+
+    groups = _groups(cfg)
+    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model))[1])
+    full = {".".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+    by_name = {name: {shape} for name, shape in full.items()}
+    factors = set()  # how many ways the state's dims are sharded
+    for ins in (module.instrs.values() if module else ()):
+        if ins.opcode == "parameter" and ins.computation == module.entry and ins.op_name.startswith("state["):
+            shape = hlo_dump.parse_array_type(ins.type)[1]
+            name = _state_path(ins.op_name)
+            if name in full and len(shape) == len(full[name]):
+                by_name[name].add(shape)  # this device's shard
+                factors |= {g // d for g, d in zip(full[name], shape) if d and g % d == 0 and g > d}
+    known: dict[tuple[int, ...], list[str]] = {}  # global and this device's shapes, per layer, grouped
+    sharded: dict[tuple[int, ...], list[str]] = {}  # the same with one more dim sharded as the state is
+    for name, shapes in sorted(by_name.items()):
+        cands = set(shapes)
+        if name.startswith("layers."):
+            for s in shapes:
+                cands |= {s[1:]} | {(s[0] // k, k) + s[1:] for k in groups if s[0] % k == 0}
+        for s in cands:
+            known.setdefault(tuple(d for d in s if d != 1), []).append(name)
+            for i, d in enumerate(s):
+                for n in factors:
+                    if d % n == 0 and d > n:
+                        sharded.setdefault(tuple(x for x in s[:i] + (d // n,) + s[i + 1:] if x != 1), []).append(name)
+    exact = dict(known)
+    for s, names in sharded.items():
+        exact.setdefault(s, sorted(set(names)))
+    relaid: dict[tuple[int, ...], list[str]] = {}
+    for s, names in exact.items():
+        relaid.setdefault(tuple(sorted(s)), []).extend(names)
+    t = cfg.train.seq_len
+    return StateShapes(exact, relaid, {t, t * cfg.train.micro_batch})
+
+
+def _groups(cfg: Config) -> set[int]:
+    """Layers per remat group (every_k / nested); the scan then stacks [L/k, k, ...]."""
+    from jaxmem.remat import group_size
+
+    try:
+        k = group_size(cfg.remat, cfg.model.n_layers)
+    except ConfigError:
+        return set()
+    return {k} if k > 1 else set()
+
+
+def _phase(op_name: str) -> str | None:
+    if f"{UPDATE_SCOPE}/" in op_name or op_name.endswith(UPDATE_SCOPE):
+        return "update"
+    if "transpose(" in op_name:
+        return "backward"
+    if "jvp(" in op_name:
+        return "forward"
+    if f"/{GRADS_SCOPE}/" in op_name:
+        return "grads"  # in the gradient computation, outside jax.grad: the micro-batch accumulation
+    return None
+
+
+_PHASE_WORDS = {"update": "the optimizer update", "backward": "the backward pass", "forward": "the forward pass",
+                "grads": "the gradient accumulation"}
+
+
+def _own_phase(module, ins) -> str | None:
+    """The phase named in this op's own metadata: its name stack, else an optimizer source frame."""
+    p = _phase(ins.op_name)
+    if p is None and ins.frame is not None:
+        frame, _ = _model_frame(module, ins)
+        if frame is not None and _rel(frame.file).startswith("jaxmem/optim.py"):
+            p = "update"
+    return p
+
+
+def _op_phase(module, ins, idx=()) -> tuple[str | None, str]:
+    """(phase, how it was found when not from the op's own metadata) of the op that wrote `ins` (its output
+    idx[0] when it has several)."""
+    p = _own_phase(module, ins)
+    if p:
+        return p, ""
+    if ins.opcode in ("fusion", "async-start", "async-done", "all-gather-start", "all-gather-done"):
+        for comp in ins.calls:
+            for n in reversed(module.computations.get(comp, [])):
+                p = _phase(module.instrs[n].op_name)
+                if p:
+                    return p, "its fused ops' op_name"
+    frontier = _outputs(module, ins, idx)
+    seen = {ins.name, *frontier}
+    for _ in range(4):  # an op without a name stack (e.g. zeros XLA hoisted out of a loop): its readers' phase
+        nxt = []
+        for n in frontier:
+            for u in module.users.get(n, []):
+                if u in seen:
+                    continue
+                seen.add(u)
+                p = _own_phase(module, module.instrs[u])
+                if p:
+                    return p, f"read by {u}"
+                nxt.append(u)
+        frontier = nxt
+    return None, "no name stack"
+
+
+def _loop_value(module, loop, i: int, depth: int = 8):
+    """(owner, inner value) of element i of a while loop: the loop, and what its body writes there, or, for
+    an element the body only passes through, the same for the loop's input."""
+    for _ in range(depth):
+        root = module.instrs.get(module.roots.get(loop.body or "", ""))
+        if root is None or root.opcode != "tuple" or i >= len(root.operands):
+            return loop, None
+        inner = module.instrs.get(root.operands[i])
+        passthrough = (inner is not None and inner.opcode == "get-tuple-element" and inner.tuple_index == i
+                       and module.instrs.get(inner.operands[0], inner).opcode == "parameter")
+        if not passthrough:
+            return loop, inner
+        init = module.instrs.get(loop.operands[0]) if loop.operands else None
+        if init is None or init.opcode != "tuple" or i >= len(init.operands):
+            return loop, inner
+        src = module.instrs.get(init.operands[i])
+        if src is None:
+            return loop, inner
+        if src.opcode == "get-tuple-element" and module.instrs.get(src.operands[0]) is not None \
+                and module.instrs[src.operands[0]].opcode == "while":
+            loop, i = module.instrs[src.operands[0]], src.tuple_index
+            continue
+        return src, src
+    return loop, None
+
+
+def _owner(module, ins, index: str):
+    """(instruction owning the buffer, tuple index, value written into it): a loop's body parameter and
+    get-tuple-element resolve to the loop element they are."""
+    idx = [int(x) for x in index.strip("{}").split(",") if x]
+    for _ in range(8):
+        if ins.opcode == "parameter" and ins.computation != module.entry and idx:
+            loops = [module.instrs[c] for c in module.callers.get(ins.computation, [])
+                     if module.instrs[c].opcode == "while"]
+            if not loops:
+                break
+            ins = loops[0]
+            continue
+        if ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in module.instrs:
+            ins, idx = module.instrs[ins.operands[0]], [ins.tuple_index] + idx
+            continue
+        break
+    entry_arg = ins.opcode == "parameter" and ins.computation == module.entry
+    fed = None
+    if ins.opcode != "while" and not entry_arg and _own_phase(module, ins) is None:
+        fed = _fed_loop(module, ins, idx)
+        if fed is not None:
+            ins, idx = fed[0], [fed[1]]
+    if ins.opcode == "while" and idx:
+        owner, value = _loop_value(module, ins, idx[0])
+        return owner, idx, value, (f"as the initial buffer of {fed[0].name}" if fed else "")
+    return ins, idx, None, ""
+
+
+def _outputs(module, ins, idx) -> list[str]:
+    """The instructions carrying output idx[0] of a multi-output op (its get-tuple-elements), else the op."""
+    if not (ins.type.startswith("(") and idx):
+        return [ins.name]
+    return [u for u in module.users.get(ins.name, [])
+            if module.instrs[u].opcode == "get-tuple-element" and module.instrs[u].tuple_index == idx[0]]
+
+
+def _fed_loop(module, ins, idx):
+    """(loop, element) when this value is made only to be a loop's initial element (zeros or an allocated
+    buffer that the loop fills in): it is that loop's buffer."""
+    for n in _outputs(module, ins, idx):
+        for _ in range(4):
+            users = module.users.get(n, [])
+            if len(users) != 1:
+                break
+            user = module.instrs[users[0]]
+            if user.opcode in ("bitcast", "copy"):
+                n = user.name
+                continue
+            if user.opcode == "tuple":
+                loops = [w for w in module.users.get(user.name, []) if module.instrs[w].opcode == "while"]
+                if loops:
+                    return module.instrs[loops[0]], user.operands.index(n)
+            break
+    return None
+
+
+def _weight_copy(module, ins, depth: int = 6) -> str | None:
+    """The train-state weight (op_name of the step's argument) that `ins` only moves, casts, slices, relays
+    out or gathers (a chain of ops with one array operand), through loop elements; else None."""
+    for _ in range(depth):
+        if ins.opcode == "parameter":
+            if ins.computation == module.entry:
+                return ins.op_name if ins.op_name.startswith(("state['params']", "state['master']")) else None
+            return None
+        if ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in module.instrs:
+            src = module.instrs[ins.operands[0]]
+            if src.opcode == "parameter" and src.computation != module.entry:  # a loop element: its input
+                loops = [module.instrs[c] for c in module.callers.get(src.computation, [])
+                         if module.instrs[c].opcode == "while"]
+                init = module.instrs.get(loops[0].operands[0]) if loops and loops[0].operands else None
+                if init is None or init.opcode != "tuple" or ins.tuple_index >= len(init.operands):
+                    return None
+                ins = module.instrs.get(init.operands[ins.tuple_index])
+            elif src.opcode == "tuple" and ins.tuple_index < len(src.operands):
+                ins = module.instrs.get(src.operands[ins.tuple_index])
+            else:
+                return None
+            if ins is None:
+                return None
+            continue
+        arrays = [module.instrs[o] for o in ins.operands if o in module.instrs
+                  and hlo_dump.parse_array_type(module.instrs[o].type)[1] != ()
+                  and module.instrs[o].opcode != "constant"]
+        if len(arrays) != 1 or ins.opcode in ("while", "call", "conditional", "custom-call", "tuple"):
+            return None
+        ins = arrays[0]
+    return None
+
+
+def _collective(module, ins) -> str | None:
+    called = ins.calls if ins.opcode not in ("while", "conditional", "call") else ()
+    ops = {ins.opcode} | {module.instrs[n].opcode for c in called for n in module.computations.get(c, [])}
+    for kind in ("all-gather", "reduce-scatter", "all-reduce"):
+        if any(o.startswith(kind) for o in ops):
+            return kind
+    return None
+
+
+def classify(cfg: Config, module, name: str, index: str, size: int, state: StateShapes | None = None) -> dict:
+    state = state or state_shapes(cfg, module)
+    ins = module.instrs.get(name)
+    type_ = hlo_dump.element_type(ins.type, index) if ins else "?"
+    dtype, shape = hlo_dump.parse_array_type(type_)
+    if ins is None:
+        return _entry(name + index, size, shape, dtype, "temp", "temp", None, name, "", "not in the HLO text")
+    if type_.startswith("("):  # the tuple itself: a small table of its elements' addresses
+        return _entry(name + index, size, (), "tuple", "temp", "temp", None, name, ins.op_name,
+                      "tuple of buffer addresses (a loop's state or a multi-output op)")
+    owner, idx, value, via = _owner(module, ins, index)
+    op_name = owner.op_name or ins.op_name
+    weight = state.weight(shape)
+    tokens = state.token_shaped(shape)
+    vocab = bool(shape) and shape[-1] in _vocab_dims(cfg)
+    loop = owner.opcode == "while"
+    residual = loop or _is_residual_write(owner)  # a value a scan keeps (its carry or stacked outputs)
+    stacked = bool(shape) and shape[0] in {cfg.model.n_layers} | {cfg.model.n_layers // k for k in _groups(cfg)}
+
+    host = " (host memory)" if ":S(5)" in type_ else ""
+
+    # 1. the step's arguments
+    if owner.opcode == "parameter" and owner.computation == module.entry:
+        path = owner.op_name
+        cat = next((c for prefix, c in _STATE_CATEGORY if path.startswith(prefix)), "temp")
+        return _entry(name + index, size, shape, dtype, cat, cat, None, path or owner.name, path,
+                      f"argument of the step ({'train state' if path.startswith('state[') else 'input'}){host}")
+
+    # 2. the phase of the op that wrote it, and the shape against the train state
+    phase, how = _op_phase(module, owner, idx)
+    if phase is None and value is not None:
+        phase, how = _op_phase(module, value)
+    how = via or how
+
+    # the source line: in optim.py for the update; the per-layer computation for a loop's values
+    made = value if loop and value is not None else owner
+    if phase == "update":
+        _, frame = _defining(module, made.name, depth=6, prefer=("jaxmem/optim.py",))
+    elif phase == "grads" and (made.frame or owner.frame) is not None:  # the accumulation itself (step code)
+        frame = next((f for f in module.stack(made.frame or owner.frame)
+                      if "jaxmem/" in f.file and "site-packages" not in f.file), None)
+    elif residual:
+        _, frame = _defining(module, made.name, depth=6, prefer=_LAYER_CODE)
+        if loop and (frame is None or not any(_rel(frame.file).startswith(p) for p in _LAYER_CODE)):
+            _, frame = _defining(module, made.name)
+    else:
+        _, frame = _defining(module, made.name)
+    collective = _collective(module, owner)
+    where = _PHASE_WORDS.get(phase, "no named phase") + (f" ({how})" if how else "")
+    like = f"shaped like {weight}" if weight else ""
+
+    copy_of = _weight_copy(module, made) if weight and phase != "update" else None
+    ckpt = None
+    if collective == "all-gather" and weight:
+        cat, key, why = "param", "gathered", f"all-gather of {weight}"
+    elif copy_of:
+        cat, key, why = "param", "param_copy", f"a copy of {copy_of} (cast, slice or relayout) in {where}"
+    elif collective == "reduce-scatter" and weight:
+        cat, key, why = "grad", "grad", f"reduce-scatter, {like}"
+    elif phase == "update":
+        cat, key, why = "optimizer", "optimizer_temp", f"written in {where}" + (f", {like}" if like else "")
+    elif phase in ("backward", "grads") and weight and not (tokens and _logits_not_grad(cfg, op_name, vocab)):
+        cat, key, why = "grad", "grad", f"{like}, written in {where}"
+    elif vocab and (tokens or (frame is not None and "cross_entropy" in frame.file)) and (tokens or not weight):
+        cat, key = "logits", "logits"
+        why = ("d(logits) " if phase == "backward" else "") + f"[tokens, vocab] written in {where}"
+    elif residual and (phase in ("forward", None) and (tokens or not weight) or phase == "backward" and tokens
+                       and stacked):
+        cat, key = "activation", "activation"
+        why = f"{'stacked scan residual' if stacked else 'scan value'} written in {where}" + \
+            (", token dims" if tokens else "")
+        ckpt = (_source_name(frame) if frame else None) or _shape_name(cfg, shape, frame)
+        if ckpt == "attention_scores":
+            key = "scores"
+    elif weight and not (tokens and phase == "forward"):
+        cat, key, why = "param", "param_copy", f"{like}, written in {where}: a copy of the weights"
+    elif _is_scores(cfg, shape, frame):
+        cat, key, why = "temp", "scores", f"S x S attention scores written in {where}"
+    else:
+        cat, key, why = "temp", "temp", ("token dims, " if tokens else "") + f"written in {where}"
+    if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
+        ckpt = _shape_name(cfg, shape, frame)
+    source = f"{_rel(frame.file)}:{frame.line} {frame.function}" if frame else (op_name or name)
+    return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, op_name, why + host)
+
+
+def _logits_not_grad(cfg: Config, op_name: str, vocab: bool) -> bool:
+    """For a backward-pass [X, vocab] buffer that is both weight- and token-shaped (tokens == d_model): only
+    the naive loss materializes d(logits), and a weight gradient comes out of a dot."""
+    return vocab and cfg.kernels.loss == "naive" and not op_name.endswith("dot_general")
+
+
+def _entry(buffer, size, shape, dtype, category, key, ckpt, source, op_name, why) -> dict:
+    suggestion = SUGGESTIONS["activation_unnamed" if key == "activation" and not ckpt else key]
+    if "{name}" in suggestion:
+        suggestion = suggestion.format(name=ckpt.split("|")[0])
+    return {"buffer": buffer, "bytes": size, "shape": list(shape), "dtype": dtype, "category": category,
+            "checkpoint_name": ckpt, "source": source, "op": op_name, "why": why, "suggestion": suggestion}
+
+
+def _is_residual_write(ins) -> bool:
+    """A per-layer value written into its stacked [layers, ...] scan residual inside the loop body."""
+    return "while/body" in ins.op_name and "dynamic_update_slice" in ins.op_name
 
 
 def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
@@ -208,7 +561,8 @@ def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
     peak = hlo_dump.peak_buffers(live_path.read_text())
     total = sum(b for _, _, b in peak)
     ranked = sorted(peak, key=lambda x: -x[2])[:top]
-    buffers = [classify(cfg, module, n, i, b) for n, i, b in ranked]
+    state = state_shapes(cfg, module)
+    buffers = [classify(cfg, module, n, i, b, state) for n, i, b in ranked]
     usage = usage_path.read_text().splitlines()[1].strip() if usage_path else ""
     return {"peak_live_bytes": total, "buffers": buffers, "memory_usage_report": usage}
 
@@ -232,12 +586,12 @@ def render(result: dict, console=None) -> None:
     console = console or Console()
     table = Table(title=f"buffers live at the peak ({result['peak_live_bytes'] / 2**30:.2f} GiB), "
                         f"{result['label']}")
-    for col in ("#", "MiB", "shape", "dtype", "category", "source"):
+    for col in ("#", "MiB", "shape", "dtype", "category", "why", "source"):
         table.add_column(col, overflow="fold", justify="right" if col in ("#", "MiB") else "left")
     for i, b in enumerate(result["buffers"], 1):
         cat = b["category"] + (f" ({b['checkpoint_name']})" if b["checkpoint_name"] else "")
         table.add_row(str(i), f"{b['bytes'] / 2**20:,.1f}", escape(str(b["shape"])), b["dtype"], escape(cat),
-                      escape(b["source"]))
+                      escape(b.get("why", "")), escape(b["source"]))
     console.print(table)
     shown = set()
     for i, b in enumerate(result["buffers"], 1):

@@ -16,9 +16,9 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxmem import sharding
 from jaxmem.config import ConfigError, ParallelConfig
-from jaxmem.hf_config import hf_config_from_model, model_config_from_hf
+from jaxmem.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
 from jaxmem.hf_layout import ParamMap, hf_shape, param_maps, read_slice, to_hf
-from jaxmem.hf_safetensors import INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
+from jaxmem.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
 from jaxmem.model.transformer import Transformer, abstract_model
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -66,13 +66,19 @@ def _check_tensors(reader: CheckpointReader, maps: list[ParamMap], abstract: dic
             if reader.shape(name) != expected:
                 raise ConfigError(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
                                   f"config.json implies {list(expected)}")
+            if reader.dtype(name) not in FLOAT_DTYPES:
+                raise ConfigError(f"{reader.file_of(name)}: tensor {name} has dtype {reader.dtype(name)}; "
+                                  f"weights must be one of {', '.join(FLOAT_DTYPES)}")
 
 
 def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np_dtype):
     """cb(index) for make_array_from_callback: builds only the requested slice, layer by layer."""
 
     def one(name: str, index: tuple, layer_shape: tuple[int, ...]) -> np.ndarray:
-        return read_slice(pm.kind, lambda hf_index: reader.read(name, hf_index), index, layer_shape)
+        block = read_slice(pm.kind, lambda hf_index: reader.read(name, hf_index), index, layer_shape)
+        if not np.isfinite(block).all():  # no checksums in safetensors: garbage bytes often decode to inf/NaN
+            raise ConfigError(f"{reader.file_of(name)}: tensor {name} holds inf/NaN values; the file is damaged")
+        return block
 
     def cb(index):
         if not pm.stacked:
@@ -103,7 +109,7 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{config_file}: not found; expected a Hugging Face checkpoint directory")
-    cfg = model_config_from_hf(json.loads(config_file.read_text()), where=str(config_file))
+    cfg = model_config_from_hf(read_json_object(config_file), where=str(config_file))
     graphdef, state = nnx.split(abstract_model(cfg, param_dtype=jnp.dtype(DTYPES[dtype])))
     abstract = nnx.to_pure_dict(state)
     shardings = _target_shardings(state, mesh, parallel)
@@ -197,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     params_dir = out / "params"
     if params_dir.exists():
         raise ConfigError(f"{params_dir}: already exists; choose a new OUT_DIR")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: is a file; OUT_DIR must be a directory (it is created if missing)")
     # Spread the params over every local device (FSDP) so no single device holds the model.
     mesh = sharding.make_mesh(ParallelConfig())
     model = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh)

@@ -9,9 +9,10 @@ from typing import Callable, Iterable
 
 import ml_dtypes
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from jaxmem.config import ConfigError
+from jaxmem.hf_config import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"
 _NUMPY_DTYPES = {
@@ -19,13 +20,55 @@ _NUMPY_DTYPES = {
     "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8, "BOOL": np.bool_,
 }
 _DTYPE_NAMES = {np.dtype(v): k for k, v in _NUMPY_DTYPES.items()}
+FLOAT_DTYPES = ("F32", "BF16", "F16", "F64")  # what a weight may be stored as; ints would convert silently
 
 
 def _header(path: Path) -> tuple[int, dict]:
-    """(byte offset of the data section, header dict) of one .safetensors file."""
+    """(byte offset of the data section, header dict) of one .safetensors file; one-line ConfigError if damaged."""
+    size = path.stat().st_size
+    if size < 8:
+        raise ConfigError(f"{path}: {size} bytes, too short for a safetensors file (empty or truncated)")
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
-        return 8 + length, json.loads(f.read(length))
+        if length > size - 8:
+            raise ConfigError(f"{path}: header length {length} runs past the end of the file ({size} bytes); "
+                              "the file is truncated or not safetensors")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+            raise ConfigError(f"{path}: header is not valid JSON ({str(e).splitlines()[0]}); "
+                              "the file is damaged or not safetensors") from None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path}: header is not a JSON object; the file is damaged or not safetensors")
+    return 8 + length, header
+
+
+def _data_end(header: dict) -> int | None:
+    """Bytes the tensors need after the header; None for a malformed header (safe_open then names the problem)."""
+    try:
+        return max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        return None
+
+
+def _open(path: Path):
+    """safe_open, after checks that turn a damaged file into a one-line error naming it."""
+    start, header = _header(path)
+    end, size = _data_end(header), path.stat().st_size
+    if end is not None and start + end > size:
+        raise ConfigError(f"{path}: truncated; its tensors end at byte {start + end} but the file has {size} bytes")
+    try:
+        return safe_open(str(path), framework="numpy")
+    except SafetensorError as e:
+        raise ConfigError(f"{path}: not a valid safetensors file ({str(e).splitlines()[0]})") from None
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    weight_map = read_json_object(index).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+        raise ConfigError(f"{index}: weight_map must be a non-empty mapping of tensor name -> shard file")
+    return weight_map
 
 
 class CheckpointReader:
@@ -34,8 +77,8 @@ class CheckpointReader:
     def __init__(self, directory: str | Path):
         directory = Path(directory)
         index = directory / INDEX_FILE
-        if index.is_file():
-            weight_map = json.loads(index.read_text()).get("weight_map", {})
+        weight_map = _weight_map(index) if index.is_file() else None
+        if weight_map is not None:
             files = sorted(set(weight_map.values()))
         else:
             files = sorted(p.name for p in directory.glob("*.safetensors"))
@@ -47,11 +90,25 @@ class CheckpointReader:
             path = directory / name
             if not path.is_file():
                 raise ConfigError(f"{index}: lists {name}, which is not in {directory}")
-            handle = safe_open(str(path), framework="numpy")
+            handle = _open(path)
             self._handles[path] = handle
             for key in handle.keys():
+                if key in self._file_of:  # which copy would be read depends on file order
+                    raise ConfigError(f"{path}: tensor {key} is also in {self._file_of[key]}; keep one copy")
                 self._file_of[key] = path
+        if weight_map is not None:
+            self._check_index(index, weight_map)
         self._memmaps: dict[str, np.ndarray] = {}
+
+    def _check_index(self, index: Path, weight_map: dict[str, str]) -> None:
+        """A tensor found in another shard than the index says: shards of mixed downloads or revisions.
+
+        A listed tensor that no shard holds is reported by the loader only if the model needs it.
+        """
+        for key, name in weight_map.items():
+            if key in self._file_of and self._file_of[key] != index.parent / name:
+                raise ConfigError(f"{index}: maps {key} to {name}, which does not hold it (it is in "
+                                  f"{self._file_of[key].name}); the index does not match the shards")
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
@@ -61,6 +118,10 @@ class CheckpointReader:
 
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._handles[self._file_of[name]].get_slice(name).get_shape())
+
+    def dtype(self, name: str) -> str:
+        """The safetensors dtype name: F32, BF16, I64, ..."""
+        return self._handles[self._file_of[name]].get_slice(name).get_dtype()
 
     def read(self, name: str, index: tuple[slice, ...]) -> np.ndarray:
         """The slice `index` of tensor `name`; only the pages it covers are read from disk."""

@@ -7,15 +7,19 @@ vanishes silently. Real devices (GPU, CPU) need no patch: `host_sharding` then
 returns an ordinary pinned-host sharding.
 
 How: `host_sharding` returns a fresh sharding object whose identity is recorded.
-Two private jax 0.10.2 functions are wrapped so that lowering treats exactly
+Two private jax functions are wrapped so that lowering treats exactly
 those objects as `pinned_host`: `pxla.are_all_shardings_default_mem_kind` (else
 jax drops every memory kind) and `mlir._get_mem_kind` (the per-argument lookup).
 The wrapped lowering then writes `mhlo.memory_kind` on those arguments, and XLA
 gives them the host memory space (`S(5)` in the entry layout).
 
-The patch is pinned to the exact jax version; any other version raises
-`ShimUnsupported` instead of guessing. tests/test_shim.py fails loudly if the
-patch stops putting bytes on the host.
+Both hooks have the same signature and call sites from jax 0.10.2 through the
+0.11 series (checked against jax 0.11.2's source: `lower_jaxpr_to_module` maps
+`_get_mem_kind` over the argument and result shardings unless
+`are_all_shardings_default_mem_kind` said all are default). Any jax outside
+`compat.FEATURES`' range raises `ShimUnsupported` (one line) instead of
+guessing. tests/test_shim.py fails loudly if the patch stops putting bytes on
+the host.
 """
 from __future__ import annotations
 
@@ -24,11 +28,13 @@ import threading
 import jax
 from jax.sharding import NamedSharding
 
-SUPPORTED_JAX = "0.10.2"
+from jaxmem import compat
+
+FEATURE = "host offload on compile-only devices (jaxmem.memory_kinds_shim)"
 HOST_KIND = "pinned_host"
 
 
-class ShimUnsupported(RuntimeError):
+class ShimUnsupported(compat.UnsupportedVersion):
     pass
 
 
@@ -81,9 +87,10 @@ def install() -> None:
     global _installed
     if _installed:
         return
-    if jax.__version__ != SUPPORTED_JAX:
-        raise ShimUnsupported(f"jaxmem.memory_kinds_shim supports jax {SUPPORTED_JAX} only, found "
-                              f"{jax.__version__}: host offload cannot be compiled for compile-only devices")
+    try:
+        compat.require(FEATURE)
+    except compat.UnsupportedVersion as e:
+        raise ShimUnsupported(str(e)) from None
     from jax._src.interpreters import mlir, pxla
 
     missing = [f"{m.__name__}.{n}" for m, n in ((mlir, "_get_mem_kind"),

@@ -3,7 +3,7 @@ per-device byte figures of a compiled step (the planner's verdict "offload verif
 
 `offload.optimizer: host` keeps master weights, m and v in pinned host memory
 between steps; `offload.optimizer_update` says where AdamW runs (`host` under
-`compute_on("device_host")`, or `device`: streamed in and out). Gradients cross
+XLA host compute (`compat.host_compute`), or `device`: streamed in and out). Gradients cross
 to the host once per step. `offload.params: host` keeps the parameters on the
 host; each layer's weights come to the device inside the layer scan (and are
 fetched again in the backward pass, so the layer loop must be checkpointed),
@@ -16,9 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 import jax
-from jax.experimental.compute_on import compute_on
-
-from jaxmem import memory_kinds_shim
+from jaxmem import compat, memory_kinds_shim
 from jaxmem.config import Config, ConfigError
 
 DEVICE = jax.memory.Space.Device
@@ -111,14 +109,16 @@ def cast_for_grad(cfg: Config, params: dict, dtype) -> dict:
 
 def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params, scale):
     """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.optim.layerwise_update)
-    where the config says: on the host under compute_on("device_host"), or on the device with each
+    where the config says: on the host (compat.host_compute), or on the device with each
     layer's slice of a host-resident state streamed in and its results streamed back."""
     opt_home = HOST if cfg.offload.optimizer == "host" else DEVICE
     layer_home = HOST if cfg.offload.params == "host" else DEVICE
     put = lambda space: (lambda tree: jax.tree.map(lambda x: jax.device_put(x, space), tree))  # noqa: E731
     if cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host":
-        run = compute_on("device_host")(jax.jit(lambda *a: update(*a)))
-        new_params, new_opt, new_weights, aux = run(*to_host((grads, opt_state, weights, params, scale)))
+        args = to_host((grads, opt_state, weights, params, scale))
+        # Outputs stay where they will live; scalars (Adam's count, aux) come back to the device.
+        spaces = jax.tree.map(lambda a: HOST if a.ndim else DEVICE, jax.eval_shape(update, *args))
+        new_params, new_opt, new_weights, aux = compat.host_compute(update, spaces)(*args)
         rest = {k: v for k, v in new_params.items() if k != "layers"}
         layers = put(layer_home)(new_params["layers"])
         return dict(to_device(rest), layers=layers), _state_home(new_opt), new_weights, to_device(aux)

@@ -1,7 +1,7 @@
 """AdamW with warmup + cosine decay (optax), its layer-wise state, and the layer-by-layer update.
 
 Clipping and the global norm sit outside the optax chain, in `layerwise_update`,
-so the same code runs on the device and, under `compute_on("device_host")`, on
+so the same code runs on the device and, under XLA host compute (`compat.host_compute`), on
 the host: optax's norm builds device-space zeros for the imaginary part, which a
 host computation cannot mix with host values.
 """

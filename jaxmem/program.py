@@ -26,6 +26,12 @@ from jaxmem.optim import (adam_count, init_opt_state, layerwise_update, make_opt
 from jaxmem.precision import Precision, init_loss_scale, update_loss_scale
 
 
+# The jax.named_scope of the gradient computation (forward, backward, micro-batch accumulation) and of the
+# optimizer update in the step; they show up in the compiled HLO's op_name metadata.
+GRADS_SCOPE = "grads"
+UPDATE_SCOPE = "optimizer_update"
+
+
 def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
     """(grad_accum, micro-batch rows per step across all data ways)."""
     t = cfg.train
@@ -196,21 +202,25 @@ def _make_step(prog: TrainProgram):
                 return dict(rest, layers=g["layers"]), loss_sum
             return jax.lax.with_sharding_constraint(g, grad_shardings), loss_sum
 
-        if prog.grad_accum == 1:
-            grads, loss_sum = one(inputs[0], labels[0])
-        else:
-            def acc(carry, mb):
-                g, l = one(*mb)
-                return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+        # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
+        # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
+        with jax.named_scope(GRADS_SCOPE):
+            if prog.grad_accum == 1:
+                grads, loss_sum = one(inputs[0], labels[0])
+            else:
+                def acc(carry, mb):
+                    g, l = one(*mb)
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
 
-            zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
-            zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-            (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
+                zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
+                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)
-        new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
-            cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
+        with jax.named_scope(UPDATE_SCOPE):
+            new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
+                cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
         if cfg.offload.params != "host":
             new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import jax
 
 from jaxmem import distributed
-from jaxmem.checkpoint import Checkpoints, init_from, math_hash, run_meta
+from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, run_meta
 from jaxmem.config import Config, dump_yaml, load_config
 from jaxmem.data import Batches, TokenSource, make_source
 from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line, summary_writer_class
@@ -41,11 +41,8 @@ def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, 
     cfg = prog.cfg
     latest = ckpts.latest_step() if ckpts else None
     if latest is not None:
-        try:
-            state, meta = ckpts.restore(prog.abstract_state, latest)
-        except (ValueError, KeyError, TypeError) as e:
-            raise TrainError(f"{ckpts.directory} step {latest} does not fit this run's train state "
-                             f"({str(e).splitlines()[0]}); use a new out_dir") from None
+        # damaged or another model's: a one-line ConfigError
+        state, meta = ckpts.restore(prog.abstract_state, latest, required_meta=RUN_META_KEYS)
         rows = prog.grad_accum * prog.rows
         if meta.get("config_hash") != math_hash(cfg) or meta.get("batch_rows") != rows:
             _note(f"resuming step {latest} saved with other model/optimizer/data/batch settings; "

@@ -1,10 +1,21 @@
-"""Eight virtual CPU devices for every test; set before jax is imported."""
+"""Eight virtual CPU devices and a shared compilation cache for every test; set before jax is imported.
+
+The persistent cache lives in the checkout (`.cache/jax-tests`, git-ignored), so a fresh clone starts cold;
+within one run the xdist workers and the subprocesses the tests start (multi-process training, sweep
+workers, explain dumps) reuse each other's CPU compiles of the same program. Compile-only GPU executables
+cannot be read back from it (jax 0.10.2: "PjRtCompiler must be constructed with a Client"); jax then
+compiles again, so those deviceless compiles are shared through fixtures instead.
+"""
 import os
+from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
     os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import jax  # noqa: E402
 

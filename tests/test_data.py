@@ -123,14 +123,6 @@ def test_bin_source_reads_the_token_file(tmp_path, dtype):
     assert len({tuple(r) for r in rows}) == 20
 
 
-def test_bin_token_beyond_the_vocabulary_is_a_config_error(tmp_path):
-    path = tmp_path / "tokens.bin"
-    np.full(100, 300, np.uint16).tofile(path)
-    src = make_source(_cfg("data.kind=bin", f"data.path={path}"))
-    with pytest.raises(ConfigError, match=r"token id 300 >= model\.vocab_size=256"):
-        src.samples(np.arange(2), SEQ + 1)
-
-
 def test_bin_of_odd_size_is_a_config_error(tmp_path):
     path = tmp_path / "tokens.bin"
     path.write_bytes(b"\x01\x00\x02")

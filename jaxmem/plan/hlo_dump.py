@@ -22,6 +22,8 @@ class Instr:
     frame: int | None
     body: str | None  # while body computation
     computation: str
+    calls: tuple[str, ...] = ()  # computations it runs: fusion/async bodies, while body and condition, to_apply
+    tuple_index: int | None = None  # get-tuple-element's index
 
 
 @dataclasses.dataclass
@@ -74,28 +76,43 @@ def _parse_instr(line: str, computation: str) -> Instr | None:
     meta = _META.search(rest)
     frame = _FRAME.search(rest)
     body = re.search(r"body=%?([\w.\-]+)", rest)
+    calls = tuple(re.findall(r"\b(?:calls|body|condition|to_apply)=%?([\w.\-]+)", rest))
+    index = re.search(r"\bindex=(\d+)", rest) if opcode.strip() == "get-tuple-element" else None
     return Instr(name, type_, opcode.strip(), [o.split(" ")[-1].lstrip("%") for o in operands],
                  meta.group(1).replace("\\'", "'") if meta else "", int(frame.group(1)) if frame else None,
-                 body.group(1) if body else None, computation)
+                 body.group(1) if body else None, computation, calls, int(index.group(1)) if index else None)
 
 
 class HloModuleText:
-    """The optimized HLO of one module: instructions by name, ROOTs by computation, stack frames."""
+    """The optimized HLO of one module: instructions by name, ROOTs by computation, stack frames, who calls
+    each computation and who uses each instruction."""
 
     def __init__(self, text: str):
         self.instrs: dict[str, Instr] = {}
         self.roots: dict[str, str] = {}
+        self.entry = ""
         self.frames = self._frames(text)
         computation = ""
         for line in text.splitlines():
             if not line.startswith(" ") and "{" in line and not line.startswith("HloModule"):
                 computation = line.split(" ")[1 if line.startswith("ENTRY") else 0].lstrip("%")
+                if line.startswith("ENTRY"):
+                    self.entry = computation
                 continue
             ins = _parse_instr(line, computation) if line.startswith("  ") else None
             if ins:
                 self.instrs[ins.name] = ins
                 if line.lstrip().startswith("ROOT "):
                     self.roots[computation] = ins.name
+        self.computations: dict[str, list[str]] = {}  # computation -> its instructions, in text order
+        self.callers: dict[str, list[str]] = {}  # computation -> the instructions that run it
+        self.users: dict[str, list[str]] = {}  # instruction -> the instructions that read it
+        for ins in self.instrs.values():
+            self.computations.setdefault(ins.computation, []).append(ins.name)
+            for c in ins.calls:
+                self.callers.setdefault(c, []).append(ins.name)
+            for o in dict.fromkeys(ins.operands):
+                self.users.setdefault(o, []).append(ins.name)
 
     @staticmethod
     def _table(text: str, name: str) -> list[str]:
