@@ -9,7 +9,7 @@ import sys
 COMMANDS = {
     "train": ("jaxmem.train", "run a config-driven training run"),
     "plan": ("jaxmem.plan.cli", "per-device memory bill for a target GPU (deviceless compile)"),
-    "explain": ("jaxmem.explain", "which source lines own the biggest buffers at the peak"),
+    "explain": ("jaxmem.plan.explain", "which source lines own the biggest buffers at the peak"),
     "sweep": ("jaxmem.sweep", "plan the cross product of config overrides"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
 }

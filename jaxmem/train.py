@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = run(cfg)
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
-        from jaxmem.explain import report_oom  # late: explain compiles in a subprocess, only on OOM
+        from jaxmem.plan.explain import report_oom  # late: explain compiles in a subprocess, only on OOM
 
         report_oom(cfg, e)
         return 1

@@ -570,6 +570,7 @@ def test_damaged_init_from(saved, tmp_path, damage, named, fragment):
     _one_line_error(lambda: init_from(saved["prog"], path), f"{path / named}", fragment)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's abandoned reads
 def test_init_from_params_of_another_model(saved, other_prog, tmp_path):
     _other_params(other_prog, tmp_path)
     _one_line_error(lambda: init_from(saved["prog"], tmp_path / "hf"),
@@ -577,6 +578,7 @@ def test_init_from_params_of_another_model(saved, other_prog, tmp_path):
                     "(layers.w_down has shape [4, 384, 128], this run's has [4, 352, 128])")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's abandoned reads
 def test_bad_init_from_fails_the_run_before_anything_is_written(tmp_path):
     (tmp_path / "garbage").write_bytes(GARBAGE)
     cfg = _run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'garbage'}")

@@ -10,9 +10,10 @@ import shutil
 
 import pytest
 
-from jaxmem import explain as explain_mod
+from jaxmem.plan import explain as explain_mod
 from jaxmem.config import load_config
-from jaxmem.explain import CATEGORIES, SUGGESTIONS, classify, explain_dump, is_oom, main, report_oom, state_shapes
+from jaxmem.plan.buffer_kinds import CATEGORIES, SUGGESTIONS, classify, state_shapes
+from jaxmem.plan.explain import explain_dump, is_oom, main, report_oom
 from jaxmem.plan import hlo_dump
 
 # Tiny model, naive loss with a big vocab (the [tokens, vocab] fp32 logits rank first), selective remat (named

@@ -1,0 +1,157 @@
+"""`jaxmem explain CONFIG [--target T] [--top N] [--json FILE]`: the buffers live at the memory peak of
+the compiled train step, each with its category, the jaxmem source line that created it, and a fix.
+
+Also `report_oom(cfg, exc)`, for the training loop: explain an out-of-memory instead of XLA's raw text.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from jaxmem.aot import Topology, resolve_topology
+from jaxmem.config import Config, ConfigError, from_dict, load_config, to_dict
+from jaxmem.plan import hlo_dump
+from jaxmem.plan.buffer_kinds import classify, state_shapes
+
+
+# ------------------------------------------------------------------ compiling with dumps
+
+
+def _worker(cfg_json: str, topo_json: str) -> None:
+    """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
+    from jaxmem.program import build_program
+
+    cfg = from_dict(json.loads(cfg_json))
+    topo = Topology(**json.loads(topo_json))
+    build_program(cfg, devices=list(topo.devices())).lower().compile()
+
+
+def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> None:
+    flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
+    env = dict(os.environ, JAX_PLATFORMS="cpu" if topo.name else os.environ.get("JAX_PLATFORMS", ""),
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+    topo_json = json.dumps({k: getattr(topo, k) for k in ("name", "gpus_per_host", "hosts", "headroom",
+                                                         "host_ram_bytes")})
+    code = "import sys; from jaxmem.plan.explain import _worker; _worker(sys.argv[1], sys.argv[2])"
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(to_dict(cfg)), topo_json], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode:
+        tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
+        raise RuntimeError(f"explain: the dump compile failed:\n{tail}")
+
+
+def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
+    hlo_path, live_path, usage_path = hlo_dump.find_dump(Path(dump_dir))
+    module = hlo_dump.HloModuleText(hlo_path.read_text())
+    peak = hlo_dump.peak_buffers(live_path.read_text())
+    total = sum(b for _, _, b in peak)
+    ranked = sorted(peak, key=lambda x: -x[2])[:top]
+    state = state_shapes(cfg, module)
+    buffers = [classify(cfg, module, n, i, b, state) for n, i, b in ranked]
+    usage = usage_path.read_text().splitlines()[1].strip() if usage_path else ""
+    return {"peak_live_bytes": total, "buffers": buffers, "memory_usage_report": usage}
+
+
+def explain(cfg: Config, topo: Topology, top: int = 10, dump_dir: str | None = None) -> dict:
+    """Compiles with dumps in a subprocess and explains the peak (bytes are compiled, deviceless for a target)."""
+    with tempfile.TemporaryDirectory(prefix="jaxmem-explain-") as tmp:
+        where = Path(dump_dir or tmp)
+        compile_with_dumps(cfg, topo, where)
+        out = explain_dump(cfg, where, top)
+    out["label"] = f"compiled for {topo.label} ({'deviceless' if topo.name else 'attached devices'})"
+    return out
+
+
+def render(result: dict, console=None) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    from rich.markup import escape
+
+    console = console or Console()
+    table = Table(title=f"buffers live at the peak ({result['peak_live_bytes'] / 2**30:.2f} GiB), "
+                        f"{result['label']}")
+    for col in ("#", "MiB", "shape", "dtype", "category", "why", "source"):
+        table.add_column(col, overflow="fold", justify="right" if col in ("#", "MiB") else "left")
+    for i, b in enumerate(result["buffers"], 1):
+        cat = b["category"] + (f" ({b['checkpoint_name']})" if b["checkpoint_name"] else "")
+        table.add_row(str(i), f"{b['bytes'] / 2**20:,.1f}", escape(str(b["shape"])), b["dtype"], escape(cat),
+                      escape(b.get("why", "")), escape(b["source"]))
+    console.print(table)
+    shown = set()
+    for i, b in enumerate(result["buffers"], 1):
+        if b["suggestion"] not in shown:
+            shown.add(b["suggestion"])
+            console.print(f"  #{i}: {escape(b['suggestion'])}", highlight=False)
+
+
+# ------------------------------------------------------------------ out-of-memory in a real run
+
+
+def is_oom(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}"
+    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "out of device memory"))
+
+
+def _attached_target() -> str:
+    import jax
+
+    from jaxmem.targets import TARGETS
+
+    kind = getattr(jax.devices()[0], "device_kind", "")
+    for name, target in TARGETS.items():
+        if target.description.lower() in kind.lower() or kind.lower() in target.description.lower():
+            return name
+    return ""
+
+
+def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> bool:
+    """If `exc` is an out-of-memory error, prints the explain report for this run and returns True.
+
+    The compile runs deviceless in a subprocess for the attached GPU model, so it needs no GPU memory.
+    """
+    if not is_oom(exc):
+        return False
+    from rich.console import Console
+
+    console = Console(file=file or sys.stderr, width=160)
+    console.print("[red]out of memory[/red]: the buffers live at the peak of this step (explain):")
+    try:
+        import jax
+
+        topo = resolve_topology(cfg, cfg.target.name or _attached_target() or None,
+                                gpus_per_host=jax.local_device_count(), hosts=jax.process_count())
+        render(explain(cfg, topo, top), console)
+    except Exception as e:  # the report is best effort; never mask the original error
+        console.print(f"(could not explain the peak: {type(e).__name__}: {e})")
+    return True
+
+
+# ------------------------------------------------------------------ CLI
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="jaxmem explain", description=__doc__.splitlines()[0])
+    ap.add_argument("config")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    ap.add_argument("--target", default=None)
+    ap.add_argument("--gpus-per-host", type=int, default=None)
+    ap.add_argument("--hosts", type=int, default=None)
+    ap.add_argument("--top", type=int, default=10)
+    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--dump-dir", default=None, help="keep XLA's dump files here")
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if args.top < 1:
+        raise ConfigError(f"--top: must be >= 1, got {args.top}")
+    cfg = load_config(args.config, args.overrides)
+    topo = resolve_topology(cfg, args.target, args.gpus_per_host, args.hosts)
+    result = explain(cfg, topo, args.top, args.dump_dir)
+    render(result)
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(result, indent=2))
+    return 0
