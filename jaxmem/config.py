@@ -311,7 +311,8 @@ class _ConfigLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
-def _parse_yaml(path: Path) -> Any:
+def parse_yaml_file(path: Path) -> Any:
+    """A YAML file's content; bad bytes or syntax are a one-line ConfigError naming the file."""
     try:
         return yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # bytes: YAML detects UTF-8/UTF-16 itself
     except yaml.reader.ReaderError as e:
@@ -328,7 +329,7 @@ def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path}: config file not found")
-    raw = _parse_yaml(path)
+    raw = parse_yaml_file(path)
     if raw is None:  # an empty file (or only comments) is more likely a mistake than a wish for the defaults
         raise ConfigError(f"{path}: empty config; expected a mapping of sections such as model: and train:")
     if not isinstance(raw, dict):

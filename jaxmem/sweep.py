@@ -12,9 +12,8 @@ import multiprocessing
 import sys
 from pathlib import Path
 
-import yaml
 
-from jaxmem.config import ConfigError, config_hash, load_config
+from jaxmem.config import ConfigError, config_hash, load_config, parse_yaml_file
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores
 GIB = 1024**3
@@ -32,10 +31,17 @@ def parse_grid(items: list[str]) -> dict[str, list[str]]:
     return grid
 
 
+def _read_mapping(path: Path) -> dict:
+    raw = parse_yaml_file(path)
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(f"{path}: expected a mapping (a sweep file with `config` and `grid`, or a config)")
+    return raw
+
+
 def read_sweep_file(path: Path) -> dict:
     """SWEEP.yaml: {config: base config (relative to this file), grid: {key: [values]}, overrides: [...],
     target: {name, gpus_per_host, hosts}, out_dir: ...}."""
-    raw = yaml.safe_load(path.read_text()) or {}
+    raw = _read_mapping(path)
     allowed = {"config", "grid", "overrides", "target", "out_dir"}
     for k in raw:
         if k not in allowed:
@@ -195,8 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     src = Path(args.source)
     if not src.is_file():
         raise ConfigError(f"{src}: file not found")
-    raw = yaml.safe_load(src.read_text()) or {}
-    if isinstance(raw, dict) and "grid" in raw:
+    raw = _read_mapping(src)
+    if "grid" in raw:
         spec = read_sweep_file(src)
         config, grid = spec["config"], spec["grid"]
         grid.update(parse_grid(args.grid))

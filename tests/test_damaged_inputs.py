@@ -84,6 +84,27 @@ def test_broken_base_names_the_base_file(tmp_path):
     _one_line_error(lambda: load_config(tmp_path / "run.yaml"), f"{tmp_path / 'parent.yaml'}: binary content")
 
 
+SWEEP_CASES = {  # `jaxmem sweep FILE`: the file is a sweep spec or a config
+    "garbage": (GARBAGE, "binary content"),
+    "truncated": (b"config: ../tiny.yaml\ngrid: {remat.preset: [full, no", "not valid YAML"),
+    "empty": (b"", "expected a mapping"),
+    "grid not a mapping": (b"config: run.yaml\ngrid: [1, 2]\n", "grid: must map each key"),
+    "unknown key": (b"config: run.yaml\ngrid: {train.seq_len: [16]}\ngird: 1\n", "gird: unknown key"),
+}
+
+
+@pytest.mark.parametrize("content,fragment", SWEEP_CASES.values(), ids=SWEEP_CASES.keys())
+def test_damaged_sweep_file(tmp_path, capsys, content, fragment):
+    from jaxmem import cli
+
+    path = tmp_path / "sweep.yaml"
+    path.write_bytes(content)
+    assert cli.main(["sweep", str(path), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path) in err and fragment in err, err
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("encoding", ["utf-8-sig", "utf-16"])
 def test_yaml_config_with_a_byte_order_mark_loads(tmp_path, encoding):
     path = tmp_path / "run.yaml"
