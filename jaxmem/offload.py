@@ -1,5 +1,4 @@
-"""Host placement of optimizer state and parameters, the optimizer update on host or device, and the
-per-device byte figures of a compiled step (the planner's verdict "offload verified" reads the same fields).
+"""Host placement of optimizer state and parameters, and the optimizer update on host or device.
 
 `offload.optimizer: host` keeps master weights, m and v in pinned host memory
 between steps; `offload.optimizer_update` says where AdamW runs (`host` under
@@ -99,6 +98,18 @@ def layer_fetch(cfg: Config, dtype) -> Callable:
     return lambda s: jax.tree.map(lambda x: jax.device_put(x, DEVICE).astype(dtype), s)
 
 
+def constrain_device_part(cfg: Config, tree: dict, shardings: dict) -> dict:
+    """Sharding constraints for a params-shaped tree (gradients, new params) inside the step. With
+    `offload.params: host` the layer entries already sit on the host, where their placement decides (layer
+    gradients land next to the host weights, and new host params come from the update); only the rest is
+    constrained on the device."""
+    if cfg.offload.params != "host":
+        return jax.lax.with_sharding_constraint(tree, shardings)
+    rest = {k: v for k, v in tree.items() if k != "layers"}
+    rest = jax.lax.with_sharding_constraint(rest, {k: shardings[k] for k in rest})
+    return dict(rest, layers=tree["layers"])
+
+
 def cast_for_grad(cfg: Config, params: dict, dtype) -> dict:
     """Params in the dtype gradients are reduced in; host layers are cast after their fetch instead."""
     cast = lambda tree: jax.tree.map(lambda x: x.astype(dtype), tree)  # noqa: E731
@@ -126,16 +137,3 @@ def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params,
     homes = {"rest": (put(DEVICE), state_home, state_home),
              "layers": (put(layer_home), put(opt_home), put(opt_home))}
     return update(grads, opt_state, weights, params, scale, fetch=to_device, homes=homes)
-
-
-# ---------------------------------------------------------------- compiled memory
-
-
-def memory_figures(compiled) -> dict:
-    """Per-device bytes of a compiled step: device = argument + output - alias + temp; host_* pinned host."""
-    ma = compiled.memory_analysis()
-    f = {k: int(getattr(ma, f"{k}_size_in_bytes")) for k in (
-        "argument", "output", "alias", "temp", "host_argument", "host_output", "host_alias", "host_temp")}
-    f["device"] = f["argument"] + f["output"] - f["alias"] + f["temp"]
-    f["host"] = f["host_argument"] + f["host_output"] - f["host_alias"] + f["host_temp"]
-    return f

@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding
 from jaxmem.config import Config, ConfigError
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.model import ForwardContext, abstract_model, init_model
+from jaxmem.layout import Layout, platform_of, resolve as resolve_layout
+from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.axes import activation_rules
 from jaxmem.optim import (adam_count, init_opt_state, layerwise_update, make_optimizer, opt_state_specs,
                           schedule)
@@ -62,6 +63,7 @@ class TrainProgram:
     grad_accum: int
     rows: int  # global rows per micro-batch
     ctx: ForwardContext
+    layout: Layout  # every decision above, as the planner reads them
 
     # ------------------------------------------------------------ batches
     @property
@@ -129,47 +131,39 @@ def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
 def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainProgram:
     """Everything needed to init, step, checkpoint and plan a run, without allocating weights."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
+    layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
+                            mesh_sizes={a: mesh.shape.get(a, 1) for a in ("dp", "fsdp", "tp")})
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
-    model = abstract_model(cfg.model, param_dtype=prec.param)
-    graphdef, abstract_params_state = nnx.split(model)
     remat.group_size(cfg.remat, cfg.model.n_layers)  # validates every_k before any compile
 
-    rules = sharding.RULE_TABLES[cfg.parallel.rules]
-    sharded = sharding.param_specs(abstract_params_state, rules, mesh)
-    replicated = sharding.param_specs(abstract_params_state, sharding.without_data_axes(rules), mesh)
-    stage = cfg.parallel.zero_stage
-    param_specs = sharded if stage == 3 else replicated
-    grad_specs = sharded if stage >= 2 else replicated
-    opt_specs = sharded
-
-    abstract_params = nnx.to_pure_dict(abstract_params_state)
-    abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), abstract_params)
-    specs = {"step": P(), "params": param_specs}
-    specs["opt"] = opt_state_specs(opt, abstract["opt"], opt_specs, P())
+    abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
+    specs = {"step": P(), "params": layout.param_specs}
+    specs["opt"] = opt_state_specs(opt, abstract["opt"], layout.opt_specs, P())
     if "master" in abstract:
-        specs["master"] = opt_specs
+        specs["master"] = layout.opt_specs
     if "loss_scale" in abstract:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    grad_accum, rows = batch_layout(cfg, sharding.data_ways(mesh))
+    grad_accum = layout.grad_accum
     offload.validate(cfg, grad_accum)
-    platform = kernels.platform_of(mesh.devices.flat)
+    platform = layout.platform
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment)
-    return TrainProgram(cfg, mesh, prec, graphdef, opt, shardings, abstract, grad_specs, grad_accum, rows, ctx)
+    return TrainProgram(cfg, mesh, prec, layout.graphdef, opt, shardings, abstract, layout.grad_specs, grad_accum,
+                        layout.rows, ctx, layout)
 
 
 def _make_step(prog: TrainProgram):
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     constrainer = sharding.activation_constrainer(rules, mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, kernels.platform_of(mesh.devices.flat), mesh=mesh)
+    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
     grad_shardings = sharding.named(mesh, prog.grad_specs)
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
@@ -196,11 +190,7 @@ def _make_step(prog: TrainProgram):
 
         def one(mb_inputs, mb_labels):
             g, loss_sum = grad_fn(p_grad, mb_inputs, mb_labels, n_valid / scale)
-            if cfg.offload.params == "host":  # layer gradients already sit on the host, next to the weights
-                rest = {k: v for k, v in g.items() if k != "layers"}
-                rest = jax.lax.with_sharding_constraint(rest, {k: grad_shardings[k] for k in rest})
-                return dict(rest, layers=g["layers"]), loss_sum
-            return jax.lax.with_sharding_constraint(g, grad_shardings), loss_sum
+            return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
         # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
         # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
@@ -221,8 +211,7 @@ def _make_step(prog: TrainProgram):
         with jax.named_scope(UPDATE_SCOPE):
             new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
                 cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
-        if cfg.offload.params != "host":
-            new_params = jax.lax.with_sharding_constraint(new_params, param_shardings)
+        new_params = offload.constrain_device_part(cfg, new_params, param_shardings)
 
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
         if "master" in state:

@@ -164,3 +164,37 @@ def layer_scan(cfg: RematConfig, n_layers: int, fetch: Callable = lambda s: s):
         return _scan(ckpt(lambda c, g: _scan(body, c, g)), h, grouped)
 
     return scan_layers, segment
+
+
+# ---------------------------------------------------------------- what a policy keeps (read by the planner)
+
+_BASE_SAVES = {  # names a jax base policy keeps by itself (it saves matmul outputs, untagged or tagged)
+    "dots_saveable": _MATMULS,
+    "dots_with_no_batch_dims_saveable": tuple(n for n in _MATMULS if n != CN.ATTN_CONTEXT),
+}
+
+
+def saved_across_backward(cfg: RematConfig, fused_attention: bool) -> dict[str, str]:
+    """Per checkpoint name, where its per-layer value lives between the forward and the backward:
+    device, host (offloaded) or remat (recomputed in the backward)."""
+    choices = name_choices(cfg)
+    if not uses_checkpoint(cfg):
+        return {n: "device" for n in choices}
+    out = {n: {"device": "device", "offload": "host"}.get(c, "remat") for n, c in choices.items()}
+    if out[CN.LAYER_INPUT.value] == "remat":
+        out[CN.LAYER_INPUT.value] = "device"  # the checkpointed layer's input is always a residual
+    for n in _BASE_SAVES.get(PRESETS[cfg.preset].get("base"), ()):
+        if n == CN.ATTN_CONTEXT and fused_attention:
+            continue  # a fused attention kernel's output is no dot
+        out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
+    # The layer's output is never read by its own backward (the next layer keeps its input): whatever the
+    # policy says (device or offload), autodiff drops it (deviceless compiles agree).
+    out[CN.MLP_OUT.value] = "remat"
+    return out
+
+
+def keeps_attention_scores(cfg: RematConfig, fused_attention: bool) -> bool:
+    """Whether plain (unfused) attention's S x S scores stay live across the backward."""
+    if fused_attention:
+        return False
+    return not uses_checkpoint(cfg) or PRESETS[cfg.preset].get("base") == "dots_saveable"

@@ -28,6 +28,7 @@ from jaxmem.kernels.cross_entropy import chunked, pallas as pallas_ce, triton as
 from jaxmem.kernels.cross_entropy.reference import linear_cross_entropy_reference  # noqa: E402
 from jaxmem.kernels.rms_norm.pallas import rms_norm, rms_norm_cost  # noqa: E402
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference  # noqa: E402
+from jaxmem.plan.compiled import memory_figures  # noqa: E402
 
 OUT = Path(__file__).resolve().parent.parent / "benchmarks"
 HOW = "compiled for h100-80g (deviceless)"
@@ -51,10 +52,9 @@ def _device():
 
 def _memory(fn, *args) -> dict:
     start = time.perf_counter()
-    m = jax.jit(fn).lower(*args).compile().memory_analysis()
-    total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-    return {"argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-            "alias_bytes": m.alias_size_in_bytes, "temp_bytes": m.temp_size_in_bytes, "device_bytes": total,
+    f = memory_figures(jax.jit(fn).lower(*args).compile())
+    return {"argument_bytes": f["argument"], "output_bytes": f["output"],
+            "alias_bytes": f["alias"], "temp_bytes": f["temp"], "device_bytes": f["device"],
             "compile_s": round(time.perf_counter() - start, 1), "how": HOW}
 
 
@@ -139,9 +139,9 @@ def train_step_memory() -> dict:
     for name, overrides in STEP_CASES.items():
         prog = build_program(load_config(None, STEP_BASE + overrides), devices=devices)
         start = time.perf_counter()
-        m = prog.lower().compile().memory_analysis()
-        total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-        out[name] = {"overrides": STEP_BASE + overrides, "device_bytes": total, "temp_bytes": m.temp_size_in_bytes,
+        f = memory_figures(prog.lower().compile())
+        total = f["device"]
+        out[name] = {"overrides": STEP_BASE + overrides, "device_bytes": total, "temp_bytes": f["temp"],
                      "compile_s": round(time.perf_counter() - start, 1),
                      "how": "compiled for 8 x h100-80g (deviceless)"}
         print(f"step {name}: {total / GIB:.2f} GiB per device", flush=True)

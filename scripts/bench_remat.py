@@ -20,7 +20,7 @@ from jax.extend import core as jcore  # noqa: E402
 
 from jaxmem import aot, remat  # noqa: E402
 from jaxmem.config import load_config  # noqa: E402
-from jaxmem.offload import memory_figures  # noqa: E402
+from jaxmem.plan.compiled import memory_figures  # noqa: E402
 from jaxmem.program import build_program  # noqa: E402
 
 GIB = 1024**3

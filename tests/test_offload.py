@@ -6,8 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem import offload
 from jaxmem.config import ConfigError, load_config
+from jaxmem.plan.compiled import memory_figures
 from jaxmem.program import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
@@ -93,7 +93,7 @@ def _compile(overrides):
 
     cfg = load_config(None, H100_8B + overrides)
     prog = build_program(cfg, devices=aot.target_devices("h100-80g", 1))
-    return prog, offload.memory_figures(prog.lower().compile())
+    return prog, memory_figures(prog.lower().compile())
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ from jaxmem.aot import resolve_topology
 from jaxmem.config import ConfigError, load_config
 from jaxmem.plan import plan
 from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.compiled import CompiledFigures, captured_stderr, memory_warnings
+from jaxmem.plan.compiled import CompiledFigures, captured_stderr, device_bytes, memory_warnings
 from jaxmem.plan.report import offload_status
 from jaxmem.targets import TARGETS
 
@@ -41,7 +41,7 @@ def test_tiny_deviceless_compile_for_h100(tiny_plan):
     assert SCHEMA_KEYS <= set(p)
     c = p["compiled"]
     assert c["label"] == "compiled for 8 x h100-80g (deviceless)"
-    assert c["device_total"] == c["argument"] + c["output"] - c["alias"] + c["temp"]
+    assert c["device_total"] == device_bytes(c) == c["argument"] + c["output"] - c["alias"] + c["temp"]
     assert c["host_total"] == 0 and p["offload"]["requested"] is False
     assert p["devices"] == 8 and p["target"]["name"] == "h100-80g"
     assert p["fits"] is True and p["fits_basis"] == "compiled"

@@ -92,7 +92,7 @@ def test_bad_remat_config_is_one_line_error():
 
 def _h100_bytes(preset: str, **extra) -> dict:
     from jaxmem import aot
-    from jaxmem.offload import memory_figures
+    from jaxmem.plan.compiled import memory_figures
     from jaxmem.program import build_program
 
     overrides = ["model.preset=llama3-8b", "model.n_layers=4", "train.seq_len=4096", "train.micro_batch=1",

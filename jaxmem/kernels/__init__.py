@@ -37,14 +37,40 @@ def _pallas_interpret(key: str, platform: str) -> bool:
                             f"not platform {platform!r}")
 
 
+def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
+    """The implementation each op runs on `platform`: the one place `auto` is decided.
+
+    attention: the Pallas flash kernel on GPUs (plain XLA keeps S x S scores); XLA on CPU, where Pallas
+    would only interpret. loss: chunked, which has the smallest scratch of all (benchmarks/kernels.md) and
+    runs its matmuls in cuBLAS, while the fused kernels' backward is bound by atomic adds. norm: XLA, which
+    already fuses it (the Pallas kernel saved no bytes in the compiled step).
+    """
+    auto = {"attention": "pallas" if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla"}
+    return {op: auto[op] if getattr(cfg, op) == "auto" else getattr(cfg, op) for op in auto}
+
+
+def _scoped(scope: str, fn):
+    """fn under a named scope ("attention_pallas", "loss_chunked", ...): metadata only, so the traced and
+    compiled step say which implementation runs (tests and `explain` read it)."""
+
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        with jax.named_scope(scope):
+            return fn(*args, **kwargs)
+
+    return run
+
+
 def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H].
 
     With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp).
     """
-    impl = cfg.attention
-    if impl == "auto":
-        impl = "pallas" if _is_gpu(platform) else "xla"
+    impl = resolve(cfg, platform)["attention"]
+    return _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
+
+
+def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
     if impl == "xla":
         return lambda q, k, v, seg: attention_reference(q, k, v, segment_ids_bt=seg)
     if impl == "pallas":
@@ -67,9 +93,11 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
 
 def select_norm(cfg: KernelConfig, platform: str, mesh=None):
     """fn(x, weight, eps) -> y. With a mesh, Pallas RMSNorm runs per shard (rows over the data axes)."""
-    impl = cfg.norm
-    if impl == "auto":  # XLA already fuses the norm: the Pallas kernel saved no bytes in the compiled step
-        impl = "xla"
+    impl = resolve(cfg, platform)["norm"]
+    return _scoped(f"norm_{impl}", _norm(impl, platform, mesh))
+
+
+def _norm(impl: str, platform: str, mesh):
     if impl == "xla":
         return rms_norm_reference
     if impl == "pallas":
@@ -107,11 +135,11 @@ def select_loss(cfg: KernelConfig, platform: str, mesh=None):
     With a mesh, the fused kernels run per shard (tokens over the data axes,
     vocab over tp) inside shard_map instead of being replicated by GSPMD.
     """
-    impl = cfg.loss
-    if impl == "auto":
-        # chunked has the smallest scratch of all (benchmarks/kernels.md) and runs its matmuls in cuBLAS; the
-        # fused kernels' backward is bound by atomic adds in the roofline estimate
-        impl = "chunked"
+    impl = resolve(cfg, platform)["loss"]
+    return _scoped(f"loss_{impl}", _loss(impl, cfg, platform, mesh))
+
+
+def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
     blocks = loss_blocks(cfg)
     if impl == "naive":
         return functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss)
@@ -149,3 +177,23 @@ def select_loss(cfg: KernelConfig, platform: str, mesh=None):
 def platform_of(devices) -> str:
     devices = list(devices) if devices is not None else []
     return devices[0].platform if devices else jax.default_backend()
+
+
+def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig) -> int:
+    """Per-device loss-phase scratch of the resolved loss `impl`, from the kernel's own formula."""
+    from jaxmem.kernels.cross_entropy import chunked, pallas, reference
+
+    formula = {"naive": reference.scratch_bytes, "chunked": chunked.scratch_bytes,
+               "pallas": pallas.scratch_bytes, "triton": pallas.scratch_bytes}[impl]  # triton: same tiles
+    return formula(tokens, vocab, loss_blocks(cfg))
+
+
+def attention_bytes(impl: str, score_elems: int, compute_itemsize: int) -> tuple[int, int]:
+    """(saved across the backward if kept, backward working set) of one layer's attention, per device.
+    Fused kernels (pallas, cudnn) never materialize the S x S scores."""
+    if impl != "xla":
+        return 0, 0
+    from jaxmem.kernels.attention import reference
+
+    return (reference.saved_bytes(score_elems, compute_itemsize),
+            reference.scratch_bytes(score_elems, compute_itemsize))

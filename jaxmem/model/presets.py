@@ -47,11 +47,16 @@ def resolve_model(model: ModelConfig, raw: dict) -> ModelConfig:
     return dataclasses.replace(model, **values)
 
 
-def param_count(m: ModelConfig) -> int:
-    """Exact parameter count of the decoder described by `m`."""
+def layer_param_count(m: ModelConfig) -> int:
+    """Parameters of one decoder layer: two norms, q/k/v/o projections (+ biases), gated MLP."""
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     per_layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
     if m.qkv_bias:
         per_layer += n * h + 2 * k * h
-    embed = m.vocab_size * d * (1 if m.tie_embeddings else 2)
-    return embed + d + m.n_layers * per_layer
+    return per_layer
+
+
+def param_count(m: ModelConfig) -> int:
+    """Exact parameter count of the decoder described by `m`."""
+    embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
+    return embed + m.d_model + m.n_layers * layer_param_count(m)

@@ -11,11 +11,8 @@ def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "")
     from jaxmem.plan.compiled import compile_step
     from jaxmem.plan.costmodel import estimate
     from jaxmem.plan.report import build_plan
-    from jaxmem.program import batch_layout
-
     bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo))
-    accum, rows = batch_layout(cfg, bill.mesh["dp"] * bill.mesh["fsdp"])
-    cost = estimate(cfg, bill, topo.gpu, topo.n_devices, accum, rows)
+    cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
     compiled = compile_step(cfg, topo)[1] if compile else None
     return build_plan(cfg, topo, bill, compiled, cost, source)
 

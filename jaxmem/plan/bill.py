@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 
 import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from jaxmem import remat, sharding
+from jaxmem import kernels, remat
 from jaxmem.config import Config
-from jaxmem.model import abstract_model
+from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.precision import Precision
 
@@ -23,17 +22,6 @@ HOST_CATEGORIES = ("params", "master", "opt_m", "opt_v", "activations", "tempora
 
 _BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
 _BTF = (CN.MLP_GATE, CN.MLP_UP, CN.MLP_ACT)
-_DOT_NAMES = (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.ATTN_OUT, CN.MLP_GATE, CN.MLP_UP,
-              CN.MLP_OUT)
-# Per score element XLA keeps live while differentiating plain attention: fp32 scores, their fp32 gradient,
-# the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless H100 compiles).
-_SCORE_WORKING_COPIES_F32 = 2
-_MASK_BYTES = 1
-# Per score element saved for the backward when plain attention is not rematerialized: the fp32 scores,
-# the fp32 softmax output and the compute-dtype probs fed to the second matmul. Fitted to deviceless
-# H100 compiles of configs/ladder/{1-fp32,2-bf16}.yaml (Llama-3-8B, seq 4096, no remat): 11.2 and 9.5
-# bytes per element measured from the compiled totals, 12 and 10 here.
-_SAVED_SCORE_BYTES_F32 = 8
 
 
 @dataclasses.dataclass
@@ -46,6 +34,7 @@ class Bill:
     offloaded_by_name: dict[str, int]  # saved on host, all layers
     mesh: dict[str, int]
     notes: list[str]
+    layout: Layout  # the decisions counted: the same object build_program builds from
 
     @property
     def device_total(self) -> int:
@@ -76,11 +65,6 @@ def _itemsize(dtype) -> int:
     return np.dtype(dtype).itemsize
 
 
-def _fake_mesh(sizes: dict[str, int]):
-    # logical_to_spec only reads mesh.shape, so planning needs no devices
-    return types.SimpleNamespace(shape=dict(sizes))
-
-
 def _shard_elems(shape, spec, sizes) -> int:
     div = 1
     for axes in spec:
@@ -90,22 +74,18 @@ def _shard_elems(shape, spec, sizes) -> int:
     return math.prod(shape) // div
 
 
-def _state_bytes(leaves_specs, sizes, dtype_of) -> int:
-    return sum(_shard_elems(x.shape, s, sizes) * _itemsize(dtype_of(x)) for x, s in leaves_specs)
+def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
+    """Per-device bytes of the params tree (or its `part` subtree) in `dtype`, sharded by `specs`."""
+    params = layout.abstract_params if part is None else layout.abstract_params[part]
+    specs = specs if part is None else specs[part]
+    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) * _itemsize(dtype)
+               for x, s in zip(jax.tree.leaves(params), spec_leaves(specs), strict=True))
 
 
-def state_leaves(cfg: Config, sizes: dict[str, int]):
-    """(abstract param leaves, sharded specs, replicated specs) for the mesh sizes."""
-    prec = Precision.from_config(cfg.precision)
-    state = nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1]
-    rules = sharding.RULE_TABLES[cfg.parallel.rules]
-    mesh = _fake_mesh(sizes)
-    leaves = jax.tree.leaves(nnx.to_pure_dict(state))
-    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
-    sharded = jax.tree.leaves(sharding.param_specs(state, rules, mesh), is_leaf=is_spec)
-    replicated = jax.tree.leaves(sharding.param_specs(state, sharding.without_data_axes(rules), mesh),
-                                 is_leaf=is_spec)
-    return leaves, sharded, replicated
+def _split(n: int, ways: int) -> int:
+    """A dim's per-device size: sharded when the axis divides it, else replicated (as sharding.logical_to_spec
+    decides)."""
+    return n // ways if n % ways == 0 else n
 
 
 def name_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
@@ -113,9 +93,7 @@ def name_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
     m, t = cfg.model, cfg.train
     tp = sizes["tp"]
     bt = t.micro_batch * t.seq_len
-    heads = m.n_heads // tp if m.n_heads % tp == 0 else m.n_heads
-    kv = m.n_kv_heads // tp if m.n_kv_heads % tp == 0 else m.n_kv_heads
-    ff = m.d_ff // tp if m.d_ff % tp == 0 else m.d_ff
+    heads, kv, ff = _split(m.n_heads, tp), _split(m.n_kv_heads, tp), _split(m.d_ff, tp)
     out = {n.value: bt * m.d_model for n in _BTD}
     out.update({n.value: bt * ff for n in _BTF})
     out.update({CN.QUERY_PROJ.value: bt * heads * m.head_dim, CN.ATTN_CONTEXT.value: bt * heads * m.head_dim,
@@ -126,46 +104,8 @@ def name_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
 def score_elems(cfg: Config, sizes: dict[str, int]) -> int:
     """Elements per device of one layer's attention score matrix [B, N, T, S] (plain XLA attention)."""
     m, t = cfg.model, cfg.train
-    heads = m.n_heads // sizes["tp"] if m.n_heads % sizes["tp"] == 0 else m.n_heads
+    heads = _split(m.n_heads, sizes["tp"])
     return t.micro_batch * heads * t.seq_len * t.seq_len
-
-
-def resolved_kernels(cfg: Config, gpu: bool) -> dict[str, str]:
-    """The attention and loss implementations `auto` picks on this platform (as jaxmem.kernels does)."""
-    attention, loss = cfg.kernels.attention, cfg.kernels.loss
-    if attention == "auto":
-        attention = "pallas" if gpu else "xla"
-    if loss == "auto":
-        loss = "pallas" if gpu else "chunked"
-    return {"attention": attention, "loss": loss}
-
-
-def attention_materializes_scores(cfg: Config, gpu: bool = True) -> bool:
-    return resolved_kernels(cfg, gpu)["attention"] == "xla"
-
-
-def saved_choices(cfg: Config, gpu: bool = True) -> dict[str, str]:
-    """Per checkpoint name: where its per-layer value lives across the backward (device/host/remat)."""
-    choices = remat.name_choices(cfg.remat)
-    if not remat.uses_checkpoint(cfg.remat):
-        return {n: "device" for n in choices}
-    out = {n: {"device": "device", "offload": "host"}.get(c, "remat") for n, c in choices.items()}
-    if out[CN.LAYER_INPUT.value] == "remat":
-        out[CN.LAYER_INPUT.value] = "device"  # the checkpointed layer's input is always a residual
-    base = remat.PRESETS[cfg.remat.preset].get("base")
-    if base == "dots_saveable":
-        for n in _DOT_NAMES:
-            if n == CN.ATTN_CONTEXT and not attention_materializes_scores(cfg, gpu):
-                continue  # a fused attention kernel's output is no dot
-            out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
-    elif base == "dots_with_no_batch_dims_saveable":
-        for n in _DOT_NAMES:
-            if n != CN.ATTN_CONTEXT:
-                out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
-    # The layer's output is never read by its own backward (the next layer keeps its input): whatever the
-    # policy says (device or offload), autodiff drops it (deviceless compiles agree).
-    out[CN.MLP_OUT.value] = "remat"
-    return out
 
 
 def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]:
@@ -181,111 +121,79 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]
     }
 
 
-def scores_saved(cfg: Config, gpu: bool = True) -> bool:
-    """Whether plain-XLA attention keeps each layer's scores across the backward."""
-    if not attention_materializes_scores(cfg, gpu):
-        return False
-    if not remat.uses_checkpoint(cfg.remat):
-        return True
-    return remat.PRESETS[cfg.remat.preset].get("base") == "dots_saveable"
-
-
-def logits_bytes(cfg: Config, sizes: dict[str, int], gpu: bool = True) -> int:
-    """Live loss-side bytes per device: fp32 logits and their gradient, per kernel choice."""
-    k, m = cfg.kernels, cfg.model
-    loss = resolved_kernels(cfg, gpu)["loss"]
+def logits_bytes(cfg: Config, layout: Layout) -> int:
+    """Live loss-side bytes per device beyond the LM head: the resolved loss kernel's own scratch formula."""
     tokens = cfg.train.micro_batch * cfg.train.seq_len
-    vocab = m.vocab_size // sizes["tp"] if m.vocab_size % sizes["tp"] == 0 else m.vocab_size
-    if loss == "naive":
-        return 2 * tokens * vocab * 4
-    if loss == "chunked":
-        return 2 * min(tokens, k.loss_block_t) * vocab * 4 + tokens * 4
-    # fused kernels: one [block_t, block_v] fp32 tile and its gradient, plus per-token lse
-    return 2 * min(tokens, k.fused_loss_block_t) * min(vocab, k.fused_loss_block_v) * 4 + 2 * tokens * 4
+    vocab = _split(cfg.model.vocab_size, layout.mesh_sizes["tp"])
+    return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels)
 
 
-def compute_bill(cfg: Config, n_devices: int, gpu: bool = True) -> Bill:
-    """Analytic per-device bill for `cfg` sharded over `n_devices` (GPUs, or CPU devices: `auto` kernels
-    resolve differently)."""
-    sizes = sharding.mesh_shape(cfg.parallel, n_devices)
+def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout | None = None) -> Bill:
+    """Analytic per-device bill for `cfg` sharded over `n_devices` GPUs (or, with gpu=False, CPU devices:
+    `auto` kernels resolve differently). Every decision comes from `layout` (default: resolved here)."""
+    layout = layout or resolve(cfg, n_devices, "gpu" if gpu else "cpu")
+    sizes = layout.mesh_sizes
     prec = Precision.from_config(cfg.precision)
     m, t = cfg.model, cfg.train
-    leaves, sharded, replicated = state_leaves(cfg, sizes)
-    zero = cfg.parallel.zero_stage
-    param_specs = sharded if zero == 3 else replicated
-    grad_specs = sharded if zero >= 2 else replicated
-    params = _state_bytes(zip(leaves, param_specs), sizes, lambda x: prec.param)
-    grads = _state_bytes(zip(leaves, grad_specs), sizes, lambda x: prec.grad_reduce)  # cast to fp32 on use
-    master = _state_bytes(zip(leaves, sharded), sizes, lambda x: np.float32) if prec.master else 0
-    moment = _state_bytes(zip(leaves, sharded), sizes, lambda x: prec.moment)
-    data_ways = sizes["dp"] * sizes["fsdp"]
-    from jaxmem.program import batch_layout
-
-    accum, rows = batch_layout(cfg, data_ways)
-    inputs = accum * (rows // data_ways) * (t.seq_len + 1) * 4 + _counter_bytes(cfg)
+    params = _state_bytes(layout, layout.param_specs, prec.param)
+    grads = _state_bytes(layout, layout.grad_specs, prec.grad_reduce)  # cast to fp32 on use
+    master = _state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0
+    moment = _state_bytes(layout, layout.opt_specs, prec.moment)
+    accum, rows = layout.grad_accum, layout.rows
+    inputs = accum * (rows // layout.data_ways) * (t.seq_len + 1) * 4 + _counter_bytes(cfg, layout)
     cd = _itemsize(prec.compute)
 
     per_name = name_shapes(cfg, sizes)
-    where = saved_choices(cfg, gpu)
     if remat.uses_checkpoint(cfg.remat):
-        saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in where.items() if w == "device"}
+        saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
         saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd).items()}
-    saved_host = {n: per_name[n] * cd * m.n_layers for n, w in where.items() if w == "host"}
+    saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
-    scores = score_elems(cfg, sizes)
-    if scores_saved(cfg, gpu):
-        saved_dev["attention_scores"] = scores * (_SAVED_SCORE_BYTES_F32 + cd) * m.n_layers
+    scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, sizes), cd)
+    if layout.keeps_scores:
+        saved_dev["attention_scores"] = scores_saved * m.n_layers
         notes.append("plain XLA attention keeps the S x S scores of every layer (use a flash kernel or a "
                      "policy that does not save dots)")
     activations = sum(saved_dev.values())
 
     # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients.
-    layer_all = sum(per_name.values()) * cd
-    working = 2 * layer_all
-    if attention_materializes_scores(cfg, gpu):
-        working += scores * (4 * _SCORE_WORKING_COPIES_F32 + cd + _MASK_BYTES)
-    logits = logits_bytes(cfg, sizes, gpu)
+    working = 2 * sum(per_name.values()) * cd + scores_working
+    logits = logits_bytes(cfg, layout)
 
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
-    gather_ways = sizes["fsdp"] * sizes["dp"] if zero == 3 else 1
-    layer_full = _layer_param_elems(cfg) // sizes["tp"]
+    gathered = cfg.parallel.zero_stage == 3 and layout.data_ways > 1
+    layer_full = layout.layer_param_elems // sizes["tp"]
     head_full = m.d_model * m.vocab_size // sizes["tp"]
-    temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gather_ways > 1 else 0)
-    logits += head_full * 4 + (head_full * cd if gather_ways > 1 else 0)
+    temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
+    logits += head_full * 4 + (head_full * cd if gathered else 0)
     if accum > 1:
-        temporaries += _state_bytes(zip(leaves, grad_specs), sizes, lambda x: np.float32)  # fp32 accumulator
+        temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator
     device = dict(params=params, grads=grads, master=master, opt_m=moment, opt_v=moment, inputs=inputs,
                   activations=activations, working_set=working, logits=logits, temporaries=temporaries)
     host = {k: 0 for k in HOST_CATEGORIES}
-    if cfg.offload.optimizer == "host":
+    if "opt" in layout.host_state:
         for k in ("master", "opt_m", "opt_v"):
             host[k], device[k] = device[k], 0
         if cfg.offload.optimizer_update == "host":  # fp32 grads, new m and v, new params (compiles agree)
-            fp32_grads = _state_bytes(zip(leaves, sharded), sizes, lambda x: np.float32)
+            fp32_grads = _state_bytes(layout, layout.opt_specs, np.float32)
             host["temporaries"] = fp32_grads + host["opt_m"] + host["opt_v"] + params
-    if cfg.offload.params == "host":
-        host["params"], device["params"] = device["params"], 0
+    if "params" in layout.host_state:  # the decoder layers; embedding, final norm and LM head stay
+        host["params"] = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
+        device["params"] -= host["params"]
     host["activations"] = sum(saved_host.values())
-    return Bill(device, host, saved_dev, saved_host, sizes, notes)
+    return Bill(device, host, saved_dev, saved_host, sizes, notes, layout)
 
 
-def _layer_param_elems(cfg: Config) -> int:
-    m = cfg.model
-    d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    return 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
-
-
-def _counter_bytes(cfg: Config) -> int:
+def _counter_bytes(cfg: Config, layout: Layout) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
     program's own state layout so it follows jaxmem.program."""
     from jaxmem.optim import make_optimizer
     from jaxmem.program import assemble_state
 
     prec = Precision.from_config(cfg.precision)
-    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
-    state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+    state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)
     small = [x for k, x in state.items() if k not in ("params", "master", "opt")]
-    small += [x for x in jax.tree.leaves(state["opt"]) if not np.issubdtype(x.dtype, np.floating)]
+    small += [x for x in jax.tree.leaves(state["opt"]) if not jnp.issubdtype(x.dtype, jnp.floating)]
     return sum(math.prod(x.shape) * _itemsize(x.dtype) for x in jax.tree.leaves(small))

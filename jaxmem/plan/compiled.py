@@ -25,6 +25,27 @@ WARNING_PATTERNS = (
 )
 
 
+def read_fields(compiled) -> dict[str, int]:
+    """XLA's per-device memory analysis of a compiled executable, device and pinned-host bytes apart."""
+    ma = compiled.memory_analysis()
+    return {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in DEVICE_FIELDS + HOST_FIELDS}
+
+
+def device_bytes(f: dict[str, int]) -> int:
+    """Bytes a step holds on each device: its arguments and outputs (donated ones counted once) and temps."""
+    return f["argument"] + f["output"] - f["alias"] + f["temp"]
+
+
+def host_bytes(f: dict[str, int]) -> int:
+    return f["host_argument"] + f["host_output"] - f["host_alias"] + f["host_temp"]
+
+
+def memory_figures(compiled) -> dict[str, int]:
+    """`read_fields` plus the totals, as "device" and "host"."""
+    f = read_fields(compiled)
+    return dict(f, device=device_bytes(f), host=host_bytes(f))
+
+
 @dataclasses.dataclass
 class CompiledFigures:
     """memory_analysis() of the compiled step, per device; device and host bytes kept apart."""
@@ -36,13 +57,11 @@ class CompiledFigures:
 
     @property
     def device_total(self) -> int:
-        f = self.fields
-        return f["argument"] + f["output"] - f["alias"] + f["temp"]
+        return device_bytes(self.fields)
 
     @property
     def host_total(self) -> int:
-        f = self.fields
-        return f["host_argument"] + f["host_output"] - f["host_alias"] + f["host_temp"]
+        return host_bytes(self.fields)
 
     def to_json(self) -> dict:
         return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
@@ -87,8 +106,7 @@ def compile_step(cfg: Config, topo: Topology):
         prog = build_program(cfg, devices=list(topo.devices()))
         compiled = prog.lower().compile()
     seconds = time.perf_counter() - start
-    ma = compiled.memory_analysis()
-    fields = {k: int(getattr(ma, f"{k}_size_in_bytes", 0) or 0) for k in DEVICE_FIELDS + HOST_FIELDS}
+    fields = read_fields(compiled)
     where = "(deviceless)" if topo.name else "(attached devices)"
     figures = CompiledFigures(fields, memory_warnings(lines), seconds, f"compiled for {topo.label} {where}")
     return compiled, figures

@@ -11,7 +11,7 @@ from jaxmem import remat
 from jaxmem.config import Config
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.model.presets import param_count
-from jaxmem.plan.bill import Bill, saved_choices
+from jaxmem.plan.bill import Bill
 from jaxmem.targets import GpuTarget
 
 MATMUL_EFFICIENCY = 0.7  # assumed fraction of the dense bf16 peak a well-tiled matmul reaches
@@ -64,11 +64,12 @@ def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
             "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
 
 
-def recompute_flops_per_layer(cfg: Config, tokens: int) -> float:
-    """Forward FLOPs the backward spends to rebuild values the remat policy did not keep."""
+def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | None = None) -> float:
+    """Forward FLOPs the backward spends to rebuild values the remat policy did not keep (`saved`: a
+    layout's per-name placement; default: with the GPU's fused attention)."""
     if not remat.uses_checkpoint(cfg.remat):
         return 0.0
-    where = saved_choices(cfg)
+    where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
     ops = _op_flops(cfg, tokens)
     done: set = set()
 
@@ -92,7 +93,7 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
     model_flops = 6.0 * matmul_params * tokens + attention
-    recompute = recompute_flops_per_layer(cfg, tokens) * m.n_layers
+    recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved) * m.n_layers
     hardware = model_flops + recompute
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)

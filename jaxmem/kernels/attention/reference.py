@@ -25,3 +25,25 @@ def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_
     probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh)
     return out.reshape(b, t, n, h)
+
+
+# Per score element XLA keeps live while differentiating plain attention: fp32 scores and their fp32
+# gradient, the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless H100
+# compiles).
+_WORKING_F32_COPIES = 2
+_MASK_BYTES = 1
+# Per score element saved for the backward when plain attention is not rematerialized: fp32 scores and the
+# fp32 softmax output, plus the compute-dtype probs fed to the second matmul. Fitted to deviceless H100
+# compiles of configs/ladder/{1-fp32,2-bf16}.yaml (Llama-3-8B, seq 4096, no remat): 11.2 and 9.5 bytes per
+# element measured from the compiled totals, 12 and 10 here.
+_SAVED_F32_BYTES = 8
+
+
+def scratch_bytes(score_elems: int, compute_itemsize: int) -> int:
+    """One layer's backward through plain attention: the S x S working copies, for `score_elems` elements."""
+    return score_elems * (4 * _WORKING_F32_COPIES + compute_itemsize + _MASK_BYTES)
+
+
+def saved_bytes(score_elems: int, compute_itemsize: int) -> int:
+    """Bytes per layer plain attention keeps across the backward when its scores are saved."""
+    return score_elems * (_SAVED_F32_BYTES + compute_itemsize)

@@ -132,3 +132,9 @@ def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = C
                          ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
     return _chunked(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)
+
+
+def scratch_bytes(tokens: int, vocab: int, blocks: CrossEntropyBlocks) -> int:
+    """Loss-phase bytes beyond inputs and outputs: one [block_t, V] fp32 logits chunk and its gradient (the
+    scan over vocab tiles lives inside it), plus the per-token logsumexp."""
+    return 2 * min(tokens, blocks.block_t) * vocab * 4 + tokens * 4

@@ -191,3 +191,9 @@ def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = C
                                 ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0, interpret: bool = False):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
     return _fused(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, (("interpret", interpret),))
+
+
+def scratch_bytes(tokens: int, vocab: int, blocks: CrossEntropyBlocks) -> int:
+    """Loss-phase bytes beyond inputs and outputs: one fp32 [block_t, block_v] tile and its gradient, plus the
+    per-token logsumexp and target logit. (The jax-triton kernels use the same tiles.)"""
+    return 2 * min(tokens, blocks.pallas_block_t) * min(vocab, blocks.pallas_block_v) * 4 + 2 * tokens * 4

@@ -22,3 +22,8 @@ def cross_entropy_from_logits(logits_tv, labels_t, *, ignore_index: int = IGNORE
     target = jnp.take_along_axis(logits, safe[:, None], axis=-1)[:, 0]
     per_token = lse - target + z_loss * lse**2
     return jnp.sum(jnp.where(valid, per_token, 0.0)), jnp.sum(valid)
+
+
+def scratch_bytes(tokens: int, vocab: int, blocks=None) -> int:
+    """Loss-phase bytes beyond inputs and outputs: the fp32 [T, V] logits and their gradient."""
+    return 2 * tokens * vocab * 4

@@ -1,0 +1,95 @@
+"""Every decision a run makes from its config and its device count, resolved once.
+
+`jaxmem.program.build_program` builds the train step from a `Layout`, and the analytic bill
+(`jaxmem.plan.bill`) reads the same `Layout`, so what the plan counts is what the step does: the mesh
+sizes, the parameter / gradient / optimizer-state partition specs of the ZeRO stage, the kernels that
+`auto` picks on the platform, what the remat policy keeps across the backward, which train-state
+entries live in host memory, the batch layout, and the per-layer parameter count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxmem import kernels, offload, remat, sharding
+from jaxmem.config import Config
+from jaxmem.model import abstract_model
+from jaxmem.model.presets import layer_param_count
+from jaxmem.precision import Precision
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mesh_sizes: dict[str, int]  # dp, fsdp, tp
+    platform: str  # "gpu" for deviceless targets and GPUs, else the devices' platform
+    kernels: dict[str, str]  # attention, loss, norm: `auto` decided for the platform
+    graphdef: Any  # the model's structure (flax nnx)
+    abstract_params: dict  # ShapeDtypeStructs in the param dtype
+    param_specs: dict  # PartitionSpec trees shaped like the params, per ZeRO stage
+    grad_specs: dict
+    opt_specs: dict
+    grad_accum: int
+    rows: int  # global rows per micro-batch
+    saved: dict[str, str]  # checkpoint name -> where its per-layer value lives across the backward
+    keeps_scores: bool  # plain attention's S x S scores saved across the backward
+    host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
+    layer_param_elems: int  # parameters of one decoder layer
+
+    @property
+    def data_ways(self) -> int:
+        return self.mesh_sizes["dp"] * self.mesh_sizes["fsdp"]
+
+    @property
+    def fused_attention(self) -> bool:
+        return self.kernels["attention"] != "xla"
+
+
+def _shape_only_mesh(sizes: dict[str, int]):
+    # partition specs only read mesh.shape, so the same specs serve real meshes and plans without devices
+    return types.SimpleNamespace(shape=dict(sizes))
+
+
+def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> tuple[dict, dict, dict]:
+    """(param, grad, optimizer-state) specs: ZeRO-1 shards the optimizer state, 2 also the gradients, 3 also
+    the parameters; what is not sharded is replicated over the data axes (tp still applies)."""
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    mesh = _shape_only_mesh(sizes)
+    sharded = sharding.param_specs(params_state, rules, mesh)
+    replicated = sharding.param_specs(params_state, sharding.without_data_axes(rules), mesh)
+    stage = cfg.parallel.zero_stage
+    return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded
+
+
+def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None) -> Layout:
+    """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...); `mesh_sizes` when the
+    caller already holds a mesh (else from `parallel.*`)."""
+    from jaxmem.program import batch_layout  # late: program builds from this module
+
+    sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
+    graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
+        cfg.precision).param))
+    param_specs, grad_specs, opt_specs = state_specs(cfg, params_state, sizes)
+    chosen = kernels.resolve(cfg.kernels, platform)
+    fused_attention = chosen["attention"] != "xla"
+    grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
+    return Layout(
+        mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef,
+        abstract_params=nnx.to_pure_dict(params_state), param_specs=param_specs, grad_specs=grad_specs,
+        opt_specs=opt_specs, grad_accum=grad_accum, rows=rows,
+        saved=remat.saved_across_backward(cfg.remat, fused_attention),
+        keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
+        host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model))
+
+
+def platform_of(devices) -> str:
+    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform."""
+    platform = kernels.platform_of(devices)
+    return "gpu" if platform in kernels.GPU_PLATFORMS else platform
+
+
+def spec_leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
