@@ -7,11 +7,14 @@ One deviceless compile (8 x h100-80g) serves every test here: the dump is kept a
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 
 from jaxmem.plan import explain as explain_mod
 from jaxmem.config import load_config
+from jaxmem.model.names import ALL_NAMES, CheckpointName, name_in_op, scope_name
+from jaxmem.plan import attribution, buffer_kinds, categories
 from jaxmem.plan.buffer_kinds import CATEGORIES, SUGGESTIONS, classify, state_shapes
 from jaxmem.plan.explain import explain_dump, is_oom, main, report_oom
 from jaxmem.plan import hlo_dump
@@ -139,6 +142,100 @@ def test_scan_residuals_are_activations_with_their_checkpoint_name(report):
     assert named & {"mlp_gate", "mlp_up", "query_proj", "key_proj", "value_proj", "attn_context", "attn_out",
                     "mlp_out", "layer_input"}, named
     assert all(b["source"].startswith("jaxmem/") for b in acts)
+
+
+def test_checkpoint_names_come_from_the_ops_name_scopes(cfg, module, report):
+    """The layers compute each tagged value inside its name scope, so XLA's op_name carries the checkpoint
+    name (layer_input tags a value made outside the layer: no op of its own). Each stacked scan residual at
+    the peak is named exactly, one per name the remat policy saves (mlp_out: autodiff never reads it)."""
+    from jaxmem import remat
+
+    scoped = {n for ins in module.instrs.values() for n in ALL_NAMES if scope_name(n) + "/" in ins.op_name}
+    assert scoped == set(ALL_NAMES) - {CheckpointName.LAYER_INPUT.value}, scoped
+    stacked = [b["checkpoint_name"] for b in report["buffers"]
+               if b["category"] == "activation" and b["shape"][0] == L and b["checkpoint_name"]]
+    saved = {n for n, c in remat.name_choices(cfg.remat).items() if c == "device"} - {CheckpointName.MLP_OUT.value}
+    assert sorted(stacked) == sorted(saved), stacked
+
+
+def test_name_in_op_reads_the_innermost_scope_or_the_names_of_merged_ops():
+    base = "jit(step)/grads/while/body/closed_call/jvp()/while/body/closed_call/"
+    assert name_in_op(base + "ckpt.mlp_gate/BTD,DF->BTF/dot_general") == "mlp_gate"
+    assert name_in_op(base + "transpose(jvp())/ckpt.mlp_up/ckpt.mlp_act/mul") == "mlp_act"
+    assert name_in_op(base + "(ckpt.key_proj/BTD,DKH->BTKH/dot_general:ckpt.value_proj/x:ckpt.key_proj/y)") == \
+        "key_proj|value_proj"
+    assert name_in_op("state['params']['layers']['attn_norm']") is None and name_in_op("") is None
+
+
+def test_module_file_lists_follow_the_modules():
+    """PLUMBING and the layer/optimizer/loss code prefixes come from the modules, and name real files."""
+    import jaxmem.model.layers
+    import jaxmem.program
+
+    assert attribution.module_path(jaxmem.program) == "jaxmem/program.py"
+    assert attribution.rel_path(jaxmem.model.layers.__file__) == "jaxmem/model/layers.py"
+    assert attribution.rel_path("/elsewhere/jaxmem/model/layers.py") == "jaxmem/model/layers.py"
+    root = Path(attribution._ROOT)
+    prefixes = (attribution.PLUMBING + buffer_kinds._LAYER_CODE + buffer_kinds._OPTIM_CODE
+                + buffer_kinds._LOSS_CODE + (attribution.ATTENTION_CODE,))
+    for p in prefixes:
+        assert (root / p).is_dir() if p.endswith("/") else (root / p).is_file(), p
+    assert "jaxmem/plan/explain.py" in attribution.PLUMBING and "jaxmem/kernels/" in buffer_kinds._LAYER_CODE
+
+
+def test_categories_are_shared_with_the_bill(report):
+    """One table: explain's categories, and the explain category of each bill category. Summing the peak's
+    buffers by category uses only those names, each one a bill category estimates."""
+    from jaxmem.plan.bill import CATEGORIES as BILL_CATEGORIES, HOST_CATEGORIES
+
+    assert CATEGORIES == categories.EXPLAIN_CATEGORIES
+    assert set(categories.BILL_TO_EXPLAIN) == set(BILL_CATEGORIES) and set(HOST_CATEGORIES) <= set(BILL_CATEGORIES)
+    for bill_cat in BILL_CATEGORIES:
+        assert categories.explain_category(bill_cat) in categories.EXPLAIN_CATEGORIES
+        assert set(categories.BILL_ALSO.get(bill_cat, ())) <= set(categories.EXPLAIN_CATEGORIES)
+    assert set(categories.BILL_TO_EXPLAIN.values()) == set(categories.EXPLAIN_CATEGORIES)  # each is estimated
+    totals: dict[str, int] = {}
+    for b in report["buffers"]:
+        totals[b["category"]] = totals.get(b["category"], 0) + b["bytes"]
+    assert sum(totals.values()) == report["peak_live_bytes"]
+    assert set(totals) <= set(categories.EXPLAIN_CATEGORIES), totals
+    for cat in totals:
+        assert categories.bill_categories(cat), cat
+    assert set(totals) == set(categories.EXPLAIN_CATEGORIES)  # this peak holds every kind (see above)
+    assert categories.bill_categories("logits")[0] == "logits" and "opt_m" in categories.bill_categories("optimizer")
+
+
+def test_tagged_name_follows_the_written_value_through_a_fusion():
+    """A residual written by a dynamic-update-slice fusion: the name is the written slice's (XLA merged the
+    q/k/v dots into one gemm named after the first), not the gemm's."""
+    text = """HloModule m
+
+%gemm (g0: f32[8,6]) -> f32[8,6] {
+  ROOT %g0 = f32[8,6]{1,0} parameter(0)
+}
+
+%dus (p0: f32[4,8,2], p1: s32[], p2: f32[8,6]) -> f32[4,8,2] {
+  %p0 = f32[4,8,2]{2,1,0} parameter(0)
+  %p2 = f32[8,6]{1,0} parameter(2)
+  %sl = f32[8,2]{1,0} slice(%p2), slice={[0:8], [2:4]}, metadata={op_name="s/ckpt.key_proj/BTD,DKH->BTKH/dot_general"}
+  %bc = f32[1,8,2]{2,1,0} bitcast(%sl)
+  %p1 = s32[] parameter(1)
+  ROOT %u = f32[4,8,2]{2,1,0} dynamic-update-slice(%p0, %bc, %p1, %p1, %p1), metadata={op_name="s/while/body/dynamic_update_slice"}
+}
+
+ENTRY %main (a: f32[8,6], b: f32[4,8,2], i: s32[]) -> f32[4,8,2] {
+  %a = f32[8,6]{1,0} parameter(0)
+  %dot = f32[8,6]{1,0} fusion(%a), kind=kCustom, calls=%gemm, metadata={op_name="s/ckpt.query_proj/BTD,DNH->BTNH/dot_general"}
+  %rope = f32[8,6]{1,0} multiply(%dot, %dot), metadata={op_name="s/mul"}
+  %b = f32[4,8,2]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  ROOT %w = f32[4,8,2]{2,1,0} fusion(%b, %i, %dot), kind=kLoop, calls=%dus, metadata={op_name="s/while/body/dynamic_update_slice"}
+}
+"""
+    mod = hlo_dump.HloModuleText(text)
+    assert attribution.tagged_name(mod, mod.instrs["w"]) == "key_proj"
+    assert attribution.tagged_name(mod, mod.instrs["dot"]) == "query_proj"
+    assert attribution.tagged_name(mod, mod.instrs["rope"]) is None  # computed from a tagged value, not it
 
 
 def test_every_weight_shaped_op_of_the_update_and_backward_pass_is_classified_by_phase(cfg, module):

@@ -3,6 +3,8 @@
 Parameters name logical axes (`out_sharding` metadata); activations name theirs
 through `constrain`; key tensors carry checkpoint names. Nothing here knows
 meshes, remat policies or which kernel implements an op: `ForwardContext` says.
+Each tagged value is computed inside `scope(name)` (a jax name scope, only a name), so XLA's op metadata
+carries its checkpoint name too.
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config import ModelConfig
 from jaxmem.model.axes import constrain
-from jaxmem.model.names import CheckpointName as CN
+from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.rope import apply_rope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
@@ -32,6 +34,7 @@ def param(rngs, shape, axes, dtype, init="normal", std=0.02):
 
 
 def tag(x, name: CN):
+    """Names `x` for remat policies; compute it inside `with scope(name):` so its ops carry the name too."""
     return checkpoint_name(x, name.value)
 
 
@@ -59,28 +62,46 @@ class Block(nnx.Module):
 
     def attention_part(self, x_btd, positions_bt, segment_ids_bt, inv_freq, ctx):
         cd = ctx.compute_dtype
-        x_btd = tag(x_btd, CN.LAYER_INPUT)
-        normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM).astype(cd)
-        q = jnp.einsum("BTD,DNH->BTNH", normed, self.wq[...].astype(cd))
-        k = jnp.einsum("BTD,DKH->BTKH", normed, self.wk[...].astype(cd))
-        v = jnp.einsum("BTD,DKH->BTKH", normed, self.wv[...].astype(cd))
-        if self.qkv_bias:
-            q, k, v = q + self.bq[...].astype(cd), k + self.bk[...].astype(cd), v + self.bv[...].astype(cd)
-        q = tag(constrain(q, ACT_BTNH), CN.QUERY_PROJ)
-        k = tag(constrain(k, ACT_BTNH), CN.KEY_PROJ)
-        v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
+        x_btd = tag(x_btd, CN.LAYER_INPUT)  # made by the previous layer (or the embedding): no op here to scope
+        with scope(CN.ATTN_NORM):
+            normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM)
+        normed = normed.astype(cd)
+        with scope(CN.QUERY_PROJ):
+            q = jnp.einsum("BTD,DNH->BTNH", normed, self.wq[...].astype(cd))
+            if self.qkv_bias:
+                q = q + self.bq[...].astype(cd)
+            q = tag(constrain(q, ACT_BTNH), CN.QUERY_PROJ)
+        with scope(CN.KEY_PROJ):
+            k = jnp.einsum("BTD,DKH->BTKH", normed, self.wk[...].astype(cd))
+            if self.qkv_bias:
+                k = k + self.bk[...].astype(cd)
+            k = tag(constrain(k, ACT_BTNH), CN.KEY_PROJ)
+        with scope(CN.VALUE_PROJ):
+            v = jnp.einsum("BTD,DKH->BTKH", normed, self.wv[...].astype(cd))
+            if self.qkv_bias:
+                v = v + self.bv[...].astype(cd)
+            v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
         q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
-        context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
-        out = jnp.einsum("BTNH,NHD->BTD", context, self.wo[...].astype(cd))
-        out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
+        with scope(CN.ATTN_CONTEXT):
+            context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
+        with scope(CN.ATTN_OUT):
+            out = jnp.einsum("BTNH,NHD->BTD", context, self.wo[...].astype(cd))
+            out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
         return x_btd + out.astype(x_btd.dtype)
 
     def mlp_part(self, x_btd, ctx):
         cd = ctx.compute_dtype
-        normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM).astype(cd)
-        gate = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_gate[...].astype(cd)), ACT_BTF), CN.MLP_GATE)
-        up = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_up[...].astype(cd)), ACT_BTF), CN.MLP_UP)
-        act = tag(jax.nn.silu(gate) * up, CN.MLP_ACT)
-        out = jnp.einsum("BTF,FD->BTD", act, self.w_down[...].astype(cd))
-        out = tag(constrain(out, ACT_BTD), CN.MLP_OUT)
+        with scope(CN.MLP_NORM):
+            normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)
+        normed = normed.astype(cd)
+        with scope(CN.MLP_GATE):
+            gate = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_gate[...].astype(cd)), ACT_BTF),
+                       CN.MLP_GATE)
+        with scope(CN.MLP_UP):
+            up = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_up[...].astype(cd)), ACT_BTF), CN.MLP_UP)
+        with scope(CN.MLP_ACT):
+            act = tag(jax.nn.silu(gate) * up, CN.MLP_ACT)
+        with scope(CN.MLP_OUT):
+            out = jnp.einsum("BTF,FD->BTD", act, self.w_down[...].astype(cd))
+            out = tag(constrain(out, ACT_BTD), CN.MLP_OUT)
         return x_btd + out.astype(x_btd.dtype)

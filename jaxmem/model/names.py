@@ -1,5 +1,14 @@
-"""The documented set of checkpoint names the layers tag; remat policies key on these."""
+"""The documented set of checkpoint names the layers tag; remat policies key on these.
+
+Each tagged value is also computed inside a jax name scope carrying its name (`scope`), so the name reaches
+XLA's op metadata (`op_name`, e.g. ".../jvp(...)/ckpt.mlp_gate/dot_general") and `jaxmem explain` reads it
+from there (`name_in_op`). The scope is only a name: remat policies match on `checkpoint_name`, not on it.
+"""
+from __future__ import annotations
+
+import contextlib
 import enum
+import re
 
 
 class CheckpointName(enum.StrEnum):
@@ -18,3 +27,31 @@ class CheckpointName(enum.StrEnum):
 
 
 ALL_NAMES = tuple(n.value for n in CheckpointName)
+
+SCOPE_PREFIX = "ckpt."  # name-stack component of a tagged computation: "ckpt.<checkpoint name>"
+_IN_OP = re.compile(re.escape(SCOPE_PREFIX) + r"(" + "|".join(sorted(ALL_NAMES, key=len, reverse=True)) + r")(?!\w)")
+
+
+def scope_name(name: CheckpointName | str) -> str:
+    return f"{SCOPE_PREFIX}{CheckpointName(name).value}"
+
+
+@contextlib.contextmanager
+def scope(name: CheckpointName | str):
+    """Computes what is inside under the name scope of checkpoint name `name` (XLA's op_name shows it)."""
+    import jax
+
+    with jax.named_scope(scope_name(name)):
+        yield
+
+
+def name_in_op(op_name: str) -> str | None:
+    """The checkpoint name whose scope an op was traced in, from its op_name: the innermost scope; for an op
+    XLA merged from ops of several scopes ("prefix/(ckpt.a/dot:ckpt.b/dot)"), their names as "a|b"."""
+    op_name = op_name or ""
+    found = list(_IN_OP.finditer(op_name))
+    if not found:
+        return None
+    if ":" in op_name[found[0].start():]:
+        return "|".join(dict.fromkeys(m.group(1) for m in found))
+    return found[-1].group(1)

@@ -1,27 +1,80 @@
-"""Which jaxmem source line and checkpoint name a buffer of the compiled step comes from (XLA's stack frames)."""
+"""Which jaxmem source line and checkpoint name a buffer of the compiled step comes from: XLA's stack
+frames for the line, the op's name stack (op_name metadata) for the checkpoint name.
+
+The files this module treats specially are derived from the modules themselves (`module_path`), so moving
+or renaming one moves its entry instead of silently breaking attribution."""
 from __future__ import annotations
 
-import re
-from pathlib import Path
+import importlib.util
+import os
+from types import ModuleType
 
+import jaxmem
+import jaxmem.kernels.attention
+import jaxmem.model.axes
+import jaxmem.model.layers
+import jaxmem.program
+import jaxmem.remat
+import jaxmem.sharding
 from jaxmem.config import Config
+from jaxmem.model.names import name_in_op
 from jaxmem.plan import hlo_dump
 
+PACKAGE = jaxmem.__name__
+_PACKAGE_DIR = os.path.dirname(jaxmem.__file__)  # .../jaxmem
+_ROOT = os.path.dirname(_PACKAGE_DIR)  # what module paths are relative to
+
+
+def module_path(module: ModuleType | str) -> str:
+    """The path rel_path gives a module's frames: "jaxmem/program.py" for jaxmem.program, "jaxmem/kernels/"
+    for a package (every file under it). A module named by string is located without importing it (for
+    modules that import this one); a missing one raises ModuleNotFoundError."""
+    if isinstance(module, str):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.origin:
+            raise ModuleNotFoundError(f"attribution: no module {module}")
+        file = spec.origin
+    else:
+        file = module.__file__
+    rel = os.path.relpath(file, _ROOT).replace(os.sep, "/")
+    if rel.startswith("../"):
+        raise ValueError(f"attribution: {file} is not under {_ROOT}")
+    return rel.removesuffix("__init__.py") if os.path.basename(file) == "__init__.py" else rel
+
+
 # Frames of step/scan plumbing: a buffer is attributed to the model code they call.
-PLUMBING = ("jaxmem/program.py", "jaxmem/remat.py", "jaxmem/sharding.py", "jaxmem/model/axes.py",
-             "jaxmem/plan/explain.py")  # (the dump compile's caller)
+PLUMBING = tuple(module_path(m) for m in (jaxmem.program, jaxmem.remat, jaxmem.sharding, jaxmem.model.axes,
+                                          "jaxmem.plan.explain"))  # (the dump compile's caller; imports us)
+# Helpers that only tag a value (their frame is the checkpoint_name call, not the op that made it).
+_TAG_HELPERS = (jaxmem.model.layers.tag.__qualname__,)
+ATTENTION_CODE = module_path(jaxmem.kernels.attention)
 
 
 def rel_path(path: str) -> str:
-    i = path.rfind("jaxmem/")
+    """A source file as "jaxmem/...": relative to where jaxmem is imported from, else (a dump made by another
+    checkout) from its last "jaxmem/" component."""
+    if path.startswith(_PACKAGE_DIR + os.sep):
+        return os.path.relpath(path, _ROOT).replace(os.sep, "/")
+    i = path.rfind(PACKAGE + "/")
     return path[i:] if i >= 0 else path
+
+
+def is_ours(path: str) -> bool:
+    """A frame in jaxmem's own code (not a dependency's)."""
+    if path.startswith(_PACKAGE_DIR + os.sep):
+        return True
+    return f"{PACKAGE}/" in path and "site-packages" not in path
+
+
+def in_files(path: str, prefixes) -> bool:
+    return rel_path(path).startswith(tuple(prefixes))
 
 
 def model_frame(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr):
     """The innermost jaxmem frame that is not step/scan plumbing, else the innermost jaxmem frame."""
     stack = module.stack(ins.frame)
-    ours = [f for f in stack if "jaxmem/" in f.file and "site-packages" not in f.file]
-    model = [f for f in ours if not any(rel_path(f.file).startswith(p) for p in PLUMBING) and f.function != "tag"]
+    ours = [f for f in stack if is_ours(f.file)]
+    model = [f for f in ours if not in_files(f.file, PLUMBING) and f.function not in _TAG_HELPERS]
     return (model or ours or [None])[0], stack
 
 
@@ -37,9 +90,8 @@ def defining(module, name: str, depth: int = 4, prefer=None):
                 continue
             seen.add(n)
             frame, _ = model_frame(module, ins)
-            wanted = prefer or ("jaxmem/",)
-            if frame is not None and not any(rel_path(frame.file).startswith(p) for p in PLUMBING) \
-                    and any(rel_path(frame.file).startswith(p) for p in wanted):
+            wanted = prefer or (PACKAGE + "/",)
+            if frame is not None and not in_files(frame.file, PLUMBING) and in_files(frame.file, wanted):
                 return ins, frame
             nxt.extend(o for o in ins.operands if o in module.instrs)
         frontier = nxt
@@ -47,16 +99,41 @@ def defining(module, name: str, depth: int = 4, prefer=None):
     return ins, (model_frame(module, ins)[0] if ins else None)
 
 
-def tagged_name(frame) -> str | None:
-    """The checkpoint name tagged on the source line (or the statement right after it)."""
-    try:
-        lines = Path(frame.file).read_text().splitlines()
-    except OSError:
-        return None
-    for line in lines[frame.line - 1: frame.line + 1]:
-        m = re.search(r"CN\.([A-Z_]+)", line)
-        if m:
-            return m.group(1).lower()
+# Ops that only move, cast or cut the value they read (operand 0; a dynamic-update-slice: the value it writes).
+_MOVES = {"bitcast", "copy", "reshape", "transpose", "slice", "dynamic-slice", "convert", "reduce-precision",
+          "bitcast-convert", "copy-start", "copy-done", "all-gather", "all-gather-start", "all-gather-done",
+          "all-to-all", "collective-permute", "collective-permute-start", "collective-permute-done",
+          "dynamic-update-slice", "get-tuple-element", "optimization-barrier"}
+
+
+def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, depth: int = 8) -> str | None:
+    """The checkpoint name of the value `ins` holds or writes (e.g. into a scan's stacked residual).
+
+    The layers compute each tagged value inside a name scope carrying its name (jaxmem.model.names.scope),
+    which XLA keeps in op_name. From `ins`, through ops that only move, cast or cut a value (into a fusion
+    from its root, out of it through its parameters; a dynamic-update-slice: the value it writes), the first
+    op whose op_name carries a name gives it. Several names (XLA merged ops of different scopes) -> "a|b".
+    An op that computes something else (rope, a residual add) ends the walk: None."""
+    for _ in range(depth):
+        if ins is None:
+            return None
+        name = name_in_op(ins.op_name)
+        if name:
+            return name
+        if ins.opcode == "fusion" and ins.calls:
+            ins = module.instrs.get(module.roots.get(ins.calls[0], ""))
+            continue
+        if ins.opcode == "parameter" and ins.computation != module.entry:
+            callers = [module.instrs[c] for c in module.callers.get(ins.computation, [])
+                       if module.instrs[c].opcode == "fusion"]
+            index = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else None
+            if not callers or index is None or index >= len(callers[0].operands):
+                return None
+            ins = module.instrs.get(callers[0].operands[index])
+            continue
+        if ins.opcode not in _MOVES or not ins.operands:
+            return None
+        ins = module.instrs.get(ins.operands[1 if ins.opcode == "dynamic-update-slice" else 0])
     return None
 
 
@@ -67,7 +144,8 @@ def is_scores(cfg: Config, shape, frame=None) -> bool:
     if list(shape).count(t) < 2:
         return False
     heads = (divided(m.n_heads) | divided(m.n_kv_heads) | divided(max(m.n_heads // m.n_kv_heads, 1))) - {1}
-    return m.d_model != t or any(d in heads for d in shape[1:]) or (frame is not None and "attention" in frame.file)
+    return m.d_model != t or any(d in heads for d in shape[1:]) or (frame is not None
+                                                                    and in_files(frame.file, (ATTENTION_CODE,)))
 
 
 def shape_name(cfg: Config, shape: tuple[int, ...], frame=None) -> str | None:

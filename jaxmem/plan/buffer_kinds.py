@@ -5,19 +5,25 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import jaxmem.kernels
+import jaxmem.kernels.cross_entropy
+import jaxmem.model.layers
+import jaxmem.model.rope
+import jaxmem.optim
 from jaxmem.config import Config, ConfigError
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
-from jaxmem.plan.attribution import defining, is_scores, model_frame, rel_path, shape_name, tagged_name, vocab_dims
+from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
+                                     shape_name, tagged_name, vocab_dims)
+from jaxmem.plan.categories import EXPLAIN_CATEGORIES
 from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE
 
-# param: the train state's weights, and copies of them (all-gathered, cast, sliced); grad: gradients (the
-# backward pass's, reduce-scattered, accumulated over micro-batches); optimizer: optimizer state (m, v, fp32
-# master) and the update's temporaries; activation: per-layer values a scan keeps for the backward pass;
-# logits: [tokens, vocab] (and its gradient); temp: the rest (one op's working memory, the batch).
-CATEGORIES = ("param", "grad", "optimizer", "activation", "logits", "temp")
+# The categories and what each holds: jaxmem.plan.categories (shared with the bill).
+CATEGORIES = EXPLAIN_CATEGORIES
 # Where per-layer values are computed (the scan call in transformer.py only owns the stacking).
-_LAYER_CODE = ("jaxmem/model/layers.py", "jaxmem/model/rope.py", "jaxmem/kernels/")
+_LAYER_CODE = tuple(module_path(m) for m in (jaxmem.model.layers, jaxmem.model.rope, jaxmem.kernels))
+_OPTIM_CODE = (module_path(jaxmem.optim),)  # the optimizer update
+_LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
 SUGGESTIONS = {
     "logits": "[tokens, vocab] fp32 logits: use kernels.loss=chunked (or pallas/triton) so they are never "
               "materialized",
@@ -169,7 +175,7 @@ def _own_phase(module, ins) -> str | None:
     p = _phase(ins.op_name)
     if p is None and ins.frame is not None:
         frame, _ = model_frame(module, ins)
-        if frame is not None and rel_path(frame.file).startswith("jaxmem/optim.py"):
+        if frame is not None and in_files(frame.file, _OPTIM_CODE):
             p = "update"
     return p
 
@@ -364,13 +370,12 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     # the source line: in optim.py for the update; the per-layer computation for a loop's values
     made = value if loop and value is not None else owner
     if phase == "update":
-        _, frame = defining(module, made.name, depth=6, prefer=("jaxmem/optim.py",))
+        _, frame = defining(module, made.name, depth=6, prefer=_OPTIM_CODE)
     elif phase == "grads" and (made.frame or owner.frame) is not None:  # the accumulation itself (step code)
-        frame = next((f for f in module.stack(made.frame or owner.frame)
-                      if "jaxmem/" in f.file and "site-packages" not in f.file), None)
+        frame = next((f for f in module.stack(made.frame or owner.frame) if is_ours(f.file)), None)
     elif residual:
         _, frame = defining(module, made.name, depth=6, prefer=_LAYER_CODE)
-        if loop and (frame is None or not any(rel_path(frame.file).startswith(p) for p in _LAYER_CODE)):
+        if loop and (frame is None or not in_files(frame.file, _LAYER_CODE)):
             _, frame = defining(module, made.name)
     else:
         _, frame = defining(module, made.name)
@@ -390,7 +395,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         cat, key, why = "optimizer", "optimizer_temp", f"written in {where}" + (f", {like}" if like else "")
     elif phase in ("backward", "grads") and weight and not (tokens and _logits_not_grad(cfg, op_name, vocab)):
         cat, key, why = "grad", "grad", f"{like}, written in {where}"
-    elif vocab and (tokens or (frame is not None and "cross_entropy" in frame.file)) and (tokens or not weight):
+    elif vocab and (tokens or (frame is not None and in_files(frame.file, _LOSS_CODE))) and (tokens or not weight):
         cat, key = "logits", "logits"
         why = ("d(logits) " if phase == "backward" else "") + f"[tokens, vocab] written in {where}"
     elif residual and (phase in ("forward", None) and (tokens or not weight) or phase == "backward" and tokens
@@ -398,7 +403,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         cat, key = "activation", "activation"
         why = f"{'stacked scan residual' if stacked else 'scan value'} written in {where}" + \
             (", token dims" if tokens else "")
-        ckpt = (tagged_name(frame) if frame else None) or shape_name(cfg, shape, frame)
+        ckpt = tagged_name(module, made) or shape_name(cfg, shape, frame)
         if ckpt == "attention_scores":
             key = "scores"
     elif weight and not (tokens and phase == "forward"):

@@ -1,0 +1,51 @@
+"""Memory categories, in one place: what `jaxmem explain` calls a buffer of the compiled step, and which of
+those each line of the analytic bill (`jaxmem.plan.bill`) estimates. No imports beyond the standard library:
+the bill, explain and reports can all read it.
+"""
+from __future__ import annotations
+
+# explain: what a buffer live at the peak is (jaxmem.plan.buffer_kinds classifies it).
+#   param: the train state's weights, and copies of them (all-gathered, cast, sliced);
+#   grad: gradients (the backward pass's, reduce-scattered, accumulated over micro-batches);
+#   optimizer: optimizer state (m, v, fp32 master) and the update's temporaries;
+#   activation: per-layer values a scan keeps for the backward pass;
+#   logits: [tokens, vocab] (and its gradient);
+#   temp: the rest (one op's working memory, the batch).
+PARAM, GRAD, OPTIMIZER, ACTIVATION, LOGITS, TEMP = "param", "grad", "optimizer", "activation", "logits", "temp"
+EXPLAIN_CATEGORIES = (PARAM, GRAD, OPTIMIZER, ACTIVATION, LOGITS, TEMP)
+
+# The bill's device categories (jaxmem.plan.bill.CATEGORIES, in its display order) -> the explain category
+# of the buffers each one estimates (where most of its bytes land).
+BILL_TO_EXPLAIN: dict[str, str] = {
+    "params": PARAM,
+    "grads": GRAD,
+    "master": OPTIMIZER,  # fp32 master weights live in the optimizer's part of the state
+    "opt_m": OPTIMIZER,
+    "opt_v": OPTIMIZER,
+    "inputs": TEMP,  # the batch (explain: an argument of the step that is not train state)
+    "activations": ACTIVATION,
+    "working_set": TEMP,  # one layer's recomputed values and their gradients during its backward
+    "logits": LOGITS,
+    "temporaries": GRAD,  # a layer's full gradient before its reduce-scatter, the fp32 micro-batch accumulator
+}
+# Where else explain can file bytes a bill category estimates, beyond BILL_TO_EXPLAIN (the bill lumps them):
+#   logits: the LM head's gathered weight (param) and its gradient (grad);
+#   temporaries: the all-gathered layer weights (param); with offload.optimizer_update=host, the update's
+#   buffers (optimizer); working_set: activations the backward of a layer reads back (activation).
+BILL_ALSO: dict[str, tuple[str, ...]] = {
+    "logits": (PARAM, GRAD),
+    "temporaries": (PARAM, OPTIMIZER),
+    "working_set": (ACTIVATION,),
+}
+
+
+def explain_category(bill_category: str) -> str:
+    """The explain category of a bill category (KeyError for a name the table does not know)."""
+    return BILL_TO_EXPLAIN[bill_category]
+
+
+def bill_categories(explain_cat: str) -> tuple[str, ...]:
+    """The bill categories whose bytes explain files under `explain_cat` (mainly or in part)."""
+    if explain_cat not in EXPLAIN_CATEGORIES:
+        raise KeyError(explain_cat)
+    return tuple(b for b, e in BILL_TO_EXPLAIN.items() if e == explain_cat or explain_cat in BILL_ALSO.get(b, ()))
