@@ -13,11 +13,12 @@ from jaxmem import kernels, remat
 from jaxmem.config import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.names import CheckpointName as CN
+from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.precision import Precision
 
-# Device-bill categories in display order; `host` holds the host-resident counterparts.
-CATEGORIES = ("params", "grads", "master", "opt_m", "opt_v", "inputs", "activations", "working_set", "logits",
-              "temporaries")
+# Device-bill categories in display order (each named with its explain category in plan/categories.py);
+# `host` holds the host-resident counterparts.
+CATEGORIES = tuple(BILL_TO_EXPLAIN)
 HOST_CATEGORIES = ("params", "master", "opt_m", "opt_v", "activations", "temporaries")
 
 _BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
