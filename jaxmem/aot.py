@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
-from jaxmem import compat
-from jaxmem.config import Config, ConfigError
+from jaxmem import compat, validate
+from jaxmem.schema import Config
 from jaxmem.targets import GpuTarget, get_target
 
 
@@ -61,38 +60,35 @@ class Topology:
         return tuple(jax.devices()[: self.n_devices])
 
 
-def _mesh_size(cfg: Config) -> int | None:
-    sizes = (cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.tp)
-    return None if -1 in sizes else math.prod(sizes)
+def add_target_args(parser) -> None:
+    """The flags of every CLI that compiles for a topology (plan, explain, sweep); resolve_topology reads them."""
+    parser.add_argument("--target", default=None,
+                        help="GPU target to compile for deviceless, e.g. h100-80g (default: target.name in the "
+                             "config, else the attached devices)")
+    parser.add_argument("--gpus-per-host", type=int, default=None,
+                        help="GPUs per host (default: target.gpus_per_host, else the mesh size / hosts)")
+    parser.add_argument("--hosts", type=int, default=None, help="number of hosts (default: target.hosts)")
+
+
+def _attached_device_count() -> int:
+    import jax
+
+    return len(jax.devices())
 
 
 def resolve_topology(cfg: Config, target: str | None = None, gpus_per_host: int | None = None,
                      hosts: int | None = None) -> Topology:
-    """Flags win over the config's `target` section; the device count defaults to the mesh size."""
+    """Flags win over the config's `target` section; the device count defaults to the mesh size.
+    The config's own values were checked at load; the rules here are jaxmem.validate's, for the flags."""
     t = cfg.target
     name = t.name if target is None else target
     hosts = t.hosts if hosts is None else hosts
     per_host = gpus_per_host or t.gpus_per_host
-    if hosts < 1:
-        raise ConfigError(f"target.hosts: must be >= 1, got {hosts}")
+    validate.check_hosts(hosts)
     if not per_host:
-        mesh = _mesh_size(cfg)
-        if mesh is None and name:
-            raise ConfigError("target.gpus_per_host: required when the parallel mesh has a -1 (fill) axis; "
-                              "set target.gpus_per_host or pass --gpus-per-host")
-        if mesh is None:
-            import jax
-
-            mesh = len(jax.devices())
-        if mesh % hosts:
-            raise ConfigError(f"target.hosts: {hosts} does not divide the mesh size {mesh}")
-        per_host = mesh // hosts
-    if per_host < 1:
-        raise ConfigError(f"target.gpus_per_host: must be >= 1, got {per_host}")
+        per_host = validate.per_host_from_mesh(cfg, name, hosts, _attached_device_count)
     gpu = get_target(name) if name else None  # validates the name before any compile
     ram = int(t.host_ram_gb * 1024**3) if t.host_ram_gb else (gpu.host_ram_bytes if gpu else 0)
     topo = Topology(name, per_host, hosts, t.headroom, ram)
-    mesh = _mesh_size(cfg)
-    if mesh is not None and mesh != topo.n_devices:
-        raise ConfigError(f"parallel: dp*fsdp*tp={mesh} != {topo.n_devices} devices of {topo.label}")
+    validate.check_topology(cfg, per_host, topo.n_devices, topo.label)
     return topo

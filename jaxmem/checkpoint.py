@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 import orbax.checkpoint as ocp
 
-from jaxmem.config import Config, ConfigError, config_hash
+from jaxmem.schema import Config, ConfigError, config_hash
 from jaxmem.hf_config import read_json_object
 from jaxmem.precision import all_finite
 

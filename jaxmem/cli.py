@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
             import jax  # noqa: F401
     module = importlib.import_module(COMMANDS[name][0])
     from jaxmem.compat import UnsupportedVersion
-    from jaxmem.config import ConfigError
+    from jaxmem.schema import ConfigError
 
     try:
         return module.main(rest) or 0

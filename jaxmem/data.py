@@ -13,7 +13,7 @@ from typing import Protocol
 
 import numpy as np
 
-from jaxmem.config import Config, ConfigError
+from jaxmem.schema import Config, ConfigError
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.

@@ -10,7 +10,8 @@ from typing import Mapping
 
 import jax
 
-from jaxmem.config import ConfigError, DistributedConfig
+from jaxmem.schema import DistributedConfig
+from jaxmem.validate import check_distributed
 
 
 def _on_cpu() -> bool:
@@ -25,20 +26,15 @@ def slurm_tasks(env: Mapping[str, str]) -> int:
     return int(env.get("SLURM_NTASKS") or env.get("SLURM_NPROCS") or 1)
 
 
-def plan(cfg: DistributedConfig, env: Mapping[str, str]) -> dict | None:
-    """The keyword arguments for jax.distributed.initialize, or None for a single-process run."""
+def init_settings(cfg: DistributedConfig, env: Mapping[str, str]) -> dict | None:
+    """The keyword arguments for jax.distributed.initialize, or None for a single-process run.
+
+    The settings' rules are jaxmem.validate.check_distributed (run at load, and here for a config built in code).
+    """
+    check_distributed(cfg)
     if cfg.coordinator:
-        if cfg.num_processes < 1:
-            raise ConfigError("distributed.num_processes: must be >= 1 when distributed.coordinator is set")
-        if not 0 <= cfg.process_id < cfg.num_processes:
-            raise ConfigError(f"distributed.process_id: {cfg.process_id} is not in [0, "
-                              f"distributed.num_processes={cfg.num_processes})")
-        if ":" not in cfg.coordinator:
-            raise ConfigError(f"distributed.coordinator: {cfg.coordinator!r} must be HOST:PORT")
         return {"coordinator_address": cfg.coordinator, "num_processes": cfg.num_processes,
                 "process_id": cfg.process_id}
-    if cfg.num_processes > 1 or cfg.process_id >= 0:
-        raise ConfigError("distributed.coordinator: required (HOST:PORT) with distributed.num_processes/process_id")
     if cfg.auto and slurm_tasks(env) > 1:
         return {}  # jax reads the SLURM variables itself
     return None
@@ -46,7 +42,7 @@ def plan(cfg: DistributedConfig, env: Mapping[str, str]) -> dict | None:
 
 def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> bool:
     """Joins the process group if the config or SLURM asks for one; returns whether it did."""
-    kwargs = plan(cfg, os.environ if env is None else env)
+    kwargs = init_settings(cfg, os.environ if env is None else env)
     if kwargs is None or jax.distributed.is_initialized():
         return False
     if _on_cpu():  # cross-process collectives on CPU need gloo

@@ -15,7 +15,7 @@ from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxmem import sharding
-from jaxmem.config import ConfigError, ParallelConfig
+from jaxmem.schema import ConfigError, ParallelConfig
 from jaxmem.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
 from jaxmem.hf_layout import ParamMap, hf_shape, param_maps, read_slice, to_hf
 from jaxmem.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard

@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.schema import ConfigError, ModelConfig
 
 # architecture -> (model_type, has q/k/v bias)
 ARCHITECTURES = {

@@ -11,7 +11,7 @@ from typing import Callable
 
 import numpy as np
 
-from jaxmem.config import ModelConfig
+from jaxmem.schema import ModelConfig
 
 # How the HF tensor relates to ours (per layer):
 #   same       identical layout

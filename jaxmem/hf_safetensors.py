@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 from safetensors import SafetensorError, safe_open
 
-from jaxmem.config import ConfigError
+from jaxmem.schema import ConfigError
 from jaxmem.hf_config import read_json_object
 
 INDEX_FILE = "model.safetensors.index.json"

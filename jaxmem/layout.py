@@ -16,10 +16,11 @@ import jax
 from flax import nnx
 
 from jaxmem import kernels, offload, remat, sharding
-from jaxmem.config import Config
+from jaxmem.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.precision import Precision
+from jaxmem.validate import batch_layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,7 @@ class Layout:
     opt_specs: dict
     grad_accum: int
     rows: int  # global rows per micro-batch
+    checkpointed: bool  # the layer scan runs under jax.checkpoint (a remat policy applies)
     saved: dict[str, str]  # checkpoint name -> where its per-layer value lives across the backward
     keeps_scores: bool  # plain attention's S x S scores saved across the backward
     host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
@@ -67,8 +69,6 @@ def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> 
 def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None) -> Layout:
     """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...); `mesh_sizes` when the
     caller already holds a mesh (else from `parallel.*`)."""
-    from jaxmem.program import batch_layout  # late: program builds from this module
-
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
@@ -80,6 +80,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef,
         abstract_params=nnx.to_pure_dict(params_state), param_specs=param_specs, grad_specs=grad_specs,
         opt_specs=opt_specs, grad_accum=grad_accum, rows=rows,
+        checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=remat.saved_across_backward(cfg.remat, fused_attention),
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model))

@@ -5,7 +5,7 @@ import json
 import math
 from pathlib import Path
 
-from jaxmem.config import ConfigError
+from jaxmem.schema import ConfigError
 
 # Every record of metrics.jsonl has these keys (times are wall-clock, measured on the
 # host the run ran on, over the steps since the previous record).

@@ -1,4 +1,5 @@
-"""Host placement of optimizer state and parameters, and the optimizer update on host or device.
+"""Host placement of optimizer state, parameters and offloaded activations, and the optimizer update on
+host or device.
 
 `offload.optimizer: host` keeps master weights, m and v in pinned host memory
 between steps; `offload.optimizer_update` says where AdamW runs (`host` under
@@ -16,26 +17,13 @@ from typing import Callable
 
 import jax
 from jaxmem import compat, memory_kinds_shim
-from jaxmem.config import Config, ConfigError
+from jaxmem.schema import Config
 
 DEVICE = jax.memory.Space.Device
 HOST = jax.memory.Space.Host
-
-
-def validate(cfg: Config, grad_accum: int = 1) -> None:
-    """One-line errors for lever combinations the step cannot honour, before any compile."""
-    from jaxmem import remat
-
-    if cfg.offload.params == "host":
-        if not remat.uses_checkpoint(cfg.remat):
-            raise ConfigError("offload.params=host: needs a remat preset other than none (layer weights are "
-                              "fetched again in the backward pass instead of being kept on the device)")
-        if cfg.remat.granularity != "layer":
-            raise ConfigError(f"offload.params=host: needs remat.granularity=layer (got {cfg.remat.granularity!r}); "
-                              "the per-layer fetch must sit inside the layer's checkpoint")
-        if grad_accum > 1:
-            raise ConfigError(f"offload.params=host: needs train.grad_accum=1, got {grad_accum} from train.* "
-                              "(gradients land on the host, where they cannot be accumulated)")
+# Where activations that a remat policy offloads (remat.names.X=offload) live between forward and backward;
+# jaxmem.remat builds its jax.checkpoint policy with these.
+ACTIVATIONS_FROM, ACTIVATIONS_TO = "device", memory_kinds_shim.HOST_KIND
 
 
 def host_keys(cfg: Config) -> tuple[str, ...]:

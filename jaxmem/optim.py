@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.config import Config
+from jaxmem.schema import Config
 from jaxmem.precision import Precision
 
 

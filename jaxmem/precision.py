@@ -6,7 +6,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jaxmem.config import LossScaleConfig, PrecisionConfig
+from jaxmem.schema import LossScaleConfig, PrecisionConfig
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -16,8 +15,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding
-from jaxmem.config import Config, ConfigError
+from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding, validate
+from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -33,21 +32,7 @@ GRADS_SCOPE = "grads"
 UPDATE_SCOPE = "optimizer_update"
 
 
-def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
-    """(grad_accum, micro-batch rows per step across all data ways)."""
-    t = cfg.train
-    rows = t.micro_batch * data_ways
-    if t.global_batch and t.grad_accum:
-        if t.global_batch != rows * t.grad_accum:
-            raise ConfigError(f"train.global_batch: {t.global_batch} != micro_batch {t.micro_batch} x data ways "
-                              f"{data_ways} x grad_accum {t.grad_accum}; give one of global_batch or grad_accum")
-        return t.grad_accum, rows
-    if t.global_batch:
-        if t.global_batch % rows:
-            raise ConfigError(f"train.global_batch: {t.global_batch} is not a multiple of micro_batch "
-                              f"{t.micro_batch} x data ways {data_ways} = {rows}")
-        return t.global_batch // rows, rows
-    return (t.grad_accum or 1), rows
+batch_layout = validate.batch_layout  # the batch rule's home is jaxmem.validate; kept importable from here
 
 
 @dataclasses.dataclass
@@ -135,7 +120,6 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
                             mesh_sizes={a: mesh.shape.get(a, 1) for a in ("dp", "fsdp", "tp")})
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
-    remat.group_size(cfg.remat, cfg.model.n_layers)  # validates every_k before any compile
 
     abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
     specs = {"step": P(), "params": layout.param_specs}
@@ -148,7 +132,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     grad_accum = layout.grad_accum
-    offload.validate(cfg, grad_accum)
+    validate.check_grad_accum(cfg, grad_accum)  # config rules ran at load; this one needs the data ways
     platform = layout.platform
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
@@ -224,7 +208,3 @@ def _make_step(prog: TrainProgram):
         return new_state, metrics
 
     return step
-
-
-def count_params(prog: TrainProgram) -> int:
-    return sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_state["params"]))

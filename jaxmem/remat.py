@@ -11,7 +11,8 @@ from typing import Callable
 import jax
 import numpy as np
 
-from jaxmem.config import ConfigError, RematConfig
+from jaxmem import offload
+from jaxmem.schema import ConfigError, RematConfig
 from jaxmem.model.names import ALL_NAMES, CheckpointName as CN
 
 CHOICES = ("remat", "device", "offload")
@@ -37,16 +38,6 @@ PRESETS: dict[str, dict] = {
     "offload_layer_inputs": {"names": _only((CN.LAYER_INPUT,), "offload")},
     "offload_selective": {"names": _only(_MATMULS, "offload")},
 }
-
-
-def validate(cfg: RematConfig) -> None:
-    if cfg.preset not in PRESETS:
-        raise ConfigError(f"remat.preset: {cfg.preset!r} is unknown; use one of {', '.join(PRESETS)}")
-    for name, choice in cfg.names.items():
-        if name not in ALL_NAMES:
-            raise ConfigError(f"remat.names.{name}: unknown checkpoint name; use one of {', '.join(ALL_NAMES)}")
-        if choice not in CHOICES:
-            raise ConfigError(f"remat.names.{name}: {choice!r} is not allowed; use one of {', '.join(CHOICES)}")
 
 
 def name_choices(cfg: RematConfig) -> dict[str, str]:
@@ -78,7 +69,7 @@ def policy(cfg: RematConfig):
     cp = jax.checkpoint_policies
     named = cp.save_and_offload_only_these_names(
         names_which_can_be_saved=saved, names_which_can_be_offloaded=offloaded,
-        offload_src="device", offload_dst="pinned_host")
+        offload_src=offload.ACTIVATIONS_FROM, offload_dst=offload.ACTIVATIONS_TO)
     base = PRESETS[cfg.preset].get("base")
     return _with_base(getattr(cp, base), named, set(offloaded)) if base else named
 
@@ -100,6 +91,8 @@ def _with_base(base, named, offloaded: set):
 
 
 def group_size(cfg: RematConfig, n_layers: int) -> int:
+    """Layers per checkpointed group (every_k / nested; 1 otherwise). Its divisibility error is also the
+    load-time rule (jaxmem.validate.CROSS_CHECKS); remat.preset / remat.names are checked there too."""
     if cfg.granularity == "every_k":
         k = cfg.every_k
     elif cfg.granularity == "nested":

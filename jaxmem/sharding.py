@@ -15,7 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem.config import ConfigError, ParallelConfig
+from jaxmem.schema import ConfigError, ParallelConfig
 
 
 class MeshAxis(enum.StrEnum):

@@ -186,13 +186,13 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from jaxmem.aot import add_target_args
+
     ap = argparse.ArgumentParser(prog="jaxmem sweep", description=__doc__.splitlines()[0])
     ap.add_argument("source", help="a SWEEP.yaml (with `config` and `grid`) or a config YAML with --grid")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides applied to every point")
     ap.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--gpus-per-host", type=int, default=None)
-    ap.add_argument("--hosts", type=int, default=None)
+    add_target_args(ap)
     ap.add_argument("--out", default=None, help="output folder (default: runs/sweeps/<name>)")
     ap.add_argument("--cache", default=None, help="plan cache folder (default: <out>/cache)")
     ap.add_argument("--workers", type=int, default=MAX_WORKERS)

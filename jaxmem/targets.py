@@ -97,7 +97,7 @@ TARGETS: dict[str, GpuTarget] = {
 
 
 def get_target(name: str) -> GpuTarget:
-    from jaxmem.config import ConfigError
+    from jaxmem.schema import ConfigError
 
     if name not in TARGETS:
         raise ConfigError(f"target.name: {name!r} is unknown; use one of {', '.join(TARGETS)}")

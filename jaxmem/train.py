@@ -22,11 +22,12 @@ import jax
 
 from jaxmem import distributed
 from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, run_meta
-from jaxmem.config import Config, dump_yaml, load_config
+from jaxmem.schema import Config, dump_yaml
 from jaxmem.data import Batches, TokenSource, make_source
 from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line, summary_writer_class
 from jaxmem.precision import all_finite
 from jaxmem.program import TrainProgram, build_program
+from jaxmem.config import load_config
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 _USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (CONFIG defaults to configs/tiny.yaml)"
@@ -69,7 +70,7 @@ def _oom_error(when: str, e: Exception) -> TrainError:
                       "with the same overrides to see which buffers fill the memory")
 
 
-def compile_step(prog: TrainProgram):
+def compile_train_step(prog: TrainProgram):
     """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError)."""
     try:
         return prog.lower().compile()
@@ -147,7 +148,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         data = Batches(source, prog, start, position)
         batch = next(data)  # bad data fails here, before the compile
         t0 = time.perf_counter()
-        step_fn = compile_step(prog)
+        step_fn = compile_train_step(prog)
         summary["compile_time_s"] = time.perf_counter() - t0
         _note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {total} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")

@@ -86,3 +86,117 @@ def test_param_counts_match_published(preset):
     assert param_count(cfg.model) == PUBLISHED_PARAM_COUNTS[preset]
     leaves = jax.tree.leaves(nnx.split(abstract_model(cfg.model))[1])  # the real module, shapes only
     assert sum(math.prod(x.shape) for x in leaves) == PUBLISHED_PARAM_COUNTS[preset]
+
+
+# ---------------------------------------------------------------- one pass at load (jaxmem.validate)
+
+# One bad override per validator; load_config must refuse each (nothing here builds a program).
+BAD_SECTION = {
+    "model": (["model.n_kv_heads=3"], "model.n_kv_heads: 3 must divide model.n_heads=4"),
+    "train": (["train.grad_accum=-1"], "train.global_batch / train.grad_accum: must be >= 0"),
+    "parallel": (["parallel.dp=-2"], "parallel.dp: must be a positive size or -1 (fill), got -2"),
+    "precision": (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
+    "data": (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: file /no/such/tokenizer.json not found"),
+    "checkpoint": (["checkpoint.keep=0"], "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
+    "distributed": (["distributed.coordinator=host", "distributed.num_processes=2", "distributed.process_id=0"],
+                    "distributed.coordinator: 'host' must be HOST:PORT"),
+    "remat": (["remat.every_k=0"], "remat.every_k: must be >= 1, got 0"),
+    "offload": (["offload.params=host", "remat.preset=none"], "offload.params=host: needs a remat preset other "
+                                                              "than none"),
+    "kernels": (["kernels.attn_block_q=24"], "kernels.attn_block_q: 24 must be a power of two >= 16"),
+    "target": (["target.headroom=1.5"], "target.headroom: must be in [0, 1), got 1.5"),
+}
+BAD_CROSS = {
+    "_seq_len_fits_model": (["train.seq_len=4096"], "train.seq_len: 4096 exceeds model.max_seq_len=2048"),
+    "_remat_groups_divide_layers": (["remat.granularity=every_k", "remat.every_k=3"],
+                                    "remat.every_k: 3 does not divide model.n_layers=4"),
+    "_batch_fits_fixed_mesh": (["parallel.fsdp=8", "train.global_batch=24"],
+                               "train.global_batch: 24 is not a multiple of micro_batch 2 x data ways 8 = 16"),
+}
+
+
+def test_every_validator_has_a_case():
+    from jaxmem import validate
+
+    assert list(BAD_SECTION) == list(validate.SECTION_VALIDATORS)
+    assert set(BAD_CROSS) == {rule.__name__ for rule in validate.CROSS_CHECKS}
+
+
+@pytest.mark.parametrize("section", sorted(BAD_SECTION))
+def test_each_section_validator_fails_at_load(section):
+    overrides, fragment = BAD_SECTION[section]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("rule", sorted(BAD_CROSS))
+def test_each_cross_check_fails_at_load(rule):
+    overrides, fragment = BAD_CROSS[rule]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_load_config_runs_every_validator_once_in_order(monkeypatch):
+    from jaxmem import validate
+
+    ran = []
+    sections, cross = list(validate.SECTION_VALIDATORS), [rule.__name__ for rule in validate.CROSS_CHECKS]
+    for name in sections:
+        monkeypatch.setitem(validate.SECTION_VALIDATORS, name, lambda cfg, name=name: ran.append(name))
+    monkeypatch.setattr(validate, "CROSS_CHECKS", tuple((lambda cfg, name=name: ran.append(name)) for name in cross))
+    load_config("configs/tiny.yaml")
+    assert ran == sections + cross
+
+
+def test_offload_and_kernel_errors_come_from_load_not_build(monkeypatch):
+    import jaxmem.program
+
+    def no_build(*args, **kwargs):
+        raise AssertionError("build_program must not be reached")
+
+    monkeypatch.setattr(jaxmem.program, "build_program", no_build)
+    for overrides, fragment in (BAD_SECTION["offload"], BAD_SECTION["kernels"],
+                                (["offload.params=host", "remat.preset=full", "remat.granularity=segments"],
+                                 "needs remat.granularity=layer"),
+                                (["offload.params=host", "remat.preset=full", "train.grad_accum=2"],
+                                 "needs train.grad_accum=1, got 2")):
+        with pytest.raises(ConfigError) as e:
+            load_config("configs/tiny.yaml", overrides)
+        assert fragment in str(e.value)
+
+
+def test_grad_accum_derived_from_the_devices_is_checked_by_build_program():
+    from jaxmem.program import build_program
+
+    # tiny.yaml fills fsdp (-1): the data ways, hence grad_accum = 32 / (2 x 8) = 2, are known only with devices
+    cfg = load_config("configs/tiny.yaml", ["offload.params=host", "remat.preset=full", "train.global_batch=32"])
+    with pytest.raises(ConfigError, match=r"offload\.params=host: needs train\.grad_accum=1, got 2"):
+        build_program(cfg)
+
+
+def _jaxmem_modules_after_import(module: str) -> list[str]:
+    import subprocess
+    import sys
+
+    code = (f"import sys, {module}; "
+            "print(' '.join(sorted(m for m in sys.modules if m.startswith('jaxmem.'))))")
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+
+
+def test_imports_go_one_way():
+    """The schema imports no other jaxmem module; the modules the validators import (presets, remat,
+    kernels, targets, offload) never import the loader back (no config <-> presets/remat circle)."""
+    assert _jaxmem_modules_after_import("jaxmem.schema") == ["jaxmem.schema"]
+    below = _jaxmem_modules_after_import("jaxmem.validate")
+    assert "jaxmem.remat" in below and "jaxmem.model.presets" in below and "jaxmem.config" not in below
+
+
+def test_config_load_config_is_the_validating_loader():
+    import jaxmem.config
+    from jaxmem import validate
+
+    assert jaxmem.config.load_config is validate.load_config and jaxmem.config.from_dict is validate.from_dict
+    cfg = load_config("configs/tiny.yaml")
+    assert validate.from_dict(to_dict(cfg)) == cfg

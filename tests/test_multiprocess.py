@@ -9,16 +9,16 @@ import numpy as np
 import pytest
 
 from jaxmem.config import ConfigError, DistributedConfig
-from jaxmem.distributed import plan
+from jaxmem.distributed import init_settings
 from jaxmem.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 STEPS = 3
 
 
-def test_plan_explicit_coordinator():
+def test_init_settings_explicit_coordinator():
     cfg = DistributedConfig(coordinator="10.0.0.1:1234", num_processes=4, process_id=3)
-    assert plan(cfg, {}) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
+    assert init_settings(cfg, {}) == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 3}
 
 
 @pytest.mark.parametrize("cfg, key", [
@@ -27,17 +27,17 @@ def test_plan_explicit_coordinator():
     (DistributedConfig(coordinator="host", num_processes=2, process_id=0), "distributed.coordinator"),
     (DistributedConfig(num_processes=2, process_id=0), "distributed.coordinator"),
 ])
-def test_plan_rejects_incomplete_settings_by_name(cfg, key):
+def test_init_settings_rejects_incomplete_settings_by_name(cfg, key):
     with pytest.raises(ConfigError, match=rf"^{key}:"):
-        plan(cfg, {})
+        init_settings(cfg, {})
 
 
-def test_plan_detects_slurm_only_when_it_is_there():
+def test_init_settings_detect_slurm_only_when_it_is_there():
     slurm = {"SLURM_JOB_ID": "42", "SLURM_PROCID": "1", "SLURM_NTASKS": "16"}
-    assert plan(DistributedConfig(), slurm) == {}  # jax reads the SLURM variables itself
-    assert plan(DistributedConfig(auto=False), slurm) is None
-    assert plan(DistributedConfig(), dict(slurm, SLURM_NTASKS="1")) is None
-    assert plan(DistributedConfig(), {}) is None
+    assert init_settings(DistributedConfig(), slurm) == {}  # jax reads the SLURM variables itself
+    assert init_settings(DistributedConfig(auto=False), slurm) is None
+    assert init_settings(DistributedConfig(), dict(slurm, SLURM_NTASKS="1")) is None
+    assert init_settings(DistributedConfig(), {}) is None
 
 
 def _free_port() -> int:

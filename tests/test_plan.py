@@ -107,6 +107,27 @@ def test_topology_flags_override_config_and_bad_values_are_rejected():
         resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=8"]), "h100-80g", 4)
     with pytest.raises(ConfigError, match="gpus_per_host"):
         resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=-1"]), "h100-80g")
+    with pytest.raises(ConfigError, match="target.hosts: must be >= 1, got 0"):
+        resolve_topology(cfg, hosts=0)
+    with pytest.raises(ConfigError, match="target.hosts: 3 does not divide the mesh size 8"):
+        resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=8"]), "h100-80g", hosts=3)
+
+
+@pytest.mark.parametrize("cli", ["jaxmem.plan.cli", "jaxmem.plan.explain", "jaxmem.sweep"])
+def test_target_flags_are_the_same_in_every_cli(cli, capsys, monkeypatch):
+    import argparse
+    import importlib
+
+    from jaxmem.aot import add_target_args
+
+    monkeypatch.setenv("COLUMNS", "1000")  # one help line per flag: no wrapping inside the texts compared
+    with pytest.raises(SystemExit):
+        importlib.import_module(cli).main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    reference = argparse.ArgumentParser()
+    add_target_args(reference)
+    for action in reference._actions[1:]:  # [0] is --help
+        assert action.option_strings[0] in shown and " ".join(action.help.split()) in shown
 
 
 def test_bill_saved_activations_follow_the_remat_policy():

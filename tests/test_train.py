@@ -16,7 +16,7 @@ from jaxmem.metrics import REQUIRED_KEYS, read_jsonl
 from jaxmem.optim import schedule
 from jaxmem.precision import all_finite
 from jaxmem.program import build_program
-from jaxmem.train import TrainError, compile_step, run
+from jaxmem.train import TrainError, compile_train_step, run
 
 TINY = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
 
@@ -86,7 +86,7 @@ def test_out_of_memory_says_to_run_explain(tmp_path, monkeypatch):
 
     monkeypatch.setattr(type(prog), "jit_step", lambda self: _OomLowering())
     with pytest.raises(TrainError, match=r"out of device memory while compiling .*jaxmem explain CONFIG"):
-        compile_step(prog)
+        compile_train_step(prog)
 
 
 def test_cli_trains_and_writes_tensorboard(tmp_path, capsys):

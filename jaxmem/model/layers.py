@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.config import ModelConfig
+from jaxmem.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.rope import apply_rope

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.schema import ConfigError, ModelConfig
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, head_dim=128)
 _QWEN2 = dict(vocab_size=152064, rope_theta=1000000.0, norm_eps=1e-6, head_dim=128, qkv_bias=True)

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmem.config import ModelConfig
+from jaxmem.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from jaxmem.model.axes import constrain
@@ -29,7 +29,7 @@ def _identity_segment(name: str, fn: Callable) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
-    """How the model's ops run; built from config by jaxmem.runtime, never by the model.
+    """How the model's ops run; built from config by jaxmem.program.build_program, never by the model.
 
     attention(q, k, v, segment_ids) and norm(x, w, eps) pick kernels;
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,

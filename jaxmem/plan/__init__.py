@@ -2,18 +2,18 @@
 from __future__ import annotations
 
 from jaxmem.aot import Topology, resolve_topology
-from jaxmem.config import Config
+from jaxmem.schema import Config
 
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:
     """The full plan dict (schema: docs/plan_schema.md) for `cfg` on `topo`."""
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.compiled import compile_step
+    from jaxmem.plan.compiled import compile_for_plan
     from jaxmem.plan.costmodel import estimate
     from jaxmem.plan.report import build_plan
     bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo))
     cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
-    compiled = compile_step(cfg, topo)[1] if compile else None
+    compiled = compile_for_plan(cfg, topo)[1] if compile else None
     return build_plan(cfg, topo, bill, compiled, cost, source)
 
 

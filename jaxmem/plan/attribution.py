@@ -16,7 +16,7 @@ import jaxmem.model.layers
 import jaxmem.program
 import jaxmem.remat
 import jaxmem.sharding
-from jaxmem.config import Config
+from jaxmem.schema import Config
 from jaxmem.model.names import name_in_op
 from jaxmem.plan import hlo_dump
 

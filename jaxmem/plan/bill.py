@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem import kernels, remat
-from jaxmem.config import Config
+from jaxmem import kernels
+from jaxmem.schema import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
@@ -145,7 +145,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     cd = _itemsize(prec.compute)
 
     per_name = name_shapes(cfg, sizes)
-    if remat.uses_checkpoint(cfg.remat):
+    if layout.checkpointed:
         saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
         saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd).items()}

@@ -10,7 +10,7 @@ import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
 import jaxmem.optim
-from jaxmem.config import Config, ConfigError
+from jaxmem.schema import Config, ConfigError
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,

@@ -8,11 +8,11 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
+    from jaxmem.aot import add_target_args
+
     ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__)
     ap.add_argument("items", nargs="+", help="config YAML files, then dotted key=value overrides for all of them")
-    ap.add_argument("--target", default=None, help="GPU target to compile for deviceless (default: config)")
-    ap.add_argument("--gpus-per-host", type=int, default=None)
-    ap.add_argument("--hosts", type=int, default=None)
+    add_target_args(ap)
     ap.add_argument("--json", dest="json_path", default=None, help="write the plan(s) as JSON")
     ap.add_argument("--plot", default=None, help="write a PNG stacked-bar chart (one bar per config)")
     ap.add_argument("--no-compile", action="store_true", help="analytic bill and cost model only")
@@ -20,7 +20,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    from jaxmem.config import ConfigError
+    from jaxmem.schema import ConfigError
 
     configs = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]
@@ -33,9 +33,9 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.config import load_config
     from jaxmem.plan import plan, resolve_topology
     from jaxmem.plan.report import render
+    from jaxmem.config import load_config
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs, overrides = split_items(args.items)

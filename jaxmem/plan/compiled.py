@@ -11,7 +11,7 @@ import tempfile
 import time
 
 from jaxmem.aot import Topology
-from jaxmem.config import Config
+from jaxmem.schema import Config
 
 DEVICE_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 HOST_FIELDS = ("host_argument", "host_output", "host_alias", "host_temp", "host_generated_code")
@@ -97,8 +97,9 @@ def memory_warnings(lines: list[str]) -> list[str]:
     return out
 
 
-def compile_step(cfg: Config, topo: Topology):
-    """(compiled executable, figures) for the train step of `cfg` on `topo`."""
+def compile_for_plan(cfg: Config, topo: Topology):
+    """(compiled executable, figures) for the train step of `cfg` on `topo`: builds the program for the
+    topology's (compile-only) devices, compiles it and reads its memory analysis and XLA's memory warnings."""
     from jaxmem.program import build_program
 
     start = time.perf_counter()

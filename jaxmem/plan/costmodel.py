@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem import remat
-from jaxmem.config import Config
+from jaxmem.schema import Config
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.model.presets import param_count
 from jaxmem.plan.bill import Bill

@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxmem.aot import Topology, resolve_topology
+from jaxmem.aot import Topology, add_target_args, resolve_topology
 from jaxmem.config import Config, ConfigError, from_dict, load_config, to_dict
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="jaxmem explain", description=__doc__.splitlines()[0])
     ap.add_argument("config")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    ap.add_argument("--target", default=None)
-    ap.add_argument("--gpus-per-host", type=int, default=None)
-    ap.add_argument("--hosts", type=int, default=None)
+    add_target_args(ap)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", dest="json_path", default=None)
     ap.add_argument("--dump-dir", default=None, help="keep XLA's dump files here")

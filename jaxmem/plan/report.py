@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from jaxmem import remat
 from jaxmem.aot import Topology
-from jaxmem.config import Config, config_hash
+from jaxmem.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost

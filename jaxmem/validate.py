@@ -1,0 +1,264 @@
+"""Loading a run config and every rule it must satisfy, in one pass: `load_config` (public as
+`jaxmem.config.load_config`) reads YAML and dotted overrides into the typed schema (`jaxmem.schema`), fills
+`model.*` from its preset (`jaxmem.model.presets`), then runs each of SECTION_VALIDATORS and CROSS_CHECKS,
+so a bad config is a one-line ConfigError at load, before any program is built.
+
+Imports go one way: `jaxmem.schema` (dataclasses, ConfigError, YAML, overrides; no other jaxmem import) <-
+the modules that own a vocabulary (`jaxmem.model.presets`, `jaxmem.remat`, `jaxmem.kernels`,
+`jaxmem.targets`, `jaxmem.offload`) <- this module <- `jaxmem.config` and the callers (`jaxmem.program`,
+`jaxmem.aot`, `jaxmem.distributed`, the CLIs).
+
+The rules that need the device count live here too, as functions called once it is known:
+`batch_layout` and `check_grad_accum` (jaxmem.program.build_program, the planner's bill),
+`per_host_from_mesh` and `check_topology` (jaxmem.aot.resolve_topology). With a mesh that has no -1 axis
+the batch rules already run at load. (Filling a -1 mesh axis is jaxmem.sharding.mesh_shape's.)
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+from typing import Callable
+
+from jaxmem import kernels, remat
+from jaxmem.schema import Config, ConfigError, DistributedConfig, ParallelConfig, apply_overrides, parse_raw, read_yaml
+from jaxmem.model.names import ALL_NAMES
+from jaxmem.model.presets import resolve_model
+from jaxmem.targets import get_target
+
+# ---------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """Loads a YAML config (or the defaults), applies dotted overrides, resolves presets and validates."""
+    raw = read_yaml(path) if path else {}
+    return from_dict(apply_overrides(raw, overrides or []))
+
+
+def from_dict(raw: dict) -> Config:
+    """The validated Config of a raw mapping (as read from YAML, or `jaxmem.config.to_dict`'s output)."""
+    cfg = parse_raw(raw)
+    cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model, raw.get("model") or {}))
+    check(cfg)
+    return cfg
+
+
+def check(cfg: Config) -> None:
+    """Every rule that needs only the config; for a Config built or changed in code."""
+    for section_rules in SECTION_VALIDATORS.values():
+        section_rules(cfg)
+    for rule in CROSS_CHECKS:
+        rule(cfg)
+
+
+# ---------------------------------------------------------------- per section
+
+
+def _positive(key: str, v) -> None:
+    if v <= 0:
+        raise ConfigError(f"{key}: must be > 0, got {v}")
+
+
+def _model(cfg: Config) -> None:
+    m = cfg.model
+    for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff", "max_seq_len"):
+        _positive(f"model.{k}", getattr(m, k))
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+
+
+def _train(cfg: Config) -> None:
+    for k in ("steps", "micro_batch", "seq_len", "log_every"):
+        _positive(f"train.{k}", getattr(cfg.train, k))
+    if cfg.train.global_batch < 0 or cfg.train.grad_accum < 0:
+        raise ConfigError("train.global_batch / train.grad_accum: must be >= 0 (0 means derived)")
+
+
+def _parallel(cfg: Config) -> None:
+    for k in ("dp", "fsdp", "tp"):
+        v = getattr(cfg.parallel, k)
+        if v == 0 or v < -1:
+            raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
+    if [cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.tp].count(-1) > 1:
+        raise ConfigError("parallel: at most one of dp, fsdp, tp may be -1 (fill)")
+
+
+def _precision(cfg: Config) -> None:
+    p = cfg.precision
+    if p.loss_scale.enabled and p.compute_dtype != "float16":
+        raise ConfigError("precision.loss_scale.enabled: loss scaling is for compute_dtype=float16 only")
+
+
+def _data(cfg: Config) -> None:
+    d = cfg.data
+    if d.kind in ("text", "bin") and not d.path:
+        raise ConfigError(f"data.path: required for data.kind={d.kind}")
+    if d.path and d.kind != "synthetic" and not Path(d.path).is_file():
+        raise ConfigError(f"data.path: file {d.path} not found")
+    if d.tokenizer and not Path(d.tokenizer).is_file():
+        raise ConfigError(f"data.tokenizer: file {d.tokenizer} not found")
+
+
+def _checkpoint(cfg: Config) -> None:
+    if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+
+
+def check_distributed(d: DistributedConfig) -> None:
+    """An explicit process group is complete: coordinator HOST:PORT, the process count, this process's id.
+    (jaxmem.distributed.init_settings runs it too, for a DistributedConfig built in code.)"""
+    if d.coordinator:
+        if d.num_processes < 1:
+            raise ConfigError("distributed.num_processes: must be >= 1 when distributed.coordinator is set")
+        if not 0 <= d.process_id < d.num_processes:
+            raise ConfigError(f"distributed.process_id: {d.process_id} is not in [0, "
+                              f"distributed.num_processes={d.num_processes})")
+        if ":" not in d.coordinator:
+            raise ConfigError(f"distributed.coordinator: {d.coordinator!r} must be HOST:PORT")
+    elif d.num_processes > 1 or d.process_id >= 0:
+        raise ConfigError("distributed.coordinator: required (HOST:PORT) with distributed.num_processes/process_id")
+
+
+def _remat(cfg: Config) -> None:
+    r = cfg.remat
+    if r.preset not in remat.PRESETS:
+        raise ConfigError(f"remat.preset: {r.preset!r} is unknown; use one of {', '.join(remat.PRESETS)}")
+    for name, choice in r.names.items():
+        if name not in ALL_NAMES:
+            raise ConfigError(f"remat.names.{name}: unknown checkpoint name; use one of {', '.join(ALL_NAMES)}")
+        if choice not in remat.CHOICES:
+            raise ConfigError(f"remat.names.{name}: {choice!r} is not allowed; use one of "
+                              f"{', '.join(remat.CHOICES)}")
+    if r.every_k < 1:
+        raise ConfigError(f"remat.every_k: must be >= 1, got {r.every_k}")
+
+
+def _offload(cfg: Config) -> None:
+    """Lever combinations the step cannot honour (with the grad_accum the config gives; a derived one is
+    checked by check_grad_accum)."""
+    if cfg.offload.params != "host":
+        return
+    if not remat.uses_checkpoint(cfg.remat):
+        raise ConfigError("offload.params=host: needs a remat preset other than none (layer weights are "
+                          "fetched again in the backward pass instead of being kept on the device)")
+    if cfg.remat.granularity != "layer":
+        raise ConfigError(f"offload.params=host: needs remat.granularity=layer (got {cfg.remat.granularity!r}); "
+                          "the per-layer fetch must sit inside the layer's checkpoint")
+    check_grad_accum(cfg, cfg.train.grad_accum)
+
+
+def _target(cfg: Config) -> None:
+    t = cfg.target
+    if not 0 <= t.headroom < 1:
+        raise ConfigError(f"target.headroom: must be in [0, 1), got {t.headroom}")
+    check_hosts(t.hosts)
+    if t.gpus_per_host < 0:
+        raise ConfigError(f"target.gpus_per_host: must be >= 0 (0: from the mesh size), got {t.gpus_per_host}")
+    if t.host_ram_gb < 0:
+        raise ConfigError(f"target.host_ram_gb: must be >= 0 (0: the target's default), got {t.host_ram_gb}")
+    if t.name:
+        get_target(t.name)  # "target.name: ... is unknown; use one of ..."
+
+
+# Each takes the whole Config (a section's rules may read the sections it depends on) and raises a one-line
+# ConfigError naming the key. Run in this order (remat before offload: offload reads the remat preset).
+SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
+    "model": _model,
+    "train": _train,
+    "parallel": _parallel,
+    "precision": _precision,
+    "data": _data,
+    "checkpoint": _checkpoint,
+    "distributed": lambda cfg: check_distributed(cfg.distributed),
+    "remat": _remat,
+    "offload": _offload,
+    "kernels": lambda cfg: kernels.check_block_sizes(cfg.kernels),
+    "target": _target,
+}
+
+
+# ---------------------------------------------------------------- across sections (after every section passed)
+
+
+def _seq_len_fits_model(cfg: Config) -> None:
+    if cfg.train.seq_len > cfg.model.max_seq_len:
+        raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
+
+
+def _remat_groups_divide_layers(cfg: Config) -> None:
+    remat.group_size(cfg.remat, cfg.model.n_layers)  # "remat.every_k: k does not divide model.n_layers=..."
+
+
+def _batch_fits_fixed_mesh(cfg: Config) -> None:
+    """With no -1 mesh axis the data ways are known now: the batch and offload rules run at load."""
+    if fixed_mesh_size(cfg.parallel) is not None:
+        grad_accum, _ = batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp)
+        check_grad_accum(cfg, grad_accum)
+
+
+CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
+    _seq_len_fits_model,  # train vs model
+    _remat_groups_divide_layers,  # remat vs model
+    _batch_fits_fixed_mesh,  # train vs parallel, offload vs the derived grad_accum
+)
+
+
+# ---------------------------------------------------------------- once the device count is known
+
+
+def fixed_mesh_size(par: ParallelConfig) -> int | None:
+    """dp * fsdp * tp, or None when an axis is -1 (filled from the device count)."""
+    sizes = (par.dp, par.fsdp, par.tp)
+    return None if -1 in sizes else math.prod(sizes)
+
+
+def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
+    """(grad_accum, micro-batch rows per step across all data ways)."""
+    t = cfg.train
+    rows = t.micro_batch * data_ways
+    if t.global_batch and t.grad_accum:
+        if t.global_batch != rows * t.grad_accum:
+            raise ConfigError(f"train.global_batch: {t.global_batch} != micro_batch {t.micro_batch} x data ways "
+                              f"{data_ways} x grad_accum {t.grad_accum}; give one of global_batch or grad_accum")
+        return t.grad_accum, rows
+    if t.global_batch:
+        if t.global_batch % rows:
+            raise ConfigError(f"train.global_batch: {t.global_batch} is not a multiple of micro_batch "
+                              f"{t.micro_batch} x data ways {data_ways} = {rows}")
+        return t.global_batch // rows, rows
+    return (t.grad_accum or 1), rows
+
+
+def check_grad_accum(cfg: Config, grad_accum: int) -> None:
+    """Rules on the number of micro-batches per step, given or derived from global_batch and the data ways."""
+    if cfg.offload.params == "host" and grad_accum > 1:
+        raise ConfigError(f"offload.params=host: needs train.grad_accum=1, got {grad_accum} from train.* "
+                          "(gradients land on the host, where they cannot be accumulated)")
+
+
+def check_hosts(hosts: int) -> None:
+    if hosts < 1:
+        raise ConfigError(f"target.hosts: must be >= 1, got {hosts}")
+
+
+def per_host_from_mesh(cfg: Config, name: str, hosts: int, attached: Callable[[], int]) -> int:
+    """GPUs per host when neither the config nor a flag gives them: the mesh size over the hosts
+    (`attached()`: the attached device count, for a -1 mesh axis without a named target)."""
+    mesh = fixed_mesh_size(cfg.parallel)
+    if mesh is None and name:
+        raise ConfigError("target.gpus_per_host: required when the parallel mesh has a -1 (fill) axis; "
+                          "set target.gpus_per_host or pass --gpus-per-host")
+    if mesh is None:
+        mesh = attached()
+    if mesh % hosts:
+        raise ConfigError(f"target.hosts: {hosts} does not divide the mesh size {mesh}")
+    return mesh // hosts
+
+
+def check_topology(cfg: Config, gpus_per_host: int, n_devices: int, label: str) -> None:
+    """The resolved topology (flags over config) can hold the config's mesh."""
+    if gpus_per_host < 1:
+        raise ConfigError(f"target.gpus_per_host: must be >= 1, got {gpus_per_host}")
+    mesh = fixed_mesh_size(cfg.parallel)
+    if mesh is not None and mesh != n_devices:
+        raise ConfigError(f"parallel: dp*fsdp*tp={mesh} != {n_devices} devices of {label}")
