@@ -24,7 +24,7 @@ demo: $(VENV)/.base-installed
 	$(CPU_ENV) $(BIN)/jaxmem train configs/tiny.yaml out_dir=runs/demo
 
 test: $(VENV)/.dev-installed
-	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --durations=15 tests
+	$(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
 
 clean:
 	rm -rf runs .pytest_cache
