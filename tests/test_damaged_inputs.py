@@ -1,4 +1,5 @@
 """Damaged input files: each fails with a one-line ConfigError that names the file and says what is wrong."""
+import gc
 import json
 import shutil
 import struct
@@ -481,6 +482,14 @@ CKPT_CASES = {  # damage to step 2's directory -> what the error says
     # overwritten inside a chunk are only caught when they decode to inf/NaN (see the next test).
     "index overwritten": (lambda s: _overwrite_middle(s / "state" / "manifest.ocdbt"), "(state metadata: "),
 }
+
+
+@pytest.fixture(autouse=True)
+def _collect_abandoned_reads():
+    """When one array read fails, orbax drops its other pending reads; Python reports them when they are
+    collected. Collect them before the test ends, under its warning filter, instead of in a later test."""
+    yield
+    gc.collect()
 
 
 # When one array read fails, orbax drops its other pending reads; Python reports them as they are collected.
