@@ -9,6 +9,7 @@ entries live in host memory, the batch layout, and the per-layer parameter count
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 from typing import Any
 
@@ -40,6 +41,15 @@ class Layout:
     keeps_scores: bool  # plain attention's S x S scores saved across the backward
     host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
     layer_param_elems: int  # parameters of one decoder layer
+    rules: tuple  # the logical-axis rule table (parallel.rules) that shards weights and activations
+
+    def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
+        """Elements per device of a value with these logical axis names and global shape, sharded exactly as
+        sharding.logical_to_spec shards it in the step (a dim the mesh axes do not divide is replicated)."""
+        spec = sharding.logical_to_spec(names, self.rules, _shape_only_mesh(self.mesh_sizes), shape)
+        ways = math.prod(self.mesh_sizes[str(a)] for axes in spec if axes is not None
+                         for a in (axes if isinstance(axes, tuple) else (axes,)))
+        return math.prod(shape) // ways
 
     @property
     def data_ways(self) -> int:
@@ -83,7 +93,8 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=remat.saved_across_backward(cfg.remat, fused_attention),
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
-        host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model))
+        host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model),
+        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
 
 
 def platform_of(devices) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 from jaxmem import kernels
 from jaxmem.schema import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
+from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.precision import Precision
@@ -83,30 +84,23 @@ def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
                for x, s in zip(jax.tree.leaves(params), spec_leaves(specs), strict=True))
 
 
-def _split(n: int, ways: int) -> int:
-    """A dim's per-device size: sharded when the axis divides it, else replicated (as sharding.logical_to_spec
-    decides)."""
-    return n // ways if n % ways == 0 else n
-
-
-def name_shapes(cfg: Config, sizes: dict[str, int]) -> dict[str, int]:
-    """Elements per device of each checkpointed tensor, for one layer."""
-    m, t = cfg.model, cfg.train
-    tp = sizes["tp"]
-    bt = t.micro_batch * t.seq_len
-    heads, kv, ff = _split(m.n_heads, tp), _split(m.n_kv_heads, tp), _split(m.d_ff, tp)
-    out = {n.value: bt * m.d_model for n in _BTD}
-    out.update({n.value: bt * ff for n in _BTF})
-    out.update({CN.QUERY_PROJ.value: bt * heads * m.head_dim, CN.ATTN_CONTEXT.value: bt * heads * m.head_dim,
-                CN.KEY_PROJ.value: bt * kv * m.head_dim, CN.VALUE_PROJ.value: bt * kv * m.head_dim})
+def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
+    """Elements per device of each checkpointed tensor, for one layer, sharded by the activation rules."""
+    m, rows, seq = cfg.model, layout.rows, cfg.train.seq_len
+    btd = layout.per_device_elems(ACT_BTD, (rows, seq, m.d_model))
+    btf = layout.per_device_elems(ACT_BTF, (rows, seq, m.d_ff))
+    q = layout.per_device_elems(ACT_BTNH, (rows, seq, m.n_heads, m.head_dim))
+    kv = layout.per_device_elems(ACT_BTNH, (rows, seq, m.n_kv_heads, m.head_dim))
+    out = {n.value: btd for n in _BTD}
+    out.update({n.value: btf for n in _BTF})
+    out.update({CN.QUERY_PROJ.value: q, CN.ATTN_CONTEXT.value: q, CN.KEY_PROJ.value: kv, CN.VALUE_PROJ.value: kv})
     return out
 
 
-def score_elems(cfg: Config, sizes: dict[str, int]) -> int:
+def score_elems(cfg: Config, layout: Layout) -> int:
     """Elements per device of one layer's attention score matrix [B, N, T, S] (plain XLA attention)."""
-    m, t = cfg.model, cfg.train
-    heads = _split(m.n_heads, sizes["tp"])
-    return t.micro_batch * heads * t.seq_len * t.seq_len
+    seq = cfg.train.seq_len
+    return layout.per_device_elems(("act_batch", "act_heads", None, None), (layout.rows, cfg.model.n_heads, seq, seq))
 
 
 def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]:
@@ -124,8 +118,8 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]
 
 def logits_bytes(cfg: Config, layout: Layout) -> int:
     """Live loss-side bytes per device beyond the LM head: the resolved loss kernel's own scratch formula."""
-    tokens = cfg.train.micro_batch * cfg.train.seq_len
-    vocab = _split(cfg.model.vocab_size, layout.mesh_sizes["tp"])
+    tokens = layout.per_device_elems(("act_batch", None), (layout.rows, cfg.train.seq_len))
+    vocab = layout.per_device_elems(("act_vocab",), (cfg.model.vocab_size,))
     return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels)
 
 
@@ -144,14 +138,14 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     inputs = accum * (rows // layout.data_ways) * (t.seq_len + 1) * 4 + _counter_bytes(cfg, layout)
     cd = _itemsize(prec.compute)
 
-    per_name = name_shapes(cfg, sizes)
+    per_name = name_shapes(cfg, layout)
     if layout.checkpointed:
         saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
         saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd).items()}
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
-    scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, sizes), cd)
+    scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)
     if layout.keeps_scores:
         saved_dev["attention_scores"] = scores_saved * m.n_layers
         notes.append("plain XLA attention keeps the S x S scores of every layer (use a flash kernel or a "
