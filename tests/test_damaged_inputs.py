@@ -58,25 +58,20 @@ YAML_CASES = {  # file content -> what the error says; every message names the f
 }
 
 
-@pytest.mark.parametrize("content,fragment", YAML_CASES.values(), ids=YAML_CASES.keys())
-def test_damaged_yaml_config(tmp_path, content, fragment):
-    path = tmp_path / "run.yaml"
-    path.write_bytes(content)
-    _one_line_error(lambda: load_config(path), f"{path}: ", fragment)
-
-
-YAML_KEY_CASES = {  # parse fine but hold bad values: the message names the key
+YAML_KEY_CASES = {  # parse fine but hold bad values: the message names the key instead of the file
     "wrong type": (b"train:\n  steps: many\n", "train.steps: 'many' is not an int"),
     "section is a scalar": (b"train: 3\n", "train: expected a mapping"),
     "unknown section": (b"trian:\n  steps: 3\n", "trian: unknown key"),
 }
 
 
-@pytest.mark.parametrize("content,fragment", YAML_KEY_CASES.values(), ids=YAML_KEY_CASES.keys())
-def test_yaml_config_with_bad_values(tmp_path, content, fragment):
+@pytest.mark.parametrize("content,fragment,names_file",
+                         [(*c, True) for c in YAML_CASES.values()] + [(*c, False) for c in YAML_KEY_CASES.values()],
+                         ids=[*YAML_CASES, *YAML_KEY_CASES])
+def test_damaged_yaml_config(tmp_path, content, fragment, names_file):
     path = tmp_path / "run.yaml"
     path.write_bytes(content)
-    _one_line_error(lambda: load_config(path), fragment)
+    _one_line_error(lambda: load_config(path), *((f"{path}: ",) if names_file else ()), fragment)
 
 
 def test_broken_base_names_the_base_file(tmp_path):
