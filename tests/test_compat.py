@@ -66,3 +66,23 @@ def test_cuda_plugin_must_match_jaxlib(monkeypatch):
         compat.require_matching_cuda_plugin()
     versions["jax-cuda12-plugin"] = "0.11.2"
     compat.require_matching_cuda_plugin()  # matching: no error
+
+
+def test_host_compute_takes_the_jax_011_spelling(monkeypatch):
+    """jax 0.11 renamed compute_on2 to compute_on (same keywords, see jax 0.11.2's _src/compute_on.py): with
+    only that spelling present, host_compute calls it."""
+    from jax.experimental import compute_on as module
+
+    calls = []
+    function_form = module.compute_on2
+
+    def compute_on(f=None, *, compute_type, out_memory_spaces, compiler_options=None):
+        calls.append(compute_type)
+        return function_form(f, compute_type=compute_type, out_memory_spaces=out_memory_spaces)
+
+    monkeypatch.setattr(module, "compute_on", compute_on)
+    monkeypatch.delattr(module, "compute_on2")
+    x = jax.device_put(np.ones(4, np.float32), jax.memory.Space.Host)
+    out = jax.jit(lambda v: compat.host_compute(lambda a: a + 1, jax.memory.Space.Host)(v))(x)
+    np.testing.assert_array_equal(np.asarray(out), 2 * np.ones(4))
+    assert calls == ["device_host"]
