@@ -23,3 +23,21 @@ def save_hf(model, path, **kwargs):
     from jaxmem.hf import save_hf as _save
 
     return _save(model, path, **kwargs)
+
+
+# The library surface for your own training script (docs/library.md), imported on first use so that
+# `import jaxmem` stays cheap.
+_API = ("Checkpoints", "TrainProgram", "batches", "build_program", "load_config", "loss_fn", "optimizer",
+        "place_params", "place_tokens", "run_meta", "train_state", "train_step")
+
+
+def __getattr__(name):
+    if name in _API:
+        from jaxmem import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'jaxmem' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_API))

@@ -16,6 +16,7 @@ import orbax.checkpoint as ocp
 
 from jaxmem.schema import Config, ConfigError, config_hash
 from jaxmem.hf_config import read_json_object
+from jaxmem.optim import schedule_steps
 from jaxmem.precision import all_finite
 
 _STATE, _META = "state", "meta"
@@ -76,7 +77,8 @@ def math_hash(cfg: Config) -> str:
     """Hash of the settings that determine the losses (mesh and bookkeeping left out).
 
     train.steps enters only through the LR schedule's decay length, so extending a run
-    whose optimizer.decay_steps is fixed keeps the hash.
+    whose optimizer.decay_steps is fixed keeps the hash (`jaxmem train` fixes it on resume
+    to the decay length saved in the checkpoint's meta).
     """
     defaults = Config()
     blank = {k: getattr(defaults, k) for k in _RUN_LOCAL}
@@ -86,9 +88,15 @@ def math_hash(cfg: Config) -> str:
 
 
 def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dict:
-    """The JSON item saved beside the state: where the data and the RNG stand."""
+    """The JSON item saved beside the state: where the data and the RNG stand, and the LR schedule.
+
+    `decay_steps` and `warmup_steps` are the schedule as resolved (optimizer.decay_steps=0
+    means train.steps), so a resume that raises train.steps can keep it.
+    """
+    warmup, decay = schedule_steps(cfg)
     return {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
-            "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg)}
+            "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
+            "decay_steps": int(decay), "warmup_steps": int(warmup)}
 
 
 class Checkpoints:
@@ -156,6 +164,14 @@ class Checkpoints:
         if not bool(jax.jit(all_finite)(state)):
             raise self._damaged(step, "it holds inf/NaN values")
         return state, meta
+
+    def meta(self, step: int | None = None) -> dict | None:
+        """The meta item of `step` (default: the latest), without the state; None if no step is saved.
+
+        A damaged meta item is the same one-line ConfigError `restore` raises.
+        """
+        step = self.latest_step() if step is None else step
+        return None if step is None else self._restore_meta(step, ())
 
     def _restore_meta(self, step: int, required: tuple[str, ...]) -> dict:
         try:

@@ -12,13 +12,24 @@ COMMANDS = {
     "explain": ("jaxmem.plan.explain", "which source lines own the biggest buffers at the peak"),
     "sweep": ("jaxmem.sweep", "plan the cross product of config overrides"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
+    "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),
+    "list": ("jaxmem.reference:list_main", "list model presets, remat presets and names, GPU targets, kernels"),
 }
 
 
 def _usage() -> str:
-    lines = ["usage: jaxmem COMMAND [args]", "", "commands:"]
+    lines = ["usage: jaxmem COMMAND [args]   (jaxmem COMMAND --help: its options and examples)", "",
+             "commands:"]
     lines += [f"  {name:<10} {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "options:", "  -h, --help     this list", "  -V, --version  jaxmem's and jax's versions", "",
+              "config reference: docs/config.md, `jaxmem config CONFIG`, `jaxmem list`"]
     return "\n".join(lines)
+
+
+def _entry(name: str):
+    """The `main(argv)` of a command: "module" (its main) or "module:function"."""
+    module, _, func = COMMANDS[name][0].partition(":")
+    return getattr(importlib.import_module(module), func or "main")
 
 
 @contextlib.contextmanager
@@ -41,6 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage())
         return 0
+    if argv[0] in ("-V", "--version"):
+        with contextlib.nullcontext() if os.path.exists("/proc/driver/nvidia") else _quiet_native_stderr():
+            from jaxmem.reference import version_text
+
+            print(version_text())
+        return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"jaxmem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
@@ -48,12 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     if not os.path.exists("/proc/driver/nvidia"):  # no GPU here: the plugin's import chatter is noise
         with _quiet_native_stderr():
             import jax  # noqa: F401
-    module = importlib.import_module(COMMANDS[name][0])
+    entry = _entry(name)
     from jaxmem.compat import UnsupportedVersion
     from jaxmem.schema import ConfigError
 
     try:
-        return module.main(rest) or 0
+        return entry(rest) or 0
     except ConfigError as e:
         print(f"jaxmem {name}: config error: {e}", file=sys.stderr)
         return 2

@@ -14,4 +14,10 @@ from jaxmem.schema import (
 )
 from jaxmem.validate import check, from_dict, load_config
 
-__all__ = ["ConfigError", "Dtype", "ModelConfig", "ParallelConfig", "LossScaleConfig", "PrecisionConfig", "OptimizerConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "DistributedConfig", "RematConfig", "OffloadConfig", "KernelConfig", "TargetConfig", "Config", "to_dict", "apply_overrides", "parse_yaml_file", "read_yaml", "parse_raw", "config_hash", "dump_yaml", "check", "from_dict", "load_config"]
+__all__ = [
+    "ConfigError", "Dtype", "ModelConfig", "ParallelConfig", "LossScaleConfig", "PrecisionConfig",
+    "OptimizerConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "DistributedConfig", "RematConfig",
+    "OffloadConfig", "KernelConfig", "TargetConfig", "Config", "to_dict", "apply_overrides",
+    "parse_yaml_file", "read_yaml", "parse_raw", "config_hash", "dump_yaml", "check", "from_dict",
+    "load_config",
+]

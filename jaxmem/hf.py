@@ -185,10 +185,18 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
 
 
 def _parse(argv):
+    from jaxmem.reference import HelpFormatter
+
     parser = argparse.ArgumentParser(
-        prog="jaxmem import-hf",
+        prog="jaxmem import-hf", formatter_class=HelpFormatter,
         description="Convert a local Hugging Face checkpoint (Llama, Qwen2, Mistral) into an orbax params "
-                    "checkpoint that `checkpoint.init_from` starts training from.")
+                    "checkpoint that `checkpoint.init_from` starts training from. The safetensors shards are "
+                    "streamed into parameters sharded over the local devices; the config snippet to use it is "
+                    "printed at the end.",
+        epilog="examples:\n"
+               "  jaxmem import-hf /path/to/Meta-Llama-3-8B out/llama3-8b\n"
+               "  jaxmem import-hf /path/to/Qwen2.5-7B out/qwen --dtype bfloat16\n"
+               "  jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/llama3-8b   # then train")
     parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
     parser.add_argument("out_dir", help="writes OUT_DIR/params (orbax) and OUT_DIR/model.json")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype to store")

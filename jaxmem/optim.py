@@ -15,10 +15,16 @@ from jaxmem.schema import Config
 from jaxmem.precision import Precision
 
 
-def schedule(cfg: Config) -> optax.Schedule:
+def schedule_steps(cfg: Config) -> tuple[int, int]:
+    """(warmup, decay) steps of the LR schedule: optimizer.decay_steps=0 means train.steps."""
     o = cfg.optimizer
     decay = o.decay_steps or cfg.train.steps
-    warmup = min(o.warmup_steps, max(decay - 1, 0))
+    return min(o.warmup_steps, max(decay - 1, 0)), decay
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+    o = cfg.optimizer
+    warmup, decay = schedule_steps(cfg)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=max(decay, warmup + 1),
         end_value=o.lr * o.min_lr_ratio)

@@ -143,22 +143,34 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
                         layout.rows, ctx, layout)
 
 
+def loss_sum_fn(prog: TrainProgram):
+    """fn(params, inputs_bt, labels_bt) -> (loss_sum, n_valid): the summed next-token cross-entropy over the
+    labels that are not IGNORE_INDEX, and their count, with the kernels, precision and activation sharding
+    constraints the config selects. The train step differentiates this function (jaxmem.api.loss_fn too)."""
+    cfg, mesh = prog.cfg, prog.mesh
+    constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
+    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
+
+    def loss_sum(params, inputs_bt, labels_bt):
+        model = nnx.merge(prog.graphdef, params)
+        with activation_rules(constrainer):
+            h_btd = model.hidden(inputs_bt, prog.ctx)
+        w_dv = model.lm_head_weight().astype(prog.precision.compute)
+        return loss_impl(h_btd.reshape(-1, h_btd.shape[-1]), w_dv, labels_bt.reshape(-1))
+
+    return loss_sum
+
+
 def _make_step(prog: TrainProgram):
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
-    rules = sharding.RULE_TABLES[cfg.parallel.rules]
-    constrainer = sharding.activation_constrainer(rules, mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
+    token_loss = loss_sum_fn(prog)
     grad_shardings = sharding.named(mesh, prog.grad_specs)
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
     scaling = cfg.precision.loss_scale
 
     def micro_loss(params, inputs_bt, labels_bt, denom):
-        model = nnx.merge(prog.graphdef, params)
-        with activation_rules(constrainer):
-            h_btd = model.hidden(inputs_bt, prog.ctx)
-        w_dv = model.lm_head_weight().astype(prec.compute)
-        loss_sum, _ = loss_impl(h_btd.reshape(-1, h_btd.shape[-1]), w_dv, labels_bt.reshape(-1))
+        loss_sum, _ = token_loss(params, inputs_bt, labels_bt)
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)

@@ -13,7 +13,7 @@ import json
 import types
 import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal
 
 import yaml
 
@@ -25,162 +25,229 @@ class ConfigError(ValueError):
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
+def _f(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its one-line description (`metadata["help"]`): the single source of the config
+    reference (`jaxmem config`, docs/config.md; see `field_docs`)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+_FROM_PRESET = "; from model.preset unless set"
+_FILL = "; -1: fill the remaining devices (at most one axis)"
+_POW2 = " (a power of two >= 16)"
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    preset: str = "tiny"
-    vocab_size: int = 0
-    d_model: int = 0
-    n_layers: int = 0
-    n_heads: int = 0
-    n_kv_heads: int = 0
-    head_dim: int = 0
-    d_ff: int = 0
-    rope_theta: float = 10000.0
-    # Llama-3 style frequency scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings}; None means plain theta.
-    rope_scaling: dict | None = None
-    norm_eps: float = 1e-5
-    qkv_bias: bool = False
-    tie_embeddings: bool = False
-    max_seq_len: int = 8192
+    preset: str = _f("tiny", "model shape preset (`jaxmem list presets`), or custom to give every shape key; "
+                             "it fills each model.* key the config does not set")
+    vocab_size: int = _f(0, "vocabulary size in tokens" + _FROM_PRESET)
+    d_model: int = _f(0, "hidden width of the residual stream" + _FROM_PRESET)
+    n_layers: int = _f(0, "number of decoder layers" + _FROM_PRESET)
+    n_heads: int = _f(0, "number of attention (query) heads" + _FROM_PRESET)
+    n_kv_heads: int = _f(0, "number of key/value heads (grouped-query attention; must divide n_heads)"
+                         + _FROM_PRESET)
+    head_dim: int = _f(0, "width of one attention head" + _FROM_PRESET)
+    d_ff: int = _f(0, "hidden width of the gated (SwiGLU) MLP" + _FROM_PRESET)
+    rope_theta: float = _f(10000.0, "RoPE base frequency (theta)" + _FROM_PRESET)
+    rope_scaling: dict | None = _f(None, "Llama-3 style RoPE frequency scaling, a mapping of factor, "
+                                         "low_freq_factor, high_freq_factor, original_max_position_embeddings; "
+                                         "null: plain theta" + _FROM_PRESET)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon" + _FROM_PRESET)
+    qkv_bias: bool = _f(False, "biases on the query/key/value projections (Qwen2)" + _FROM_PRESET)
+    tie_embeddings: bool = _f(False, "the LM head reuses the input embedding matrix" + _FROM_PRESET)
+    max_seq_len: int = _f(8192, "longest sequence the model takes, in tokens (train.seq_len must not exceed it)"
+                          + _FROM_PRESET)
 
 
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
-    dp: int = 1
-    fsdp: int = -1
-    tp: int = 1
-    rules: Literal["fsdp", "fsdp_tp", "dp"] = "fsdp"
-    zero_stage: Literal[1, 2, 3] = 3
+    dp: int = _f(1, "data-parallel mesh axis: batch split, weights replicated" + _FILL)
+    fsdp: int = _f(-1, "FSDP mesh axis: batch split, state sharded per zero_stage" + _FILL)
+    tp: int = _f(1, "tensor-parallel mesh axis: heads, MLP and vocab split (with rules fsdp_tp or dp)" + _FILL)
+    rules: Literal["fsdp", "fsdp_tp", "dp"] = _f(
+        "fsdp", "sharding rules, one of fsdp (every weight sharded over fsdp), fsdp_tp (Megatron-style tp "
+                "inside, fsdp across), dp (weights replicated; tp still applies)")
+    zero_stage: Literal[1, 2, 3] = _f(3, "ZeRO stage over the fsdp axis, one of 1 (shard the optimizer state), "
+                                         "2 (also the gradients), 3 (also the parameters)")
 
 
 @dataclasses.dataclass(frozen=True)
 class LossScaleConfig:
-    enabled: bool = False
-    init_scale: float = 2.0**15
-    growth_interval: int = 2000
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    min_scale: float = 1.0
+    enabled: bool = _f(False, "dynamic loss scaling, for precision.compute_dtype=float16 only; steps whose "
+                              "gradients overflow are skipped")
+    init_scale: float = _f(2.0**15, "loss scale at the first step")
+    growth_interval: int = _f(2000, "grow the scale after this many consecutive steps without overflow")
+    growth_factor: float = _f(2.0, "factor the scale grows by after growth_interval good steps")
+    backoff_factor: float = _f(0.5, "factor the scale shrinks by on a step that overflows")
+    min_scale: float = _f(1.0, "the scale never backs off below this")
 
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionConfig:
-    param_dtype: Dtype = "float32"
-    compute_dtype: Dtype = "float32"
-    master_weights: bool = False  # fp32 master copy held by the optimizer
-    grad_reduce_dtype: Dtype = "float32"
-    moment_dtype: Literal["float32", "bfloat16"] = "float32"
-    loss_scale: LossScaleConfig = LossScaleConfig()
+    param_dtype: Dtype = _f("float32", "dtype the parameters are stored in, one of float32, bfloat16, float16")
+    compute_dtype: Dtype = _f("float32", "dtype of the matmuls and activations, one of float32, bfloat16, "
+                                         "float16")
+    master_weights: bool = _f(False, "the optimizer holds an fp32 master copy of the parameters (only when "
+                                     "param_dtype is not float32)")
+    grad_reduce_dtype: Dtype = _f("float32", "dtype the gradients are reduced across devices and held in until "
+                                             "the update, one of float32, bfloat16, float16")
+    moment_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of AdamW's moments m and v, one of "
+                                                                 "float32, bfloat16")
+    loss_scale: LossScaleConfig = _f(LossScaleConfig(), "fp16 dynamic loss scaling")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 3e-4
-    warmup_steps: int = 10
-    decay_steps: int = 0  # 0: train.steps
-    min_lr_ratio: float = 0.1
-    b1: float = 0.9
-    b2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_norm: float = 1.0
+    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup")
+    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr")
+    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps; 0: train.steps "
+                             "(a resume keeps the length saved in the checkpoint)")
+    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
+    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment)")
+    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment)")
+    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator)")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed)")
+    clip_norm: float = _f(1.0, "clip the gradients to this global L2 norm; <= 0: no clipping")
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 100
-    micro_batch: int = 1  # per data-parallel way
-    seq_len: int = 128
-    global_batch: int = 0  # 0: micro_batch x data ways x grad_accum
-    grad_accum: int = 0  # 0: derived from global_batch, or 1
-    log_every: int = 10
-    seed: int = 0
-    progress: bool = True
-    tensorboard: bool = False
+    steps: int = _f(100, "optimizer steps of the run (a resumed run continues up to this step)")
+    micro_batch: int = _f(1, "sequences per micro-batch per data-parallel way (dp x fsdp)")
+    seq_len: int = _f(128, "tokens per training sequence (at most model.max_seq_len)")
+    global_batch: int = _f(0, "sequences per optimizer step; 0: micro_batch x data ways x grad_accum")
+    grad_accum: int = _f(0, "micro-batches accumulated per optimizer step; 0: derived from global_batch, or 1")
+    log_every: int = _f(10, "write a metrics record every this many steps (and at the first and last step)")
+    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
+    progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
+    tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic", "text", "bin"] = "synthetic"
-    path: str = ""
-    bin_dtype: Literal["uint16", "uint32"] = "uint16"
-    tokenizer: str = ""  # optional tokenizer.json for kind=text; default: bytes
+    kind: Literal["synthetic", "text", "bin"] = _f(
+        "synthetic", "token source, one of synthetic (a built-in learnable Markov chain), text (a text file, "
+                     "tokenized), bin (a flat file of token ids)")
+    path: str = _f("", "input file, required for kind text or bin")
+    bin_dtype: Literal["uint16", "uint32"] = _f("uint16", "integer type of the token ids in a kind=bin file, "
+                                                          "one of uint16, uint32")
+    tokenizer: str = _f("", "tokenizer.json for kind=text (needs the tokenizers package); empty: one token per "
+                            "byte")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = 0  # 0: only at the end
-    keep: int = 3
-    async_save: bool = True
-    enabled: bool = True
-    init_from: str = ""  # params-only orbax checkpoint (e.g. from `jaxmem import-hf`) to start from
+    every: int = _f(0, "save every this many steps; 0: only at the end")
+    keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
+    async_save: bool = _f(True, "write checkpoints in the background while training goes on")
+    enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
+    init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); "
+                            "a checkpoint in out_dir to resume from wins")
 
 
 @dataclasses.dataclass(frozen=True)
 class DistributedConfig:
-    coordinator: str = ""
-    num_processes: int = 0
-    process_id: int = -1
-    auto: bool = True  # SLURM/cluster auto-detection when no coordinator is given
+    coordinator: str = _f("", "HOST:PORT of process 0 for a multi-process run; empty: one process, or SLURM "
+                              "when auto is true")
+    num_processes: int = _f(0, "number of processes (required with coordinator)")
+    process_id: int = _f(-1, "this process's id in [0, num_processes) (required with coordinator)")
+    auto: bool = _f(True, "join the process group from the SLURM variables when no coordinator is given")
 
 
 @dataclasses.dataclass(frozen=True)
 class RematConfig:
-    preset: str = "none"
-    granularity: Literal["layer", "segments", "every_k", "nested"] = "layer"
-    every_k: int = 1
-    # per checkpoint name: remat | device | offload; overrides the preset
-    names: dict = dataclasses.field(default_factory=dict)
+    preset: str = _f("none", "activation checkpointing preset (`jaxmem list remat` says what each keeps), one "
+                             "of none, full, selective, dots, dots_no_batch, save_qkv_proj, save_attn_out, "
+                             "offload_layer_inputs, offload_selective")
+    granularity: Literal["layer", "segments", "every_k", "nested"] = _f(
+        "layer", "what one checkpoint wraps, one of layer (each decoder layer), segments (the attention and "
+                 "MLP parts of each layer), every_k (groups of every_k layers), nested (groups of the largest "
+                 "divisor of n_layers up to sqrt(n_layers) layers: a group keeps only its input, each layer "
+                 "inside is checkpointed with the preset)")
+    every_k: int = _f(1, "layers per checkpointed group with granularity=every_k (must divide model.n_layers)")
+    names: dict = _f(None, "per checkpoint name (`jaxmem list remat`), one of remat (recompute), device (keep), "
+                           "offload (keep on the host); each entry overrides the preset for that name and the "
+                           "other names keep the preset's choice (with preset none, any entry turns "
+                           "checkpointing on and the unlisted names are recomputed)", factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
 class OffloadConfig:
-    optimizer: Literal["device", "host"] = "device"
-    optimizer_update: Literal["host", "device"] = "host"
-    params: Literal["device", "host"] = "device"
+    optimizer: Literal["device", "host"] = _f("device", "where the optimizer state (AdamW moments, master "
+                                                        "weights) lives between steps, one of device, host "
+                                                        "(pinned host memory)")
+    optimizer_update: Literal["host", "device"] = _f(
+        "host", "with optimizer=host, where the AdamW update runs, one of host (XLA host compute), device "
+                "(the state is streamed in and out)")
+    params: Literal["device", "host"] = _f(
+        "device", "where the parameters live, one of device, host (each layer's weights are fetched inside "
+                  "the layer scan; needs a remat preset other than none, remat.granularity=layer and "
+                  "grad_accum 1)")
 
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = "auto"
-    attention: Literal["auto", "xla", "pallas", "cudnn"] = "auto"
-    norm: Literal["auto", "xla", "pallas"] = "auto"
-    loss_block_t: int = 1024  # chunked loss: tokens per tile
-    loss_block_v: int = 4096  # chunked loss: vocab columns per tile
-    fused_loss_block_t: int = 128  # pallas / triton loss tiles (powers of two)
-    fused_loss_block_v: int = 128
-    fused_loss_block_d: int = 64
-    fused_loss_slab_v: int = 16384  # vocab columns per backward pass: bounds the fp32 dW scratch
-    attn_block_q: int = 64
-    attn_block_k: int = 64
-    z_loss: float = 0.0
+    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = _f(
+        "auto", "LM head + cross-entropy implementation, one of auto (chunked), naive (full logits), chunked, "
+                "pallas, triton (jax-triton, GPU only)")
+    attention: Literal["auto", "xla", "pallas", "cudnn"] = _f(
+        "auto", "attention implementation, one of auto (pallas on GPU, xla on CPU), xla (plain, keeps the "
+                "S x S scores), pallas (flash attention), cudnn (GPU only)")
+    norm: Literal["auto", "xla", "pallas"] = _f("auto", "RMSNorm implementation, one of auto (xla), xla, pallas")
+    loss_block_t: int = _f(1024, "chunked loss: tokens per tile")
+    loss_block_v: int = _f(4096, "chunked loss: vocab columns per tile")
+    fused_loss_block_t: int = _f(128, "pallas / triton loss: tokens per tile" + _POW2)
+    fused_loss_block_v: int = _f(128, "pallas / triton loss: vocab columns per tile" + _POW2)
+    fused_loss_block_d: int = _f(64, "pallas / triton loss: hidden columns per tile" + _POW2)
+    fused_loss_slab_v: int = _f(16384, "pallas / triton loss: vocab columns per backward pass; bounds the fp32 "
+                                       "dW scratch")
+    attn_block_q: int = _f(64, "pallas flash attention: query rows per block" + _POW2)
+    attn_block_k: int = _f(64, "pallas flash attention: key rows per block" + _POW2)
+    z_loss: float = _f(0.0, "z-loss coefficient: adds z_loss x logsumexp^2 per token to the loss; 0: off")
 
 
 @dataclasses.dataclass(frozen=True)
 class TargetConfig:
-    name: str = ""  # empty: the attached devices
-    gpus_per_host: int = 0  # 0: from the mesh size
-    hosts: int = 1
-    headroom: float = 0.10
-    host_ram_gb: float = 0.0  # 0: the target's default
+    name: str = _f("", "GPU that plan, explain and sweep compile for deviceless (`jaxmem list targets`); "
+                       "empty: the attached devices")
+    gpus_per_host: int = _f(0, "GPUs per host; 0: the mesh size / hosts")
+    hosts: int = _f(1, "number of hosts (nodes)")
+    headroom: float = _f(0.10, "fraction of device memory held back: a plan fits under capacity x "
+                               "(1 - headroom), in [0, 1)")
+    host_ram_gb: float = _f(0.0, "host RAM per node in GiB, for the host-offload fit; 0: the target's "
+                                 "default")
 
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    out_dir: str = "runs/default"
-    model: ModelConfig = ModelConfig()
-    parallel: ParallelConfig = ParallelConfig()
-    precision: PrecisionConfig = PrecisionConfig()
-    optimizer: OptimizerConfig = OptimizerConfig()
-    train: TrainConfig = TrainConfig()
-    data: DataConfig = DataConfig()
-    checkpoint: CheckpointConfig = CheckpointConfig()
-    distributed: DistributedConfig = DistributedConfig()
-    remat: RematConfig = RematConfig()
-    offload: OffloadConfig = OffloadConfig()
-    kernels: KernelConfig = KernelConfig()
-    target: TargetConfig = TargetConfig()
+    out_dir: str = _f("runs/default", "run folder: config.yaml, metrics.jsonl, checkpoints/ (a run there resumes)")
+    model: ModelConfig = _f(ModelConfig(), "model shape")
+    parallel: ParallelConfig = _f(ParallelConfig(), "device mesh and sharding")
+    precision: PrecisionConfig = _f(PrecisionConfig(), "dtypes and fp16 loss scaling")
+    optimizer: OptimizerConfig = _f(OptimizerConfig(), "AdamW with warmup and cosine decay")
+    train: TrainConfig = _f(TrainConfig(), "steps, batch and logging")
+    data: DataConfig = _f(DataConfig(), "token source")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
+    distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
+    remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")
+    offload: OffloadConfig = _f(OffloadConfig(), "host memory for optimizer state and parameters")
+    kernels: KernelConfig = _f(KernelConfig(), "fused kernel choices and tile sizes")
+    target: TargetConfig = _f(TargetConfig(), "the GPU target a plan compiles for and its fit rule")
+
+
+def field_docs(cls: type = None, prefix: str = ""):
+    """(dotted key, dataclasses.Field, description) for every config key, in declaration order; a section
+    (a nested dataclass such as `precision.loss_scale`) comes before its keys."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        yield key, f, f.metadata.get("help", "")
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from field_docs(hints[f.name], key + ".")
+
 
 
 # ---------------------------------------------------------------- building

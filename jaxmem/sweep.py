@@ -66,6 +66,10 @@ def _plan_point(config: str, overrides: list[str], target: dict, compile: bool) 
     import os
 
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    return _plan_here(config, overrides, target, compile)
+
+
+def _plan_here(config: str, overrides: list[str], target: dict, compile: bool) -> dict:
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(config, overrides)
@@ -87,7 +91,19 @@ def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, 
         jobs.append((overrides, key, cache_dir / f"{key}.json"))
     todo = [j for j in jobs if not j[2].is_file()]
     results: dict[str, dict] = {}
-    if todo:
+
+    def record(o, key, path, get) -> None:
+        try:
+            results[key] = get()
+            path.write_text(json.dumps(results[key]))  # only successful plans are cached
+        except Exception as e:  # one failing point must not lose the others
+            results[key] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
+        print(f"{'FAILED ' if 'error' in results[key] else 'planned'} {' '.join(o)}", flush=True)
+
+    if todo and workers <= 0:  # in this process, one point after another (debugging, tests)
+        for o, key, path in todo:
+            record(o, key, path, lambda o=o: _plan_here(config, base_overrides + o, target, compile))
+    elif todo:
         ctx = multiprocessing.get_context("spawn")
         # A fresh process per point: compiles with host memory placement misbehave after other compiles in the
         # same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
@@ -97,24 +113,42 @@ def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, 
                        for o, k, p in todo}
             for fut in futures.as_completed(running):
                 o, key, path = running[fut]
-                try:
-                    results[key] = fut.result()
-                    path.write_text(json.dumps(results[key]))
-                except Exception as e:  # one failing point must not lose the others
-                    results[key] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
-                print(f"planned {' '.join(o)}", flush=True)
+                record(o, key, path, fut.result)
     for overrides, key, path in jobs:
         cached = key not in results
         rows.append(_row(overrides, key, json.loads(path.read_text()) if cached else results[key], cached))
+    mark_best(rows)
     return rows
+
+
+def failed(row: dict) -> bool:
+    return row.get("status") == "failed" or bool(row.get("error"))
+
+
+def best_point(rows: list[dict]) -> dict | None:
+    """The best planned point under the budget: fits first (a point that fits beats one whose capacity is
+    unknown; one that does not fit is never best), then the lowest estimated step time, ties broken by more
+    headroom (fewer device bytes)."""
+    ok = [r for r in rows if not failed(r) and r["fits"] is not False]
+    if not ok:
+        return None
+    return min(ok, key=lambda r: (r["fits"] is not True, r["step_seconds_estimated"], r["device_bytes"]))
+
+
+def mark_best(rows: list[dict]) -> dict | None:
+    best = best_point(rows)
+    for r in rows:
+        r["best"] = r is best
+    return best
 
 
 def _row(overrides: list[str], key: str, p: dict, cached: bool) -> dict:
     row = {"point": " ".join(overrides), "hash": key, "cached": cached}
     row.update({o.split("=", 1)[0]: o.split("=", 1)[1] for o in overrides})
     if "error" in p:
-        return {**row, "error": p["error"]}
+        return {**row, "status": "failed", "error": p["error"]}
     compiled = p.get("compiled")
+    row.update({"status": "planned", "error": None})
     row.update({
         "device_bytes": compiled["device_total"] if compiled else p["analytic"]["device_total"],
         "device_bytes_basis": p["fits_basis"],
@@ -143,59 +177,132 @@ def write_outputs(rows: list[dict], out_dir: Path) -> dict[str, Path]:
 
 def pareto_front(rows: list[dict]) -> list[dict]:
     """Points no other point beats on both device bytes and estimated step time."""
-    ok = [r for r in rows if "error" not in r]
+    ok = [r for r in rows if not failed(r)]
     return [r for r in ok if not any(o["device_bytes"] <= r["device_bytes"] and o["step_seconds_estimated"]
                                      <= r["step_seconds_estimated"] and (o["device_bytes"], o["step_seconds_estimated"])
                                      != (r["device_bytes"], r["step_seconds_estimated"]) for o in ok)]
 
 
+def _short_label(row: dict) -> str:
+    """A point's swept values without the dotted prefixes ("preset=full mb=2"), for plot labels."""
+    return " ".join(f"{o.split('=', 1)[0].rsplit('.', 1)[-1]}={o.split('=', 1)[1]}" if "=" in o else o
+                    for o in row["point"].split())
+
+
 def plot_pareto(rows: list[dict], path: Path) -> None:
+    """Device bytes vs estimated step time of the planned points (failed points are left out), the best point
+    under the budget starred, the Pareto front dashed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    ok = [r for r in rows if "error" not in r]
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    ok = [r for r in rows if not failed(r)]
+    bunit, bscale = byte_unit(ok)
+    biggest = max([r["device_bytes"] for r in ok] + [0])
+    slowest = max([r["step_seconds_estimated"] for r in ok] + [0.0])
+    tunit, tscale = ("s", 1.0) if slowest >= 1 else ("ms", 1e-3) if slowest >= 1e-3 else ("us", 1e-6)
+    x = lambda r: r["device_bytes"] / bscale  # noqa: E731
+    y = lambda r: r["step_seconds_estimated"] / tscale  # noqa: E731
+    fig, ax = plt.subplots(figsize=(9, 6))
     for fits, style in ((True, dict(marker="o", color="tab:green", label="fits")),
                         (False, dict(marker="x", color="tab:red", label="does not fit")),
                         (None, dict(marker="s", color="0.5", label="no capacity known"))):
         sel = [r for r in ok if r["fits"] is fits]
         if sel:
-            ax.scatter([r["device_bytes"] / GIB for r in sel], [r["step_seconds_estimated"] for r in sel], **style)
+            ax.scatter([x(r) for r in sel], [y(r) for r in sel], s=40, zorder=3, **style)
     front = sorted(pareto_front(ok), key=lambda r: r["device_bytes"])
     if front:
-        ax.plot([r["device_bytes"] / GIB for r in front], [r["step_seconds_estimated"] for r in front], "k--",
-                linewidth=0.8, label="Pareto front")
-    usable = {r["usable_device_bytes"] for r in ok if r.get("usable_device_bytes")}
-    for u in usable:
-        ax.axvline(u / GIB, color="red", linestyle=":", linewidth=1, label="usable capacity (after headroom)")
-    for r in ok:
-        ax.annotate(r["point"], (r["device_bytes"] / GIB, r["step_seconds_estimated"]), fontsize=6)
+        ax.plot([x(r) for r in front], [y(r) for r in front], "k--", linewidth=0.8, label="Pareto front")
+    usable = sorted({r["usable_device_bytes"] for r in ok if r.get("usable_device_bytes")})
+    for i, u in enumerate(usable):
+        if u <= 3 * biggest:  # a capacity far right of every point would squash them against the axis
+            ax.axvline(u / bscale, color="red", linestyle=":", linewidth=1,
+                       label="usable capacity (after headroom)" if i == 0 else None)
+        elif i == 0:
+            ax.plot([], [], " ", label=f"usable capacity {u / GIB:.1f} GiB (off the chart)")
+    best = best_point(ok)
+    if best is not None:
+        ax.scatter([x(best)], [y(best)], marker="*", s=320, facecolors="none", edgecolors="black", linewidths=1.3,
+                   zorder=4, label=f"best under budget: {_short_label(best)}")
+    for i, r in enumerate(ok):
+        ax.annotate(_short_label(r), (x(r), y(r)), xytext=(6, 4 if i % 2 == 0 else -10), textcoords="offset points",
+                    fontsize=8, fontweight="bold" if r is best else "normal")
     basis = ok[0]["device_bytes_basis"] if ok else "analytic"
     where = f"compiled for {ok[0]['devices']} x {ok[0]['target']} (deviceless)" if basis == "compiled" and ok \
         else "estimated (analytic)"
-    ax.set_xlabel(f"device GiB per GPU, {where}")
-    ax.set_ylabel("step time, s, estimated (cost model)")
-    ax.set_title(f"sweep on {ok[0]['devices']} x {ok[0]['target']}: memory vs estimated step time" if ok
-                 else "sweep: no point planned")
-    ax.legend(fontsize=8)
+    ax.set_xlabel(f"device memory per GPU ({bunit}), {where}")
+    ax.set_ylabel(f"step time ({tunit}), estimated (cost model)")
+    n_failed = len(rows) - len(ok)
+    title = (f"sweep on {ok[0]['devices']} x {ok[0]['target']}: memory vs estimated step time" if ok
+             else "sweep: no point planned")
+    ax.set_title(title + (f"\n{n_failed} of {len(rows)} points failed (not shown)" if n_failed else ""), fontsize=10)
+    ax.grid(True, linewidth=0.3, alpha=0.5)
+    if ok:
+        ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
+def byte_unit(rows: list[dict]) -> tuple[str, int]:
+    """One unit for every planned point: GiB, or MiB when some point is under 1 GiB (GiB would round it)."""
+    sizes = [r["device_bytes"] for r in rows if not failed(r)]
+    return ("GiB", GIB) if sizes and min(sizes) >= GIB else ("MiB", 1024**2)
+
+
+def format_row(r: dict, unit: tuple[str, int] | None = None) -> str:
+    """One table line: the figures with enough digits to tell points apart."""
+    from jaxmem.plan.report import fmt_seconds
+
+    if failed(r):
+        return "FAILED"
+    name, scale = unit or byte_unit([r])
+    fits = {True: "fits", False: "does not fit", None: "capacity unknown"}[r["fits"]]
+    return (f"{r['device_bytes'] / scale:>12,.2f} {name} ({r['device_bytes_basis']}), {fits}, "
+            f"step {fmt_seconds(r['step_seconds_estimated'])} (estimated)"
+            f"{'  <- best' if r.get('best') else ''}{' [cached]' if r['cached'] else ''}")
+
+
+def print_summary(rows: list[dict]) -> None:
+    width = max([len(r["point"]) for r in rows] + [20])
+    unit = byte_unit(rows)
+    for r in rows:
+        print(f"{r['point']:{width}s} {format_row(r, unit)}")
+    bad = [r for r in rows if failed(r)]
+    if bad:
+        print(f"{len(bad)} of {len(rows)} points failed; first error: {bad[0]['error']}")
+    best = next((r for r in rows if r.get("best")), None)
+    if best is not None:
+        print(f"best under the budget (fits, then lowest estimated step time, then most headroom): {best['point']}")
+    elif len(bad) < len(rows):
+        print("best under the budget: none (no planned point fits)")
+
+
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.aot import add_target_args
+    from jaxmem.reference import HelpFormatter
 
-    ap = argparse.ArgumentParser(prog="jaxmem sweep", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="jaxmem sweep", formatter_class=HelpFormatter,
+        description="Plan the cross product of config overrides, each point in its own worker process, cache "
+                    "each plan by the hash of its resolved config and target, and write CSV, JSON and a Pareto "
+                    "plot (device bytes vs estimated step time, the configs that fit marked). The grid comes "
+                    "from a SWEEP.yaml (keys config, grid and optionally overrides, target, out_dir) or from "
+                    "--grid flags on a config YAML.",
+        epilog="examples:\n"
+               "  jaxmem sweep configs/sweeps/llama3-8b-remat-8xh100.yaml\n"
+               "  jaxmem sweep configs/llama3-8b-8xh100.yaml --grid remat.preset=full,selective,none "
+               "--grid train.micro_batch=1,2\n"
+               "  jaxmem sweep configs/tiny.yaml --grid remat.preset=none,full --no-compile --out runs/sweeps/t")
     ap.add_argument("source", help="a SWEEP.yaml (with `config` and `grid`) or a config YAML with --grid")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides applied to every point")
     ap.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
     add_target_args(ap)
     ap.add_argument("--out", default=None, help="output folder (default: runs/sweeps/<name>)")
     ap.add_argument("--cache", default=None, help="plan cache folder (default: <out>/cache)")
-    ap.add_argument("--workers", type=int, default=MAX_WORKERS)
+    ap.add_argument("--workers", type=int, default=MAX_WORKERS,
+                    help=f"worker processes; 0: plan in this process (default: {MAX_WORKERS})")
     ap.add_argument("--no-compile", action="store_true", help="analytic bills only")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     src = Path(args.source)
@@ -220,10 +327,6 @@ def main(argv: list[str] | None = None) -> int:
     cache = Path(args.cache) if args.cache else out / "cache"
     rows = run_sweep(config, grid, base, target, out, cache, args.workers, not args.no_compile)
     paths = write_outputs(rows, out)
-    for r in rows:
-        state = r.get("error") or (f"{r['device_bytes'] / GIB:7.2f} GiB ({r['device_bytes_basis']}), "
-                                   f"fits={r['fits']}, step {r['step_seconds_estimated']:.3f} s "
-                                   f"(estimated){' [cached]' if r['cached'] else ''}")
-        print(f"{r['point']:60s} {state}")
+    print_summary(rows)
     print(f"wrote {paths['csv']}, {paths['json']}, {paths['png']}")
-    return 0
+    return 1 if rows and all(failed(r) for r in rows) else 0

@@ -9,10 +9,13 @@ an out_dir that holds checkpoints resumes from the latest complete one.
 
 For scripts, the pieces used here are importable: `jaxmem.config.load_config`,
 `jaxmem.program.build_program`, `jaxmem.data.batches`, `jaxmem.checkpoint.Checkpoints`
-and `initial_state` below (see scripts/train_example.py).
+and `resume_schedule`/`initial_state` below (see scripts/train_example.py). A resume keeps the
+LR schedule saved in the checkpoint when optimizer.decay_steps is 0 (train.steps), so raising
+train.steps extends a run without changing its learning rates.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import time
@@ -25,12 +28,25 @@ from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, 
 from jaxmem.schema import Config, dump_yaml
 from jaxmem.data import Batches, TokenSource, make_source
 from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line, summary_writer_class
+from jaxmem.optim import schedule_steps
 from jaxmem.precision import all_finite
 from jaxmem.program import TrainProgram, build_program
 from jaxmem.config import load_config
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
-_USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (CONFIG defaults to configs/tiny.yaml)"
+_USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (overrides only: CONFIG is configs/tiny.yaml)"
+_DESCRIPTION = """\
+Train a config: load CONFIG (YAML) with dotted key=value overrides, validate every key before anything is
+built, then train on the attached devices. The run writes out_dir/config.yaml (the resolved config),
+out_dir/metrics.jsonl (one record per logged step) and out_dir/checkpoints/; starting again in an out_dir
+that holds checkpoints resumes from the latest complete one. With overrides but no CONFIG, the embedded
+tiny config (configs/tiny.yaml) is used. Key reference: docs/config.md, `jaxmem config`, `jaxmem list`."""
+_EPILOG = """\
+examples:
+  jaxmem train configs/tiny.yaml out_dir=runs/demo             # the demo: a tiny model on CPU
+  jaxmem train configs/tiny.yaml train.steps=200 parallel.fsdp=4 parallel.tp=2 parallel.rules=fsdp_tp
+  jaxmem train train.steps=10 out_dir=runs/quick               # overrides only: the tiny config
+  jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/ckpt   # from `jaxmem import-hf`"""
 
 
 class TrainError(RuntimeError):
@@ -46,12 +62,59 @@ def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, 
         state, meta = ckpts.restore(prog.abstract_state, latest, required_meta=RUN_META_KEYS)
         rows = prog.grad_accum * prog.rows
         if meta.get("config_hash") != math_hash(cfg) or meta.get("batch_rows") != rows:
-            _note(f"resuming step {latest} saved with other model/optimizer/data/batch settings; "
-                  "losses will not continue the saved run's curve exactly")
+            _note(_resume_mismatch(cfg, meta, latest, rows))
         return state, int(meta["step"]), int(meta["data_position"]), latest
     if cfg.checkpoint.init_from:
         return init_from(prog, cfg.checkpoint.init_from), 0, None, None
     return prog.init_state(), 0, None, None
+
+
+def _saved_decay(meta: dict) -> int | None:
+    decay = meta.get("decay_steps")
+    return decay if type(decay) is int and decay > 0 else None
+
+
+def _with_decay(cfg: Config, decay: int) -> Config:
+    return dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, decay_steps=decay))
+
+
+def resume_schedule(cfg: Config, ckpts: Checkpoints | None) -> Config:
+    """cfg with the LR schedule of the checkpoint a resume starts from; call it before `build_program`.
+
+    optimizer.decay_steps=0 means train.steps, so raising train.steps on resume would stretch the
+    cosine decay and jump the LR. If cfg leaves decay_steps at 0 and the latest checkpoint's meta holds
+    the decay length it was saved with, that length is set here (program, optimizer and metrics share
+    it). An explicit non-zero optimizer.decay_steps wins (`initial_state` notes the difference); a
+    checkpoint saved before the length was recorded changes nothing.
+    """
+    meta = ckpts.meta() if ckpts else None
+    saved = _saved_decay(meta) if meta else None
+    if saved is None or cfg.optimizer.decay_steps:
+        return cfg
+    if saved != cfg.train.steps:
+        _note(f"keeping the saved LR schedule (decay over {saved} steps, not train.steps={cfg.train.steps}); "
+              f"set optimizer.decay_steps={cfg.train.steps} to decay over train.steps instead")
+    return _with_decay(cfg, saved)
+
+
+def _resume_mismatch(cfg: Config, meta: dict, step: int, rows: int) -> str:
+    """The note for a resume whose settings differ from the checkpoint's; it names the key that keeps the LR."""
+    decay = schedule_steps(cfg)[1]
+    saved = _saved_decay(meta)
+    if saved is None and "decay_steps" not in meta and math_hash(_with_decay(cfg, step)) == meta.get("config_hash"):
+        saved = step  # saved before the length was recorded, by a run that decayed over the steps it ran
+    if saved is not None and saved != decay and meta.get("batch_rows") == rows \
+            and math_hash(_with_decay(cfg, saved)) == meta.get("config_hash"):
+        return (f"resuming step {step} with the LR decaying over {decay} steps, the saved run's over {saved}; "
+                f"set optimizer.decay_steps={saved} to keep the saved schedule")
+    text = (f"resuming step {step} saved with other model/optimizer/data/batch settings; "
+            "losses will not continue the saved run's curve exactly")
+    if saved is not None and saved != decay:
+        return text + f"; set optimizer.decay_steps={saved} to keep the saved LR schedule"
+    if saved is None and not cfg.optimizer.decay_steps:
+        return text + ("; if train.steps changed, set optimizer.decay_steps to the saved run's train.steps "
+                       "to keep its LR schedule")
+    return text
 
 
 def _note(text: str) -> None:
@@ -126,9 +189,10 @@ def run(cfg: Config) -> dict:
     if cfg.train.tensorboard:
         summary_writer_class()  # a missing writer fails now, not after the compile
     source = make_source(cfg)  # a text file is read and checked against the vocabulary here
-    prog = build_program(cfg)
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
+        cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
+        prog = build_program(cfg)
         return _train(cfg, prog, ckpts, source)
     finally:
         if ckpts:
@@ -222,13 +286,26 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    from jaxmem.reference import HelpFormatter
+
     argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] in ("-h", "--help"):
-        print(_USAGE)
+    ap = argparse.ArgumentParser(prog="jaxmem train", usage=_USAGE[len("usage: "):], description=_DESCRIPTION,
+                                 epilog=_EPILOG, formatter_class=HelpFormatter)
+    ap.add_argument("items", nargs="*", metavar="CONFIG [key=value ...]",
+                    help="a config YAML file, then dotted key=value overrides (e.g. train.steps=10)")
+    if not argv:  # nothing to train: say how, rather than start a run nobody asked for
+        ap.print_help()
         return 0
-    path, overrides = parse_args(argv)
-    if path is None and _DEFAULT_CONFIG.is_file():
-        path = str(_DEFAULT_CONFIG)
+    path, overrides = parse_args(ap.parse_args(argv).items)
+    if path is None:
+        if _DEFAULT_CONFIG.is_file():
+            path = str(_DEFAULT_CONFIG)
+            print("jaxmem train: no CONFIG given; using the embedded tiny config (configs/tiny.yaml)",
+                  file=sys.stderr)
+        else:
+            print("jaxmem train: no CONFIG given; using the schema's defaults (the tiny preset)", file=sys.stderr)
     cfg = load_config(path, overrides)
     try:
         summary = run(cfg)

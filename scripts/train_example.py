@@ -1,5 +1,8 @@
 """A hand-written training loop on jaxmem's pieces: config, program, data, checkpoints.
 
+docs/library.md goes further: gradient accumulation, periodic checkpoints and resume
+(scripts/train_own_loop.py), your own optax optimizer and numpy batches (scripts/train_own_optimizer.py).
+
     JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8 \
         python scripts/train_example.py configs/tiny.yaml out_dir=runs/example train.steps=20
 """

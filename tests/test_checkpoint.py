@@ -16,7 +16,7 @@ from jaxmem.config import ConfigError, load_config, to_dict
 from jaxmem.data import batches
 from jaxmem.kernels.cross_entropy.reference import cross_entropy_from_logits
 from jaxmem.program import build_program
-from jaxmem.train import run
+from jaxmem.train import initial_state, resume_schedule, run
 
 BASE = ["train.seq_len=32", "train.micro_batch=2", "train.progress=false", "train.log_every=1",
         "optimizer.decay_steps=10"]
@@ -66,6 +66,36 @@ def test_math_hash_ignores_mesh_and_bookkeeping_only(tmp_path):
     assert math_hash(cfg) == math_hash(same)
     assert math_hash(cfg) != math_hash(_cfg(tmp_path, "optimizer.lr=1e-3"))
     assert math_hash(cfg) != math_hash(_cfg(tmp_path, "train.seed=1"))
+
+
+def test_extending_a_run_keeps_its_math_hash_with_the_saved_schedule(tmp_path, capsys):
+    short = _cfg(tmp_path, "optimizer.decay_steps=0", "train.steps=4", "checkpoint.async_save=false")
+    longer = dataclasses.replace(short, train=dataclasses.replace(short.train, steps=8))
+    meta = run_meta(short, 4, 64, 16)
+    assert (meta["decay_steps"], meta["warmup_steps"]) == (4, 3)  # tiny's warmup 5, cut to fit the decay
+    assert math_hash(longer) != math_hash(short)  # decay_steps=0 re-read as train.steps: another schedule
+    prog = build_program(short)
+    state = prog.init_state()
+    ckpts = Checkpoints.for_run(short)
+    ckpts.save(4, state, meta)
+    ckpts.wait()
+    assert ckpts.meta() == meta
+    kept = resume_schedule(longer, ckpts)
+    assert kept.optimizer.decay_steps == 4 and math_hash(kept) == math_hash(short)
+    assert "set optimizer.decay_steps=8 to decay over train.steps" in capsys.readouterr().err
+    explicit = dataclasses.replace(longer, optimizer=dataclasses.replace(longer.optimizer, decay_steps=6))
+    assert resume_schedule(explicit, ckpts) is explicit  # the user's value wins
+    initial_state(build_program(explicit), ckpts)
+    assert "set optimizer.decay_steps=4 to keep the saved schedule" in capsys.readouterr().err
+    ckpts.close()
+    # saved before the schedule was recorded: unchanged, but the note names the value that keeps it
+    old = Checkpoints(tmp_path / "old", async_save=False)
+    old.save(4, state, {k: v for k, v in meta.items() if k not in ("decay_steps", "warmup_steps")})
+    old.wait()
+    assert resume_schedule(longer, old) is longer
+    initial_state(build_program(longer), old)
+    assert "set optimizer.decay_steps=4 to keep the saved schedule" in capsys.readouterr().err
+    old.close()
 
 
 def test_restore_onto_a_different_mesh(tmp_path):

@@ -17,7 +17,7 @@ TINY_FP32 = ["parallel.fsdp=8", "parallel.zero_stage=3", "precision.param_dtype=
              "precision.master_weights=false", "target.name=h100-80g"]
 SCHEMA_KEYS = {"schema_version", "config", "config_hash", "model", "params", "target", "devices", "mesh",
                "analytic", "compiled", "fits", "fits_basis", "usable_device_bytes", "host_fits",
-               "host_bytes_per_node", "offload", "cost", "warnings"}
+               "host_bytes_per_node", "offload", "analytic_vs_compiled", "cost", "warnings"}
 
 
 @pytest.fixture(scope="module")
@@ -234,3 +234,54 @@ def test_cost_model_counts_recompute_and_labels_estimates():
     t32 = estimate(fp32, compute_bill(fp32, 8), TARGETS["h100-80g"], 8, 1, 8).compute_seconds
     t16 = estimate(bf16, compute_bill(bf16, 8), TARGETS["h100-80g"], 8, 1, 8).compute_seconds
     assert t32 == pytest.approx(2 * t16)
+
+
+@pytest.mark.parametrize("preset", ["none", "full", "selective", "dots", "save_qkv_proj"])
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_recompute_flops_per_preset_equal_a_hand_count(preset, kernel):
+    """Matmul FLOPs only (norms, RoPE, SiLU count 0): `selective` and `dots` keep every matmul output, so they
+    recompute nothing but, with the Pallas flash kernel, the attention forward (its logsumexp residual has
+    no checkpoint name, benchmarks/remat.md); `dots` cannot keep a fused kernel's output (no dot)."""
+    from jaxmem.plan.costmodel import recompute_flops_per_layer
+
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8", f"remat.preset={preset}"])
+    m, t = cfg.model, 1000
+    d, n, k, h, f, s = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff, cfg.train.seq_len
+    q, kv, attn = 2 * t * d * n * h, 2 * 2 * t * d * k * h, 4 * t * s * n * h
+    o, up = 2 * t * n * h * d, 2 * 2 * t * d * f
+    rerun = attn if kernel == "pallas" else 0
+    expected = {"none": 0, "full": q + kv + attn + o + up, "selective": rerun, "dots": attn,
+                "save_qkv_proj": attn + o + up}[preset]
+    saved = compute_bill(cfg, 8, gpu=True).layout.saved
+    assert recompute_flops_per_layer(cfg, t, saved, kernel) == expected
+
+
+def test_report_labels_estimates_and_compares_analytic_with_compiled(tiny_plan):
+    from rich.console import Console
+
+    cfg, p = tiny_plan
+    avc = p["analytic_vs_compiled"]
+    assert avc["analytic_device_bytes"] == p["analytic"]["device_total"]
+    assert avc["compiled_device_bytes"] == p["compiled"]["device_total"]
+    assert avc["ratio"] == pytest.approx(p["compiled"]["device_total"] / p["analytic"]["device_total"])
+    assert p["cost"]["overlap_assumed"] == "perfect"
+    # MFU is the estimate: model FLOPs over (step time x devices x peak), not the assumed matmul efficiency
+    peak = TARGETS["h100-80g"].peak_flops(cfg.precision.compute_dtype)
+    assert p["cost"]["mfu"] == pytest.approx(p["cost"]["model_flops"] / (p["cost"]["step_seconds"] * 8 * peak))
+    xla = "Can't reduce memory use below 1.00GiB (1073741824 bytes) by rematerialization"
+    console = Console(width=300, record=True)
+    from jaxmem.plan.report import render
+
+    render({**p, "warnings": [xla]}, console)
+    text = console.export_text()
+    assert "compiled/analytic = " + f"{avc['ratio']:.3f}" in text
+    assert "estimated (cost model, assumes 70% matmul efficiency, perfect overlap)" in text
+    assert "MFU " + f"{p['cost']['mfu']:.1%}" in text
+    assert text.count("XLA's rematerialization warnings count pinned-host bytes") == 1
+
+
+def test_analytic_vs_compiled_is_null_without_a_compile():
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8", "target.name=h100-80g"])
+    p = plan(cfg, resolve_topology(cfg), compile=False)
+    assert p["analytic_vs_compiled"] == {"analytic_device_bytes": p["analytic"]["device_total"],
+                                         "compiled_device_bytes": None, "ratio": None}

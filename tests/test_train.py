@@ -1,4 +1,5 @@
 """`jaxmem train`: loss falls, outputs, exact resume, NaN stop, OOM message, CLI and TensorBoard."""
+import dataclasses
 import math
 import shutil
 import sys
@@ -60,6 +61,33 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path):
     assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 9  # the resumed run appends
     done = run(cfg)  # nothing left to train
     assert done["records"] == [] and done["start_step"] == done["final_step"] == 6
+
+
+def test_extending_a_run_keeps_its_lr_schedule_unless_decay_steps_is_set(tmp_path, capsys):
+    args = ("train.log_every=1", "checkpoint.every=0", "train.seq_len=32", "checkpoint.async_save=false")
+    run(_cfg(tmp_path / "a", "train.steps=4", *args))  # optimizer.decay_steps=0: decays over train.steps=4
+    shutil.copytree(tmp_path / "a" / "checkpoints", tmp_path / "b" / "checkpoints")
+    capsys.readouterr()
+
+    def lr(cfg, decay):
+        lr_at = schedule(dataclasses.replace(cfg, optimizer=dataclasses.replace(cfg.optimizer, decay_steps=decay)))
+        return [float(lr_at(step - 1)) for step in range(5, 9)]
+
+    longer = _cfg(tmp_path / "a", "train.steps=8", *args)
+    records = run(longer)["records"]
+    assert [r["step"] for r in records] == [5, 6, 7, 8]
+    assert [r["lr"] for r in records] == pytest.approx(lr(longer, 4), rel=1e-6)  # stays at the end of its decay
+    assert lr(longer, 4) != pytest.approx(lr(longer, 8), rel=1e-3)  # what re-reading train.steps would give
+    err = capsys.readouterr().err
+    assert "keeping the saved LR schedule" in err and "set optimizer.decay_steps=8 " in err
+    assert "other model/optimizer" not in err  # the math of the saved run continues
+    assert Checkpoints.for_run(longer).meta()["decay_steps"] == 4  # and the next extension keeps it too
+
+    explicit = _cfg(tmp_path / "b", "train.steps=8", "optimizer.decay_steps=6", *args)
+    records = run(explicit)["records"]
+    assert [r["lr"] for r in records] == pytest.approx(lr(explicit, 6), rel=1e-6)
+    err = capsys.readouterr().err
+    assert "set optimizer.decay_steps=4 to keep the saved schedule" in err and "keeping" not in err
 
 
 def test_nan_loss_stops_before_the_bad_state_is_saved(tmp_path):

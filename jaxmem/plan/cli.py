@@ -9,8 +9,21 @@ from pathlib import Path
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from jaxmem.aot import add_target_args
+    from jaxmem.reference import HelpFormatter
 
-    ap = argparse.ArgumentParser(prog="jaxmem plan", description=__doc__)
+    ap = argparse.ArgumentParser(
+        prog="jaxmem plan", formatter_class=HelpFormatter,
+        description="The per-device memory bill of each config's train step for a target GPU: the analytic "
+                    "bill by category and XLA's compiled figures (compiled deviceless on this machine), whether "
+                    "it fits under the device memory less target.headroom, and the cost model's estimated step "
+                    "time and MFU. Overrides apply to every config; with several configs, one bar per config in "
+                    "--plot. Exits 1 when a config does not fit.",
+        epilog="examples:\n"
+               "  jaxmem plan configs/llama3-8b-8xh100.yaml --json plan.json --plot bill.png\n"
+               "  jaxmem plan configs/llama3-8b-8xh100.yaml --target h200-141g --gpus-per-host 8\n"
+               "  jaxmem plan configs/ladder/*.yaml --plot ladder.png        # one bar per config\n"
+               "  jaxmem plan configs/tiny.yaml remat.preset=full --no-compile   # analytic bill only\n"
+               "targets: `jaxmem list targets`; config keys: docs/config.md")
     ap.add_argument("items", nargs="+", help="config YAML files, then dotted key=value overrides for all of them")
     add_target_args(ap)
     ap.add_argument("--json", dest="json_path", default=None, help="write the plan(s) as JSON")

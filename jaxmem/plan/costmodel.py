@@ -52,6 +52,7 @@ class Cost:
         out = {k: (float(v) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
         out["label"] = "estimated (cost model)"
         out["matmul_efficiency_assumed"] = MATMUL_EFFICIENCY
+        out["overlap_assumed"] = "perfect"  # step = max(compute, collectives, host link), not their sum
         return out
 
 
@@ -64,9 +65,17 @@ def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
             "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
 
 
-def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | None = None) -> float:
+def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | None = None,
+                              attention_kernel: str | None = None) -> float:
     """Forward FLOPs the backward spends to rebuild values the remat policy did not keep (`saved`: a
-    layout's per-name placement; default: with the GPU's fused attention)."""
+    layout's per-name placement; default: with the GPU's fused attention).
+
+    Norms, RoPE and SiLU count 0 FLOPs here (matmul FLOPs only, like model FLOPs), so a policy that keeps
+    every matmul output (`selective`, `dots`) recomputes 0 matmul FLOPs, except that with the Pallas flash
+    kernel (`attention_kernel="pallas"`) the attention forward runs again in the backward: its logsumexp
+    residual carries no checkpoint name, so no names-based policy keeps it (benchmarks/remat.md). Attention
+    is counted unmasked (4 T S N H), as in the model FLOPs.
+    """
     if not remat.uses_checkpoint(cfg.remat):
         return 0.0
     where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
@@ -80,7 +89,10 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
         op, inputs = _GRAPH[value]
         return ops[op] + sum(rebuild(v) for v in inputs)
 
-    return sum(rebuild(v) for v in _NEEDED)
+    total = sum(rebuild(v) for v in _NEEDED)
+    if attention_kernel == "pallas" and CN.ATTN_CONTEXT not in done:
+        total += ops["attention"]  # the flash forward reruns to rebuild its logsumexp residual
+    return total
 
 
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
@@ -93,7 +105,8 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
     model_flops = 6.0 * matmul_params * tokens + attention
-    recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved) * m.n_layers
+    recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved,
+                                          bill.layout.kernels.get("attention")) * m.n_layers
     hardware = model_flops + recompute
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)

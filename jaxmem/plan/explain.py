@@ -136,12 +136,22 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="jaxmem explain", description=__doc__.splitlines()[0])
-    ap.add_argument("config")
+    from jaxmem.reference import HelpFormatter
+
+    ap = argparse.ArgumentParser(
+        prog="jaxmem explain", formatter_class=HelpFormatter,
+        description="The buffers live at the memory peak of the compiled train step, biggest first, each with "
+                    "its category, the jaxmem source line that created it and the config change that shrinks "
+                    "it. Compiles once more with XLA dumps in a subprocess (deviceless for a named target).",
+        epilog="examples:\n"
+               "  jaxmem explain configs/llama3-8b-8xh100.yaml --top 10 --json explain.json\n"
+               "  jaxmem explain configs/llama3-8b-8xh100.yaml remat.preset=full --target h200-141g\n"
+               "  jaxmem explain configs/tiny.yaml --dump-dir /tmp/dump    # attached devices; keep the dumps")
+    ap.add_argument("config", help="a config YAML file")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     add_target_args(ap)
-    ap.add_argument("--top", type=int, default=10)
-    ap.add_argument("--json", dest="json_path", default=None)
+    ap.add_argument("--top", type=int, default=10, help="how many of the biggest buffers to show (default: 10)")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write the result as JSON")
     ap.add_argument("--dump-dir", default=None, help="keep XLA's dump files here")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     if args.top < 1:

@@ -72,13 +72,43 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "host_fits": host_fits,
         "host_bytes_per_node": int(host_need),
         "offload": offload,
+        "analytic_vs_compiled": analytic_vs_compiled(bill.device_total,
+                                                     compiled.device_total if compiled is not None else None),
         "cost": cost.to_json(),
         "warnings": warnings,
     }
 
 
-def _seconds(x: float) -> str:
-    return f"{x:.3f} s" if x >= 1 else f"{x * 1e3:.3f} ms"
+def analytic_vs_compiled(analytic: int, compiled: int | None) -> dict:
+    """Both device totals per device side by side; `ratio` = compiled / analytic (null without a compile)."""
+    return {"analytic_device_bytes": int(analytic),
+            "compiled_device_bytes": None if compiled is None else int(compiled),
+            "ratio": None if compiled is None or not analytic else compiled / analytic}
+
+
+# XLA's rematerialization pass logs these when its own budget is exceeded; it is not the verdict.
+_XLA_REMAT = ("Can't reduce memory use below", "exceeds the base limit")
+XLA_REMAT_NOTE = ("note: XLA's rematerialization warnings count pinned-host bytes too and use a limit below "
+                  "device memory; the verdict uses the compiled device total")
+
+
+def cost_assumptions(cost: dict) -> str:
+    eff = cost.get("matmul_efficiency_assumed")
+    eff = f"{eff:.0%} matmul efficiency" if eff is not None else "an assumed matmul efficiency"
+    return f"estimated (cost model, assumes {eff}, perfect overlap)"
+
+
+def _sig3(v: float) -> str:
+    out = f"{v:#.3g}"
+    return out[:-1] if out.endswith(".") else out
+
+
+def fmt_seconds(x: float) -> str:
+    """Three significant digits in s, ms or us (1.23 s, 45.6 ms, 789 us)."""
+    for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
+        if abs(x) >= scale or unit == "us":
+            return f"{_sig3(x / scale)} {unit}"
+    raise AssertionError
 
 
 def _unit(largest: int) -> tuple[str, int]:
@@ -126,10 +156,19 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(k, _gib(c[k]), _gib(c[f"host_{k}"]))
         comp.add_row("total", _gib(c["device_total"]), _gib(c["host_total"]), style="bold")
         console.print(comp)
+    avc = plan.get("analytic_vs_compiled")
+    if avc and avc["compiled_device_bytes"] is not None:
+        console.print(f"device total per device: estimated (analytic) {_gib(avc['analytic_device_bytes'])} {unit[0]} "
+                      f"vs compiled {_gib(avc['compiled_device_bytes'])} {unit[0]}: "
+                      f"compiled/analytic = {avc['ratio']:.3f}", highlight=False)
     cost = plan["cost"]
-    console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute); "
-                  + (f"step {_seconds(cost['step_seconds'])}, MFU {cost['mfu']:.1%} " if cost["step_seconds"] else "")
-                  + "- estimated (cost model)")
+    share = cost["recompute_flops"] / cost["model_flops"] if cost["model_flops"] else 0.0
+    console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute, "
+                  f"+{share:.1%}; matmul FLOPs only: recomputed norms, RoPE, SiLU count 0), counted by the cost model",
+                  highlight=False)
+    if cost["step_seconds"]:
+        console.print(f"step time {fmt_seconds(cost['step_seconds'])}, MFU {cost['mfu']:.1%}: "
+                      f"{cost_assumptions(cost)}", highlight=False)
     verdict = {True: "[green]fits[/green]", False: "[red]does not fit[/red]", None: "no capacity known"}
     usable = plan["usable_device_bytes"]
     gib = _unit(GIB)
@@ -140,3 +179,5 @@ def render(plan: dict, console=None) -> None:
         console.print(plan["offload"]["message"])
     for w in plan["warnings"]:
         console.print(f"[yellow]warning:[/yellow] {escape(w)}", highlight=False)
+    if any(m in w for w in plan["warnings"] for m in _XLA_REMAT):
+        console.print(XLA_REMAT_NOTE, highlight=False)
