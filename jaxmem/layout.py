@@ -34,6 +34,7 @@ class Layout:
     param_specs: dict  # PartitionSpec trees shaped like the params, per ZeRO stage
     grad_specs: dict
     opt_specs: dict
+    gathered_specs: dict  # a weight as the step uses it: all-gathered over the data axes, still split over tp
     grad_accum: int
     rows: int  # global rows per micro-batch
     checkpointed: bool  # the layer scan runs under jax.checkpoint (a remat policy applies)
@@ -65,15 +66,16 @@ def _shape_only_mesh(sizes: dict[str, int]):
     return types.SimpleNamespace(shape=dict(sizes))
 
 
-def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> tuple[dict, dict, dict]:
-    """(param, grad, optimizer-state) specs: ZeRO-1 shards the optimizer state, 2 also the gradients, 3 also
-    the parameters; what is not sharded is replicated over the data axes (tp still applies)."""
+def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> tuple[dict, dict, dict, dict]:
+    """(param, grad, optimizer-state, gathered) specs: ZeRO-1 shards the optimizer state, 2 also the
+    gradients, 3 also the parameters; what is not sharded is replicated over the data axes (tp still
+    applies), which is also how FSDP all-gathers a weight for use (`gathered`)."""
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     mesh = _shape_only_mesh(sizes)
     sharded = sharding.param_specs(params_state, rules, mesh)
     replicated = sharding.param_specs(params_state, sharding.without_data_axes(rules), mesh)
     stage = cfg.parallel.zero_stage
-    return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded
+    return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded, replicated
 
 
 def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None) -> Layout:
@@ -82,14 +84,14 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
-    param_specs, grad_specs, opt_specs = state_specs(cfg, params_state, sizes)
+    param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
     chosen = kernels.resolve(cfg.kernels, platform)
     fused_attention = chosen["attention"] != "xla"
     grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
     return Layout(
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef,
         abstract_params=nnx.to_pure_dict(params_state), param_specs=param_specs, grad_specs=grad_specs,
-        opt_specs=opt_specs, grad_accum=grad_accum, rows=rows,
+        opt_specs=opt_specs, gathered_specs=gathered_specs, grad_accum=grad_accum, rows=rows,
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=remat.saved_across_backward(cfg.remat, fused_attention),
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),

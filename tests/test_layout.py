@@ -78,6 +78,8 @@ def test_state_specs_and_bytes_match(program_and_bill):
     if "master" in state:
         assert spec(state["master"]) == spec_leaves(lay.opt_specs)
     prec = Precision.from_config(prog.cfg.precision)
+    layers = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]["layers"]))
+    assert lay.layer_param_elems * prog.cfg.model.n_layers == layers  # the presets' count is the model's
     device, host = bill.device, bill.host
     assert device["params"] == _per_device_bytes(state["params"], host=False)
     assert host["params"] == _per_device_bytes(state["params"], host=True)

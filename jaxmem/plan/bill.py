@@ -76,12 +76,16 @@ def _shard_elems(shape, spec, sizes) -> int:
     return math.prod(shape) // div
 
 
-def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
-    """Per-device bytes of the params tree (or its `part` subtree) in `dtype`, sharded by `specs`."""
+def _state_elems(layout: Layout, specs, part: str | None = None) -> int:
+    """Per-device elements of the params tree (or its `part` subtree), sharded by `specs`."""
     params = layout.abstract_params if part is None else layout.abstract_params[part]
     specs = specs if part is None else specs[part]
-    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) * _itemsize(dtype)
+    return sum(_shard_elems(x.shape, s, layout.mesh_sizes)
                for x, s in zip(jax.tree.leaves(params), spec_leaves(specs), strict=True))
+
+
+def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
+    return _state_elems(layout, specs, part) * _itemsize(dtype)
 
 
 def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
@@ -159,8 +163,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways > 1
-    layer_full = layout.layer_param_elems // sizes["tp"]
-    head_full = m.d_model * m.vocab_size // sizes["tp"]
+    layer_full = _state_elems(layout, layout.gathered_specs, "layers") // m.n_layers
+    head_full = _state_elems(layout, layout.gathered_specs, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
     logits += head_full * 4 + (head_full * cd if gathered else 0)
     if accum > 1:
