@@ -15,7 +15,7 @@ from jaxmem.model.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
                                      shape_name, tagged_name, vocab_dims)
-from jaxmem.plan.categories import EXPLAIN_CATEGORIES
+from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE
 
 # The categories and what each holds: jaxmem.plan.categories (shared with the bill).
@@ -24,29 +24,6 @@ CATEGORIES = EXPLAIN_CATEGORIES
 _LAYER_CODE = tuple(module_path(m) for m in (jaxmem.model.layers, jaxmem.model.rope, jaxmem.kernels))
 _OPTIM_CODE = (module_path(jaxmem.optim),)  # the optimizer update
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
-SUGGESTIONS = {
-    "logits": "[tokens, vocab] fp32 logits: use kernels.loss=chunked (or pallas/triton) so they are never "
-              "materialized",
-    "scores": "S x S attention scores: use a flash kernel (kernels.attention=pallas) or a remat policy that "
-              "does not save dots (remat.preset=full or selective)",
-    "param": "parameters: shard them (parallel.zero_stage=3 with a larger fsdp axis) or offload.params=host",
-    "optimizer": "optimizer state: offload.optimizer=host, or precision.moment_dtype=bfloat16",
-    "optimizer_temp": "optimizer update temporary (AdamW math, or a new copy of the state or params before it "
-                      "replaces the old): offload.optimizer=host with offload.optimizer_update=host runs the "
-                      "update off the GPU; precision.moment_dtype=bfloat16 halves the moments",
-    "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
-                  "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
-                  "a larger fsdp axis) shrinks it",
-    "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them",
-    "gathered": "all-gathered full weight (FSDP): fewer layers gathered ahead (XLA's scheduler prefetch; "
-                "lower remat.every_k) or add tensor parallelism (parallel.tp)",
-    "activation": "scan residual '{name}' kept for every layer: set remat.names.{name}=remat (recompute) or "
-                  "=offload, or use remat.preset=full / offload_layer_inputs",
-    "activation_unnamed": "per-layer scan residual: a remat policy that saves less (remat.preset=full) or "
-                          "offload (remat.preset=offload_layer_inputs)",
-    "temp": "temporary of one op: remat.granularity=segments shrinks the layer working set; a fused kernel "
-            "removes it",
-}
 
 
 # ------------------------------------------------------------------ what a buffer is
