@@ -111,7 +111,14 @@ def render(rows: list[dict], overrides: list[str]) -> str:
               "again in the backward pass, because its logsumexp residual carries no checkpoint name (and is "
               "not a dot), so no names-based policy can keep it; everything else they recompute is "
               "elementwise. `offload_*` presets keep what their device twins keep, in pinned host memory "
-              "(`host GiB`), at the same FLOPs.", ""]
+              "(`host GiB`), at the same FLOPs.", "",
+              "How this compares with `jaxmem plan`'s `recompute_flops` (cost model, `jaxmem/plan/costmodel.py`): "
+              "both count matmul FLOPs only, and both say `selective` and `dots` recompute no matmul but the "
+              "flash-attention forward. The cost model counts attention unmasked (4 T S N H per layer forward, "
+              "as in its model FLOPs), so its percentage is higher than this table's, which takes the causal "
+              "FLOPs the Pallas kernel declares and the whole traced step as the base (for this config: +7.4% "
+              "there, +3.8% here). Without the Pallas kernel (`kernels.attention=xla`) the cost model's "
+              "`selective` recompute is 0.", ""]
     if none and full and "selective" in by:
         sel = by["selective"]
         cut = 1 - saved(sel) / saved(none)
