@@ -259,6 +259,21 @@ def _allowed(tp) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _number(value: Any, tp: type, key: str):
+    """An int (whole floats and digit strings accepted) or a float (ints and numeric strings accepted)."""
+    what = "an int" if tp is int else "a number"
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not {what}")
+    if isinstance(value, int) or (isinstance(value, float) and (tp is float or value.is_integer())):
+        return tp(value)
+    if isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: {value!r} is not {what}")
+
+
 def _coerce(value: Any, tp: Any, key: str) -> Any:
     origin = typing.get_origin(tp)
     if origin is Literal:
@@ -280,28 +295,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
         if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
             return value.lower() in ("true", "1", "yes")
         raise ConfigError(f"{key}: {value!r} is not a bool; use true or false")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ConfigError(f"{key}: {value!r} is not an int")
-        if isinstance(value, int):
-            return value
-        if isinstance(value, float) and value.is_integer():
-            return int(value)
-        if isinstance(value, str):
-            try:
-                return int(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: {value!r} is not an int")
-    if tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):
-            try:
-                return float(value)
-            except ValueError:
-                pass
-        raise ConfigError(f"{key}: {value!r} is not a number")
+    if tp in (int, float):
+        return _number(value, tp, key)
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
