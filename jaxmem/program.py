@@ -32,7 +32,6 @@ GRADS_SCOPE = "grads"
 UPDATE_SCOPE = "optimizer_update"
 
 
-batch_layout = validate.batch_layout  # the batch rule's home is jaxmem.validate; kept importable from here
 
 
 @dataclasses.dataclass
@@ -40,15 +39,29 @@ class TrainProgram:
     cfg: Config
     mesh: Mesh
     precision: Precision
-    graphdef: Any
     optimizer: optax.GradientTransformation
     state_shardings: dict
     abstract_state: dict  # ShapeDtypeStructs carrying shardings
-    grad_specs: dict
-    grad_accum: int
-    rows: int  # global rows per micro-batch
     ctx: ForwardContext
-    layout: Layout  # every decision above, as the planner reads them
+    layout: Layout  # every decision the step is built from, as the planner reads them
+
+    # ------------------------------------------------------------ from the layout
+    @property
+    def graphdef(self) -> Any:
+        return self.layout.graphdef
+
+    @property
+    def grad_specs(self) -> dict:
+        return self.layout.grad_specs
+
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
+
+    @property
+    def rows(self) -> int:
+        """Global rows per micro-batch."""
+        return self.layout.rows
 
     # ------------------------------------------------------------ batches
     @property
@@ -131,16 +144,14 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    grad_accum = layout.grad_accum
-    validate.check_grad_accum(cfg, grad_accum)  # config rules ran at load; this one needs the data ways
+    validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
     platform = layout.platform
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment)
-    return TrainProgram(cfg, mesh, prec, layout.graphdef, opt, shardings, abstract, layout.grad_specs, grad_accum,
-                        layout.rows, ctx, layout)
+    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
 
 
 def loss_sum_fn(prog: TrainProgram):

@@ -9,7 +9,7 @@ the modules that own a vocabulary (`jaxmem.model.presets`, `jaxmem.remat`, `jaxm
 `jaxmem.aot`, `jaxmem.distributed`, the CLIs).
 
 The rules that need the device count live here too, as functions called once it is known:
-`batch_layout` and `check_grad_accum` (jaxmem.program.build_program, the planner's bill),
+`batch_layout` (jaxmem.layout, which program and the bill share) and `check_grad_accum` (build_program),
 `per_host_from_mesh` and `check_topology` (jaxmem.aot.resolve_topology). With a mesh that has no -1 axis
 the batch rules already run at load. (Filling a -1 mesh axis is jaxmem.sharding.mesh_shape's.)
 """
