@@ -10,6 +10,7 @@ COMMANDS = {
     "train": ("jaxmem.train", "run a config-driven training run"),
     "plan": ("jaxmem.plan.cli", "per-device memory bill for a target GPU (deviceless compile)"),
     "explain": ("jaxmem.plan.explain", "which source lines own the biggest buffers at the peak"),
+    "bench": ("jaxmem.bench", "run the train step here: planned vs measured memory, step time, MFU"),
     "sweep": ("jaxmem.sweep", "plan the cross product of config overrides"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
     "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),

@@ -43,8 +43,8 @@ CHECKPOINT_NAME_HELP = {
 KERNEL_HELP = {
     ("loss", "naive"): "materializes the full [tokens, vocab] logits",
     ("loss", "chunked"): "tiles of loss_block_t tokens x loss_block_v vocab columns; smallest scratch, cuBLAS",
-    ("loss", "pallas"): "fused Pallas kernel (compiled on GPU, interpreted on CPU)",
-    ("loss", "triton"): "fused jax-triton kernel; GPU only, needs jaxmem[triton]",
+    ("loss", "pallas"): "Pallas logit tiles (forward logsumexp, backward dlogits) + cuBLAS gradient matmuls; "
+                        "compiled on GPU, interpreted on CPU",
     ("attention", "xla"): "plain attention; keeps the S x S scores",
     ("attention", "pallas"): "Pallas flash attention (compiled on GPU, interpreted on CPU)",
     ("attention", "cudnn"): "cuDNN fused attention; NVIDIA GPU only",

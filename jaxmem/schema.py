@@ -189,20 +189,21 @@ class OffloadConfig:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    loss: Literal["auto", "naive", "chunked", "pallas", "triton"] = _f(
+    loss: Literal["auto", "naive", "chunked", "pallas"] = _f(
         "auto", "LM head + cross-entropy implementation, one of auto (chunked), naive (full logits), chunked, "
-                "pallas, triton (jax-triton, GPU only)")
+                "pallas (Pallas logit tiles + cuBLAS gradient matmuls)")
     attention: Literal["auto", "xla", "pallas", "cudnn"] = _f(
         "auto", "attention implementation, one of auto (pallas on GPU, xla on CPU), xla (plain, keeps the "
                 "S x S scores), pallas (flash attention), cudnn (GPU only)")
     norm: Literal["auto", "xla", "pallas"] = _f("auto", "RMSNorm implementation, one of auto (xla), xla, pallas")
-    loss_block_t: int = _f(1024, "chunked loss: tokens per tile")
-    loss_block_v: int = _f(4096, "chunked loss: vocab columns per tile")
-    fused_loss_block_t: int = _f(128, "pallas / triton loss: tokens per tile" + _POW2)
-    fused_loss_block_v: int = _f(128, "pallas / triton loss: vocab columns per tile" + _POW2)
-    fused_loss_block_d: int = _f(64, "pallas / triton loss: hidden columns per tile" + _POW2)
-    fused_loss_slab_v: int = _f(16384, "pallas / triton loss: vocab columns per backward pass; bounds the fp32 "
-                                       "dW scratch")
+    loss_block_t: int = _f(0, "chunked loss: tokens per tile; 0: by shape (all local tokens, up to "
+                              "8192 x 2048 / loss_block_v)")
+    loss_block_v: int = _f(0, "chunked loss: vocab columns per tile; 0: by shape (2048)")
+    fused_loss_block_t: int = _f(256, "pallas loss: tokens per tile" + _POW2)
+    fused_loss_block_v: int = _f(128, "pallas loss: vocab columns per tile" + _POW2)
+    fused_loss_block_d: int = _f(64, "pallas loss: hidden columns per inner matmul step" + _POW2)
+    fused_loss_slab_v: int = _f(4096, "pallas loss: vocab columns per backward slab; bounds the dlogits and "
+                                      "fp32 dW scratch")
     attn_block_q: int = _f(64, "pallas flash attention: query rows per block" + _POW2)
     attn_block_k: int = _f(64, "pallas flash attention: key rows per block" + _POW2)
     z_loss: float = _f(0.0, "z-loss coefficient: adds z_loss x logsumexp^2 per token to the loss; 0: off")

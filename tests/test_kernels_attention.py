@@ -67,6 +67,17 @@ class TestPallasInterpret(AttentionCases):
         return flash_attention(q, k, v, seg, blocks=SMALL, interpret=True)
 
 
+@pytest.mark.parametrize("block_q, block_k", [(32, 16), (16, 32)])
+def test_unequal_query_and_key_blocks(block_q, block_k):
+    """block_q != block_k moves where the causal loop stops and which blocks the mask cuts."""
+    class Case(AttentionCases):
+        def attend(self, q, k, v, seg):
+            return flash_attention(q, k, v, seg, blocks=AttentionBlocks(block_q=block_q, block_k=block_k),
+                                   interpret=True)
+
+    Case().check(1, 96, 2, 1, 32, jnp.float32)
+
+
 def test_bad_inputs_and_dispatch():
     q = jnp.zeros((1, 16, 3, 16))
     kv = jnp.zeros((1, 16, 2, 16))
@@ -79,6 +90,26 @@ def test_bad_inputs_and_dispatch():
     with pytest.raises(KernelUnavailable, match="cudnn.*NVIDIA GPU"):
         select_attention(KernelConfig(attention="cudnn"), "cpu")
     assert select_attention(KernelConfig(attention="auto"), "cpu") is not None
+
+
+def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
+    """auto picks cuDNN on GPUs with the cuDNN library, Pallas without it, and a call with segment ids
+    always goes to the Pallas kernel (traced here, not run: this machine has no GPU)."""
+    import jaxmem.kernels.attention.cudnn as cudnn_module
+    from jaxmem import kernels
+
+    calls = []
+    monkeypatch.setattr(cudnn_module, "cudnn_attention", lambda q, k, v, seg: calls.append(seg is None) or q)
+    monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
+    assert kernels.resolve(KernelConfig(), "gpu")["attention"] == "cudnn"
+    fn = select_attention(KernelConfig(), "gpu")
+    q, kv = jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 1, 16))
+    assert fn(q, kv, kv, None) is q and calls == [True]
+    seg = jnp.zeros((1, 32), jnp.int32)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, seg))(q, kv, kv))
+    assert "pallas_call" in jaxpr and "flash_attention_fwd" in jaxpr and calls == [True]
+    monkeypatch.setattr(kernels, "cudnn_present", lambda: False)
+    assert kernels.resolve(KernelConfig(), "gpu")["attention"] == "pallas"
 
 
 @pytest.mark.slow

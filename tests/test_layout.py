@@ -128,6 +128,7 @@ def test_remat_saves_are_what_the_jax_policy_keeps(program_and_bill):
 def test_auto_is_decided_in_one_place(platform):
     """The drift this layout fixed: the bill once counted `auto` as the Pallas loss on GPUs."""
     chosen = kernels.resolve(KernelConfig(), platform)
-    assert chosen == {"attention": "pallas" if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla"}
+    gpu_attention = "cudnn" if kernels.cudnn_present() else "pallas"
+    assert chosen == {"attention": gpu_attention if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla"}
     cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp=8"])
     assert compute_bill(cfg, 8, gpu=platform == "gpu").layout.kernels == chosen

@@ -2,7 +2,7 @@
 
 An implementation that cannot run where it was asked raises KernelUnavailable;
 only `auto` falls back. Pallas kernels run in interpret mode on CPU (that is
-how their numerics are tested); jax-triton and cuDNN have no CPU path.
+how their numerics are tested); cuDNN has no CPU path.
 """
 from __future__ import annotations
 
@@ -37,15 +37,32 @@ def _pallas_interpret(key: str, platform: str) -> bool:
                             f"not platform {platform!r}")
 
 
+@functools.cache
+def cudnn_present() -> bool:
+    """Whether the cuDNN library can be loaded: always with a CUDA jax install; on a CPU machine only with
+    `jaxmem[aot-cudnn]`. Without it a deviceless compile cannot lower cuDNN attention ("cuDNN not found"),
+    so `auto` compiles the Pallas flash kernel there (same memory class: neither keeps the S x S scores)."""
+    import ctypes.util
+    import importlib.util
+
+    try:
+        if importlib.util.find_spec("nvidia.cudnn") is not None:
+            return True
+    except ModuleNotFoundError:
+        pass
+    return ctypes.util.find_library("cudnn") is not None
+
+
 def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
     """The implementation each op runs on `platform`: the one place `auto` is decided.
 
-    attention: the Pallas flash kernel on GPUs (plain XLA keeps S x S scores); XLA on CPU, where Pallas
-    would only interpret. loss: chunked, which has the smallest scratch of all (benchmarks/kernels.md) and
-    runs its matmuls in cuBLAS, while the fused kernels' backward is bound by atomic adds. norm: XLA, which
-    already fuses it (the Pallas kernel saved no bytes in the compiled step).
+    attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
+    (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
+    CPU, where Pallas would only interpret. loss: chunked, the fastest on an H100 at the same scratch
+    (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
     """
-    auto = {"attention": "pallas" if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla"}
+    gpu_attention = "cudnn" if cudnn_present() else "pallas"
+    auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla"}
     return {op: auto[op] if getattr(cfg, op) == "auto" else getattr(cfg, op) for op in auto}
 
 
@@ -67,7 +84,13 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp).
     """
     impl = resolve(cfg, platform)["attention"]
-    return _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
+    chosen = _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
+    if cfg.attention != "auto" or impl != "cudnn":
+        return chosen
+    # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
+    # (docs/attention.md), so packed documents go to the Pallas kernel
+    packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
+    return lambda q, k, v, seg: chosen(q, k, v, None) if seg is None else packed(q, k, v, seg)
 
 
 def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
@@ -115,7 +138,10 @@ _POWER_OF_TWO_KEYS = ("attn_block_q", "attn_block_k", "fused_loss_block_t", "fus
 def check_block_sizes(cfg: KernelConfig) -> None:
     """One-line ConfigError naming the key. Runs at load (jaxmem.validate.SECTION_VALIDATORS["kernels"]);
     the dispatch below runs it again for a KernelConfig built in code, before anything is traced."""
-    for name in ("loss_block_t", "loss_block_v", "fused_loss_slab_v") + _POWER_OF_TWO_KEYS:
+    for name in ("loss_block_t", "loss_block_v"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"kernels.{name}: {getattr(cfg, name)} must be a positive int, or 0 (by shape)")
+    for name in ("fused_loss_slab_v",) + _POWER_OF_TWO_KEYS:
         value = getattr(cfg, name)
         if value <= 0:
             raise ConfigError(f"kernels.{name}: {value} must be a positive int")
@@ -152,16 +178,6 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
         from jaxmem.kernels.cross_entropy import pallas as module
 
         extra = {"interpret": _pallas_interpret("kernels.loss", platform)}
-    elif impl == "triton":
-        if not _is_gpu(platform):
-            raise KernelUnavailable(f"kernels.loss='triton' (jax-triton) has no CPU or interpret path; platform "
-                                    f"is {platform!r}: use 'chunked' or 'pallas'")
-        try:
-            from jaxmem.kernels.cross_entropy import triton as module
-        except ImportError as e:
-            raise KernelUnavailable(f"kernels.loss='triton' needs jax-triton and triton ({e}); "
-                                    "pip install 'jaxmem[triton]'") from e
-        extra = {}
     else:
         raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")
     if mesh is None or mesh.size == 1:
@@ -180,13 +196,14 @@ def platform_of(devices) -> str:
     return devices[0].platform if devices else jax.default_backend()
 
 
-def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig) -> int:
+def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig, d_model: int,
+                       itemsize: int) -> int:
     """Per-device loss-phase scratch of the resolved loss `impl`, from the kernel's own formula."""
     from jaxmem.kernels.cross_entropy import chunked, pallas, reference
 
     formula = {"naive": reference.scratch_bytes, "chunked": chunked.scratch_bytes,
-               "pallas": pallas.scratch_bytes, "triton": pallas.scratch_bytes}[impl]  # triton: same tiles
-    return formula(tokens, vocab, loss_blocks(cfg))
+               "pallas": pallas.scratch_bytes}[impl]
+    return formula(tokens, vocab, loss_blocks(cfg), d_model=d_model, itemsize=itemsize)
 
 
 def attention_bytes(impl: str, score_elems: int, compute_itemsize: int) -> tuple[int, int]:

@@ -124,7 +124,8 @@ def logits_bytes(cfg: Config, layout: Layout) -> int:
     """Live loss-side bytes per device beyond the LM head: the resolved loss kernel's own scratch formula."""
     tokens = layout.per_device_elems(("act_batch", None), (layout.rows, cfg.train.seq_len))
     vocab = layout.per_device_elems(("act_vocab",), (cfg.model.vocab_size,))
-    return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels)
+    itemsize = _itemsize(Precision.from_config(cfg.precision).compute)
+    return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels, cfg.model.d_model, itemsize)
 
 
 def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout | None = None) -> Bill:

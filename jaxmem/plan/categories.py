@@ -53,7 +53,7 @@ def bill_categories(explain_cat: str) -> tuple[str, ...]:
 
 # The lever that shrinks a buffer, per explain category (and the finer keys explain uses).
 SUGGESTIONS = {
-    "logits": "[tokens, vocab] fp32 logits: use kernels.loss=chunked (or pallas/triton) so they are never "
+    "logits": "[tokens, vocab] fp32 logits: use kernels.loss=chunked (or pallas) so they are never "
               "materialized",
     "scores": "S x S attention scores: use a flash kernel (kernels.attention=pallas) or a remat policy that "
               "does not save dots (remat.preset=full or selective)",

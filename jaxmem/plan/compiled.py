@@ -109,6 +109,21 @@ def compile_for_plan(cfg: Config, topo: Topology):
     seconds = time.perf_counter() - start
     fields = read_fields(compiled)
     where = "(deviceless)" if topo.name else "(attached devices)"
-    figures = CompiledFigures(fields, memory_warnings(lines), seconds, f"compiled for {topo.label} {where}")
+    warnings = memory_warnings(lines)
+    if topo.name and prog.layout.kernels["attention"] == "cudnn":
+        warnings.append(cudnn_workspace_warning(cfg, prog.layout))
+    figures = CompiledFigures(fields, warnings, seconds, f"compiled for {topo.label} {where}")
     return compiled, figures
+
+
+def cudnn_workspace_warning(cfg: Config, layout) -> str:
+    """What a deviceless compile of cuDNN attention leaves out (docs/attention.md), estimated per device."""
+    from jaxmem.kernels.attention.cudnn import backward_workspace_bytes
+
+    m = cfg.model
+    rows_heads = layout.per_device_elems(("act_batch", "act_heads"), (layout.rows, m.n_heads))
+    workspace = backward_workspace_bytes(rows_heads, cfg.train.seq_len, 1, m.head_dim)
+    return (f"cuDNN attention: a deviceless compile does not count its backward workspace, about "
+            f"{workspace / 2**30:.2f} GiB per device (estimated: 2 x B x T x N x H x 4 bytes, one layer at a "
+            f"time); the device peak can be up to that much above the compiled figure")
 

@@ -1,11 +1,32 @@
 """Cost model: model FLOPs per step (with recompute counted), estimated step time and MFU.
 
-Every figure here is an estimate: a roofline over the target's published peaks with an assumed
-matmul efficiency, perfect overlap of compute with collectives and host transfers.
+Every figure here is an estimate. The step time adds the device's serial work, each part at its own
+achieved rate:
+  matmuls      projection + MLP FLOPs (with remat recompute) / (peak x MATMUL_EFFICIENCY)
+  attention    the FLOPs the kernel runs: causal (half of unmasked) for the flash kernels, whose backward
+               redoes the score matmuls (fwd + bwd = 3.5 x fwd), plus the forward rerun when the remat
+               policy cannot keep its softmax statistics; / (peak x ATTENTION_EFFICIENCY[kernel])
+  loss         LM head + cross-entropy: 4 matmul passes for the chunked / fused kernels (the backward
+               recomputes the logits), 3 for naive; / (peak x LOSS_EFFICIENCY[kernel])
+  memory-bound norms, RoPE, SiLU, residual adds (read + write per layer, again for the recomputed forward)
+               and the optimizer update on the device: bytes / (HBM bandwidth x HBM_EFFICIENCY)
+  per layer    LAYER_OVERHEAD_SECONDS per decoder layer per micro-batch (kernel launches, scan slicing)
+Collectives and host transfers that run inside the forward/backward (FSDP gathers, fetched host weights,
+offloaded layer inputs) overlap with compute (step = max of them); the optimizer state streamed through
+the device when it lives on the host (update on device) moves after the backward, serially, and adds.
+Host bytes are counted as they cross the link: master, m and v in AND out, grads, fetched weights.
+
+Fitting (benchmarks/calibration/h100_measured.json, benchmarks/costmodel.md): the per-kernel
+efficiencies come from the kernel timings alone (attention: geometric mean of the seq 8k and 32k rates;
+loss: T=8192 D=4096 V=128256); MATMUL_EFFICIENCY, HBM_EFFICIENCY and LAYER_OVERHEAD_SECONDS were then
+fitted to the seven non-offload H100 train steps, HOST_LINK_EFFICIENCY was checked (not fitted) on the
+4090-recipe row. Model FLOPs (and MFU) keep their convention: 6 x matmul params x tokens + attention
+counted unmasked; only the time uses what the kernels do.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from jaxmem import remat
 from jaxmem.schema import Config
@@ -14,7 +35,37 @@ from jaxmem.model.presets import param_count
 from jaxmem.plan.bill import Bill
 from jaxmem.targets import GpuTarget
 
-MATMUL_EFFICIENCY = 0.7  # assumed fraction of the dense bf16 peak a well-tiled matmul reaches
+# MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
+# work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
+# LAYER_OVERHEAD_SECONDS (per decoder layer per micro-batch, forward + backward: kernel launches, the layer
+# scan's weight slicing and gradient stacking) were fitted together, by least squares on log(estimate /
+# measured), to the 7 non-offload H100 rows of benchmarks/calibration/h100_measured.json (Llama-3.2-1B and
+# 8B-width x 8 layers, seq 8k-32k). The fit is flat along matmul vs HBM efficiency (0.65 / 0.9 ... 0.75 /
+# 0.6 fit equally), so both stay at 0.7; the per-layer cost is what the data does pin down: the 16-layer 1B
+# spends more per FLOP than the 8-layer 8B-width at the same seq.
+MATMUL_EFFICIENCY = 0.7
+HBM_EFFICIENCY = 0.7
+LAYER_OVERHEAD_SECONDS = 2.0e-3
+# Achieved fraction of the dense peak per attention kernel, on the FLOPs the kernel runs (causal,
+# fwd + bwd = 3.5 x fwd): H100, B=1 N=32 K=8 H=128 fwd+bwd: pallas 6.09 ms (seq 8192) / 82.8 ms (32768),
+# cudnn 4.22 / 54.8 ms -> 0.32 / 0.38 and 0.46 / 0.57; geometric means below. xla (plain attention,
+# S x S scores, runs unmasked): not measurable there (OOM at seq 8192), assumed as a plain matmul plus
+# the scores' HBM traffic.
+ATTENTION_EFFICIENCY = {"pallas": 0.346, "cudnn": 0.511}
+# LM head + cross-entropy per kernel, on the matmul passes it runs (naive 3, others 4): H100, T=8192
+# D=4096 V=128256 fwd+bwd: naive 77.0 ms, chunked (1024 x 4096 tiles) 87.9 ms (2026-11-22); the Pallas
+# loss of 2026-11-23 (logsumexp kernel, dlogits kernel + cuBLAS gradient matmuls, 256-token tiles) 76.6 ms
+# (benchmarks/kernels.md).
+LOSS_EFFICIENCY = {"naive": 0.339, "chunked": 0.396, "pallas": 0.454}
+LOSS_PASSES = {"naive": 3, "chunked": 4, "pallas": 4}
+# The chunked loss's rate per (tokens, vocab) tile, same shape and day (the tile sweep): 1024 x 4096
+# 87.9 ms, 2048 x 8192 72.1 ms, 4096 x 4096 72.5 ms, 8192 x 2048 65.1 ms. Other tiles: the nearest one.
+CHUNKED_LOSS_EFFICIENCY_BY_TILE = {(1024, 4096): 0.396, (2048, 8192): 0.483, (4096, 4096): 0.480,
+                                   (8192, 2048): 0.535}
+# Achieved fraction of the target's host-link figure (GpuTarget.host_link_bandwidth, already a practical
+# per-direction figure); transfers in the two directions are counted one after the other. Not fitted:
+# with it, the 4090 recipe on the H100 (~92 GB over the link per step) comes to 1.67 s, measured 1.86 s.
+HOST_LINK_EFFICIENCY = 1.0
 
 # One layer's forward as a graph: value -> (producer, its inputs). Recompute walks it back to saved values.
 _GRAPH = {
@@ -33,36 +84,76 @@ _GRAPH = {
 # Values the backward reads (matmul and nonlinearity inputs).
 _NEEDED = (CN.ATTN_NORM, CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.MLP_NORM, CN.MLP_GATE,
            CN.MLP_UP, CN.MLP_ACT)
+# Flash kernels whose softmax statistics (logsumexp) carry no checkpoint name: a names-based policy cannot
+# keep them, so the forward kernel reruns in the backward (benchmarks/remat.md shows it for pallas; cudnn's
+# custom call residuals are unnamed the same way).
+_RERUN_KERNELS = ("pallas", "cudnn")
 
 
 @dataclasses.dataclass
 class Cost:
     params: int
-    model_flops: float  # 6 N T + attention, per step, all devices
+    model_flops: float  # 6 N T + attention (unmasked), per step, all devices
     hardware_flops: float  # model FLOPs + recomputed forward FLOPs
     recompute_flops: float
-    compute_seconds: float
+    compute_seconds: float  # the device's serial work: matmuls + attention + loss + memory-bound + per layer
     collective_seconds: float
-    host_link_seconds: float
+    host_link_seconds: float  # every byte over the host link (both directions, one after the other)
     step_seconds: float
     mfu: float
     tokens_per_step: int
+    breakdown: dict = dataclasses.field(default_factory=dict)  # seconds per compute part, host bytes
+    serial_host_seconds: float = 0.0  # the part of host_link_seconds that does not overlap (optimizer stream)
 
     def to_json(self) -> dict:
         out = {k: (float(v) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
         out["label"] = "estimated (cost model)"
         out["matmul_efficiency_assumed"] = MATMUL_EFFICIENCY
-        out["overlap_assumed"] = "perfect"  # step = max(compute, collectives, host link), not their sum
+        # compute overlaps collectives and in-step host transfers (step = their max); the optimizer
+        # state streamed through the device after the backward adds (serial_host_seconds)
+        out["overlap_assumed"] = "perfect"
+        out["constants"] = {"matmul_efficiency": MATMUL_EFFICIENCY, "hbm_efficiency": HBM_EFFICIENCY,
+                            "layer_overhead_seconds": LAYER_OVERHEAD_SECONDS,
+                            "attention_efficiency": dict(ATTENTION_EFFICIENCY),
+                            "loss_efficiency": dict(LOSS_EFFICIENCY),
+                            "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
+                                                                in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
+                            "host_link_efficiency": HOST_LINK_EFFICIENCY,
+                            "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
 
 
 def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
-    """Forward FLOPs of one layer's ops over `tokens` tokens (all devices)."""
+    """Forward FLOPs of one layer's ops over `tokens` tokens (all devices); attention unmasked."""
     m, s = cfg.model, cfg.train.seq_len
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     return {"norm": 0.0, "elementwise": 0.0, "q_proj": 2.0 * tokens * d * n * h,
             "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * s * n * h,
             "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
+
+
+def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None) -> list[str]:
+    """The forward ops one layer's backward runs again (one entry per op run), per the remat policy."""
+    if not remat.uses_checkpoint(cfg.remat):
+        return []
+    where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
+    done: set = set()
+    ops: list[str] = []
+
+    def rebuild(value) -> None:
+        if value == CN.LAYER_INPUT or where[value.value] != "remat" or value in done:
+            return
+        done.add(value)
+        op, inputs = _GRAPH[value]
+        ops.append(op)
+        for v in inputs:
+            rebuild(v)
+
+    for v in _NEEDED:
+        rebuild(v)
+    if attention_kernel in _RERUN_KERNELS and CN.ATTN_CONTEXT not in done:
+        ops.append("attention")  # the flash forward reruns to rebuild its logsumexp residual
+    return ops
 
 
 def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | None = None,
@@ -71,28 +162,130 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
     layout's per-name placement; default: with the GPU's fused attention).
 
     Norms, RoPE and SiLU count 0 FLOPs here (matmul FLOPs only, like model FLOPs), so a policy that keeps
-    every matmul output (`selective`, `dots`) recomputes 0 matmul FLOPs, except that with the Pallas flash
-    kernel (`attention_kernel="pallas"`) the attention forward runs again in the backward: its logsumexp
-    residual carries no checkpoint name, so no names-based policy keeps it (benchmarks/remat.md). Attention
-    is counted unmasked (4 T S N H), as in the model FLOPs.
+    every matmul output (`selective`, `dots`) recomputes 0 matmul FLOPs, except that with a flash kernel
+    (`attention_kernel="pallas"` or `"cudnn"`) the attention forward runs again in the backward: its
+    logsumexp residual carries no checkpoint name, so no names-based policy keeps it (benchmarks/remat.md).
+    Attention is counted unmasked (4 T S N H), as in the model FLOPs.
     """
-    if not remat.uses_checkpoint(cfg.remat):
-        return 0.0
-    where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
     ops = _op_flops(cfg, tokens)
-    done: set = set()
+    return sum(ops[op] for op in _rebuilt_ops(cfg, saved, attention_kernel))
 
-    def rebuild(value) -> float:
-        if value == CN.LAYER_INPUT or where[value.value] != "remat" or value in done:
-            return 0.0
-        done.add(value)
-        op, inputs = _GRAPH[value]
-        return ops[op] + sum(rebuild(v) for v in inputs)
 
-    total = sum(rebuild(v) for v in _NEEDED)
-    if attention_kernel == "pallas" and CN.ATTN_CONTEXT not in done:
-        total += ops["attention"]  # the flash forward reruns to rebuild its logsumexp residual
-    return total
+def _elementwise_elems_per_token(cfg: Config) -> int:
+    """Elements one layer's forward reads + writes in its non-matmul ops, per token: two RMSNorms (read d,
+    write d), RoPE on q and k (read + write), two residual adds (read 2 d, write d), SiLU x up (read 2 f,
+    write f)."""
+    m = cfg.model
+    d, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.d_ff
+    return 2 * 2 * d + 2 * (q + kv) + 2 * 3 * d + 3 * f
+
+
+def loss_efficiency(cfg: Config, kernel: str, tokens_per_device: int) -> float:
+    """Achieved fraction of peak of the LM head + CE kernel; the chunked one by its (resolved) tile."""
+    if kernel != "chunked":
+        return LOSS_EFFICIENCY.get(kernel, LOSS_EFFICIENCY["chunked"])
+    from jaxmem.kernels import loss_blocks
+    from jaxmem.kernels.cross_entropy.chunked import tiles
+
+    bt, bv = tiles(tokens_per_device, cfg.model.vocab_size, loss_blocks(cfg.kernels))
+    if (bt, bv) in CHUNKED_LOSS_EFFICIENCY_BY_TILE:
+        return CHUNKED_LOSS_EFFICIENCY_BY_TILE[(bt, bv)]
+    near = min(CHUNKED_LOSS_EFFICIENCY_BY_TILE,
+               key=lambda tile: abs(math.log2(tile[0] / bt)) + abs(math.log2(tile[1] / bv)))
+    return CHUNKED_LOSS_EFFICIENCY_BY_TILE[near]
+
+
+def _itemsize(dtype: str) -> int:
+    return {"float32": 4, "bfloat16": 2, "float16": 2}.get(str(dtype), 4)
+
+
+def _opt_elems(bill: Bill) -> int:
+    """Per-device parameters the optimizer updates (the master / moment shards)."""
+    from jaxmem.plan.bill import _state_elems
+
+    return _state_elems(bill.layout, bill.layout.opt_specs)
+
+
+def _layer_elems(bill: Bill, specs) -> int:
+    from jaxmem.plan.bill import _state_elems
+
+    return _state_elems(bill.layout, specs, "layers")
+
+
+def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int) -> dict:
+    """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device)."""
+    m, p = cfg.model, cfg.precision
+    seq = cfg.train.seq_len
+    tokens = grad_accum * rows * seq
+    peak = gpu.peak_flops(p.compute_dtype)
+    kernels = bill.layout.kernels
+    attn_kernel, loss_kernel = kernels.get("attention", "xla"), kernels.get("loss", "chunked")
+    ops = _op_flops(cfg, tokens)
+    rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel)
+    cd = _itemsize(p.compute_dtype)
+
+    # Projection / MLP matmuls: forward, backward (2 x), the remat recompute.
+    layer_matmul = sum(v for k, v in ops.items() if k.endswith("_proj"))
+    layer_matmul += ops["up_proj"] + ops["kv_proj"]  # gate + up, key + value: two matmuls each
+    recomputed = sum(ops[o] for o in rebuilt if o.endswith("_proj"))
+    matmul_flops = (3 * layer_matmul + recomputed) * m.n_layers
+    matmul_s = matmul_flops / (n_devices * peak * MATMUL_EFFICIENCY)
+
+    # Attention as the kernel runs it.
+    reruns = rebuilt.count("attention")
+    hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
+    if attn_kernel in ATTENTION_EFFICIENCY:
+        causal_fwd = ops["attention"] / 2
+        attn_flops = causal_fwd * (3.5 + reruns) * m.n_layers
+        attn_s = attn_flops / (n_devices * peak * ATTENTION_EFFICIENCY[attn_kernel])
+    else:  # plain XLA: unmasked matmuls, and the [N, T, S] scores written and read ~6 times (fp32)
+        attn_flops = ops["attention"] * (3 + reruns) * m.n_layers
+        scores = grad_accum * rows * m.n_heads * seq * seq * 4 * 6 * (1 + reruns / 3) * m.n_layers
+        attn_s = attn_flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm)
+
+    # LM head + cross-entropy.
+    loss_flops = LOSS_PASSES.get(loss_kernel, 4) * 2.0 * tokens * m.d_model * m.vocab_size
+    loss_s = loss_flops / (n_devices * peak * loss_efficiency(cfg, loss_kernel, max(1, tokens // n_devices)))
+
+    # Memory-bound: elementwise forward + backward (2 x) + the recomputed forward, and the update.
+    passes = 3 + (1 if remat.uses_checkpoint(cfg.remat) else 0)
+    elementwise_bytes = _elementwise_elems_per_token(cfg) * cd * passes * tokens * m.n_layers / n_devices
+    opt_elems = _opt_elems(bill)
+    grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
+    moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
+    master_b = 4 if p.master_weights else 0
+    # grads read twice (global norm, update), old params read, master / m / v read + written, params written
+    update_bytes = opt_elems * (2 * grad_b + 2 * param_b + 2 * master_b + 4 * moment_b)
+    on_host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
+    memory_s = (elementwise_bytes + (0 if on_host_update else update_bytes)) / hbm
+    layer_s = LAYER_OVERHEAD_SECONDS * m.n_layers * grad_accum
+
+    # Host link, bytes per device as they cross it.
+    link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
+    overlapped = 2 * bill.host.get("activations", 0) * grad_accum  # offloaded layer inputs: out, back in
+    serial = 0.0
+    layer_params = _layer_elems(bill, bill.layout.param_specs)
+    if cfg.offload.params == "host":
+        # each layer's weights come in for the forward and again for the backward; its grads go out
+        overlapped += grad_accum * layer_params * (2 * param_b) + layer_params * grad_b
+    if cfg.offload.optimizer == "host":
+        state = opt_elems * (master_b + 2 * moment_b)
+        if cfg.offload.optimizer_update == "device":
+            # master, m, v stream in and back out; host-resident layer grads come in twice (norm, update),
+            # old host params come in, new host params go out
+            serial = 2 * state
+            if cfg.offload.params == "host":
+                serial += layer_params * (2 * grad_b + 2 * param_b)
+        else:  # grads go down, new params come back
+            serial = bill.device["grads"] + opt_elems * param_b
+    compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
+    return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
+            "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
+            "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
+            "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
+            "matmul_flops": matmul_flops, "attention_kernel_flops": attn_flops, "loss_flops": loss_flops,
+            "hbm_bytes": elementwise_bytes + update_bytes, "attention_kernel": attn_kernel,
+            "loss_kernel": loss_kernel}
 
 
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
@@ -111,15 +304,14 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
-    compute = hardware / (n_devices * peak * MATMUL_EFFICIENCY)
+    parts = time_breakdown(cfg, bill, gpu, n_devices, grad_accum, rows)
+    compute = parts["compute_seconds"]
     # FSDP: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch.
     ways = bill.mesh["fsdp"] * bill.mesh["dp"] if cfg.parallel.zero_stage == 3 else 1
     weight_bytes = n_params * 2 / bill.mesh["tp"]
     collective = 3 * grad_accum * weight_bytes * (ways - 1) / ways / gpu.interconnect_bandwidth if ways > 1 else 0.0
-    host_bytes = 2 * bill.host.get("activations", 0) * grad_accum + 2 * bill.host.get("params", 0) * grad_accum
-    if cfg.offload.optimizer == "host":  # gradients down, updated weights back up, once per step
-        host_bytes += bill.device["grads"] + n_params * 2 / n_devices
-    host_link = host_bytes / gpu.host_link_bandwidth
-    step = max(compute, collective, host_link)
+    host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]
+    step = max(compute, collective, parts["host_overlapped_seconds"]) + parts["host_serial_seconds"]
     mfu = model_flops / (step * n_devices * peak) if step else 0.0
-    return Cost(n_params, model_flops, hardware, recompute, compute, collective, host_link, step, mfu, tokens)
+    return Cost(n_params, model_flops, hardware, recompute, compute, collective, host_link, step, mfu, tokens,
+                breakdown=parts, serial_host_seconds=parts["host_serial_seconds"])

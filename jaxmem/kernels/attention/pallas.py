@@ -40,6 +40,13 @@ def _mask(scores, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | Non
     return scores if keep is None else jnp.where(keep, scores, MASK)
 
 
+def _key_blocks(i, n_k: int, bq: int, bk: int, causal: bool):
+    """Key blocks query block i visits: causal attention skips those wholly above the diagonal. Every
+    visited block is masked: running the blocks below the diagonal in a second, unmasked loop was slower
+    on an H100 (7.76 vs 6.08 ms at seq 8192, docs/attention.md)."""
+    return jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+
+
 def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk):
     i = pl.program_id(0)
     q = q_ref[...]
@@ -58,11 +65,9 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, caus
         o = o * correction[:, None] + plgpu.dot(p.astype(v_ref.dtype), v_ref[ks, :])
         return o, m_new, l * correction + jnp.sum(p, axis=1)
 
-    n_k = k_ref.shape[0] // bk
-    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
     h = q_ref.shape[-1]
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, upper, step, init)
+    o, m, l = jax.lax.fori_loop(0, _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal), step, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
@@ -84,8 +89,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
         ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
-    n_k = k_ref.shape[0] // bk
-    upper = jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
+    upper = _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal)
     dq = jax.lax.fori_loop(0, upper, step, jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 

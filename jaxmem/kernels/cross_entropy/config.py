@@ -6,17 +6,17 @@ import dataclasses
 
 @dataclasses.dataclass(frozen=True)
 class CrossEntropyBlocks:
-    block_t: int = 1024  # tokens per tile (chunked); Pallas uses pallas_block_t
-    block_v: int = 4096  # vocab columns per tile (chunked); Pallas uses pallas_block_v
-    pallas_block_t: int = 128  # tokens per tile of the Pallas / Triton kernels
+    block_t: int = 0  # tokens per tile (chunked; 0: by shape, chunked.tiles); Pallas uses pallas_block_t
+    block_v: int = 0  # vocab columns per tile (chunked; 0: by shape); Pallas uses pallas_block_v
+    pallas_block_t: int = 256  # tokens per tile of the Pallas kernels (H100 sweep: benchmarks/kernels.md)
     pallas_block_v: int = 128
-    pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas / Triton kernels
-    slab_v: int = 16384  # vocab columns per backward call: bounds the fp32 dW scratch to [D, slab_v]
+    pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas kernels
+    slab_v: int = 4096  # vocab columns per backward slab: bounds the dlogits and fp32 dW scratch
     num_warps: int = 8
-    num_stages: int = 2
+    num_stages: int = 3
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if not isinstance(value, int) or value <= 0:
+            if not isinstance(value, int) or value < (0 if f.name in ("block_t", "block_v") else 1):  # 0: by shape
                 raise ValueError(f"kernels block size {f.name}: {value!r} must be a positive int")

@@ -24,6 +24,6 @@ def cross_entropy_from_logits(logits_tv, labels_t, *, ignore_index: int = IGNORE
     return jnp.sum(jnp.where(valid, per_token, 0.0)), jnp.sum(valid)
 
 
-def scratch_bytes(tokens: int, vocab: int, blocks=None) -> int:
+def scratch_bytes(tokens: int, vocab: int, blocks=None, d_model: int = 0, itemsize: int = 2) -> int:
     """Loss-phase bytes beyond inputs and outputs: the fp32 [T, V] logits and their gradient."""
     return 2 * tokens * vocab * 4
