@@ -111,6 +111,14 @@ def adam_count(opt_state: dict) -> jax.Array:
     return jnp.int32(0)
 
 
+def apply_update(opt, g, s, w, param_dtype):
+    """One AdamW step of the (clipped, fp32) gradient g on weights w with state s:
+    (new params in param_dtype, new state, new weights)."""
+    updates, new_s = opt.update(g, s, w)
+    new_w = optax.apply_updates(w, updates)
+    return jax.tree.map(lambda x: x.astype(param_dtype), new_w), new_s, new_w
+
+
 def _same_space(x, like):
     """x in like's memory space (optax builds some scalars, e.g. Adam's count, from device constants)."""
     space = jax.typeof(like).memory_space
@@ -148,9 +156,7 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     def one(g, s, w, p_old, home):
         g, s, w, p_old = fetch((g, s, w, p_old))
         g = clip_by_global_norm(jax.tree.map(lambda x: x.astype(jnp.float32) / scale, g), norm, clip_norm)
-        updates, new_s = opt.update(g, s, w)
-        new_w = optax.apply_updates(w, updates)
-        new_p = jax.tree.map(lambda x: x.astype(param_dtype), new_w)
+        new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
             new_p, new_s, new_w = keep(new_p, p_old), keep(new_s, s), keep(new_w, w)

@@ -123,6 +123,8 @@ def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
         state["master"] = master
     if cfg.precision.loss_scale.enabled:
         state["loss_scale"] = init_loss_scale(cfg.precision.loss_scale)
+    if cfg.optimizer.update_in_backward:
+        state["grad_norm"] = jnp.zeros((), jnp.float32)  # the previous step's, which clips this one
     return state
 
 
@@ -141,6 +143,8 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
         specs["master"] = layout.opt_specs
     if "loss_scale" in abstract:
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
+    if "grad_norm" in abstract:
+        specs["grad_norm"] = P()
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
@@ -154,10 +158,12 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
 
 
-def loss_sum_fn(prog: TrainProgram):
+def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
     """fn(params, inputs_bt, labels_bt) -> (loss_sum, n_valid): the summed next-token cross-entropy over the
     labels that are not IGNORE_INDEX, and their count, with the kernels, precision and activation sharding
-    constraints the config selects. The train step differentiates this function (jaxmem.api.loss_fn too)."""
+    constraints the config selects. The train step differentiates this function (jaxmem.api.loss_fn too).
+    `ctx` replaces the program's forward context (the update-in-backward step swaps its layer scan)."""
+    ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
     loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
@@ -165,7 +171,7 @@ def loss_sum_fn(prog: TrainProgram):
     def loss_sum(params, inputs_bt, labels_bt):
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            h_btd = model.hidden(inputs_bt, prog.ctx)
+            h_btd = model.hidden(inputs_bt, ctx)
         w_dv = model.lm_head_weight().astype(prog.precision.compute)
         return loss_impl(h_btd.reshape(-1, h_btd.shape[-1]), w_dv, labels_bt.reshape(-1))
 
@@ -173,6 +179,10 @@ def loss_sum_fn(prog: TrainProgram):
 
 
 def _make_step(prog: TrainProgram):
+    if prog.cfg.optimizer.update_in_backward:
+        from jaxmem.update_in_backward import make_step
+
+        return make_step(prog)
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
     token_loss = loss_sum_fn(prog)
     grad_shardings = sharding.named(mesh, prog.grad_specs)

@@ -43,8 +43,8 @@ CHECKPOINT_NAME_HELP = {
 KERNEL_HELP = {
     ("loss", "naive"): "materializes the full [tokens, vocab] logits",
     ("loss", "chunked"): "tiles of loss_block_t tokens x loss_block_v vocab columns; smallest scratch, cuBLAS",
-    ("loss", "pallas"): "Pallas logit tiles (forward logsumexp, backward dlogits) + cuBLAS gradient matmuls; "
-                        "compiled on GPU, interpreted on CPU",
+    ("loss", "pallas"): "Pallas logsumexp forward kernel + the chunked tiled backward; compiled on GPU, "
+                        "interpreted on CPU",
     ("attention", "xla"): "plain attention; keeps the S x S scores",
     ("attention", "pallas"): "Pallas flash attention (compiled on GPU, interpreted on CPU)",
     ("attention", "cudnn"): "cuDNN fused attention; NVIDIA GPU only",

@@ -110,6 +110,11 @@ class OptimizerConfig:
     eps: float = _f(1e-8, "AdamW epsilon (added to the denominator)")
     weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed)")
     clip_norm: float = _f(1.0, "clip the gradients to this global L2 norm; <= 0: no clipping")
+    update_in_backward: bool = _f(
+        False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
+               "the whole-model gradient never exists; clips by the previous step's global norm; needs "
+               "remat.preset=full at layer granularity, one micro-batch per step, optimizer and params on the "
+               "device and no fp16 loss scaling")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,7 +196,7 @@ class OffloadConfig:
 class KernelConfig:
     loss: Literal["auto", "naive", "chunked", "pallas"] = _f(
         "auto", "LM head + cross-entropy implementation, one of auto (chunked), naive (full logits), chunked, "
-                "pallas (Pallas logit tiles + cuBLAS gradient matmuls)")
+                "pallas (Pallas logsumexp forward, chunked backward)")
     attention: Literal["auto", "xla", "pallas", "cudnn"] = _f(
         "auto", "attention implementation, one of auto (pallas on GPU, xla on CPU), xla (plain, keeps the "
                 "S x S scores), pallas (flash attention), cudnn (GPU only)")
@@ -202,8 +207,6 @@ class KernelConfig:
     fused_loss_block_t: int = _f(256, "pallas loss: tokens per tile" + _POW2)
     fused_loss_block_v: int = _f(128, "pallas loss: vocab columns per tile" + _POW2)
     fused_loss_block_d: int = _f(64, "pallas loss: hidden columns per inner matmul step" + _POW2)
-    fused_loss_slab_v: int = _f(4096, "pallas loss: vocab columns per backward slab; bounds the dlogits and "
-                                      "fp32 dW scratch")
     attn_block_q: int = _f(64, "pallas flash attention: query rows per block" + _POW2)
     attn_block_k: int = _f(64, "pallas flash attention: key rows per block" + _POW2)
     z_loss: float = _f(0.0, "z-loss coefficient: adds z_loss x logsumexp^2 per token to the loss; 0: off")

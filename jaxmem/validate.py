@@ -189,6 +189,22 @@ def _remat_groups_divide_layers(cfg: Config) -> None:
     remat.group_size(cfg.remat, cfg.model.n_layers)  # "remat.every_k: k does not divide model.n_layers=..."
 
 
+def _update_in_backward_levers(cfg: Config) -> None:
+    """optimizer.update_in_backward rebuilds each layer from its input inside the backward and updates it at
+    once: the levers that would change either part are refused here, by name."""
+    if not cfg.optimizer.update_in_backward:
+        return
+    key = "optimizer.update_in_backward"
+    if cfg.remat.preset != "full" or cfg.remat.granularity != "layer" or cfg.remat.names:
+        raise ConfigError(f"{key}: needs remat.preset=full with remat.granularity=layer and no remat.names "
+                          "(the backward rebuilds each layer from its input)")
+    if cfg.offload.optimizer != "device" or cfg.offload.params != "device":
+        raise ConfigError(f"{key}: needs offload.optimizer=device and offload.params=device")
+    if cfg.precision.loss_scale.enabled:
+        raise ConfigError(f"{key}: cannot skip a step after layers were already updated; turn off "
+                          "precision.loss_scale (fp16), or use bf16")
+
+
 def _batch_fits_fixed_mesh(cfg: Config) -> None:
     """With no -1 mesh axis the data ways are known now: the batch and offload rules run at load."""
     if fixed_mesh_size(cfg.parallel) is not None:
@@ -200,6 +216,7 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
     _seq_len_fits_model,  # train vs model
     _remat_groups_divide_layers,  # remat vs model
     _batch_fits_fixed_mesh,  # train vs parallel, offload vs the derived grad_accum
+    _update_in_backward_levers,  # optimizer vs remat, offload, precision
 )
 
 
@@ -234,6 +251,9 @@ def check_grad_accum(cfg: Config, grad_accum: int) -> None:
     if cfg.offload.params == "host" and grad_accum > 1:
         raise ConfigError(f"offload.params=host: needs train.grad_accum=1, got {grad_accum} from train.* "
                           "(gradients land on the host, where they cannot be accumulated)")
+    if cfg.optimizer.update_in_backward and grad_accum > 1:
+        raise ConfigError(f"optimizer.update_in_backward: needs train.grad_accum=1, got {grad_accum} from "
+                          "train.* (each layer is updated as soon as its gradient exists)")
 
 
 def check_hosts(hosts: int) -> None:

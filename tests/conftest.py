@@ -10,6 +10,13 @@ compiles again, so those deviceless compiles are shared through fixtures instead
 less time and every test compares programs compiled the same way. It leaves the HLO passes alone, so the
 deviceless GPU figures (buffer assignment, collectives) the tests check are the ones `jaxmem plan` reports
 (checked: the same device bytes for a Llama-3-8B step with and without it).
+
+`--xla_cpu_enable_concurrency_optimized_scheduler=false`: with XLA's concurrency-optimized CPU scheduler
+(jax 0.10.2) an executable read back from the persistent cache can run two independent collectives in a
+different order on different virtual devices; they deadlock until XLA's 40 s rendezvous timeout aborts the
+process ("Expected 8 threads to join the rendezvous, but only 7 of them arrived", one device waiting in an
+all-gather while seven wait in an all-reduce). Seen on the fsdp=8 update-in-backward step on its second
+cached run, every time, and once in the mesh-layout tests; with this flag, none in repeated runs.
 """
 import os
 from pathlib import Path
@@ -17,7 +24,10 @@ from pathlib import Path
 os.environ["JAX_PLATFORMS"] = "cpu"
 flags = os.environ.get("XLA_FLAGS", "")
 if "xla_force_host_platform_device_count" not in flags:
-    os.environ["XLA_FLAGS"] = (flags + " --xla_force_host_platform_device_count=8").strip()
+    flags += " --xla_force_host_platform_device_count=8"
+if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+    flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
+os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")

@@ -141,7 +141,7 @@ def check_block_sizes(cfg: KernelConfig) -> None:
     for name in ("loss_block_t", "loss_block_v"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"kernels.{name}: {getattr(cfg, name)} must be a positive int, or 0 (by shape)")
-    for name in ("fused_loss_slab_v",) + _POWER_OF_TWO_KEYS:
+    for name in _POWER_OF_TWO_KEYS:
         value = getattr(cfg, name)
         if value <= 0:
             raise ConfigError(f"kernels.{name}: {value} must be a positive int")
@@ -153,7 +153,7 @@ def loss_blocks(cfg: KernelConfig) -> CrossEntropyBlocks:
     check_block_sizes(cfg)
     return CrossEntropyBlocks(block_t=cfg.loss_block_t, block_v=cfg.loss_block_v,
                               pallas_block_t=cfg.fused_loss_block_t, pallas_block_v=cfg.fused_loss_block_v,
-                              pallas_block_d=cfg.fused_loss_block_d, slab_v=cfg.fused_loss_slab_v)
+                              pallas_block_d=cfg.fused_loss_block_d)
 
 
 def select_loss(cfg: KernelConfig, platform: str, mesh=None):

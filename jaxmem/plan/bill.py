@@ -88,6 +88,17 @@ def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
     return _state_elems(layout, specs, part) * _itemsize(dtype)
 
 
+def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
+    """Gradient bytes live at once with optimizer.update_in_backward: one layer's, and the largest of the
+    embedding / final norm / LM head gradients (each is updated as soon as it exists: the compiled step
+    updates the LM head during the backward, before the embedding's gradient appears)."""
+    rest = {k: v for k, v in layout.abstract_params.items() if k != "layers"}
+    rest_specs = {k: v for k, v in layout.grad_specs.items() if k != "layers"}
+    largest = max(_shard_elems(x.shape, s, layout.mesh_sizes)
+                  for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True))
+    return (_state_elems(layout, layout.grad_specs, "layers") // cfg.model.n_layers + largest) * _itemsize(dtype)
+
+
 def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     """Elements per device of each checkpointed tensor, for one layer, sharded by the activation rules."""
     m, rows, seq = cfg.model, layout.rows, cfg.train.seq_len
@@ -137,6 +148,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     m, t = cfg.model, cfg.train
     params = _state_bytes(layout, layout.param_specs, prec.param)
     grads = _state_bytes(layout, layout.grad_specs, prec.grad_reduce)  # cast to fp32 on use
+    if cfg.optimizer.update_in_backward:
+        grads = _in_backward_grads(cfg, layout, prec.grad_reduce)
     master = _state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0
     moment = _state_bytes(layout, layout.opt_specs, prec.moment)
     accum, rows = layout.grad_accum, layout.rows
@@ -167,6 +180,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     layer_full = _state_elems(layout, layout.gathered_specs, "layers") // m.n_layers
     head_full = _state_elems(layout, layout.gathered_specs, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
+    if cfg.optimizer.update_in_backward:  # the layer's gradient is in `grads`; its fp32 update temps here
+        temporaries -= layer_full * _itemsize(prec.grad_reduce)
     logits += head_full * 4 + (head_full * cd if gathered else 0)
     if accum > 1:
         temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator

@@ -54,9 +54,9 @@ LAYER_OVERHEAD_SECONDS = 2.0e-3
 ATTENTION_EFFICIENCY = {"pallas": 0.346, "cudnn": 0.511}
 # LM head + cross-entropy per kernel, on the matmul passes it runs (naive 3, others 4): H100, T=8192
 # D=4096 V=128256 fwd+bwd: naive 77.0 ms, chunked (1024 x 4096 tiles) 87.9 ms (2026-11-22); the Pallas
-# loss of 2026-11-23 (logsumexp kernel, dlogits kernel + cuBLAS gradient matmuls, 256-token tiles) 76.6 ms
+# loss of 2026-11-23 (logsumexp kernel + the chunked backward, 256-token tiles) 62.4 ms
 # (benchmarks/kernels.md).
-LOSS_EFFICIENCY = {"naive": 0.339, "chunked": 0.396, "pallas": 0.454}
+LOSS_EFFICIENCY = {"naive": 0.339, "chunked": 0.396, "pallas": 0.557}
 LOSS_PASSES = {"naive": 3, "chunked": 4, "pallas": 4}
 # The chunked loss's rate per (tokens, vocab) tile, same shape and day (the tile sweep): 1024 x 4096
 # 87.9 ms, 2048 x 8192 72.1 ms, 4096 x 4096 72.5 ms, 8192 x 2048 65.1 ms. Other tiles: the nearest one.

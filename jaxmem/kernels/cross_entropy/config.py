@@ -11,7 +11,6 @@ class CrossEntropyBlocks:
     pallas_block_t: int = 256  # tokens per tile of the Pallas kernels (H100 sweep: benchmarks/kernels.md)
     pallas_block_v: int = 128
     pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas kernels
-    slab_v: int = 4096  # vocab columns per backward slab: bounds the dlogits and fp32 dW scratch
     num_warps: int = 8
     num_stages: int = 3
 

@@ -1,20 +1,17 @@
-"""LM head + cross-entropy with Pallas (Triton backend) logit tiles: [T, V] logits never exist.
+"""LM head + cross-entropy with a Pallas (Triton backend) forward: [T, V] logits never exist.
 
 Forward: a program per (token block, vocab split) walks its split's vocab blocks
 with an online logsumexp in fp32 registers; each [block_t, block_v] logit tile
 is a tensor-core matmul over D. The splits' partial logsumexps are combined
 outside the kernel, so the grid fills the GPU without atomics.
 
-Backward: vocab slabs of `slab_v` columns. A program per [block_t, block_v]
-tile of the slab recomputes its logits, forms dlogits = g (softmax - onehot)
-and writes them in W's dtype; then two library matmuls (cuBLAS on GPUs)
-accumulate dh (fp32 [T, D]) and the slab's dW (fp32 accumulation, written
-once in W's dtype). No atomics: every output element has one writer, and the
-only [T, *] scratch is the slab's dlogits. Why not one kernel for all three
-matmuls: a program owning a dh or dW tile needs the full-D logits of every tile
-it touches, so it would recompute them once per D tile (D / 128 times);
-scattering both gradients from one program needs atomic adds, which made the
-previous version 8-11x slower than chunked on an H100 (benchmarks/kernels.md).
+Backward: the chunked loss's tiled backward (cuBLAS matmuls over [tokens, 2048]
+vocab tiles: dlogits recomputed per tile, dh accumulated in fp32, each dW tile
+accumulated in fp32 and written once). Measured on an H100 (benchmarks/kernels.md)
+it beat every Pallas backward tried: one kernel scattering dh and dW with atomic
+adds (733 ms fwd+bwd), and a Pallas dlogits kernel feeding cuBLAS (62 ms backward
+against 47). One kernel that owns dh or dW tiles would recompute each logit tile
+D / 128 times.
 
 Vocab blocks that would run past V are pulled back to end at V and mask the
 columns they re-read, so every load is in bounds (no padded copy of W).
@@ -28,6 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxmem.kernels.cross_entropy import chunked
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
@@ -51,12 +49,11 @@ def _pow2_floor(n: int, cap: int) -> int:
 
 
 def _tiles(t: int, d: int, v: int, blocks: CrossEntropyBlocks):
-    """(block_t, block_v, block_d, slab): block_v <= V, block_d divides D, slab a multiple of block_v <= V."""
+    """(block_t, block_v, block_d): block_v <= V, block_d divides D."""
     bt = blocks.pallas_block_t
     bv = _pow2_floor(v, blocks.pallas_block_v)
     bd = _pow2_divisor(d, blocks.pallas_block_d)
-    slab = min(max(blocks.slab_v // bv, 1) * bv, (v // bv) * bv)
-    return bt, bv, bd, slab
+    return bt, bv, bd
 
 
 def _splits(n_token_blocks: int, n_vocab_blocks: int) -> tuple[int, int]:
@@ -108,33 +105,12 @@ def _forward_kernel(h_ref, w_ref, labels_ref, lse_ref, target_ref, *, bt: int, b
     target_ref[out] = target
 
 
-def _dlogits_kernel(h_ref, w_ref, labels_ref, lse_ref, soft_ref, onehot_ref, slab_ref, out_ref, *, bt: int, bv: int,
-                    bd: int):
-    row0 = pl.multiple_of(pl.program_id(0) * bt, bt)
-    local0 = pl.multiple_of(pl.program_id(1) * bv, bv)  # column inside the slab
-    rows = pl.ds(row0, bt)
-    col0 = slab_ref[0] + local0
-    col = col0 + jnp.arange(bv)
-    fresh = (col >= slab_ref[1])[None, :]  # columns below the nominal slab start belong to the previous slab
-    logits = _logit_tile(h_ref, w_ref, row0, col0, bt=bt, bv=bv, bd=bd)
-    p = jnp.exp(logits - lse_ref[rows][:, None])
-    hit = col[None, :] == labels_ref[rows][:, None]
-    dlogits = p * soft_ref[rows][:, None] - jnp.where(hit, onehot_ref[rows][:, None], 0.0)
-    out_ref[rows, pl.ds(local0, bv)] = jnp.where(fresh, dlogits, 0.0).astype(out_ref.dtype)
-
-
 def forward_cost(t: int, d: int, v: int, itemsize: int, blocks: CrossEntropyBlocks = CrossEntropyBlocks()):
     """Forward kernel: one [T, D] x [D, V] matmul. Bytes: h and W read once from HBM (the programs that run
     together share W tiles through L2: the token-block axis is the grid's fastest), per-token stats written."""
     n_split, _ = _splits(-(-t // blocks.pallas_block_t), -(-v // _tiles(t, d, v, blocks)[1]))
     return pl.CostEstimate(flops=2 * t * d * v, transcendentals=t * v,
                            bytes_accessed=itemsize * (d * v + t * d) + 8 * n_split * t + 4 * t)
-
-
-def backward_cost(t: int, d: int, v: int, itemsize: int, blocks: CrossEntropyBlocks = CrossEntropyBlocks()):
-    """dlogits kernel over all slabs: the logits recomputed (one matmul), dlogits written once in W's dtype."""
-    return pl.CostEstimate(flops=2 * t * d * v, transcendentals=t * v,
-                           bytes_accessed=itemsize * (d * v + t * d + t * v) + 16 * t)
 
 
 def _pad_tokens(h_td, labels_t, bt: int, ignore_index: int):
@@ -154,7 +130,7 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
     """Per-token logsumexp and target logit (fp32); a label outside [0, V) has target 0."""
     t, d = h_td.shape
     v = w_dv.shape[1]
-    bt, bv, bd, _ = _tiles(t, d, v, blocks)
+    bt, bv, bd = _tiles(t, d, v, blocks)
     h_pad, labels_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
     tp = h_pad.shape[0]
     n_split, per = _splits(tp // bt, -(-v // bv))
@@ -171,43 +147,11 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
 
 def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, ignore_index: int = IGNORE_INDEX,
                    z_loss: float = 0.0, interpret: bool = False):
-    """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard)."""
-    t, d = h_td.shape
-    v = w_dv.shape[1]
-    bt, bv, bd, slab = _tiles(t, d, v, blocks)
-    h_pad, labels_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
-    tp = h_pad.shape[0]
-    valid = labels_pad != ignore_index
-    lse = jnp.pad(lse, (0, tp - t))
-    # d(loss)/d(logit) = g ((1 + 2 z lse) softmax - onehot) on valid tokens
-    soft = jnp.where(valid, g * (1.0 + 2.0 * z_loss * lse), 0.0).astype(jnp.float32)
-    onehot = jnp.where(valid, g, 0.0).astype(jnp.float32)
-    dlogits_of_slab = pl.pallas_call(
-        functools.partial(_dlogits_kernel, bt=bt, bv=bv, bd=bd),
-        grid=(tp // bt, slab // bv), out_shape=jax.ShapeDtypeStruct((tp, slab), w_dv.dtype),
-        compiler_params=_compiler_params(blocks),
-        cost_estimate=backward_cost(t, d, slab, h_td.dtype.itemsize, blocks),
-        interpret=interpret, name="linear_cross_entropy_dlogits",
-    )
-
-    def one_slab(s, carry):
-        dh, dw = carry
-        nominal = s * slab
-        start = jnp.minimum(nominal, v - slab)  # the last slab is pulled back to end at V
-        dlogits = dlogits_of_slab(h_pad, w_dv, labels_pad, lse, soft, onehot,
-                                  jnp.stack([start, nominal]).astype(jnp.int32))
-        w_slab = jax.lax.dynamic_slice_in_dim(w_dv, start, slab, axis=1)
-        dh = dh + jnp.einsum("TV,DV->TD", dlogits, w_slab, preferred_element_type=jnp.float32)
-        # re-read columns carry zero dlogits: adding keeps the previous slab's values there. (Writing the
-        # whole slabs in the loop and the pulled-back one after it, with no read, measured no faster on an
-        # H100 and took 0.09 GiB more scratch.)
-        dw_slab = jnp.einsum("TD,TV->DV", h_pad, dlogits, preferred_element_type=jnp.float32)
-        dw_slab = dw_slab + jax.lax.dynamic_slice_in_dim(dw, start, slab, axis=1).astype(jnp.float32)
-        return dh, jax.lax.dynamic_update_slice_in_dim(dw, dw_slab.astype(dw.dtype), start, axis=1)
-
-    init = (jnp.zeros((tp, d), jnp.float32), jnp.zeros((d, v), w_dv.dtype))
-    dh, dw = jax.lax.fori_loop(0, -(-v // slab), one_slab, init)
-    return dh[:t].astype(h_td.dtype), dw
+    """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard): the chunked
+    loss's tiled backward (module docstring)."""
+    del interpret  # the backward is plain XLA on every backend
+    return chunked.backward_grads(h_td, w_dv, labels_t, lse, g, blocks=blocks, ignore_index=ignore_index,
+                                  z_loss=z_loss)
 
 
 _fused = fused_linear_cross_entropy(forward_stats, backward_grads)
@@ -221,7 +165,7 @@ def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = C
 
 def scratch_bytes(tokens: int, vocab: int, blocks: CrossEntropyBlocks, d_model: int = 0,
                   itemsize: int = 2) -> int:
-    """Loss-phase bytes beyond inputs and outputs: the slab's dlogits (W's dtype) and its fp32 dW, the fp32 dh
-    accumulator, and the per-token statistics."""
-    slab = min(blocks.slab_v, vocab)
-    return tokens * slab * itemsize + d_model * slab * 4 + tokens * d_model * 4 + 4 * tokens * 4
+    """Loss-phase bytes beyond inputs and outputs: the backward's (chunked.scratch_bytes) plus the forward's
+    per-split partial statistics."""
+    n_split, _ = _splits(-(-tokens // blocks.pallas_block_t), -(-vocab // min(vocab, blocks.pallas_block_v)))
+    return chunked.scratch_bytes(tokens, vocab, blocks, d_model, itemsize) + 2 * n_split * tokens * 4

@@ -1,0 +1,210 @@
+"""Optimizer-in-backward: each decoder layer's AdamW update runs inside the backward pass, right after
+that layer's gradient exists, so the whole-stack gradient never does (`optimizer.update_in_backward`).
+
+How. The layer scan is a `jax.custom_vjp` whose primal inputs include the layers' weights (fp32 master or
+the params), their optimizer state, the clip factor and a scalar that collects squared gradient norms. Its
+forward keeps each layer's input (full recompute at layer granularity); its backward walks the layers in
+reverse, rebuilds one layer from its input, takes that layer's gradient, updates its weights and moments
+in place (the stacked state is the loop carry), and hands the *new* values back where autodiff expects
+the cotangents of those inputs. The train step reads them out of `jax.grad`'s result. Nothing outside the
+step sees this: the primal inputs are used once, so no cotangent is summed or scaled on the way out.
+
+Clipping. The global norm is known only after the last layer's gradient, when every layer has already
+been updated, so the layers (and the embedding, final norm and LM head, for one rule) are clipped by the
+*previous* step's global norm, kept in the train state as `grad_norm`; the first step is not clipped.
+This is the trade-off: a loss spike is clipped one step late. The norm of this step's full gradient is
+still computed exactly (each layer adds its squared norm) and reported.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.optim import apply_update
+
+
+def clip_factor(prev_norm, clip_norm: float):
+    """Scale for this step's gradients from the previous step's global norm (0: the first step, no clip)."""
+    if clip_norm <= 0:
+        return jnp.float32(1.0)
+    return jnp.where(prev_norm > clip_norm, clip_norm / jnp.maximum(prev_norm, 1e-30), 1.0).astype(jnp.float32)
+
+
+def _take(tree, i):
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
+
+
+def _put(tree, new, i):
+    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), i, 0), tree, new)
+
+
+class _Static:
+    """A hashable holder for a static pytree of abstract values (one layer's optimizer state layout)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
+def _restructure(tree, like):
+    """tree's leaves in like's structure (an nnx.State and the dict of the same keys flatten alike);
+    the leaf shapes are checked so a different order cannot pass silently."""
+    leaves, like_leaves = jax.tree.leaves(tree), jax.tree.leaves(like)
+    if [x.shape for x in leaves] != [x.shape for x in like_leaves]:
+        raise ValueError("update_in_backward: a layer's parameters and its optimizer weights differ in layout")
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+def layer_specs(stacked_specs):
+    """Per-layer partition specs: the stacked ones without their leading layer axis."""
+    return jax.tree.map(lambda s: P(*tuple(s)[1:]), stacked_specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def ints_as_floats(tree):
+    """Integer leaves (Adam's step counts) as fp32: a cotangent of an integer input cannot carry a value."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+
+
+def floats_as_ints(tree, like):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x, tree, like)
+
+
+def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g):
+    """scan_layers(body, h, stacked_params, state) -> h, with the update in the backward.
+
+    state = (weights or None, opt_state with `ints_as_floats`, clip_factor, squared_norm_seed); weights None
+    means the params are the weights (no fp32 master). Each layer sees its params in `grad_dtype`, as the
+    plain step's layers do. `constrain_grad(g)` places one layer's gradient (its reduce-scatter)."""
+
+    def update(dp, p, w, s, factor, like):
+        """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
+        (the model hands the layer as an nnx.State)."""
+        w_like, s_like = like
+        g = constrain_grad(jax.tree.map(lambda x: x.astype(jnp.float32), dp))
+        sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
+        g = jax.tree.map(lambda x: x * factor, _restructure(g, w_like))
+        weights = _restructure(p, w_like) if w is None else w
+        new_p, new_s, new_w = apply_update(opt, g, floats_as_ints(s, s_like), weights, param_dtype)
+        return _restructure(new_p, p), (None if w is None else new_w), ints_as_floats(new_s), sq
+
+    cast = lambda p: jax.tree.map(lambda x: x.astype(grad_dtype), p)  # noqa: E731
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+    def stack(body, opt_like, h, params, state, consts):
+        return _forward(body, h, params, consts)[0]
+
+    def _forward(body, h, params, consts):
+        def step(carry, p):
+            return body(carry, cast(p), *consts), carry
+
+        return jax.lax.scan(step, h, params)
+
+    def stack_fwd(body, opt_like, h, params, state, consts):
+        y, inputs = _forward(body, h, params, consts)
+        return y, (inputs, params, state, consts)
+
+    def stack_bwd(body, opt_like, res, dy):
+        inputs, params, (weights, opt_state, factor, _), consts = res
+        n = jax.tree.leaves(params)[0].shape[0]
+
+        def layer(carry, i):
+            dh, params_all, weights_all, opt_all, sq = carry
+            p = _take(params_all, i)
+            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), _take(inputs, i), cast(p))
+            dx, dp = vjp(dh)
+            w = None if weights_all is None else _take(weights_all, i)
+            new_p, new_w, new_s, sq_i = update(dp, p, w, _take(opt_all, i), factor, opt_like.value)
+            weights_all = None if weights_all is None else _put(weights_all, new_w, i)
+            return (dx, _put(params_all, new_p, i), weights_all, _put(opt_all, new_s, i), sq + sq_i), None
+
+        init = (dy, params, weights, opt_state, jnp.float32(0.0))
+        (dx, new_params, new_weights, new_opt, sq), _ = jax.lax.scan(layer, init, jnp.arange(n - 1, -1, -1))
+        state_ct = (new_weights, new_opt, jnp.zeros_like(factor), sq)
+        return dx, new_params, state_ct, jax.tree.map(_zero_cotangent, consts)
+
+    stack.defvjp(stack_fwd, stack_bwd)
+
+    def scan_layers(body, h, stacked, state, opt_like):
+        closed, consts = jax.closure_convert(body, h, cast(_take(stacked, 0)))
+        return stack(closed, _Static(opt_like), h, stacked, state, tuple(consts))
+
+    return scan_layers
+
+
+def make_step(prog):
+    """The train step of `prog` with the layer stack's update inside the backward (module docstring)."""
+    import dataclasses
+
+    from jaxmem import sharding
+    from jaxmem.optim import adam_count, schedule
+    from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE, loss_sum_fn
+    from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+
+    cfg, prec = prog.cfg, prog.precision
+    grad_shardings = sharding.named(prog.mesh, prog.grad_specs)
+    rest_shardings = {k: v for k, v in grad_shardings.items() if k != "layers"}
+    layer_shardings = sharding.named(prog.mesh, layer_specs(prog.grad_specs["layers"]))
+    def constrain_grad(g):  # g is one layer's nnx.State; the shardings are a dict of the same keys
+        leaves = jax.tree.leaves(layer_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        return jax.lax.with_sharding_constraint(g, jax.tree.unflatten(jax.tree.structure(g), leaves))
+
+    scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
+                     constrain_grad=constrain_grad)
+    lr_at = schedule(cfg)
+
+    def step(state, batch):
+        tokens = batch["tokens"]
+        inputs, labels = tokens[0, ..., :-1], tokens[0, ..., 1:]  # one micro-batch (validated)
+        n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+        params, master = state["params"], state.get("master")
+        factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
+        opt_like = jax.eval_shape(lambda: (_take((master or params)["layers"], 0), _take(state["opt"]["layers"], 0)))
+
+        def loss(rest, layers, layer_weights, layer_opt, sq_seed):
+            layer_state = (layer_weights, layer_opt, factor, sq_seed)
+            ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
+                body, h, stacked, layer_state, opt_like))
+            loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), inputs, labels)
+            return loss_sum / n_valid, loss_sum
+
+        rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), {k: v for k, v in params.items() if k != "layers"})
+        with jax.named_scope(GRADS_SCOPE):
+            grads, loss_sum = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+                rest, params["layers"], None if master is None else master["layers"],
+                ints_as_floats(state["opt"]["layers"]), jnp.float32(0.0))
+        g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
+        with jax.named_scope(UPDATE_SCOPE):
+            g_rest = jax.lax.with_sharding_constraint(
+                jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
+            sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
+            w_rest = {k: v for k, v in (master or params).items() if k != "layers"}
+            new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest),
+                                               state["opt"]["rest"], w_rest, prec.param)
+        grad_norm = jnp.sqrt(sq_rest + sq_layers)
+        new_opt = {"rest": new_s, "layers": floats_as_ints(new_layer_opt, state["opt"]["layers"])}
+        new_params = jax.lax.with_sharding_constraint(dict(new_p, layers=new_layer_params),
+                                                      prog.state_shardings["params"])
+        new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt, grad_norm=grad_norm)
+        if master is not None:
+            new_state["master"] = dict(new_w, layers=new_layer_weights)
+        count = adam_count(new_opt)
+        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
+                   "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0)}
+        return new_state, metrics
+
+    return step
