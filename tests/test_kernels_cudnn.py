@@ -1,6 +1,10 @@
 """cuDNN attention: the segment-ids conversion (values, on CPU), the version guard, and deviceless sm_90
 compiles of the cuDNN custom calls (need the cuDNN library: the `aot-cudnn` extra)."""
 import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +26,23 @@ def _has_cudnn_library() -> bool:
 
 needs_cudnn = pytest.mark.skipif(not _has_cudnn_library(),
                                  reason="cuDNN library not installed (pip install 'jaxmem[aot-cudnn]')")
+# `make test` installs the cuDNN wheel into a side folder and names it here: the two compile tests below then
+# run in a subprocess that sees it, while the rest of the suite keeps planning without cuDNN (with the
+# library present, `kernels.attention=auto` compiles cuDNN deviceless, which would change every compiled
+# figure the other tests check).
+CUDNN_SITE = os.environ.get("JAXMEM_TEST_CUDNN_SITE", "")
+
+
+@pytest.mark.skipif(_has_cudnn_library() or not (CUDNN_SITE and Path(CUDNN_SITE, "nvidia", "cudnn").is_dir()),
+                    reason="the cuDNN library is importable here (the tests run directly) or no side folder")
+def test_cudnn_compile_tests_in_a_process_with_the_library():
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(CUDNN_SITE).resolve()),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    env.pop("JAXMEM_TEST_CUDNN_SITE")
+    names = "compiles_for_h100_deviceless or does_not_lower_deviceless"
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k", names],
+                       capture_output=True, text=True, env=env, cwd=Path(__file__).parent.parent, timeout=600)
+    assert p.returncode == 0 and "2 passed" in p.stdout, p.stdout[-3000:] + p.stderr[-2000:]
 
 
 def test_packed_segments_values():
