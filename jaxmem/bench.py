@@ -239,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(path).is_file():
         raise ConfigError(f"{path}: config file not found")
     cfg = load_config(path, overrides)
+    from jaxmem.plan import allocator
+
+    allocator.prepare(cfg, "bench")  # before the backend starts
     distributed.initialize(cfg.distributed)
     try:
         result = bench(cfg, args.steps, args.warmup, source=path, overrides=tuple(overrides))

@@ -24,7 +24,8 @@ _STATE, _META = "state", "meta"
 # Keys that may change between a save and a resume without changing the math of a
 # step (mesh, bookkeeping, how the global batch is split); the rest enters the hash.
 _RUN_LOCAL = ("out_dir", "parallel", "distributed", "checkpoint", "target")
-_TRAIN_LOCAL = ("progress", "tensorboard", "log_every", "micro_batch", "grad_accum", "global_batch")
+_TRAIN_LOCAL = ("progress", "tensorboard", "log_every", "micro_batch", "grad_accum", "global_batch",
+                "memory_profile_at")
 
 # ModelConfig fields that must agree between an init_from checkpoint and the run.
 _MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",

@@ -15,6 +15,7 @@ COMMANDS = {
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
     "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),
     "list": ("jaxmem.reference:list_main", "list model presets, remat presets and names, GPU targets, kernels"),
+    "doctor": ("jaxmem.doctor", "check this machine for a run: devices, versions, allocator env, host RAM"),
 }
 
 

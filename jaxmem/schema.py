@@ -128,6 +128,8 @@ class TrainConfig:
     seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
     progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
+    memory_profile_at: int = _f(0, "after this step, save a device memory profile (pprof) to "
+                                   "out_dir/memory_profile_step<N>.prof; 0: off")
 
 
 @dataclasses.dataclass(frozen=True)

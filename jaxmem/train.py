@@ -2,7 +2,8 @@
 
 A run writes to `out_dir`: `config.yaml` (the resolved config), `metrics.jsonl`
 (one JSON object per logged step: step, loss, grad_norm, lr, tokens_per_sec,
-step_time_s, tokens) and `checkpoints/`. Times and tokens/s are wall-clock figures
+step_time_s, tokens; on backends that report allocator stats also mem/* and plan/*
+device-memory figures, see jaxmem.telemetry) and `checkpoints/`. Times and tokens/s are wall-clock figures
 measured on the host the run ran on (over the steps since the previous record),
 on whatever devices it had: CPU figures say nothing about a GPU. Starting a run in
 an out_dir that holds checkpoints resumes from the latest complete one.
@@ -31,6 +32,7 @@ from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line
 from jaxmem.optim import schedule_steps
 from jaxmem.precision import all_finite
 from jaxmem.program import TrainProgram, build_program
+from jaxmem.telemetry import MemoryTelemetry, save_memory_profile
 from jaxmem.config import load_config
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parent.parent / "configs" / "tiny.yaml"
@@ -183,7 +185,8 @@ def run(cfg: Config) -> dict:
     """Trains `cfg` (resuming from `<out_dir>/checkpoints` if it holds one); returns a summary dict.
 
     The summary has `records` (the metrics.jsonl records of this invocation),
-    `start_step`, `final_step`, `resumed_from`, `compile_time_s` and `checkpoint_steps`.
+    `start_step`, `final_step`, `resumed_from`, `compile_time_s`, `checkpoint_steps` and
+    `memory_warnings` (name -> text; device-memory telemetry, see jaxmem.telemetry).
     """
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
     if cfg.train.tensorboard:
@@ -203,7 +206,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
     total, every = cfg.train.steps, cfg.checkpoint.every
     state, start, position, resumed = initial_state(prog, ckpts)
     summary = {"out_dir": str(cfg.out_dir), "start_step": start, "final_step": start, "resumed_from": resumed,
-               "records": [], "compile_time_s": None, "checkpoint_steps": []}
+               "records": [], "compile_time_s": None, "checkpoint_steps": [], "memory_warnings": {}}
     outputs = _Outputs(cfg, start)
     try:
         if start >= total:
@@ -214,6 +217,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         t0 = time.perf_counter()
         step_fn = compile_train_step(prog)
         summary["compile_time_s"] = time.perf_counter() - t0
+        memory = MemoryTelemetry.for_compiled(step_fn)
+        summary["memory_warnings"] = memory.warnings  # filled as warnings are raised
         _note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {total} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
         pending, last_sync, last_saved = [], time.perf_counter(), resumed
@@ -223,6 +228,9 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
             if done < total:
                 batch = next(data)  # built on the host while the devices run the step
             outputs.bar.advance(done)
+            if done == cfg.train.memory_profile_at:
+                jax.block_until_ready(state)  # the profile shows the buffers live after the step
+                save_memory_profile(cfg.out_dir, done)
             save_now = ckpts is not None and ((every and done % every == 0) or done == total)
             log_now = done % cfg.train.log_every == 0 or done == total or done == start + 1
             if not (save_now or log_now):
@@ -232,6 +240,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
             _check_finite(cfg, pending, host, ckpts)
             if log_now:
                 record = _record(done, host, now - last_sync, cfg.precision.loss_scale.enabled)
+                record.update(memory.sample())  # between steps: the devices have finished `done`
                 summary["records"].append(record)
                 outputs.record(record)
             pending, last_sync = [], now
@@ -307,6 +316,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("jaxmem train: no CONFIG given; using the schema's defaults (the tiny preset)", file=sys.stderr)
     cfg = load_config(path, overrides)
+    from jaxmem.plan import allocator
+
+    allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (docs: README, allocator)
     try:
         summary = run(cfg)
     except TrainError as e:

@@ -72,6 +72,8 @@ def _train(cfg: Config) -> None:
         _positive(f"train.{k}", getattr(cfg.train, k))
     if cfg.train.global_batch < 0 or cfg.train.grad_accum < 0:
         raise ConfigError("train.global_batch / train.grad_accum: must be >= 0 (0 means derived)")
+    if cfg.train.memory_profile_at < 0:
+        raise ConfigError(f"train.memory_profile_at: must be >= 0 (0: off), got {cfg.train.memory_profile_at}")
 
 
 def _parallel(cfg: Config) -> None:

@@ -112,6 +112,8 @@ BAD_CROSS = {
                                     "remat.every_k: 3 does not divide model.n_layers=4"),
     "_batch_fits_fixed_mesh": (["parallel.fsdp=8", "train.global_batch=24"],
                                "train.global_batch: 24 is not a multiple of micro_batch 2 x data ways 8 = 16"),
+    "_update_in_backward_levers": (["optimizer.update_in_backward=true"],
+                                   "optimizer.update_in_backward: needs remat.preset=full"),
 }
 
 

@@ -53,6 +53,13 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
     offload = offload_status(cfg, compiled)
     if offload["verified"] is False:
         warnings.append(offload["message"])
+    alloc = None
+    if capacity:  # what `jaxmem train` would set for this plan, in this shell's environment
+        from jaxmem.plan.allocator import derive
+
+        alloc = derive(device_need, capacity, topo.headroom, basis).to_json()
+        if alloc["warning"]:
+            warnings.append(f"allocator: {alloc['warning']}")
     return {
         "schema_version": SCHEMA_VERSION,
         "config": source,
@@ -72,6 +79,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "host_fits": host_fits,
         "host_bytes_per_node": int(host_need),
         "offload": offload,
+        "allocator": alloc,
         "analytic_vs_compiled": analytic_vs_compiled(bill.device_total,
                                                      compiled.device_total if compiled is not None else None),
         "cost": cost.to_json(),
@@ -176,6 +184,11 @@ def render(plan: dict, console=None) -> None:
     console.print(f"verdict: {verdict[plan['fits']]} ({plan['fits_basis']} figure vs {_fmt(usable, gib)} GiB "
                   f"usable); host RAM: {verdict[plan['host_fits']]} "
                   f"({_fmt(plan['host_bytes_per_node'], gib)} GiB per node)")
+    if plan.get("allocator"):
+        a = plan["allocator"]
+        cap = "no cap (platform allocator)" if a["limit_bytes"] is None else f"{_fmt(a['limit_bytes'], gib)} GiB"
+        console.print(f"allocator: `jaxmem train` runs with {' '.join(f'{k}={v}' for k, v in a['env'].items())} "
+                      f"(XLA may hold {cap} per device; README: the allocator trap)", highlight=False)
     if plan["offload"]["requested"]:
         console.print(plan["offload"]["message"])
     for w in plan["warnings"]:
