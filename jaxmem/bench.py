@@ -17,19 +17,12 @@ from pathlib import Path
 
 import jax
 
-from jaxmem.targets import TARGETS, GpuTarget
+from jaxmem.targets import target_for_device_kind
 
 SCHEMA_VERSION = 1
 MFU_FORMULA = ("MFU = model FLOPs per step / (median step time x devices x peak FLOP/s per device for "
                "precision.compute_dtype); model FLOPs = 6 x matmul params x tokens + causal attention (3 x 4 x "
                "tokens x seq_len x heads x head_dim per layer, counted unmasked), the cost model's model_flops")
-
-
-def target_for_device_kind(kind: str) -> GpuTarget | None:
-    """The GPU target whose device description is exactly `kind` (`Device.device_kind`, case and spaces
-    ignored), else None: a near miss (an H100 PCIe, an H200 NVL) has other peaks, so it gets no target."""
-    key = " ".join(kind.split()).lower()
-    return next((t for t in TARGETS.values() if t.description.lower() == key), None)
 
 
 def _fig(value, label: str, how: str, **extra) -> dict:

@@ -32,6 +32,7 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
+os.environ.setdefault("JAXMEM_PLAN_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "plans"))
 
 import jax  # noqa: E402
 

@@ -1,5 +1,6 @@
 """Allocator settings derived from the plan (jaxmem.plan.allocator): exact values for each case."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -46,10 +47,36 @@ def test_the_users_environment_wins_and_is_warned_about_when_it_cannot_hold_the_
     assert platform.limit_bytes is None and platform.warning is None
 
 
-def test_run_settings_come_from_the_configs_bill_and_are_applied_without_touching_the_users(tmp_path, monkeypatch,
+def test_the_compiled_total_comes_from_the_cache_else_a_subprocess_plan(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXMEM_PLAN_CACHE", str(tmp_path / "cache"))
+    cfg = load_config("configs/llama3-8b-8xh100.yaml")
+    calls = []
+
+    def fake_plan(cmd, **kw):  # what `jaxmem plan CONFIG --json OUT` writes, compiled for 8 x h100-80g
+        calls.append(cmd)
+        assert kw["env"]["JAX_PLATFORMS"] == "cpu" and cmd[3] == "plan"
+        (Path(cmd[-1])).write_text(json.dumps({"config_hash": "from-the-file", "compiled": {
+            "device_total": 70_000_000_000, "label": "compiled for 8 x h100-80g (deviceless)"}}))
+
+    assert allocator.compiled_device_total(cfg, "h100-80g", 8, run=fake_plan) == (
+        70_000_000_000, "compiled for 8 x h100-80g (deviceless)")
+    assert allocator.compiled_device_total(cfg, "h100-80g", 8, run=fake_plan) == (
+        70_000_000_000, "compiled for 8 x h100-80g (deviceless), cached by jaxmem plan")
+    assert len(calls) == 1  # the second answer came from the cache
+    # `jaxmem plan` of the same config writes the key the run looks up
+    from jaxmem.schema import config_hash
+
+    allocator.remember({"config_hash": config_hash(cfg, "8 x h100-80g"),
+                        "compiled": {"device_total": 1, "label": "compiled for 8 x h100-80g (deviceless)"}})
+    assert allocator.compiled_device_total(cfg, "h100-80g", 8, run=fake_plan)[0] == 1
+    assert allocator.compiled_device_total(cfg, "h100-80g", 4, run=lambda *a, **k: None) is None  # failed: no JSON
+
+
+def test_run_settings_come_from_the_configs_plan_and_are_applied_without_touching_the_users(tmp_path, monkeypatch,
                                                                                           capsys):
     cfg = load_config("configs/llama3-8b-8xh100.yaml", [f"out_dir={tmp_path}"])
-    monkeypatch.setattr(allocator, "attached_gpus", lambda: (8, H100))
+    monkeypatch.setattr(allocator, "attached_gpus", lambda: (8, H100, "NVIDIA H100 80GB HBM3"))
+    monkeypatch.setattr(allocator, "compiled_device_total", lambda cfg, target, n: None)  # the compile failed
     env = {"JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "true"}
     s = allocator.settings_for_run(cfg, env)
     bill = compute_bill(cfg, 8, gpu=True).device_total

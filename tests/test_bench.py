@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from jaxmem import cli
-from jaxmem.bench import main, target_for_device_kind
+from jaxmem.bench import main
+from jaxmem.targets import target_for_device_kind
 from jaxmem.config import load_config
 from jaxmem.plan.compiled import memory_figures
 from jaxmem.program import build_program

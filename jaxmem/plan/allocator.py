@@ -5,15 +5,21 @@ and caps every allocation there, preallocating it unless `XLA_PYTHON_CLIENT_PREA
 the plan says needs 67 GiB of an 80 GB H100 then runs out of memory at 59 GiB. `jaxmem train` and
 `jaxmem bench` derive the settings from the plan before the backend starts: preallocation off, and a
 fraction that covers the plan's device total plus `target.headroom`, never below XLA's default and never
-above `MAX_FRACTION`. Whatever the user exported wins; a one-line warning says when it cannot hold the plan.
+above `MAX_FRACTION`. The device total is the compiled one for this config and GPU: from the plan cache
+(`jaxmem plan` writes it there, keyed by the config hash and topology), else from a deviceless compile in a
+subprocess (cached in turn), else, if that fails, the analytic bill, labeled as such. Whatever the user exported wins; a one-line warning says when it cannot hold the plan.
 `XLA_PYTHON_CLIENT_ALLOCATOR=platform` (allocate on demand, no pool) has no cap.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
+from pathlib import Path
 from typing import Mapping
 
 DEFAULT_FRACTION = 0.75  # XLA's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
@@ -69,16 +75,59 @@ def derive(plan_bytes: int, hbm_bytes: int, headroom: float, plan_how: str,
     return AllocatorSettings(env, ours, limit, plan_bytes, plan_how, hbm_bytes, warning)
 
 
-def attached_gpus() -> tuple[int, int] | None:
-    """(number of GPUs, memory of GPU 0 in bytes) from nvidia-smi, before any backend starts; None without."""
+def attached_gpus() -> tuple[int, int, str] | None:
+    """(number of GPUs, memory of GPU 0 in bytes, its name) from nvidia-smi, before any backend starts."""
     if shutil.which("nvidia-smi") is None:
         return None
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout.split()
-        return (len(out), int(float(out[0]) * 2**20)) if out else None
-    except (OSError, subprocess.SubprocessError, ValueError):
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total,name", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout.strip().splitlines()
+        mib, name = out[0].split(",", 1)
+        return len(out), int(float(mib) * 2**20), name.strip()
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
         return None
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("JAXMEM_PLAN_CACHE", Path.home() / ".cache" / "jaxmem" / "plans"))
+
+
+def remember(plan: dict) -> None:
+    """Keeps a compiled plan's device total under its config hash (`jaxmem plan` calls this)."""
+    if plan.get("compiled"):
+        path = cache_dir() / f"{plan['config_hash']}.json"
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps({"device_total": plan["compiled"]["device_total"],
+                                        "label": plan["compiled"]["label"]}))
+        except OSError:
+            pass  # a read-only home: the next run compiles again
+
+
+def compiled_device_total(cfg, target: str, n_devices: int, run=subprocess.run) -> tuple[int, str] | None:
+    """(compiled device bytes per device, how) for `cfg` on `n_devices` x `target`: from the cache, else a
+    deviceless compile in a subprocess (`jaxmem plan --json`, cached); None when that fails."""
+    from jaxmem.schema import config_hash, dump_yaml
+
+    cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, name=target, gpus_per_host=n_devices,
+                                                              hosts=1))
+    path = cache_dir() / f"{config_hash(cfg, f'{n_devices} x {target}')}.json"
+    if path.exists():
+        hit = json.loads(path.read_text())
+        return hit["device_total"], f"{hit['label']}, cached by jaxmem plan"
+    with tempfile.TemporaryDirectory() as tmp:
+        config, out = Path(tmp, "config.yaml"), Path(tmp, "plan.json")
+        dump_yaml(cfg, config)
+        run([sys.executable, "-m", "jaxmem.cli", "plan", str(config), "--json", str(out)],
+            env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1800)
+        if not out.exists():
+            return None
+        plan = json.loads(out.read_text())
+    if not plan.get("compiled"):
+        return None
+    plan["config_hash"] = path.stem  # the run's own key (the config file path differs, not the config)
+    remember(plan)
+    return plan["compiled"]["device_total"], plan["compiled"]["label"]
 
 
 def settings_for_run(cfg, environ: Mapping[str, str] | None = None) -> AllocatorSettings | None:
@@ -90,18 +139,20 @@ def settings_for_run(cfg, environ: Mapping[str, str] | None = None) -> Allocator
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return None
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.targets import TARGETS
+    from jaxmem.targets import TARGETS, target_for_device_kind
     from jaxmem.validate import fixed_mesh_size
 
     attached = attached_gpus()
-    target = TARGETS.get(cfg.target.name)
-    hbm = target.hbm_bytes if target else attached and attached[1]
+    target = TARGETS.get(cfg.target.name) or (attached and target_for_device_kind(attached[2]))
+    hbm = attached[1] if attached else target and target.hbm_bytes
     if not hbm:
         return None
     local = attached[0] if attached else (cfg.target.gpus_per_host or 1)
     n_devices = fixed_mesh_size(cfg.parallel) or local * max(1, cfg.distributed.num_processes or 1)
-    plan_bytes = compute_bill(cfg, n_devices, gpu=True).device_total
-    return derive(plan_bytes, hbm, cfg.target.headroom, "estimated (analytic)", environ)
+    found = compiled_device_total(cfg, target.name, n_devices) if target and n_devices == local else None
+    if found is None:  # no target to compile for, several hosts, or the compile failed
+        found = compute_bill(cfg, n_devices, gpu=True).device_total, "estimated (analytic)"
+    return derive(found[0], hbm, cfg.target.headroom, found[1], environ)
 
 
 def apply(settings: AllocatorSettings, environ=None) -> None:
@@ -114,10 +165,6 @@ def apply(settings: AllocatorSettings, environ=None) -> None:
 def prepare(cfg, command: str, out_dir=None, file=None) -> AllocatorSettings | None:
     """Derives and applies the settings before the backend starts; prints them as export lines (and any
     warning) and writes `<out_dir>/allocator.json`. Returns None where there is no GPU to set them for."""
-    import json
-    import sys
-    from pathlib import Path
-
     from jax._src import xla_bridge
 
     file = file or sys.stderr

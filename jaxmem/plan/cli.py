@@ -47,6 +47,7 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.plan import plan, resolve_topology
+    from jaxmem.plan.allocator import remember
     from jaxmem.plan.report import render
     from jaxmem.config import load_config
 
@@ -60,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     plans = []
     for path, cfg, topo in jobs:
         result = plan(cfg, topo, compile=not args.no_compile, source=path)
+        remember(result)  # `jaxmem train` reads the compiled total back to set XLA's allocator
         render(result)
         plans.append(result)
     if args.json_path:
