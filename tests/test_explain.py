@@ -319,9 +319,11 @@ def test_oom_hook_ignores_other_errors():
     assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate 8.00GiB"))
 
 
-def test_oom_hook_prints_the_explain_report(cfg, dumped, monkeypatch):
+def test_oom_hook_prints_the_explain_report(cfg, dumped, monkeypatch, tmp_path):
+    import dataclasses
     import io
 
+    cfg = dataclasses.replace(cfg, out_dir=str(tmp_path))  # the report's JSON lands in out_dir
     # The hook's deviceless compile is the module's (same config): reuse its dump instead of compiling again.
     calls = []
 

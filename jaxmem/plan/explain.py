@@ -111,24 +111,54 @@ def _attached_target() -> str:
 
 
 def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> bool:
-    """If `exc` is an out-of-memory error, prints the explain report for this run and returns True.
+    """If `exc` is an out-of-memory error, prints the OOM forensics for this run and returns True: bytes asked
+    vs free (parsed from XLA's message), the plan's analytic bill, the levers that would free the missing
+    bytes ranked by added step time (jaxmem.plan.oom), and the buffers live at the peak (explain; best
+    effort). The same report goes to <out_dir>/oom_report.json.
 
-    The compile runs deviceless in a subprocess for the attached GPU model, so it needs no GPU memory.
+    The explain compile runs deviceless in a subprocess for the attached GPU model, so it needs no GPU memory.
     """
-    if not is_oom(exc):
+    from jaxmem.plan import oom
+
+    text = oom.exc_text(exc)
+    if not (is_oom(RuntimeError(text)) or oom.parse_oom(text).form):
         return False
     from rich.console import Console
 
     console = Console(file=file or sys.stderr, width=160)
-    console.print("[red]out of memory[/red]: the buffers live at the peak of this step (explain):")
+    report: dict = {"message": text[:4000]}
+    topo = None
     try:
         import jax
 
         topo = resolve_topology(cfg, cfg.target.name or _attached_target() or None,
                                 gpus_per_host=jax.local_device_count(), hosts=jax.process_count())
-        render(explain(cfg, topo, top), console)
+        report = oom.forensics(cfg, text, topo.n_devices, topo.gpu)
+        oom.render(report, console)
     except Exception as e:  # the report is best effort; never mask the original error
+        report["forensics_error"] = f"{type(e).__name__}: {e}"
+        console.print(f"[red]out of memory[/red] (could not size it: {type(e).__name__}: {e})")
+    try:
+        if topo is None:
+            raise RuntimeError("no topology")
+        console.print("the buffers live at the peak of this step (explain):")
+        result = explain(cfg, topo, top)
+        render(result, console)
+        report["explain"] = result
+    except Exception as e:
+        report["explain_error"] = f"{type(e).__name__}: {e}"
         console.print(f"(could not explain the peak: {type(e).__name__}: {e})")
+    import jax
+
+    try:
+        out = Path(cfg.out_dir)
+        if jax.process_index() != 0:  # one report per run
+            return True
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "oom_report.json").write_text(json.dumps(report, indent=2, default=str))
+        console.print(f"OOM report: {out / 'oom_report.json'}", highlight=False)
+    except OSError as e:
+        console.print(f"(could not write oom_report.json: {e})")
     return True
 
 

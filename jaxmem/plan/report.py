@@ -2,6 +2,8 @@
 (schema in docs/plan_schema.md), and its rich table."""
 from __future__ import annotations
 
+import os
+
 from jaxmem import remat
 from jaxmem.aot import Topology
 from jaxmem.schema import Config, config_hash
@@ -80,6 +82,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "host_bytes_per_node": int(host_need),
         "offload": offload,
         "allocator": alloc,
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),  # flags change the compiled peak; train inherits them
         "analytic_vs_compiled": analytic_vs_compiled(bill.device_total,
                                                      compiled.device_total if compiled is not None else None),
         "cost": cost.to_json(),
