@@ -87,9 +87,18 @@ def test_state_specs_and_bytes_match(program_and_bill):
     on_host = "opt" in lay.host_state
     assert device["opt_m"] + device["opt_v"] + device["master"] == (0 if on_host else opt_bytes)
     assert host["opt_m"] + host["opt_v"] + host["master"] == (opt_bytes if on_host else 0)
-    grad_shards = [NamedSharding(prog.mesh, s).shard_shape(x.shape)
-                   for x, s in zip(jax.tree.leaves(state["params"]), spec_leaves(prog.grad_specs), strict=True)]
-    assert device["grads"] == sum(math.prod(s) for s in grad_shards) * np.dtype(prec.grad_reduce).itemsize
+    def shard_elems(params, specs):
+        return [math.prod(NamedSharding(prog.mesh, s).shard_shape(x.shape))
+                for x, s in zip(jax.tree.leaves(params), spec_leaves(specs), strict=True)]
+
+    itemsize = np.dtype(prec.grad_reduce).itemsize
+    if prog.cfg.optimizer.update_in_backward:  # one layer's gradient and the largest of the others at a time
+        rest = {k: v for k, v in state["params"].items() if k != "layers"}
+        rest_specs = {k: v for k, v in prog.grad_specs.items() if k != "layers"}
+        layer = sum(shard_elems(state["params"]["layers"], prog.grad_specs["layers"])) // prog.cfg.model.n_layers
+        assert device["grads"] == (layer + max(shard_elems(rest, rest_specs))) * itemsize
+    else:
+        assert device["grads"] == sum(shard_elems(state["params"], prog.grad_specs)) * itemsize
 
 
 def test_host_placement_is_the_layout_host_state(program_and_bill):
