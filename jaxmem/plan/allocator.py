@@ -118,8 +118,11 @@ def compiled_device_total(cfg, target: str, n_devices: int, run=subprocess.run) 
     with tempfile.TemporaryDirectory() as tmp:
         config, out = Path(tmp, "config.yaml"), Path(tmp, "plan.json")
         dump_yaml(cfg, config)
-        run([sys.executable, "-m", "jaxmem.cli", "plan", str(config), "--json", str(out)],
-            env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=1800)
+        try:
+            run([sys.executable, "-m", "jaxmem.cli", "plan", str(config), "--json", str(out)],
+                env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True, timeout=600)
+        except subprocess.TimeoutExpired:
+            return None
         if not out.exists():
             return None
         plan = json.loads(out.read_text())
