@@ -65,7 +65,8 @@ SUGGESTIONS = {
     "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
                   "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
                   "a larger fsdp axis) shrinks it",
-    "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them",
+    "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them; "
+            "optimizer.update_in_backward=true (with remat.preset=full) keeps one layer's at a time",
     "gathered": "all-gathered full weight (FSDP): fewer layers gathered ahead (XLA's scheduler prefetch; "
                 "lower remat.every_k) or add tensor parallelism (parallel.tp)",
     "activation": "scan residual '{name}' kept for every layer: set remat.names.{name}=remat (recompute) or "
