@@ -44,8 +44,8 @@ def test_qwen72b_host_ram_fails_here(tmp_path, capsys):
     got = by_name(doctor.run_checks(cfg, env={}, ram=24 * GIB))
     ram = got["host RAM"]
     assert ram["status"] == "fail"
-    assert "plan needs 1760.9 GiB of host memory per node" in ram["detail"]
-    assert "(220.1 GiB per device x 8 devices); MemTotal 24.0 GiB" in ram["detail"]
+    assert "plan needs 1132.7 GiB of host memory per node" in ram["detail"]
+    assert "(141.6 GiB per device x 8 devices); MemTotal 24.0 GiB" in ram["detail"]
     # the CLI on this machine (24 GiB): exit 1, the line printed
     out = tmp_path / "d.json"
     assert doctor.main(["configs/qwen2-72b-8xh100.yaml", "--json", str(out)]) == 1
