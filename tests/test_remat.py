@@ -95,7 +95,7 @@ def _h100_bytes(preset: str, **extra) -> dict:
     from jaxmem.plan.compiled import memory_figures
     from jaxmem.program import build_program
 
-    overrides = ["model.preset=llama3-8b", "model.n_layers=4", "train.seq_len=4096", "train.micro_batch=1",
+    overrides = ["model.preset=llama3-8b", "model.n_layers=4", "train.seq_len=2048", "train.micro_batch=1",
                  "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
                  "parallel.fsdp=1", f"remat.preset={preset}"] + [f"{k}={v}" for k, v in extra.items()]
     cfg = load_config(None, overrides)
