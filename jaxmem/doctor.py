@@ -14,9 +14,9 @@ import sys
 from pathlib import Path
 from typing import Mapping
 
+from jaxmem.plan.allocator import DEFAULT_FRACTION, ENV_KEYS as ALLOCATOR_VARS
+
 GIB = 1024**3
-DEFAULT_FRACTION = 0.75  # XLA_PYTHON_CLIENT_MEM_FRACTION when unset
-ALLOCATOR_VARS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
 NO_CONFIG = "no config given"
 
 

@@ -125,8 +125,21 @@ def _same_space(x, like):
     return x if jax.typeof(x).memory_space == space else jax.device_put(x, space)
 
 
-def _split(tree):
+def split_layers(tree):
+    """(everything but the layer stack, the layer stack) of a params-shaped tree."""
     return {k: v for k, v in tree.items() if k != "layers"}, tree["layers"]
+
+
+def take_layer(stacked, i):
+    """Layer i of a stacked (leading layer axis) tree."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+
+
+def put_layer(stacked, new, i):
+    """`stacked` with layer i replaced by `new`, in the stack's dtype and memory space (in place in a loop
+    carry)."""
+    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, _same_space(n.astype(a.dtype), a), i, 0),
+                        stacked, new)
 
 
 def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
@@ -141,7 +154,7 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     """
     same = (lambda t: t,) * 3
     homes = homes or {"rest": same, "layers": same}
-    g_rest, g_layers = _split(grads)
+    g_rest, g_layers = split_layers(grads)
 
     def sums(g):
         g = jax.tree.map(lambda x: x.astype(jnp.float32) / scale, fetch(g))
@@ -162,19 +175,16 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
             new_p, new_s, new_w = keep(new_p, p_old), keep(new_s, s), keep(new_w, w)
         return home[0](new_p), home[1](new_s), home[2](new_w)
 
-    w_rest, w_layers = _split(weights)
-    p_rest, p_layers = _split(old_params) if old_params is not None else (None, None)
+    w_rest, w_layers = split_layers(weights)
+    p_rest, p_layers = split_layers(old_params) if old_params is not None else (None, None)
     new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
 
     # State and weights are the loop carry, updated in place (they are donated); new params are the
     # scan's stacked output, a param-dtype copy.
     def layer(carry, _):
         i, s_all, w_all = carry
-        take = lambda t: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), t)  # noqa
-        p, s, w = one(take(g_layers), take(s_all), take(w_all), take(p_layers), homes["layers"])
-        put = lambda all_, new: jax.tree.map(  # noqa: E731
-            lambda a, n: jax.lax.dynamic_update_index_in_dim(a, _same_space(n, a), i, 0), all_, new)
-        return (i + 1, put(s_all, s), put(w_all, w)), p
+        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_layers)), homes["layers"])
+        return (i + 1, put_layer(s_all, s, i), put_layer(w_all, w, i)), p
 
     n_layers = jax.tree.leaves(w_layers)[0].shape[0]
     (_, ls, lw), lp = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers), None, length=n_layers)

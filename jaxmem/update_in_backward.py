@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.optim import apply_update
+from jaxmem.optim import apply_update, put_layer, split_layers, take_layer
 
 
 def clip_factor(prev_norm, clip_norm: float):
@@ -31,14 +31,6 @@ def clip_factor(prev_norm, clip_norm: float):
     if clip_norm <= 0:
         return jnp.float32(1.0)
     return jnp.where(prev_norm > clip_norm, clip_norm / jnp.maximum(prev_norm, 1e-30), 1.0).astype(jnp.float32)
-
-
-def _take(tree, i):
-    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), tree)
-
-
-def _put(tree, new, i):
-    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, n.astype(a.dtype), i, 0), tree, new)
 
 
 class _Static:
@@ -124,13 +116,13 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g):
 
         def layer(carry, i):
             dh, params_all, weights_all, opt_all, sq = carry
-            p = _take(params_all, i)
-            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), _take(inputs, i), cast(p))
+            p = take_layer(params_all, i)
+            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), take_layer(inputs, i), cast(p))
             dx, dp = vjp(dh)
-            w = None if weights_all is None else _take(weights_all, i)
-            new_p, new_w, new_s, sq_i = update(dp, p, w, _take(opt_all, i), factor, opt_like.value)
-            weights_all = None if weights_all is None else _put(weights_all, new_w, i)
-            return (dx, _put(params_all, new_p, i), weights_all, _put(opt_all, new_s, i), sq + sq_i), None
+            w = None if weights_all is None else take_layer(weights_all, i)
+            new_p, new_w, new_s, sq_i = update(dp, p, w, take_layer(opt_all, i), factor, opt_like.value)
+            weights_all = None if weights_all is None else put_layer(weights_all, new_w, i)
+            return (dx, put_layer(params_all, new_p, i), weights_all, put_layer(opt_all, new_s, i), sq + sq_i), None
 
         init = (dy, params, weights, opt_state, jnp.float32(0.0))
         (dx, new_params, new_weights, new_opt, sq), _ = jax.lax.scan(layer, init, jnp.arange(n - 1, -1, -1))
@@ -140,7 +132,7 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g):
     stack.defvjp(stack_fwd, stack_bwd)
 
     def scan_layers(body, h, stacked, state, opt_like):
-        closed, consts = jax.closure_convert(body, h, cast(_take(stacked, 0)))
+        closed, consts = jax.closure_convert(body, h, cast(take_layer(stacked, 0)))
         return stack(closed, _Static(opt_like), h, stacked, state, tuple(consts))
 
     return scan_layers
@@ -157,7 +149,7 @@ def make_step(prog):
 
     cfg, prec = prog.cfg, prog.precision
     grad_shardings = sharding.named(prog.mesh, prog.grad_specs)
-    rest_shardings = {k: v for k, v in grad_shardings.items() if k != "layers"}
+    rest_shardings, _ = split_layers(grad_shardings)
     layer_shardings = sharding.named(prog.mesh, layer_specs(prog.grad_specs["layers"]))
     def constrain_grad(g):  # g is one layer's nnx.State; the shardings are a dict of the same keys
         leaves = jax.tree.leaves(layer_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
@@ -173,7 +165,8 @@ def make_step(prog):
         n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
         params, master = state["params"], state.get("master")
         factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
-        opt_like = jax.eval_shape(lambda: (_take((master or params)["layers"], 0), _take(state["opt"]["layers"], 0)))
+        opt_like = jax.eval_shape(lambda: (take_layer((master or params)["layers"], 0),
+                                           take_layer(state["opt"]["layers"], 0)))
 
         def loss(rest, layers, layer_weights, layer_opt, sq_seed):
             layer_state = (layer_weights, layer_opt, factor, sq_seed)
@@ -182,7 +175,7 @@ def make_step(prog):
             loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), inputs, labels)
             return loss_sum / n_valid, loss_sum
 
-        rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), {k: v for k, v in params.items() if k != "layers"})
+        rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])
         with jax.named_scope(GRADS_SCOPE):
             grads, loss_sum = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
                 rest, params["layers"], None if master is None else master["layers"],
@@ -192,7 +185,7 @@ def make_step(prog):
             g_rest = jax.lax.with_sharding_constraint(
                 jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
             sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
-            w_rest = {k: v for k, v in (master or params).items() if k != "layers"}
+            w_rest, _ = split_layers(master or params)
             new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest),
                                                state["opt"]["rest"], w_rest, prec.param)
         grad_norm = jnp.sqrt(sq_rest + sq_layers)

@@ -14,6 +14,7 @@ from jaxmem.schema import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
+from jaxmem.optim import split_layers
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.precision import Precision
 
@@ -92,8 +93,7 @@ def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
     """Gradient bytes live at once with optimizer.update_in_backward: one layer's, and the largest of the
     embedding / final norm / LM head gradients (each is updated as soon as it exists: the compiled step
     updates the LM head during the backward, before the embedding's gradient appears)."""
-    rest = {k: v for k, v in layout.abstract_params.items() if k != "layers"}
-    rest_specs = {k: v for k, v in layout.grad_specs.items() if k != "layers"}
+    (rest, _), (rest_specs, _) = split_layers(layout.abstract_params), split_layers(layout.grad_specs)
     largest = max(_shard_elems(x.shape, s, layout.mesh_sizes)
                   for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True))
     return (_state_elems(layout, layout.grad_specs, "layers") // cfg.model.n_layers + largest) * _itemsize(dtype)
