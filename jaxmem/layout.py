@@ -21,12 +21,13 @@ from jaxmem.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.precision import Precision
-from jaxmem.validate import batch_layout
+from jaxmem.seq_tiling import INSIDE_TILES, tile_count
+from jaxmem.validate import batch_layout, check_sequence_layout
 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    mesh_sizes: dict[str, int]  # dp, fsdp, tp
+    mesh_sizes: dict[str, int]  # dp, fsdp, sp, tp
     platform: str  # "gpu" for deviceless targets and GPUs, else the devices' platform
     kernels: dict[str, str]  # attention, loss, norm: `auto` decided for the platform
     graphdef: Any  # the model's structure (flax nnx)
@@ -82,18 +83,23 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...); `mesh_sizes` when the
     caller already holds a mesh (else from `parallel.*`)."""
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
+    sizes.setdefault("sp", 1)
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
     chosen = kernels.resolve(cfg.kernels, platform)
+    check_sequence_layout(cfg, sizes, chosen["attention"])
     fused_attention = chosen["attention"] != "xla"
+    saved = remat.saved_across_backward(cfg.remat, fused_attention)
+    if tile_count(cfg.train.seq_len, sizes["sp"], cfg.remat.seq_tile) > 1:
+        saved = {n: "remat" if n in INSIDE_TILES else where for n, where in saved.items()}
     grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
     return Layout(
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef,
         abstract_params=nnx.to_pure_dict(params_state), param_specs=param_specs, grad_specs=grad_specs,
         opt_specs=opt_specs, gathered_specs=gathered_specs, grad_accum=grad_accum, rows=rows,
         checkpointed=remat.uses_checkpoint(cfg.remat),
-        saved=remat.saved_across_backward(cfg.remat, fused_attention),
+        saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model),
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))

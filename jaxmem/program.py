@@ -24,6 +24,7 @@ from jaxmem.model.axes import activation_rules
 from jaxmem.optim import (adam_count, init_opt_state, layerwise_update, make_optimizer, opt_state_specs,
                           schedule)
 from jaxmem.precision import Precision, init_loss_scale, update_loss_scale
+from jaxmem.seq_tiling import per_token_tiles
 
 
 # The jax.named_scope of the gradient computation (forward, backward, micro-batch accumulation) and of the
@@ -132,7 +133,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
     """Everything needed to init, step, checkpoint and plan a run, without allocating weights."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
     layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
-                            mesh_sizes={a: mesh.shape.get(a, 1) for a in ("dp", "fsdp", "tp")})
+                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in sharding.MESH_AXES})
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
 
@@ -154,26 +155,28 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
                                             fetch=offload.layer_fetch(cfg, prec.grad_reduce))
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
-                         segment=segment)
+                         segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
 
 
 def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
-    """fn(params, inputs_bt, labels_bt) -> (loss_sum, n_valid): the summed next-token cross-entropy over the
-    labels that are not IGNORE_INDEX, and their count, with the kernels, precision and activation sharding
-    constraints the config selects. The train step differentiates this function (jaxmem.api.loss_fn too).
+    """fn(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None) -> (loss_sum, n_valid): the
+    summed next-token cross-entropy over the labels that are not IGNORE_INDEX, and their count, with the
+    kernels, precision and activation sharding constraints the config selects (segment ids keep attention
+    inside each packed document; positions restart RoPE per document). The train step differentiates this
+    function (jaxmem.api.loss_fn too).
     `ctx` replaces the program's forward context (the update-in-backward step swaps its layer scan)."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
     loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
 
-    def loss_sum(params, inputs_bt, labels_bt):
+    def loss_sum(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None):
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            h_btd = model.hidden(inputs_bt, ctx)
+            h_btd = model.hidden(inputs_bt, ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
         w_dv = model.lm_head_weight().astype(prog.precision.compute)
-        return loss_impl(h_btd.reshape(-1, h_btd.shape[-1]), w_dv, labels_bt.reshape(-1))
+        return loss_impl(h_btd, w_dv, labels_bt)
 
     return loss_sum
 

@@ -66,6 +66,9 @@ class ParallelConfig:
     dp: int = _f(1, "data-parallel mesh axis: batch split, weights replicated" + _FILL)
     fsdp: int = _f(-1, "FSDP mesh axis: batch split, state sharded per zero_stage" + _FILL)
     tp: int = _f(1, "tensor-parallel mesh axis: heads, MLP and vocab split (with rules fsdp_tp or dp)" + _FILL)
+    sp: int = _f(1, "sequence-parallel mesh axis (Ulysses): every activation split along the sequence, "
+                    "attention split along the heads (an all-to-all each way); weights sharded over it like "
+                    "fsdp with rules fsdp" + _FILL)
     rules: Literal["fsdp", "fsdp_tp", "dp"] = _f(
         "fsdp", "sharding rules, one of fsdp (every weight sharded over fsdp), fsdp_tp (Megatron-style tp "
                 "inside, fsdp across), dp (weights replicated; tp still applies)")
@@ -174,6 +177,10 @@ class RematConfig:
                  "divisor of n_layers up to sqrt(n_layers) layers: a group keeps only its input, each layer "
                  "inside is checkpointed with the preset)")
     every_k: int = _f(1, "layers per checkpointed group with granularity=every_k (must divide model.n_layers)")
+    seq_tile: int = _f(0, "sequence tiling: the per-token parts of each layer (norms, q/k/v projections and "
+                          "RoPE, the output projection, the MLP) and the final norm run over tiles of this many "
+                          "tokens per device, each tile recomputed in the backward, so no [seq, d_ff] "
+                          "intermediate exists at once; must divide seq_len / sp; 0: off")
     names: dict = _f(None, "per checkpoint name (`jaxmem list remat`), one of remat (recompute), device (keep), "
                            "offload (keep on the host); each entry overrides the preset for that name and the "
                            "other names keep the preset's choice (with preset none, any entry turns "

@@ -21,14 +21,20 @@ from jaxmem.schema import ConfigError, ParallelConfig
 class MeshAxis(enum.StrEnum):
     DP = "dp"
     FSDP = "fsdp"
+    SP = "sp"
     TP = "tp"
 
 
-MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.TP)
+MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP, MeshAxis.TP)
 DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP)
+# Axes whose devices hold different tokens: gradients are summed over them, and ZeRO shards state over them
+# (a sequence-parallel group holds one sequence's tokens, so it shards weights like fsdp does).
+TOKEN_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP)
+_STATE = (MeshAxis.FSDP, MeshAxis.SP)
 
 _ACTIVATIONS = [
     ("act_batch", DATA_AXES),
+    ("act_seq", (MeshAxis.SP,)),
     ("act_heads", (MeshAxis.TP,)),
     ("act_kv_heads", (MeshAxis.TP,)),
     ("act_mlp", (MeshAxis.TP,)),
@@ -37,11 +43,11 @@ _ACTIVATIONS = [
 
 RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
     # ZeRO-3 / FSDP: every weight sharded over fsdp along its embed (or vocab) dim.
-    "fsdp": [("embed", (MeshAxis.FSDP,)), ("vocab", (MeshAxis.FSDP,)), ("mlp", (MeshAxis.FSDP,))] + _ACTIVATIONS,
+    "fsdp": [("embed", _STATE), ("vocab", _STATE), ("mlp", _STATE)] + _ACTIVATIONS,
     # Megatron-style TP inside, FSDP across.
     "fsdp_tp": [
         ("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
-        ("vocab", (MeshAxis.TP,)), ("embed", (MeshAxis.FSDP,)), ("vocab", (MeshAxis.FSDP,)),
+        ("vocab", (MeshAxis.TP,)), ("embed", _STATE), ("vocab", _STATE),
     ] + _ACTIVATIONS,
     # Pure data parallel: weights replicated (TP still applies if tp > 1).
     "dp": [("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
@@ -50,15 +56,15 @@ RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
 
 
 def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
-    sizes = {"dp": par.dp, "fsdp": par.fsdp, "tp": par.tp}
+    sizes = {"dp": par.dp, "fsdp": par.fsdp, "sp": par.sp, "tp": par.tp}
     known = math.prod(v for v in sizes.values() if v != -1)
     if n_devices % known:
-        raise ConfigError(f"parallel: dp*fsdp*tp={known} does not divide the {n_devices} devices")
+        raise ConfigError(f"parallel: dp*fsdp*sp*tp={known} does not divide the {n_devices} devices")
     for k, v in sizes.items():
         if v == -1:
             sizes[k] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        raise ConfigError(f"parallel: dp*fsdp*tp={math.prod(sizes.values())} != {n_devices} devices; "
+        raise ConfigError(f"parallel: dp*fsdp*sp*tp={math.prod(sizes.values())} != {n_devices} devices; "
                           "set one axis to -1 to fill")
     return sizes
 
@@ -99,13 +105,13 @@ def logical_to_spec(names: Sequence[str | None], rules, mesh: Mesh, shape: Seque
 
 
 def without_data_axes(rules):
-    """The same table with weights replicated over dp/fsdp (ZeRO-1/2 parameters)."""
+    """The same table with weights replicated over the token axes dp/fsdp/sp (ZeRO-1/2 parameters)."""
     out = []
     for logical, axes in rules:
         if logical.startswith("act_"):
             out.append((logical, axes))
         else:
-            out.append((logical, tuple(a for a in axes if a not in DATA_AXES)))
+            out.append((logical, tuple(a for a in axes if a not in TOKEN_AXES)))
     return out
 
 

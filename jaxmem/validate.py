@@ -77,12 +77,12 @@ def _train(cfg: Config) -> None:
 
 
 def _parallel(cfg: Config) -> None:
-    for k in ("dp", "fsdp", "tp"):
+    for k in ("dp", "fsdp", "sp", "tp"):
         v = getattr(cfg.parallel, k)
         if v == 0 or v < -1:
             raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
-    if [cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.tp].count(-1) > 1:
-        raise ConfigError("parallel: at most one of dp, fsdp, tp may be -1 (fill)")
+    if [cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.sp, cfg.parallel.tp].count(-1) > 1:
+        raise ConfigError("parallel: at most one of dp, fsdp, sp, tp may be -1 (fill)")
 
 
 def _precision(cfg: Config) -> None:
@@ -133,6 +133,8 @@ def _remat(cfg: Config) -> None:
                               f"{', '.join(remat.CHOICES)}")
     if r.every_k < 1:
         raise ConfigError(f"remat.every_k: must be >= 1, got {r.every_k}")
+    if r.seq_tile < 0:
+        raise ConfigError(f"remat.seq_tile: must be >= 0 (0: off), got {r.seq_tile}")
 
 
 def _offload(cfg: Config) -> None:
@@ -226,8 +228,8 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
 
 
 def fixed_mesh_size(par: ParallelConfig) -> int | None:
-    """dp * fsdp * tp, or None when an axis is -1 (filled from the device count)."""
-    sizes = (par.dp, par.fsdp, par.tp)
+    """dp * fsdp * sp * tp, or None when an axis is -1 (filled from the device count)."""
+    sizes = (par.dp, par.fsdp, par.sp, par.tp)
     return None if -1 in sizes else math.prod(sizes)
 
 
@@ -258,6 +260,23 @@ def check_grad_accum(cfg: Config, grad_accum: int) -> None:
                           "train.* (each layer is updated as soon as its gradient exists)")
 
 
+def check_sequence_layout(cfg: Config, sizes: dict[str, int], attention: str) -> None:
+    """Sequence parallelism and tiling against the mesh sizes and the attention kernel `auto` resolved to."""
+    from jaxmem.kernels.attention.sequence_parallel import heads_divide
+
+    sp, seq, m = sizes.get("sp", 1), cfg.train.seq_len, cfg.model
+    if seq % sp:
+        raise ConfigError(f"parallel.sp: {sp} does not divide train.seq_len={seq}")
+    if sp > 1 and attention != "xla" and not heads_divide(m.n_heads, sizes):
+        raise ConfigError(f"parallel.sp: model.n_heads={m.n_heads} does not split over tp x sp = "
+                          f"{sizes.get('tp', 1) * sp}; kernels.attention={attention} needs whole heads per "
+                          "device (use kernels.attention=xla, which gathers k and v, or an sp that divides them)")
+    tile = cfg.remat.seq_tile
+    if tile and (seq // sp) % tile:
+        raise ConfigError(f"remat.seq_tile: {tile} does not divide the per-device sequence train.seq_len / "
+                          f"parallel.sp = {seq // sp}")
+
+
 def check_hosts(hosts: int) -> None:
     if hosts < 1:
         raise ConfigError(f"target.hosts: must be >= 1, got {hosts}")
@@ -283,4 +302,4 @@ def check_topology(cfg: Config, gpus_per_host: int, n_devices: int, label: str) 
         raise ConfigError(f"target.gpus_per_host: must be >= 1, got {gpus_per_host}")
     mesh = fixed_mesh_size(cfg.parallel)
     if mesh is not None and mesh != n_devices:
-        raise ConfigError(f"parallel: dp*fsdp*tp={mesh} != {n_devices} devices of {label}")
+        raise ConfigError(f"parallel: dp*fsdp*sp*tp={mesh} != {n_devices} devices of {label}")

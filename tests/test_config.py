@@ -33,7 +33,7 @@ def test_preset_fields_can_be_overridden():
     (["train.steps=0"], "train.steps: must be > 0"),
     (["parallel.rules=zigzag"], "parallel.rules: 'zigzag' is not allowed; use one of 'fsdp', 'fsdp_tp', 'dp'"),
     (["parallel.zero_stage=4"], "parallel.zero_stage: 4 is not allowed"),
-    (["parallel.fsdp=-1", "parallel.dp=-1"], "at most one of dp, fsdp, tp may be -1"),
+    (["parallel.fsdp=-1", "parallel.dp=-1"], "at most one of dp, fsdp, sp, tp may be -1"),
     (["parallel.tp=0"], "parallel.tp: must be a positive size or -1"),
     (["model.preset=llama9"], "model.preset: 'llama9' is unknown"),
     (["model.n_kv_heads=3"], "model.n_kv_heads: 3 must divide model.n_heads=4"),

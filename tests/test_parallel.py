@@ -46,6 +46,9 @@ LAYOUTS = {
     "dp8_rules_dp": ["parallel.dp=8", "parallel.fsdp=1", "parallel.rules=dp"],
     "zero1": ["parallel.fsdp=8", "parallel.zero_stage=1"],
     "zero2": ["parallel.fsdp=8", "parallel.zero_stage=2"],
+    "sp2_fsdp4": ["parallel.sp=2", "parallel.fsdp=4", "train.micro_batch=2"],
+    "sp4_fsdp2_tiled_full": ["parallel.sp=4", "parallel.fsdp=2", "train.micro_batch=4", "remat.preset=full",
+                             "remat.seq_tile=4"],
     "dp2_fsdp2_tp2_accum2": ["parallel.dp=2", "parallel.fsdp=2", "parallel.tp=2", "parallel.rules=fsdp_tp",
                              "train.grad_accum=2"],
 }

@@ -81,16 +81,20 @@ def _scoped(scope: str, fn):
 def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H].
 
-    With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp).
+    With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp); with an sp
+    axis, sequence-parallel (jaxmem.kernels.attention.sequence_parallel).
     """
+    from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
+
     impl = resolve(cfg, platform)["attention"]
     chosen = _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
     if cfg.attention != "auto" or impl != "cudnn":
-        return chosen
+        return sequence_parallel(chosen, mesh)
     # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
     # (docs/attention.md), so packed documents go to the Pallas kernel
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
-    return lambda q, k, v, seg: chosen(q, k, v, None) if seg is None else packed(q, k, v, seg)
+    return sequence_parallel(lambda q, k, v, seg: chosen(q, k, v, None) if seg is None else packed(q, k, v, seg),
+                             mesh)
 
 
 def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
@@ -157,19 +161,31 @@ def loss_blocks(cfg: KernelConfig) -> CrossEntropyBlocks:
 
 
 def select_loss(cfg: KernelConfig, platform: str, mesh=None):
-    """fn(h_td, w_dv, labels_t) -> (loss_sum, n_valid).
+    """fn(h, w_dv, labels) -> (loss_sum, n_valid), h [T, D] with labels [T] or [B, T, D] with [B, T].
 
-    With a mesh, the fused kernels run per shard (tokens over the data axes,
-    vocab over tp) inside shard_map instead of being replicated by GSPMD.
+    With a mesh, the fused kernels run per shard (rows over the data axes, the
+    sequence over sp, vocab over tp) inside shard_map instead of being
+    replicated by GSPMD.
     """
     impl = resolve(cfg, platform)["loss"]
     return _scoped(f"loss_{impl}", _loss(impl, cfg, platform, mesh))
 
 
+def _flattening(loss):
+    """loss(h_td, w, labels_t) taking [B, T, D] / [B, T] too (GSPMD flattens them where the loss is global)."""
+
+    @functools.wraps(loss)
+    def run(h, w, labels):
+        return loss(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1))
+
+    return run
+
+
 def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
     blocks = loss_blocks(cfg)
     if impl == "naive":
-        return functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss)
+        return _flattening(functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX,
+                                             z_loss=cfg.z_loss))
     if impl == "chunked":
         from jaxmem.kernels.cross_entropy import chunked as module
 
@@ -181,8 +197,8 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
     else:
         raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")
     if mesh is None or mesh.size == 1:
-        return functools.partial(module.linear_cross_entropy, blocks=blocks, ignore_index=IGNORE_INDEX,
-                                 z_loss=cfg.z_loss, **extra)
+        return _flattening(functools.partial(module.linear_cross_entropy, blocks=blocks, ignore_index=IGNORE_INDEX,
+                                             z_loss=cfg.z_loss, **extra))
     from jaxmem.kernels.cross_entropy.sharded import shard_loss
 
     forward = functools.partial(module.forward_stats, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)

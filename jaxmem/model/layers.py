@@ -8,6 +8,8 @@ carries its checkpoint name too.
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,8 +63,17 @@ class Block(nnx.Module):
         self.eps = cfg.norm_eps
 
     def attention_part(self, x_btd, positions_bt, segment_ids_bt, inv_freq, ctx):
-        cd = ctx.compute_dtype
         x_btd = tag(x_btd, CN.LAYER_INPUT)  # made by the previous layer (or the embedding): no op here to scope
+        project = functools.partial(self.qkv, inv_freq=inv_freq, ctx=ctx)
+        q, k, v = ctx.per_token(project, x_btd, positions_bt,
+                                names=(CN.QUERY_PROJ.value, CN.KEY_PROJ.value, CN.VALUE_PROJ.value))
+        with scope(CN.ATTN_CONTEXT):
+            context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
+        return ctx.per_token(functools.partial(self.attention_output, ctx=ctx), x_btd, context)
+
+    def qkv(self, x_btd, positions_bt, *, inv_freq, ctx):
+        """Per token: RMSNorm, the q/k/v projections (+ biases) and RoPE."""
+        cd = ctx.compute_dtype
         with scope(CN.ATTN_NORM):
             normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM)
         normed = normed.astype(cd)
@@ -81,15 +92,20 @@ class Block(nnx.Module):
             if self.qkv_bias:
                 v = v + self.bv[...].astype(cd)
             v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
-        q, k = apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq)
-        with scope(CN.ATTN_CONTEXT):
-            context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
+        return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+
+    def attention_output(self, x_btd, context_btnh, *, ctx):
+        """Per token: the output projection and the residual add."""
         with scope(CN.ATTN_OUT):
-            out = jnp.einsum("BTNH,NHD->BTD", context, self.wo[...].astype(cd))
+            out = jnp.einsum("BTNH,NHD->BTD", context_btnh, self.wo[...].astype(ctx.compute_dtype))
             out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
         return x_btd + out.astype(x_btd.dtype)
 
     def mlp_part(self, x_btd, ctx):
+        return ctx.per_token(functools.partial(self.mlp, ctx=ctx), x_btd)
+
+    def mlp(self, x_btd, *, ctx):
+        """Per token: RMSNorm, the SwiGLU MLP and the residual add."""
         cd = ctx.compute_dtype
         with scope(CN.MLP_NORM):
             normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)

@@ -14,6 +14,7 @@ from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from jaxmem.model.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, param
 from jaxmem.model.rope import inverse_frequencies
+from jaxmem.seq_tiling import run_whole
 
 
 def _plain_scan(body, h, stacked_state):
@@ -33,7 +34,8 @@ class ForwardContext:
 
     attention(q, k, v, segment_ids) and norm(x, w, eps) pick kernels;
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
-    per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts.
+    per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
+    per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling).
     """
 
     compute_dtype: Any = jnp.float32
@@ -41,6 +43,7 @@ class ForwardContext:
     norm: Callable = rms_norm_reference
     scan_layers: Callable = _plain_scan
     segment: Callable = _identity_segment
+    per_token: Callable = run_whole
 
 
 DEFAULT_CONTEXT = ForwardContext()
@@ -70,7 +73,9 @@ class Transformer(nnx.Module):
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
+        positions_bt = constrain(positions_bt, ACT_BTD[:2])
         inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        tokens_bt = constrain(tokens_bt, ACT_BTD[:2])
         h = jnp.take(self.embed[...], tokens_bt, axis=0).astype(ctx.compute_dtype)
         h = constrain(h, ACT_BTD)
         graphdef, stacked = nnx.split(self.layers)
@@ -83,7 +88,7 @@ class Transformer(nnx.Module):
             return constrain(mlp(h_btd, ctx), ACT_BTD)
 
         h = ctx.scan_layers(body, h, stacked)
-        return ctx.norm(h, self.final_norm[...], cfg.norm_eps).astype(ctx.compute_dtype)
+        return ctx.per_token(lambda x: ctx.norm(x, self.final_norm[...], cfg.norm_eps).astype(ctx.compute_dtype), h)
 
     def __call__(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT, **kwargs) -> jax.Array:
         """Logits [B, T, V] in fp32 (for inference and parity checks; training uses a loss kernel)."""

@@ -17,6 +17,7 @@ from jaxmem.model.names import CheckpointName as CN
 from jaxmem.optim import split_layers
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.precision import Precision
+from jaxmem.seq_tiling import INSIDE_TILES, tile_count
 
 # Device-bill categories in display order (each named with its explain category in plan/categories.py);
 # `host` holds the host-resident counterparts.
@@ -112,10 +113,23 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     return out
 
 
+def _working_elems(cfg: Config, layout: Layout, per_name: dict[str, int]) -> int:
+    """Elements per device live in one layer's backward: its forward intermediates (recomputed or saved)
+    and their gradients. With sequence tiling the parts inside the tiles hold one tile at a time; with
+    sequence parallelism q, k, v and the context also exist head-split while the all-to-alls run."""
+    n_tiles = tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile)
+    total = 2 * sum(v // n_tiles if n in INSIDE_TILES else v for n, v in per_name.items())
+    if layout.mesh_sizes["sp"] > 1:
+        total += sum(per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT))
+    return total
+
+
 def score_elems(cfg: Config, layout: Layout) -> int:
-    """Elements per device of one layer's attention score matrix [B, N, T, S] (plain XLA attention)."""
+    """Elements per device of one layer's attention score matrix [B, N, T, S] (plain XLA attention); sequence
+    parallelism splits it sp ways (heads, or queries where the heads do not split)."""
     seq = cfg.train.seq_len
-    return layout.per_device_elems(("act_batch", "act_heads", None, None), (layout.rows, cfg.model.n_heads, seq, seq))
+    elems = layout.per_device_elems(("act_batch", "act_heads", None, None), (layout.rows, cfg.model.n_heads, seq, seq))
+    return elems // layout.mesh_sizes["sp"]
 
 
 def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]:
@@ -133,7 +147,7 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]
 
 def logits_bytes(cfg: Config, layout: Layout) -> int:
     """Live loss-side bytes per device beyond the LM head: the resolved loss kernel's own scratch formula."""
-    tokens = layout.per_device_elems(("act_batch", None), (layout.rows, cfg.train.seq_len))
+    tokens = layout.per_device_elems(ACT_BTD[:2], (layout.rows, cfg.train.seq_len))
     vocab = layout.per_device_elems(("act_vocab",), (cfg.model.vocab_size,))
     itemsize = _itemsize(Precision.from_config(cfg.precision).compute)
     return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels, cfg.model.d_model, itemsize)
@@ -171,12 +185,12 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     activations = sum(saved_dev.values())
 
     # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients.
-    working = 2 * sum(per_name.values()) * cd + scores_working
+    working = _working_elems(cfg, layout, per_name) * cd + scores_working
     logits = logits_bytes(cfg, layout)
 
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
-    gathered = cfg.parallel.zero_stage == 3 and layout.data_ways > 1
+    gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
     layer_full = _state_elems(layout, layout.gathered_specs, "layers") // m.n_layers
     head_full = _state_elems(layout, layout.gathered_specs, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)

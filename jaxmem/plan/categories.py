@@ -72,7 +72,8 @@ SUGGESTIONS = {
     "activation": "scan residual '{name}' kept for every layer: set remat.names.{name}=remat (recompute) or "
                   "=offload, or use remat.preset=full / offload_layer_inputs",
     "activation_unnamed": "per-layer scan residual: a remat policy that saves less (remat.preset=full) or "
-                          "offload (remat.preset=offload_layer_inputs)",
-    "temp": "temporary of one op: remat.granularity=segments shrinks the layer working set; a fused kernel "
-            "removes it",
+                          "offload (remat.preset=offload_layer_inputs); parallel.sp splits it along the sequence",
+    "temp": "temporary of one op: remat.seq_tile runs the per-token parts of a layer a tile at a time, "
+            "remat.granularity=segments shrinks the layer working set, parallel.sp splits the sequence; a "
+            "fused kernel removes it",
 }

@@ -32,7 +32,8 @@ from jaxmem import remat
 from jaxmem.schema import Config
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.model.presets import param_count
-from jaxmem.plan.bill import Bill
+from jaxmem.plan.bill import Bill, name_shapes
+from jaxmem.seq_tiling import tile_count
 from jaxmem.targets import GpuTarget
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
@@ -88,6 +89,9 @@ _NEEDED = (CN.ATTN_NORM, CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONT
 # keep them, so the forward kernel reruns in the backward (benchmarks/remat.md shows it for pallas; cudnn's
 # custom call residuals are unnamed the same way).
 _RERUN_KERNELS = ("pallas", "cudnn")
+# The matmuls inside the per-token parts of a layer (jaxmem.seq_tiling): q, k, v, the output projection,
+# gate, up and down.
+_TILED_OPS = ["q_proj", "kv_proj", "kv_proj", "o_proj", "up_proj", "up_proj", "down_proj"]
 
 
 @dataclasses.dataclass
@@ -157,7 +161,7 @@ def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: st
 
 
 def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | None = None,
-                              attention_kernel: str | None = None) -> float:
+                              attention_kernel: str | None = None, n_tiles: int = 1) -> float:
     """Forward FLOPs the backward spends to rebuild values the remat policy did not keep (`saved`: a
     layout's per-name placement; default: with the GPU's fused attention).
 
@@ -165,10 +169,14 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
     every matmul output (`selective`, `dots`) recomputes 0 matmul FLOPs, except that with a flash kernel
     (`attention_kernel="pallas"` or `"cudnn"`) the attention forward runs again in the backward: its
     logsumexp residual carries no checkpoint name, so no names-based policy keeps it (benchmarks/remat.md).
-    Attention is counted unmasked (4 T S N H), as in the model FLOPs.
+    Attention is counted unmasked (4 T S N H), as in the model FLOPs. With sequence tiling (`n_tiles` > 1)
+    the per-token matmuls run once more.
     """
     ops = _op_flops(cfg, tokens)
-    return sum(ops[op] for op in _rebuilt_ops(cfg, saved, attention_kernel))
+    rebuilt = _rebuilt_ops(cfg, saved, attention_kernel)
+    if n_tiles > 1:  # each sequence tile reruns its own forward inside the backward (jaxmem.seq_tiling)
+        rebuilt += _TILED_OPS
+    return sum(ops[op] for op in rebuilt)
 
 
 def _elementwise_elems_per_token(cfg: Config) -> int:
@@ -288,6 +296,21 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
             "loss_kernel": loss_kernel}
 
 
+def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:
+    """Ulysses all-to-alls per step: q, k, v and the attention output change split (sequence <-> heads) in
+    the forward, again where the backward rebuilds the layer, and their gradients in the backward; each
+    moves (sp - 1) / sp of the tensor off the device (estimated, at the interconnect bandwidth)."""
+    sp = bill.mesh.get("sp", 1)
+    if sp == 1:
+        return 0.0
+    per_name = name_shapes(cfg, bill.layout)
+    elems = sum(per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT))
+    passes = 3 if bill.layout.checkpointed else 2
+    cd = 2 if cfg.precision.compute_dtype != "float32" else 4
+    moved = grad_accum * passes * elems * cd * (sp - 1) / sp * cfg.model.n_layers
+    return moved / gpu.interconnect_bandwidth
+
+
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
              rows: int) -> Cost:
     """Step FLOPs and, for a GPU target, time and MFU (estimated by the cost model)."""
@@ -298,8 +321,9 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
     model_flops = 6.0 * matmul_params * tokens + attention
-    recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved,
-                                          bill.layout.kernels.get("attention")) * m.n_layers
+    n_tiles = tile_count(cfg.train.seq_len, bill.mesh.get("sp", 1), cfg.remat.seq_tile)
+    recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved, bill.layout.kernels.get("attention"),
+                                          n_tiles) * m.n_layers
     hardware = model_flops + recompute
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)
@@ -310,6 +334,7 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     ways = bill.mesh["fsdp"] * bill.mesh["dp"] if cfg.parallel.zero_stage == 3 else 1
     weight_bytes = n_params * 2 / bill.mesh["tp"]
     collective = 3 * grad_accum * weight_bytes * (ways - 1) / ways / gpu.interconnect_bandwidth if ways > 1 else 0.0
+    collective += sequence_parallel_seconds(cfg, bill, gpu, grad_accum)
     host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]
     step = max(compute, collective, parts["host_overlapped_seconds"]) + parts["host_serial_seconds"]
     mfu = model_flops / (step * n_devices * peak) if step else 0.0

@@ -21,7 +21,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.kernels.attention.config import AttentionBlocks, fit_shared_memory
-from jaxmem.kernels.mesh_axes import data_axes, is_sharded, tp_axis
+from jaxmem.kernels.mesh_axes import data_axes, head_axes, is_sharded
 
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
 LOG2E = math.log2(math.e)
@@ -190,14 +190,14 @@ def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, interp
 
 
 def _sharded(fn, mesh, kv_heads: int, has_seg: bool, ins: str, outs: str):
-    """fn run per shard: batch over the data axes, heads over tp when the kv heads split evenly.
+    """fn run per shard: batch over the data axes, heads over tp and sp as far as the kv heads split evenly
+    (jaxmem.kernels.attention.sequence_parallel has already gathered the sequence).
 
     ins / outs name each argument's layout: x = [B, T, heads, H], r = [B, heads, T], s = segment ids.
     """
     if not is_sharded(mesh):
         return fn
-    data, tp = data_axes(mesh), tp_axis(mesh)
-    heads = tp if tp is not None and kv_heads % mesh.shape[tp] == 0 else None
+    data, heads = data_axes(mesh), head_axes(mesh, kv_heads)
     spec = {"x": P(data, None, heads, None), "r": P(data, heads, None), "s": P(data, None) if has_seg else P()}
     body = fn if has_seg else (lambda q, k, v, _, *rest: fn(q, k, v, None, *rest))
     mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec[c] for c in ins),
@@ -237,7 +237,7 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
                     causal: bool = True, scale: float | None = None, interpret: bool = False, mesh=None):
     """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H].
 
-    With a mesh, runs per shard: batch over the data axes, heads over tp.
+    With a mesh, runs per shard: batch over the data axes, heads over tp (and sp).
     """
     b, t, n, h = q_btnh.shape
     s, kv = k_bskh.shape[1], k_bskh.shape[2]

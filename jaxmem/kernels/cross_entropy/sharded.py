@@ -1,4 +1,4 @@
-"""Runs a fused loss per shard: tokens split over the data axes, vocab over tp.
+"""Runs a fused loss per shard: tokens split over the data axes and sp, vocab over tp.
 
 A Pallas / Triton call is opaque to GSPMD, which would replicate its operands
 (gather [T, D] and [D, V] on every device). Inside shard_map each device runs
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmem.kernels.cross_entropy.vjp import loss_sum
-from jaxmem.kernels.mesh_axes import data_axes, tp_axis
+from jaxmem.kernels.mesh_axes import data_axes, seq_axis, token_axes, tp_axis
 
 
 def _local_labels(labels_t, v_local: int, tp, ignore_index: int):
@@ -26,57 +26,64 @@ def _local_labels(labels_t, v_local: int, tp, ignore_index: int):
 
 
 def shard_loss(forward, backward, mesh: Mesh, *, ignore_index: int, z_loss: float):
-    """fn(h_td, w_dv, labels_t) -> (loss_sum, n_valid) running `forward`/`backward` per shard.
+    """fn(h, w_dv, labels) -> (loss_sum, n_valid) running `forward`/`backward` per shard.
 
-    forward(h, w, labels) -> (lse, target); backward(h, w, labels, lse, g) -> (dh, dw).
+    h is [T, D] with labels [T] (tokens over the data axes and sp), or [B, T, D] with labels [B, T] (rows
+    over the data axes, the sequence over sp: flattening a sequence-split batch of several rows per device
+    is not a local reshape, so each shard flattens its own block). forward(h, w, labels) -> (lse, target);
+    backward(h, w, labels, lse, g) -> (dh, dw), on [tokens, D] blocks.
     """
-    data, tp = data_axes(mesh), tp_axis(mesh)
+    tokens, tp = token_axes(mesh), tp_axis(mesh)
 
     def psum_if(x, axes):
         return x if axes is None else jax.lax.psum(x, axes)
 
-    def stats(h_td, w_dv, labels_t):
+    def flat(h, labels):
+        return h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+
+    def forward_body(h, w_dv, labels):
+        h_td, labels_t = flat(h, labels)
         labels_l = _local_labels(labels_t, w_dv.shape[1], tp, ignore_index)
         lse, target = forward(h_td, w_dv, labels_l)
         if tp is not None:
             m = jax.lax.pmax(lse, tp)
             lse = m + jnp.log(jax.lax.psum(jnp.exp(lse - m), tp))
             target = jax.lax.psum(target, tp)
-        return labels_l, lse, target
+        return psum_if(loss_sum(lse, target, labels_t, ignore_index, z_loss), tokens), lse.reshape(labels.shape)
 
-    def forward_body(h_td, w_dv, labels_t):
-        _, lse, target = stats(h_td, w_dv, labels_t)
-        return psum_if(loss_sum(lse, target, labels_t, ignore_index, z_loss), data), lse
-
-    def backward_body(h_td, w_dv, labels_t, lse, g):
+    def backward_body(h, w_dv, labels, lse, g):
+        h_td, labels_t = flat(h, labels)
         labels_l = _local_labels(labels_t, w_dv.shape[1], tp, ignore_index)
-        dh, dw = backward(h_td, w_dv, labels_l, lse, g)
-        return psum_if(dh, tp), psum_if(dw, data)
+        dh, dw = backward(h_td, w_dv, labels_l, lse.reshape(-1), g)
+        return psum_if(dh, tp).reshape(h.shape), psum_if(dw, tokens)
 
-    # The custom_vjp sits outside shard_map, so no collective is ever transposed by autodiff; check_vma is off
-    # because Pallas interpret mode does not track varying axes.
-    rows, cols = P(data, None), P(None, tp)
-    forward_sharded = jax.shard_map(forward_body, mesh=mesh, in_specs=(rows, cols, P(data)),
-                                    out_specs=(P(), P(data)), check_vma=False)
-    backward_sharded = jax.shard_map(backward_body, mesh=mesh, in_specs=(rows, cols, P(data), P(data), P()),
-                                     out_specs=(rows, cols), check_vma=False)
+    def sharded(ndim: int):
+        # The custom_vjp sits outside shard_map, so no collective is ever transposed by autodiff; check_vma
+        # is off because Pallas interpret mode does not track varying axes.
+        token_spec = P(tokens) if ndim == 2 else P(data_axes(mesh), seq_axis(mesh))
+        rows, cols = P(*token_spec, None), P(None, tp)
+        fwd = jax.shard_map(forward_body, mesh=mesh, in_specs=(rows, cols, token_spec),
+                            out_specs=(P(), token_spec), check_vma=False)
+        bwd = jax.shard_map(backward_body, mesh=mesh, in_specs=(rows, cols, token_spec, token_spec, P()),
+                            out_specs=(rows, cols), check_vma=False)
+        return fwd, bwd
 
     @jax.custom_vjp
-    def global_loss(h_td, w_dv, labels_t):
-        return forward_sharded(h_td, w_dv, labels_t)[0]
+    def global_loss(h, w_dv, labels):
+        return sharded(h.ndim)[0](h, w_dv, labels)[0]
 
-    def fwd(h_td, w_dv, labels_t):
-        loss, lse = forward_sharded(h_td, w_dv, labels_t)
-        return loss, (h_td, w_dv, labels_t, lse)
+    def fwd(h, w_dv, labels):
+        loss, lse = sharded(h.ndim)[0](h, w_dv, labels)
+        return loss, (h, w_dv, labels, lse)
 
     def bwd(res, g):
-        h_td, w_dv, labels_t, lse = res
-        dh, dw = backward_sharded(h_td, w_dv, labels_t, lse, g)
+        h, w_dv, labels, lse = res
+        dh, dw = sharded(h.ndim)[1](h, w_dv, labels, lse, g)
         return dh, dw, None
 
     global_loss.defvjp(fwd, bwd)
 
-    def loss_fn(h_td, w_dv, labels_t):
-        return global_loss(h_td, w_dv, labels_t), jnp.sum(labels_t != ignore_index)
+    def loss_fn(h, w_dv, labels):
+        return global_loss(h, w_dv, labels), jnp.sum(labels != ignore_index)
 
     return loss_fn

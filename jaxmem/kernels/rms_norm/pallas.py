@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.kernels.mesh_axes import data_axes, is_sharded
+from jaxmem.kernels.mesh_axes import data_axes, is_sharded, seq_axis, token_axes
 from jaxmem.kernels.rms_norm.config import RmsNormBlocks
 
 
@@ -98,9 +98,16 @@ def _backward(x, weight, rstd, dy, blocks, interpret):
     return dx[:n].reshape(x.shape), jnp.sum(dw_blocks, axis=0)  # dw stays fp32 until every row is summed
 
 
+def _row_axes(mesh, ndim: int):
+    """The axes that split x's rows: data and sp for [B, T, D], the data axes for [rows, D]."""
+    return token_axes(mesh) if ndim >= 3 else data_axes(mesh)
+
+
 def _row_specs(mesh, ndim: int):
-    data = data_axes(mesh)
-    return P(data, *([None] * (ndim - 1))), P(data)
+    """x [B, T, D] split over (data, sp, -), [rows, D] over (data, -); the per-row statistics (flat)."""
+    if ndim >= 3:
+        return P(data_axes(mesh), seq_axis(mesh), *([None] * (ndim - 2))), P(_row_axes(mesh, ndim))
+    return P(data_axes(mesh), *([None] * (ndim - 1))), P(_row_axes(mesh, ndim))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
@@ -122,7 +129,7 @@ def _rms_norm_bwd(eps, blocks, interpret, mesh, res, dy):
 
     def backward(x, w, rstd, dy):
         dx, dw = _backward(x, w, rstd, dy, blocks, interpret)
-        data = data_axes(mesh) if is_sharded(mesh) else None
+        data = _row_axes(mesh, x.ndim) if is_sharded(mesh) else None
         # dw stays fp32 until every shard's rows are summed
         return dx, (dw if data is None else jax.lax.psum(dw, data)).astype(w.dtype)
 
