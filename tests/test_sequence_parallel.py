@@ -143,3 +143,25 @@ def test_bad_sequence_layouts_are_refused_by_name(overrides, key):
     with pytest.raises(ConfigError, match=key.replace("(", r"\(")):
         cfg = load_config("configs/tiny.yaml", [f"train.seq_len={SEQ}", "train.micro_batch=1"] + HEADS + overrides)
         build_program(cfg, devices=jax.devices()[:3] if "sp=3" in overrides[0] else jax.devices())
+
+
+def _h100x8_device_bytes(tile: int) -> tuple[int, str]:
+    from jaxmem import aot
+    from jaxmem.plan.compiled import memory_figures
+
+    cfg = load_config(None, ["model.preset=llama3-8b", "model.n_layers=1", "train.seq_len=131072",
+                             "model.max_seq_len=131072", "train.micro_batch=1", "precision.param_dtype=bfloat16",
+                             "precision.compute_dtype=bfloat16", "parallel.fsdp=1", "parallel.sp=8",
+                             "remat.preset=full", f"remat.seq_tile={tile}", "kernels.attention=pallas"])
+    compiled = build_program(cfg, devices=aot.target_devices("h100-80g", 8)).lower().compile()
+    return memory_figures(compiled)["device"], compiled.as_text()
+
+
+def test_deviceless_h100x8_sequence_parallel_pallas_step():
+    """The real step with sp=8 and the Triton flash kernel builds for 8 x H100 (one Llama-3-8B layer at
+    131072 tokens): all-to-alls in the HLO, and 2048-token tiles lower the compiled device total."""
+    pytest.importorskip("jax_cuda12_plugin")
+    whole, hlo = _h100x8_device_bytes(0)
+    tiled, _ = _h100x8_device_bytes(2048)
+    assert "all-to-all" in hlo
+    assert tiled < whole - 0.5 * 2**30, (whole / 2**30, tiled / 2**30)
