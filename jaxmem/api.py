@@ -99,7 +99,9 @@ def train_state(prog: TrainProgram, params: Any = None, seed: int | None = None)
 
 
 def train_step(prog: TrainProgram) -> Callable:
-    """The framework's jitted train step: step(state, {"tokens": int32 [A, B, T+1]}) -> (state, metrics).
+    """The framework's jitted train step: step(state, {"tokens": int32 [A, B, T+1]}) -> (state, metrics); for
+    record data (data.kind jsonl / parquet / hf) the batch is {"inputs", "labels"[, "segment_ids",
+    "positions"]}, each int32 [A, B, T] (prog.batch_keys; jaxmem.data builds them, docs/data.md).
 
     It accumulates gradients over the A = train.grad_accum micro-batches, clips, and applies jaxmem's
     optimizer layer by layer. metrics: loss (mean over the step's valid tokens), grad_norm, lr, tokens,

@@ -8,12 +8,15 @@ only the rows its devices hold.
 """
 from __future__ import annotations
 
+import dataclasses
+import sys
 from pathlib import Path
 from typing import Protocol
 
 import numpy as np
 
 from jaxmem.schema import Config, ConfigError
+from jaxmem.validate import RECORD_KINDS, check_data_files
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.
@@ -22,8 +25,23 @@ _SUCCESSORS = 2  # each token may be followed by this many tokens: loss floor ~l
 
 
 class TokenSource(Protocol):
-    def samples(self, indices: np.ndarray, length: int) -> np.ndarray:
-        """Token rows [len(indices), length] (int32) for global sample indices."""
+    def samples(self, indices: np.ndarray, length: int) -> np.ndarray | dict[str, np.ndarray]:
+        """Token rows [len(indices), length] (int32) for global sample indices, or for records a dict of
+        such arrays (inputs, labels, segment_ids, positions; length = seq_len)."""
+
+
+class RecordSource:
+    """Rows of packed documents (jaxmem.documents): inputs, labels with the loss mask, segment ids and
+    positions per row, a pure function of (files, config, sample index) like the stream sources."""
+
+    def __init__(self, rows, keys: tuple[str, ...]):
+        self.rows, self.keys = rows, keys
+
+    def samples(self, indices: np.ndarray, length: int) -> dict[str, np.ndarray]:
+        if length != self.rows.seq_len:
+            raise ValueError(f"rows were packed for seq_len {self.rows.seq_len}, asked for length {length}")
+        out = self.rows.rows(np.asarray(indices, np.int64))
+        return {key: out[key] for key in self.keys}
 
 
 class SyntheticSource:
@@ -144,9 +162,22 @@ def _check_bin_head(head: np.ndarray, cfg: Config) -> None:
     _check_vocab(head, vocab, path)
 
 
-def make_source(cfg: Config) -> TokenSource:
-    """The token source that `data.kind` names."""
+def make_source(cfg: Config, path: str | None = None, key: str = "data.path") -> TokenSource:
+    """The token source that `data.kind` names, reading `path` (default data.path; eval.path for held-out
+    data). Missing files are refused here, in one line: plans never read the data."""
+    check_data_files(cfg)
+    if path is not None:
+        cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
     kind, seed, vocab = cfg.data.kind, cfg.train.seed, cfg.model.vocab_size
+    if kind in RECORD_KINDS:
+        from jaxmem.documents import build_rows
+        from jaxmem.program import batch_keys
+
+        log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,
+                          log=log)
+        log(f"{cfg.data.path}: {packing_summary(rows, cfg.train.seq_len)}")
+        return RecordSource(rows, batch_keys(cfg))
     if kind == "synthetic":
         return SyntheticSource(vocab, seed)
     if kind == "text":
@@ -156,7 +187,16 @@ def make_source(cfg: Config) -> TokenSource:
         return StreamSource(tokens, cfg.train.seq_len, seed, vocab, what)
     if kind == "bin":
         return StreamSource(_bin_tokens(cfg), cfg.train.seq_len, seed, vocab, cfg.data.path)
-    raise ConfigError(f"data.kind: {kind!r} is not allowed; use one of 'synthetic', 'text', 'bin'")
+    raise ConfigError(f"data.kind: {kind!r} is not allowed; use one of 'synthetic', 'text', 'bin', "
+                      f"{', '.join(repr(k) for k in RECORD_KINDS)}")
+
+
+def packing_summary(rows, seq_len: int) -> str:
+    """One line of packing statistics (jaxmem.documents.PackedRows.stats)."""
+    st = rows.stats
+    return (f"{st['documents']} documents in {st['rows']} rows of {seq_len} tokens, packing efficiency "
+            f"{st['efficiency']:.1%}, {st['trained_tokens']} trained of {st['tokens']} tokens, "
+            f"{st['split_overlong']} overlong split, {st['dropped_overlong']} dropped")
 
 
 def process_rows(prog) -> tuple[int, int]:
@@ -190,11 +230,14 @@ class Batches:
         start_step, start_position = self._origin
         return start_position + (step - start_step) * self.per_step
 
-    def local_batch(self, position: int) -> np.ndarray:
-        """This process's rows [grad_accum, local rows, seq_len + 1] of the batch at `position`."""
+    def local_batch(self, position: int) -> np.ndarray | dict[str, np.ndarray]:
+        """This process's rows [grad_accum, local rows, seq_len + 1] of the batch at `position` (for records a
+        dict of [grad_accum, local rows, seq_len] arrays)."""
         start, stop = self.row_range
         grid = position + np.arange(self.accum)[:, None] * self.rows + np.arange(start, stop)[None, :]
-        return self.source.samples(grid.reshape(-1), self.length).reshape(self.accum, stop - start, self.length)
+        out = self.source.samples(grid.reshape(-1), self.length)
+        shape = (self.accum, stop - start, self.length)
+        return {k: v.reshape(shape) for k, v in out.items()} if isinstance(out, dict) else out.reshape(shape)
 
     def __iter__(self):
         return self

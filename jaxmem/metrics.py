@@ -54,11 +54,38 @@ class TensorBoardWriter:
     def write(self, record: dict) -> None:
         for key, value in record.items():
             if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
-                self._writer.add_scalar(f"train/{key}", value, record["step"])
+                group, name = ("eval", key[len("eval_"):]) if key.startswith("eval_") else ("train", key)
+                self._writer.add_scalar(f"{group}/{name}", value, record["step"])
         self._writer.flush()
 
     def close(self) -> None:
         self._writer.close()
+
+
+def wandb_available():
+    """The wandb module; ConfigError naming train.wandb if it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("train.wandb: the wandb package is not installed; pip install jaxmem[wandb] or "
+                          "set train.wandb to empty") from None
+    return wandb
+
+
+class WandbWriter:
+    """Scalars to a Weights & Biases run in `project` (WANDB_MODE=offline writes under out_dir/wandb only)."""
+
+    def __init__(self, project: str, out_dir: str | Path, config: dict):
+        wandb = wandb_available()
+        self._run = wandb.init(project=project, dir=str(out_dir), config=config, resume="allow")
+
+    def write(self, record: dict) -> None:
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._run.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
 
 
 class ProgressBar:
@@ -98,5 +125,8 @@ def _fmt(value: float, digits: int) -> str:
 
 def log_line(record: dict) -> str:
     """The plain one-line form of a record, for logs without a progress bar."""
-    return (f"step {record['step']}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+    line = (f"step {record['step']}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
             f"lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} tok/s  {record['step_time_s']:.3f} s/step")
+    if "eval_loss" in record:
+        line += f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_ppl']:.2f}"
+    return line

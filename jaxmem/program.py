@@ -11,11 +11,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding, validate
+from jaxmem.validate import RECORD_KINDS
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.layout import Layout, platform_of, resolve as resolve_layout
@@ -66,8 +68,15 @@ class TrainProgram:
 
     # ------------------------------------------------------------ batches
     @property
+    def batch_keys(self) -> tuple[str, ...]:
+        return batch_keys(self.cfg)
+
+    @property
     def batch_shape(self) -> tuple[int, int, int]:
-        return (self.grad_accum, self.rows, self.cfg.train.seq_len + 1)
+        """[A, rows, T + 1] tokens (labels are the inputs shifted by one), or [A, rows, T] for each array of a
+        record batch (jaxmem.data: inputs, labels, and with packing segment ids and positions)."""
+        extra = 1 if self.batch_keys == ("tokens",) else 0
+        return (self.grad_accum, self.rows, self.cfg.train.seq_len + extra)
 
     @property
     def batch_sharding(self) -> NamedSharding:
@@ -75,12 +84,17 @@ class TrainProgram:
         return NamedSharding(self.mesh, P(None, data, None))
 
     def abstract_batch(self) -> dict:
-        return {"tokens": jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)}
+        array = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return {key: array for key in self.batch_keys}
 
-    def shard_batch(self, local_tokens) -> dict:
-        """Builds the global batch from this process's rows [A, rows/processes, T+1]."""
-        arr = jax.make_array_from_process_local_data(self.batch_sharding, local_tokens, self.batch_shape)
-        return {"tokens": arr}
+    def shard_batch(self, local) -> dict:
+        """Builds the global batch from this process's rows: [A, rows/processes, T+1] tokens, or a dict of such
+        arrays under batch_keys."""
+        local = local if isinstance(local, dict) else {"tokens": local}
+        if set(local) != set(self.batch_keys):
+            raise ValueError(f"batch has {sorted(local)}, the step takes {list(self.batch_keys)}")
+        return {key: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[key], np.int32),
+                                                            self.batch_shape) for key in self.batch_keys}
 
     # ------------------------------------------------------------ state
     def init_state(self, seed: int | None = None) -> dict:
@@ -103,7 +117,8 @@ class TrainProgram:
         return _make_step(self)
 
     def jit_step(self):
-        return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, {"tokens": self.batch_sharding}),
+        batch = {key: self.batch_sharding for key in self.batch_keys}
+        return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, batch),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
     def lower(self):
@@ -114,6 +129,23 @@ class TrainProgram:
             return self.jit_step().lower(self.abstract_state, self.abstract_batch())
         finally:
             memory_kinds_shim.clear_lowering_caches()
+
+
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
+    masks), plus segment ids and positions when documents are packed (attention stays inside a document,
+    RoPE restarts). One document per row needs neither: right padding is never attended to."""
+    if cfg.data.kind not in RECORD_KINDS:
+        return ("tokens",)
+    return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
+
+
+def split_batch(batch: dict) -> tuple:
+    """(inputs, labels, segment_ids or None, positions or None), each [A, rows, T]."""
+    if "tokens" in batch:
+        tokens = batch["tokens"]
+        return tokens[..., :-1], tokens[..., 1:], None, None
+    return batch["inputs"], batch["labels"], batch.get("segment_ids"), batch.get("positions")
 
 
 def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
@@ -193,38 +225,38 @@ def _make_step(prog: TrainProgram):
     lr_at = schedule(cfg)
     scaling = cfg.precision.loss_scale
 
-    def micro_loss(params, inputs_bt, labels_bt, denom):
-        loss_sum, _ = token_loss(params, inputs_bt, labels_bt)
+    def micro_loss(params, micro, denom):
+        loss_sum, _ = token_loss(params, *micro)
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
-        tokens = batch["tokens"]
-        inputs, labels = tokens[..., :-1], tokens[..., 1:]
-        n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+        micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
+        # the mean over every valid label of the global step (all micro-batches, all data ways)
+        n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
         params = state["params"]
         p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
-        def one(mb_inputs, mb_labels):
-            g, loss_sum = grad_fn(p_grad, mb_inputs, mb_labels, n_valid / scale)
+        def one(micro):
+            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale)
             return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
         # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
         # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
         with jax.named_scope(GRADS_SCOPE):
             if prog.grad_accum == 1:
-                grads, loss_sum = one(inputs[0], labels[0])
+                grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
             else:
-                def acc(carry, mb):
-                    g, l = one(*mb)
+                def acc(carry, micro):
+                    g, l = one(micro)
                     return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
                 zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), (inputs, labels))
+                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), micro_batches)
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)

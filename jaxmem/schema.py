@@ -131,20 +131,54 @@ class TrainConfig:
     seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
     progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
+    wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
+                        "local); empty: off")
     memory_profile_at: int = _f(0, "after this step, save a device memory profile (pprof) to "
                                    "out_dir/memory_profile_step<N>.prof; 0: off")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-    kind: Literal["synthetic", "text", "bin"] = _f(
+    kind: Literal["synthetic", "text", "bin", "jsonl", "parquet", "hf"] = _f(
         "synthetic", "token source, one of synthetic (a built-in learnable Markov chain), text (a text file, "
-                     "tokenized), bin (a flat file of token ids)")
-    path: str = _f("", "input file, required for kind text or bin")
+                     "tokenized), bin (a flat file of token ids), jsonl, parquet (records: a file, or a directory "
+                     "of such files), hf (a directory written by datasets' save_to_disk); records are read "
+                     "locally, never downloaded")
+    path: str = _f("", "input file or directory, required for every kind but synthetic")
     bin_dtype: Literal["uint16", "uint32"] = _f("uint16", "integer type of the token ids in a kind=bin file, "
                                                           "one of uint16, uint32")
-    tokenizer: str = _f("", "tokenizer.json for kind=text (needs the tokenizers package); empty: one token per "
-                            "byte")
+    tokenizer: str = _f("", "tokenizer.json (needs the tokenizers package); its directory's tokenizer_config.json "
+                            "gives the chat template and the bos / eos tokens; required for record kinds; "
+                            "empty with kind=text: one token per byte")
+    format: Literal["text", "prompt_completion", "messages"] = _f(
+        "text", "what a record holds, one of text (one document), prompt_completion (a prompt and its completion), "
+                "messages (a chat: role / content turns, rendered with the chat template)")
+    text_field: str = _f("text", "record field holding the document for format=text")
+    prompt_field: str = _f("prompt", "record field holding the prompt for format=prompt_completion")
+    completion_field: str = _f("completion", "record field holding the completion for format=prompt_completion")
+    messages_field: str = _f("messages", "record field holding the turns for format=messages")
+    chat_template: str = _f("", "a Jinja chat template file used instead of tokenizer_config.json's "
+                                "chat_template")
+    train_on: Literal["assistant", "all"] = _f(
+        "assistant", "which tokens the loss trains on, one of assistant (every assistant turn with its end-of-turn "
+                     "token; for prompt_completion the completion), all (every token of the document)")
+    packing: Literal["none", "greedy", "first_fit"] = _f(
+        "greedy", "how documents fill rows of train.seq_len tokens, one of none (one document per row, padded), "
+                  "greedy (in order, a new row when the next does not fit), first_fit (longest first, each "
+                  "into the first row with room); attention never crosses documents and positions restart")
+    overlong: Literal["split", "drop"] = _f(
+        "split", "a document longer than a row, in every packing mode, one of split (cut into row-sized pieces), "
+                 "drop (left out and counted in the log)")
+    cache_dir: str = _f("", "where tokenized and packed records are cached, keyed by a hash of the files and "
+                            "settings; empty: ~/.cache/jaxmem/data")
+    workers: int = _f(0, "processes that tokenize records; 0: one per CPU core, at most 8")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    path: str = _f("", "held-out records of the same data.kind and data.format; empty: no evaluation")
+    every: int = _f(0, "evaluate every this many steps and at the end; 0: only at the end")
+    batches: int = _f(8, "global batches (train.micro_batch x data ways rows each) per evaluation")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +276,7 @@ class Config:
     optimizer: OptimizerConfig = _f(OptimizerConfig(), "AdamW with warmup and cosine decay")
     train: TrainConfig = _f(TrainConfig(), "steps, batch and logging")
     data: DataConfig = _f(DataConfig(), "token source")
+    eval: EvalConfig = _f(EvalConfig(), "held-out loss and perplexity during training")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
     distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
     remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")

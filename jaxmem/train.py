@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,9 +27,11 @@ import jax
 
 from jaxmem import distributed
 from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, run_meta
-from jaxmem.schema import Config, dump_yaml
+from jaxmem.schema import Config, dump_yaml, to_dict
 from jaxmem.data import Batches, TokenSource, make_source
-from jaxmem.metrics import JsonlWriter, ProgressBar, TensorBoardWriter, log_line, summary_writer_class
+from jaxmem.evaluate import Evaluator
+from jaxmem.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
+                            summary_writer_class, wandb_available)
 from jaxmem.optim import schedule_steps
 from jaxmem.precision import all_finite
 from jaxmem.program import TrainProgram, build_program
@@ -49,6 +52,10 @@ examples:
   jaxmem train configs/tiny.yaml train.steps=200 parallel.fsdp=4 parallel.tp=2 parallel.rules=fsdp_tp
   jaxmem train train.steps=10 out_dir=runs/quick               # overrides only: the tiny config
   jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/ckpt   # from `jaxmem import-hf`"""
+
+
+# Fault-injection hook for the kill-and-resume tests: seconds to wait before each step (0: none).
+_STEP_SLEEP_S = float(os.environ.get("JAXMEM_TEST_STEP_SLEEP", "0") or 0)
 
 
 class TrainError(RuntimeError):
@@ -163,6 +170,8 @@ class _Outputs:
             dump_yaml(cfg, out / "config.yaml")
             if cfg.train.tensorboard:
                 self.writers.append(TensorBoardWriter(out / "tensorboard"))
+            if cfg.train.wandb:
+                self.writers.append(WandbWriter(cfg.train.wandb, out, to_dict(cfg)))
             self.writers.append(JsonlWriter(out / "metrics.jsonl"))
         self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and cfg.train.progress)
 
@@ -191,18 +200,21 @@ def run(cfg: Config) -> dict:
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
     if cfg.train.tensorboard:
         summary_writer_class()  # a missing writer fails now, not after the compile
+    if cfg.train.wandb:
+        wandb_available()
     source = make_source(cfg)  # a text file is read and checked against the vocabulary here
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
         cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
         prog = build_program(cfg)
-        return _train(cfg, prog, ckpts, source)
+        return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog))
     finally:
         if ckpts:
             ckpts.close()  # finishes saves already started; the state that failed is never among them
 
 
-def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: TokenSource) -> dict:
+def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: TokenSource,
+           evaluator: Evaluator | None = None) -> dict:
     total, every = cfg.train.steps, cfg.checkpoint.every
     state, start, position, resumed = initial_state(prog, ckpts)
     summary = {"out_dir": str(cfg.out_dir), "start_step": start, "final_step": start, "resumed_from": resumed,
@@ -223,6 +235,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
         pending, last_sync, last_saved = [], time.perf_counter(), resumed
         for done in range(start + 1, total + 1):
+            if _STEP_SLEEP_S:
+                time.sleep(_STEP_SLEEP_S)
             state, metrics = step_fn(state, batch)
             pending.append((done, metrics))
             if done < total:
@@ -232,7 +246,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 jax.block_until_ready(state)  # the profile shows the buffers live after the step
                 save_memory_profile(cfg.out_dir, done)
             save_now = ckpts is not None and ((every and done % every == 0) or done == total)
-            log_now = done % cfg.train.log_every == 0 or done == total or done == start + 1
+            eval_now = evaluator is not None and evaluator.due(done, total)
+            log_now = done % cfg.train.log_every == 0 or done == total or done == start + 1 or eval_now
             if not (save_now or log_now):
                 continue
             host = jax.device_get([m for _, m in pending])  # waits for the steps; surfaces NaN and OOM
@@ -241,6 +256,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
             if log_now:
                 record = _record(done, host, now - last_sync, cfg.precision.loss_scale.enabled)
                 record.update(memory.sample())  # between steps: the devices have finished `done`
+                if eval_now:
+                    record.update(evaluator.run(state))
                 summary["records"].append(record)
                 outputs.record(record)
             pending, last_sync = [], now

@@ -144,7 +144,7 @@ def make_step(prog):
 
     from jaxmem import sharding
     from jaxmem.optim import adam_count, schedule
-    from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE, loss_sum_fn
+    from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE, loss_sum_fn, split_batch
     from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
     cfg, prec = prog.cfg, prog.precision
@@ -160,8 +160,9 @@ def make_step(prog):
     lr_at = schedule(cfg)
 
     def step(state, batch):
-        tokens = batch["tokens"]
-        inputs, labels = tokens[0, ..., :-1], tokens[0, ..., 1:]  # one micro-batch (validated)
+        # one micro-batch (validated): inputs, labels, segment ids, positions [rows, T] (or None)
+        micro = jax.tree.map(lambda x: x[0], split_batch(batch))
+        labels = micro[1]
         n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
         params, master = state["params"], state.get("master")
         factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
@@ -172,7 +173,7 @@ def make_step(prog):
             layer_state = (layer_weights, layer_opt, factor, sq_seed)
             ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
                 body, h, stacked, layer_state, opt_like))
-            loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), inputs, labels)
+            loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro)
             return loss_sum / n_valid, loss_sum
 
         rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])

@@ -22,6 +22,7 @@ from typing import Callable
 
 from jaxmem import kernels, remat
 from jaxmem.schema import Config, ConfigError, DistributedConfig, ParallelConfig, apply_overrides, parse_raw, read_yaml
+from jaxmem.documents.reading import RECORD_KINDS
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.model.presets import resolve_model
 from jaxmem.targets import get_target
@@ -92,13 +93,33 @@ def _precision(cfg: Config) -> None:
 
 
 def _data(cfg: Config) -> None:
+    """Settings only: whether the files exist is checked when a run reads them (check_data_files), so
+    plans, explain and sweep never need the data."""
     d = cfg.data
-    if d.kind in ("text", "bin") and not d.path:
+    if d.kind != "synthetic" and not d.path:
         raise ConfigError(f"data.path: required for data.kind={d.kind}")
-    if d.path and d.kind != "synthetic" and not Path(d.path).is_file():
-        raise ConfigError(f"data.path: file {d.path} not found")
-    if d.tokenizer and not Path(d.tokenizer).is_file():
-        raise ConfigError(f"data.tokenizer: file {d.tokenizer} not found")
+    if d.kind in RECORD_KINDS and not d.tokenizer:
+        raise ConfigError(f"data.tokenizer: required for data.kind={d.kind} (a tokenizer.json)")
+    if d.kind not in RECORD_KINDS and d.format != "text":
+        raise ConfigError(f"data.format: {d.format} needs records; set data.kind to one of {', '.join(RECORD_KINDS)}")
+    if d.workers < 0:
+        raise ConfigError(f"data.workers: must be >= 0 (0: one per CPU core), got {d.workers}")
+    e = cfg.eval
+    if e.path and d.kind == "synthetic":
+        raise ConfigError("eval.path: held-out data needs a file-based data.kind (text, bin, jsonl, parquet, hf)")
+    if e.every < 0 or e.batches < 1:
+        raise ConfigError(f"eval.every must be >= 0 and eval.batches >= 1, got {e.every} and {e.batches}")
+
+
+def check_data_files(cfg: Config) -> None:
+    """The data files a run reads exist (one line naming the key); runs call it before anything compiles."""
+    d = cfg.data
+    for key, path in (("data.path", d.path if d.kind != "synthetic" else ""), ("data.tokenizer", d.tokenizer),
+                      ("data.chat_template", d.chat_template), ("eval.path", cfg.eval.path)):
+        if path and not Path(path).exists():
+            raise ConfigError(f"{key}: file {path} not found")
+    if d.kind in ("text", "bin") and d.path and not Path(d.path).is_file():
+        raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
 
 
 def _checkpoint(cfg: Config) -> None:

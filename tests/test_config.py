@@ -42,7 +42,8 @@ def test_preset_fields_can_be_overridden():
     (["remat.names.not_a_name=device"], "remat.names.not_a_name: unknown checkpoint name"),
     (["remat.names.mlp_up=disk"], "remat.names.mlp_up: 'disk' is not allowed"),
     (["data.kind=text"], "data.path: required for data.kind=text"),
-    (["data.kind=bin", "data.path=/no/such/file.bin"], "data.path: file /no/such/file.bin not found"),
+    (["data.kind=jsonl", "data.path=chats.jsonl"], "data.tokenizer: required for data.kind=jsonl"),
+    (["data.format=messages"], "data.format: messages needs records"),
     (["train.seq_len=100000"], "train.seq_len: 100000 exceeds model.max_seq_len"),
     (["kernels.loss=magic"], "kernels.loss: 'magic' is not allowed"),
     (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
@@ -96,7 +97,7 @@ BAD_SECTION = {
     "train": (["train.grad_accum=-1"], "train.global_batch / train.grad_accum: must be >= 0"),
     "parallel": (["parallel.dp=-2"], "parallel.dp: must be a positive size or -1 (fill), got -2"),
     "precision": (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
-    "data": (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: file /no/such/tokenizer.json not found"),
+    "data": (["data.workers=-1"], "data.workers: must be >= 0"),
     "checkpoint": (["checkpoint.keep=0"], "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
     "distributed": (["distributed.coordinator=host", "distributed.num_processes=2", "distributed.process_id=0"],
                     "distributed.coordinator: 'host' must be HOST:PORT"),
@@ -194,3 +195,18 @@ def test_config_load_config_is_the_validating_loader():
     assert jaxmem.config.load_config is validate.load_config and jaxmem.config.from_dict is validate.from_dict
     cfg = load_config("configs/tiny.yaml")
     assert validate.from_dict(to_dict(cfg)) == cfg
+
+
+@pytest.mark.parametrize("override, fragment", [
+    (["data.kind=bin", "data.path=/no/such/file.bin"], "data.path: file /no/such/file.bin not found"),
+    (["data.tokenizer=/no/such/tokenizer.json"], "data.tokenizer: file /no/such/tokenizer.json not found"),
+    (["data.kind=jsonl", "data.path=/no/chats.jsonl", "data.tokenizer=/no/tok.json"], "data.path: file /no/chats"),
+    (["data.kind=text", "data.path=configs"], "data.path: configs is not a file"),
+])
+def test_data_files_are_checked_when_a_run_reads_them_not_at_load(override, fragment):
+    from jaxmem.data import make_source
+
+    cfg = load_config("configs/tiny.yaml", override)  # plans, explain and sweep never need the files
+    with pytest.raises(ConfigError) as e:
+        make_source(cfg)
+    assert fragment in str(e.value) and "\n" not in str(e.value)

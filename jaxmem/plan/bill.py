@@ -167,7 +167,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     master = _state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0
     moment = _state_bytes(layout, layout.opt_specs, prec.moment)
     accum, rows = layout.grad_accum, layout.rows
-    inputs = accum * (rows // layout.data_ways) * (t.seq_len + 1) * 4 + _counter_bytes(cfg, layout)
+    inputs = accum * (rows // layout.data_ways) * _batch_row_elems(cfg) * 4 + _counter_bytes(cfg, layout)
     cd = _itemsize(prec.compute)
 
     per_name = name_shapes(cfg, layout)
@@ -213,6 +213,15 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         device["params"] -= host["params"]
     host["activations"] = sum(saved_host.values())
     return Bill(device, host, saved_dev, saved_host, sizes, notes, layout)
+
+
+def _batch_row_elems(cfg: Config) -> int:
+    """int32 elements of one batch row: seq_len + 1 tokens, or seq_len per record array (inputs, labels,
+    and with packing segment ids and positions)."""
+    from jaxmem.program import batch_keys
+
+    keys = batch_keys(cfg)
+    return cfg.train.seq_len + 1 if keys == ("tokens",) else len(keys) * cfg.train.seq_len
 
 
 def _counter_bytes(cfg: Config, layout: Layout) -> int:
