@@ -49,6 +49,8 @@ LAYOUTS = {
     "sp2_fsdp4": ["parallel.sp=2", "parallel.fsdp=4", "train.micro_batch=2"],
     "sp4_fsdp2_tiled_full": ["parallel.sp=4", "parallel.fsdp=2", "train.micro_batch=4", "remat.preset=full",
                              "remat.seq_tile=4"],
+    "sp2_fsdp4_offload": ["parallel.sp=2", "parallel.fsdp=4", "train.micro_batch=2",
+                          "remat.preset=offload_layer_inputs", "offload.optimizer=host", "remat.seq_tile=8"],
     "dp2_fsdp2_tp2_accum2": ["parallel.dp=2", "parallel.fsdp=2", "parallel.tp=2", "parallel.rules=fsdp_tp",
                              "train.grad_accum=2"],
 }

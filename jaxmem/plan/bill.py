@@ -159,7 +159,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     layout = layout or resolve(cfg, n_devices, "gpu" if gpu else "cpu")
     sizes = layout.mesh_sizes
     prec = Precision.from_config(cfg.precision)
-    m, t = cfg.model, cfg.train
+    m = cfg.model
     params = _state_bytes(layout, layout.param_specs, prec.param)
     grads = _state_bytes(layout, layout.grad_specs, prec.grad_reduce)  # cast to fp32 on use
     if cfg.optimizer.update_in_backward:
