@@ -12,6 +12,7 @@ COMMANDS = {
     "explain": ("jaxmem.plan.explain", "which source lines own the biggest buffers at the peak"),
     "bench": ("jaxmem.bench", "run the train step here: planned vs measured memory, step time, MFU"),
     "sweep": ("jaxmem.sweep", "plan the cross product of config overrides"),
+    "tune": ("jaxmem.tune", "walk the memory decision flow for a target; write the fastest config that fits"),
     "data": ("jaxmem.data_cli", "preview the training data: a rendered sample, its loss mask, packing stats"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
     "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),

@@ -80,11 +80,20 @@ def _plan_here(config: str, overrides: list[str], target: dict, compile: bool) -
 def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, out_dir: Path,
               cache_dir: Path, workers: int = MAX_WORKERS, compile: bool = True) -> list[dict]:
     """Plans every grid point (cached ones are read back) and returns one row per point."""
+    rows = plan_points(config, points(grid), base_overrides, target, cache_dir, workers, compile)
+    mark_best(rows)
+    return rows
+
+
+def plan_points(config: str, point_overrides: list[list[str]], base_overrides: list[str], target: dict,
+                cache_dir: Path, workers: int = MAX_WORKERS, compile: bool = True) -> list[dict]:
+    """One row per point (a list of overrides on top of `base_overrides`): each planned in a fresh worker
+    process, or read back from `cache_dir` by the hash of its resolved config and target."""
     from jaxmem.plan import resolve_topology
 
     cache_dir.mkdir(parents=True, exist_ok=True)
     jobs, rows = [], []
-    for overrides in points(grid):
+    for overrides in point_overrides:
         cfg = load_config(config, base_overrides + overrides)  # every point validated before any compile
         topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
         key = config_hash(cfg, f"{topo.label}|compile={compile}")
@@ -117,7 +126,6 @@ def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, 
     for overrides, key, path in jobs:
         cached = key not in results
         rows.append(_row(overrides, key, json.loads(path.read_text()) if cached else results[key], cached))
-    mark_best(rows)
     return rows
 
 
@@ -156,6 +164,7 @@ def _row(overrides: list[str], key: str, p: dict, cached: bool) -> dict:
         "host_bytes": compiled["host_total"] if compiled else p["analytic"]["host_total"],
         "fits": p["fits"], "host_fits": p["host_fits"],
         "step_seconds_estimated": p["cost"]["step_seconds"], "mfu_estimated": p["cost"]["mfu"],
+        "tokens_per_step": p["cost"]["tokens_per_step"],
         "warnings": len(p["warnings"]), "target": p["target"]["name"], "devices": p["devices"],
         "usable_device_bytes": p["usable_device_bytes"],
     })
