@@ -26,7 +26,9 @@ LONG_SEQ = 32768
 STAGES = (
     ("bf16 mixed precision", [[]]),
     ("activation recomputation", [["remat.preset=selective"], ["remat.preset=save_qkv_proj"],
-                                  ["remat.preset=selective", "remat.granularity=segments"], ["remat.preset=full"]]),
+                                  ["remat.preset=selective", "remat.granularity=segments"], ["remat.preset=full"],
+                                  # per name: keep the attention output, so the flash kernel does not rerun
+                                  ["remat.preset=full", "remat.names.attn_context=device"]]),
     ("optimizer state offloaded", [[r, "offload.optimizer=host", f"offload.optimizer_update={u}"]
                                    for r in ("remat.preset=selective", "remat.preset=full")
                                    for u in ("device", "host")]),

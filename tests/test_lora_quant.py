@@ -4,8 +4,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.lora.quant import (NF4_CODES, NF4_MAX_GAP, SCALE_BLOCK, dequantize_int8, dequantize_nf4, nf4_absmax,
-                               quantize_int8, quantize_nf4, quantized_bytes)
+from jaxmem.lora import quant
+from jaxmem.lora.quant import NF4_CODES, NF4_MAX_GAP, SCALE_BLOCK, quantized_bytes
+
+# Compiled once per shape (faster than op-by-op); test_jit_matches_eager checks the eager path agrees.
+quantize_int8 = jax.jit(quant.quantize_int8, static_argnums=1)
+dequantize_int8 = jax.jit(quant.dequantize_int8, static_argnums=1)
+quantize_nf4 = jax.jit(quant.quantize_nf4, static_argnames=("block", "double_quant", "batch_dims"))
+dequantize_nf4 = jax.jit(quant.dequantize_nf4, static_argnums=(1, 2))
+nf4_absmax = jax.jit(quant.nf4_absmax)
 
 CODES = np.asarray(NF4_CODES, np.float32)
 
@@ -137,20 +144,23 @@ def test_nf4_double_quant_scales_bound():
     assert np.all(err <= 0.5 * NF4_MAX_GAP * per_element + np.abs(per_element_q - per_element) + 1e-7)
 
 
-def test_nf4_jit_and_dtypes():
+def test_jit_matches_eager():
     w = jnp.asarray(_weight((2, 32, 8), seed=4)).astype(jnp.bfloat16)
-    quantize = jax.jit(lambda x: quantize_nf4(x, double_quant=True, batch_dims=1))
-    dequantize = jax.jit(lambda qt: dequantize_nf4(qt, (2, 32, 8), jnp.bfloat16))
-    qt = quantize(w)
-    eager = quantize_nf4(w, double_quant=True, batch_dims=1)
-    for k in qt:
-        np.testing.assert_array_equal(np.asarray(qt[k]), np.asarray(eager[k]))
-    back = dequantize(qt)
-    assert back.dtype == jnp.bfloat16 and back.shape == w.shape
-    layer = jax.jit(lambda qt, i: dequantize_nf4(jax.tree.map(lambda x: x[i], qt), (32, 8)))(qt, 1)
-    np.testing.assert_array_equal(np.asarray(layer), np.asarray(dequantize_nf4(qt, (2, 32, 8))[1]))
-    int8 = jax.jit(lambda x: quantize_int8(x, (1,)))(w)
-    np.testing.assert_array_equal(np.asarray(int8["q"]), np.asarray(quantize_int8(w, (1,))["q"]))
+    for double_quant in (False, True):
+        jitted = quantize_nf4(w, double_quant=double_quant, batch_dims=1)
+        eager = quant.quantize_nf4(w, double_quant=double_quant, batch_dims=1)
+        for k in eager:
+            np.testing.assert_array_equal(np.asarray(jitted[k]), np.asarray(eager[k]))
+        back = dequantize_nf4(jitted, (2, 32, 8), jnp.bfloat16)
+        assert back.dtype == jnp.bfloat16 and back.shape == w.shape
+        np.testing.assert_array_equal(np.asarray(back, np.float32),
+                                      np.asarray(quant.dequantize_nf4(eager, (2, 32, 8), jnp.bfloat16), np.float32))
+    # one layer dequantized inside jit from the stacked form, the way a layer scan fetches it
+    layer = jax.jit(lambda qt, i: quant.dequantize_nf4(jax.tree.map(lambda x: x[i], qt), (32, 8)))(jitted, 1)
+    np.testing.assert_array_equal(np.asarray(layer), np.asarray(dequantize_nf4(jitted, (2, 32, 8))[1]))
+    int8 = quantize_int8(w, (1,))
+    np.testing.assert_array_equal(np.asarray(int8["q"]), np.asarray(quant.quantize_int8(w, (1,))["q"]))
+    np.testing.assert_array_equal(np.asarray(int8["scale"]), np.asarray(quant.quantize_int8(w, (1,))["scale"]))
 
 
 def test_all_zero_block():
