@@ -21,18 +21,18 @@ def eval_step(prog: TrainProgram):
     cfg, prec = prog.cfg, prog.precision
     token_loss = loss_sum_fn(prog)
 
-    def step(params, batch):
+    def step(params, base, batch):
         params = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
         def one(carry, micro):
-            loss_sum, n_valid = token_loss(params, *micro)
+            loss_sum, n_valid = token_loss(params, *micro, base=base)
             return (carry[0] + loss_sum, carry[1] + n_valid.astype(jnp.float32)), None
 
         (loss_sum, n_valid), _ = jax.lax.scan(one, (jnp.float32(0.0), jnp.float32(0.0)), split_batch(batch))
         return loss_sum, n_valid
 
     batch = {key: prog.batch_sharding for key in prog.batch_keys}
-    return jax.jit(step, in_shardings=(prog.state_shardings["params"], batch))
+    return jax.jit(step, in_shardings=(prog.state_shardings["params"], prog.state_shardings.get("base"), batch))
 
 
 @dataclasses.dataclass
@@ -61,7 +61,7 @@ class Evaluator:
         self.step_fn = self.step_fn or eval_step(self.prog)
         total, count = 0.0, 0.0
         for batch in self.batches:
-            loss_sum, n_valid = jax.device_get(self.step_fn(state["params"], batch))
+            loss_sum, n_valid = jax.device_get(self.step_fn(state["params"], state.get("base"), batch))
             total, count = total + float(loss_sum), count + float(n_valid)
         loss = total / max(count, 1.0)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0)), "eval_tokens": int(count)}

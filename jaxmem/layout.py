@@ -21,6 +21,7 @@ from jaxmem.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.precision import Precision
+from jaxmem.lora.frozen import LoraSetup
 from jaxmem.seq_tiling import INSIDE_TILES, tile_count
 from jaxmem.validate import batch_layout, check_sequence_layout
 
@@ -44,6 +45,13 @@ class Layout:
     host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
     layer_param_elems: int  # parameters of one decoder layer
     rules: tuple  # the logical-axis rule table (parallel.rules) that shards weights and activations
+    # The model's own parameters (with LoRA the trainable tree above is the adapters, and these are the
+    # frozen base's shapes before quantization).
+    model_abstract_params: dict = None
+    model_gathered_specs: dict = None
+    lora: Any = None  # jaxmem.lora.frozen.LoraSetup, or None for a full fine-tune
+    base_abstract: dict | None = None  # the frozen base in its stored form (quantized leaves)
+    base_specs: dict | None = None
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as
@@ -94,15 +102,47 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     if tile_count(cfg.train.seq_len, sizes["sp"], cfg.remat.seq_tile) > 1:
         saved = {n: "remat" if n in INSIDE_TILES else where for n, where in saved.items()}
     grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
+    model_abstract = nnx.to_pure_dict(params_state)
+    trainable = dict(abstract_params=model_abstract, param_specs=param_specs, grad_specs=grad_specs,
+                     opt_specs=opt_specs, gathered_specs=gathered_specs)
+    lora_fields = {}
+    setup = LoraSetup.from_config(cfg)
+    if setup is not None:
+        trainable, lora_fields = _lora_layout(cfg, setup, sizes, model_abstract, param_specs)
     return Layout(
-        mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef,
-        abstract_params=nnx.to_pure_dict(params_state), param_specs=param_specs, grad_specs=grad_specs,
-        opt_specs=opt_specs, gathered_specs=gathered_specs, grad_accum=grad_accum, rows=rows,
+        mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef, **trainable,
+        grad_accum=grad_accum, rows=rows, model_abstract_params=model_abstract,
+        model_gathered_specs=gathered_specs, **lora_fields,
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model),
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
+
+
+def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict, model_specs: dict):
+    """(trainable specs of the adapters per ZeRO stage, the frozen base's abstract form and specs)."""
+    from jaxmem.lora import frozen
+    from jaxmem.lora.adapters import init_adapters
+
+    prec = Precision.from_config(cfg.precision)
+    adapters = jax.eval_shape(lambda: init_adapters(cfg.model, setup.targets, setup.rank, jax.random.key(0),
+                                                    prec.param))
+    base = jax.eval_shape(lambda p: frozen.make_base(setup, cfg, p, prec.param), model_abstract)
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    mesh = _shape_only_mesh(sizes)
+    axes = frozen.adapter_logical_axes(setup)
+
+    def specs(table):
+        return jax.tree.map(lambda names, x: sharding.logical_to_spec(names, table, mesh, x.shape), axes, adapters,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    sharded, replicated = specs(rules), specs(sharding.without_data_axes(rules))
+    stage = cfg.parallel.zero_stage
+    trainable = dict(abstract_params=adapters, param_specs=sharded if stage == 3 else replicated,
+                     grad_specs=sharded if stage >= 2 else replicated, opt_specs=sharded, gathered_specs=replicated)
+    model_specs_base = frozen.base_specs(setup, cfg, model_specs, base)
+    return trainable, dict(lora=setup, base_abstract=base, base_specs=model_specs_base)
 
 
 def platform_of(devices) -> str:

@@ -159,6 +159,8 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     def sums(g):
         g = jax.tree.map(lambda x: x.astype(jnp.float32) / scale, fetch(g))
         leaves = jax.tree.leaves(g)
+        if not leaves:  # LoRA: no trainable weights outside the layers
+            return jnp.float32(0.0), jnp.bool_(True)
         return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
 
     sq_rest, ok_rest = sums(g_rest)

@@ -103,11 +103,23 @@ class TrainProgram:
 
     def _fresh_state(self, seed: int) -> dict:
         model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
-        return self.state_from_params(nnx.to_pure_dict(nnx.split(model)[1]))
+        return self.state_from_params(nnx.to_pure_dict(nnx.split(model)[1]), seed)
 
-    def state_from_params(self, params) -> dict:
-        """A step-0 train state (fresh optimizer state, master = fp32 params) around given params."""
-        return assemble_state(self.cfg, self.precision, self.optimizer, params)
+    def state_from_params(self, params, seed: int | None = None) -> dict:
+        """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; with
+        LoRA the params become the frozen base and fresh adapters are trained."""
+        setup = self.layout.lora
+        if setup is None:
+            return assemble_state(self.cfg, self.precision, self.optimizer, params)
+        from jaxmem.lora.adapters import init_adapters
+        from jaxmem.lora.frozen import make_base
+
+        seed = self.cfg.train.seed if seed is None else seed
+        adapters = init_adapters(self.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),
+                                 self.precision.param)
+        state = assemble_state(self.cfg, self.precision, self.optimizer, adapters)
+        state["base"] = make_base(setup, self.cfg, params, self.precision.param)
+        return state
 
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
@@ -178,13 +190,19 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainP
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
     if "grad_norm" in abstract:
         specs["grad_norm"] = P()
+    if layout.lora is not None:
+        abstract["base"], specs["base"] = layout.base_abstract, layout.base_specs
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
     platform = layout.platform
-    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers,
-                                            fetch=offload.layer_fetch(cfg, prec.grad_reduce))
+    fetch = offload.layer_fetch(cfg, prec.grad_reduce)
+    if layout.lora is not None:  # the scan carries (layer state, stored base + adapters) and rebuilds weights
+        from jaxmem.lora.frozen import layer_shapes, rebuild
+
+        fetch = rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute)
+    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
@@ -203,10 +221,20 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
     loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
 
-    def loss_sum(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None):
+    setup = prog.layout.lora
+
+    def loss_sum(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None):
+        run_ctx = ctx
+        if setup is not None:  # params are the adapters: each layer is rebuilt from base + adapters in the scan
+            from jaxmem.lora import frozen
+
+            pieces = frozen.lora_layers(setup, base, params)
+            run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
+                body, h, (stacked, pieces)))
+            params = frozen.model_params(setup, base)
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            h_btd = model.hidden(inputs_bt, ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            h_btd = model.hidden(inputs_bt, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
         w_dv = model.lm_head_weight().astype(prog.precision.compute)
         return loss_impl(h_btd, w_dv, labels_bt)
 
@@ -225,11 +253,11 @@ def _make_step(prog: TrainProgram):
     lr_at = schedule(cfg)
     scaling = cfg.precision.loss_scale
 
-    def micro_loss(params, micro, denom):
-        loss_sum, _ = token_loss(params, *micro)
+    def micro_loss(params, micro, denom, base):
+        loss_sum, _ = token_loss(params, *micro, base=base)
         return loss_sum / denom, loss_sum
 
-    grad_fn = jax.grad(micro_loss, has_aux=True)
+    grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
@@ -241,7 +269,7 @@ def _make_step(prog: TrainProgram):
         p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
         def one(micro):
-            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale)
+            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get("base"))
             return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
         # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two

@@ -175,6 +175,23 @@ class DataConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank: adapters on the targeted projections are trained, the base is frozen (no "
+                      "gradients, no optimizer state); 0: full fine-tune")
+    alpha: float = _f(16.0, "LoRA alpha: the adapters' product is scaled by alpha / rank (alpha / sqrt(rank) with "
+                            "rslora)")
+    rslora: bool = _f(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank)")
+    dropout: float = _f(0.0, "dropout on the adapters' input; only 0 is supported so far")
+    targets: str = _f("all-linear", "projections that get adapters, by Hugging Face name, comma-separated (a YAML "
+                                     "list works too): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                     "down_proj; or all-linear")
+    base_dtype: Literal["bfloat16", "int8", "nf4"] = _f(
+        "bfloat16", "how the frozen targeted base weights are stored, one of bfloat16, int8 (per output channel "
+                    "absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
+    double_quant: bool = _f(False, "with base_dtype=nf4, quantize the block scales too (int8 in blocks of 256)")
+
+
+@dataclasses.dataclass(frozen=True)
 class EvalConfig:
     path: str = _f("", "held-out records of the same data.kind and data.format; empty: no evaluation")
     every: int = _f(0, "evaluate every this many steps and at the end; 0: only at the end")
@@ -277,6 +294,7 @@ class Config:
     train: TrainConfig = _f(TrainConfig(), "steps, batch and logging")
     data: DataConfig = _f(DataConfig(), "token source")
     eval: EvalConfig = _f(EvalConfig(), "held-out loss and perplexity during training")
+    lora: LoraConfig = _f(LoraConfig(), "LoRA / QLoRA adapters on a frozen (optionally quantized) base")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
     distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
     remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")
@@ -348,6 +366,8 @@ def _coerce(value: Any, tp: Any, key: str) -> Any:
     if tp is str:
         if isinstance(value, (str, int, float)) and not isinstance(value, bool):
             return str(value)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):  # a YAML list of names
+            return ",".join(value)
         raise ConfigError(f"{key}: {value!r} is not a string")
     if tp is dict or origin is dict:
         if isinstance(value, dict):

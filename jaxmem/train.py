@@ -233,6 +233,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         summary["memory_warnings"] = memory.warnings  # filled as warnings are raised
         _note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {total} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
+        _note(parameter_counts(prog))
         pending, last_sync, last_saved = [], time.perf_counter(), resumed
         for done in range(start + 1, total + 1):
             if _STEP_SLEEP_S:
@@ -278,6 +279,18 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         raise
     finally:
         outputs.close()
+
+
+def parameter_counts(prog: TrainProgram) -> str:
+    """One line: trainable and frozen parameter counts (counted from the state's shapes)."""
+    count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
+    trainable = count(prog.layout.abstract_params)
+    if prog.layout.lora is None:
+        return f"{trainable:,} trainable parameters (full fine-tune)"
+    frozen = count(prog.layout.model_abstract_params)
+    lo = prog.layout.lora
+    return (f"{trainable:,} trainable parameters (LoRA rank {lo.rank} adapters), {frozen:,} frozen "
+            f"(base stored as {lo.base_dtype})")
 
 
 def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | None) -> None:

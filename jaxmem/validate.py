@@ -122,6 +122,25 @@ def check_data_files(cfg: Config) -> None:
         raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
 
 
+def _lora(cfg: Config) -> None:
+    lo = cfg.lora
+    if lo.rank < 0:
+        raise ConfigError(f"lora.rank: must be >= 0 (0: full fine-tune), got {lo.rank}")
+    if lo.rank == 0:
+        return
+    if lo.alpha <= 0:
+        raise ConfigError(f"lora.alpha: must be > 0, got {lo.alpha}")
+    if lo.dropout != 0:
+        raise ConfigError(f"lora.dropout: {lo.dropout} is not supported yet; only 0 (the adapters are merged into "
+                          "each layer's weights inside the scan, where no input dropout applies)")
+    from jaxmem.lora.adapters import resolve_targets
+
+    resolve_targets(lo.targets)  # "lora.targets: 'x' is not a target; use some of ..."
+    if cfg.optimizer.update_in_backward or cfg.offload.params == "host":
+        raise ConfigError("lora.rank: LoRA does not combine with optimizer.update_in_backward or offload.params=host "
+                          "yet (the frozen base stays on the device, quantized if you like: lora.base_dtype)")
+
+
 def _checkpoint(cfg: Config) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
@@ -194,6 +213,7 @@ SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "precision": _precision,
     "data": _data,
     "checkpoint": _checkpoint,
+    "lora": _lora,
     "distributed": lambda cfg: check_distributed(cfg.distributed),
     "remat": _remat,
     "offload": _offload,

@@ -127,3 +127,4 @@ def test_pallas_compiles_for_h100_at_llama3_size():
     # the naive [T, V] fp32 logits alone are 4.2 GB; the fused scratch is dh fp32 + one tile of the backward
     assert memory.temp_size_in_bytes < 0.5 * 2**30
     assert memory.output_size_in_bytes >= 2 * (t * d + d * v)
+

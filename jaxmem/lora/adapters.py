@@ -59,7 +59,7 @@ def target_weights(cfg: ModelConfig) -> dict[str, TargetWeight]:
 def resolve_targets(names: list[str] | tuple[str, ...] | str, key: str = "lora.targets") -> tuple[str, ...]:
     """HF module names (or "all-linear") -> our param names, in TARGETS order, without duplicates."""
     if isinstance(names, str):
-        names = list(TARGETS) if names == ALL_LINEAR else [names]
+        names = list(TARGETS) if names == ALL_LINEAR else [n.strip() for n in names.split(",") if n.strip()]
     choices = ", ".join([*TARGETS, ALL_LINEAR])
     if not names:
         raise ConfigError(f"{key}: empty; use some of {choices}")

@@ -78,6 +78,21 @@ def _shard_elems(shape, spec, sizes) -> int:
     return math.prod(shape) // div
 
 
+def _model_elems(layout: Layout, part: str) -> int:
+    """Per-device elements of the model's `part` as the step uses it (all-gathered over the data axes)."""
+    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) for x, s in zip(
+        jax.tree.leaves(layout.model_abstract_params[part]), spec_leaves(layout.model_gathered_specs[part]),
+        strict=True))
+
+
+def _base_bytes(layout: Layout) -> int:
+    """Per-device bytes of a LoRA run's frozen base in its stored form (0 for a full fine-tune)."""
+    if layout.base_abstract is None:
+        return 0
+    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) * x.dtype.itemsize for x, s in zip(
+        jax.tree.leaves(layout.base_abstract), spec_leaves(layout.base_specs), strict=True))
+
+
 def _state_elems(layout: Layout, specs, part: str | None = None) -> int:
     """Per-device elements of the params tree (or its `part` subtree), sharded by `specs`."""
     params = layout.abstract_params if part is None else layout.abstract_params[part]
@@ -191,15 +206,20 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
-    layer_full = _state_elems(layout, layout.gathered_specs, "layers") // m.n_layers
-    head_full = _state_elems(layout, layout.gathered_specs, "embed" if m.tie_embeddings else "lm_head")
+    layer_full = _model_elems(layout, "layers") // m.n_layers
+    head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
+    if layout.lora is not None:  # one layer rebuilt from the base (+ A B) and that weight's gradient
+        temporaries = 2 * layer_full * cd + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
+        notes.append(f"LoRA rank {layout.lora.rank} on {', '.join(layout.lora.targets)}: base stored as "
+                     f"{layout.lora.base_dtype}, gradients and optimizer state for the adapters only")
     if cfg.optimizer.update_in_backward:  # the layer's gradient is in `grads`; its fp32 update temps here
         temporaries -= layer_full * _itemsize(prec.grad_reduce)
     logits += head_full * 4 + (head_full * cd if gathered else 0)
     if accum > 1:
         temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator
-    device = dict(params=params, grads=grads, master=master, opt_m=moment, opt_v=moment, inputs=inputs,
+    device = dict(params=params, base=_base_bytes(layout), grads=grads, master=master, opt_m=moment, opt_v=moment,
+                  inputs=inputs,
                   activations=activations, working_set=working, logits=logits, temporaries=temporaries)
     host = {k: 0 for k in HOST_CATEGORIES}
     if "opt" in layout.host_state:

@@ -44,7 +44,7 @@ _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
 # scan keeps ([L, ...] residuals, token-shaped) -> activation (with its checkpoint name); other
 # weight-shaped values -> param; the rest -> temp. The evidence used is in each buffer's "why".
 
-_STATE_CATEGORY = (("state['params']", "param"), ("state['opt']", "optimizer"), ("state['master']", "optimizer"))
+_STATE_CATEGORY = (("state['params']", "param"), ("state['base']", "param"), ("state['opt']", "optimizer"), ("state['master']", "optimizer"))
 
 
 @dataclasses.dataclass

@@ -18,6 +18,7 @@ EXPLAIN_CATEGORIES = (PARAM, GRAD, OPTIMIZER, ACTIVATION, LOGITS, TEMP)
 # of the buffers each one estimates (where most of its bytes land).
 BILL_TO_EXPLAIN: dict[str, str] = {
     "params": PARAM,
+    "base": PARAM,  # LoRA: the frozen base weights, at their stored dtype (bf16, int8 or nf4)
     "grads": GRAD,
     "master": OPTIMIZER,  # fp32 master weights live in the optimizer's part of the state
     "opt_m": OPTIMIZER,

@@ -1,0 +1,81 @@
+"""`jaxmem merge-lora CONFIG [key=value ...] --out DIR [--peft DIR]`: a LoRA run's latest checkpoint as a merged
+Hugging Face checkpoint (each targeted weight dequantized and W + scale * A B folded in), and optionally
+its adapters in PEFT's format."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.schema import ConfigError
+
+
+def merged_params(prog, state: dict) -> dict:
+    """The model's params (host arrays, in the param dtype) with the adapters merged into the base."""
+    from jaxmem.lora.adapters import merge
+    from jaxmem.lora.frozen import layer_shapes, unstore
+
+    setup = prog.layout.lora
+    shapes = layer_shapes(prog.cfg, setup)
+    base, adapters = jax.device_get(state["base"]), jax.device_get(state["params"])
+    params = dict(base, layers=dict(base["layers"]))
+    for name in setup.targets:  # one layer at a time: a quantized base is never dequantized whole on a device
+        stored = base["layers"][name]
+        n_layers = jax.tree.leaves(stored)[0].shape[0]
+        params["layers"][name] = np.stack([np.asarray(unstore(setup, jax.tree.map(lambda x: x[i], stored),
+                                                              shapes[name], jnp.float32))
+                                           for i in range(n_layers)])
+    merged = merge(params, jax.tree.map(np.asarray, adapters), setup.scale)
+    dtype = prog.precision.param
+    return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype)), merged)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from flax import nnx
+
+    from jaxmem.checkpoint import Checkpoints
+    from jaxmem.config import load_config
+    from jaxmem.hf import save_hf
+    from jaxmem.lora.adapters import hf_target_names
+    from jaxmem.lora.peft_format import save_peft
+    from jaxmem.program import build_program
+    from jaxmem.reference import HelpFormatter
+
+    ap = argparse.ArgumentParser(
+        prog="jaxmem merge-lora", formatter_class=HelpFormatter,
+        description="Read the latest checkpoint of a LoRA run (the config's out_dir), dequantize each targeted base "
+                    "weight one layer at a time, fold the adapters in (W + scale * A B) and write a Hugging Face "
+                    "checkpoint that transformers loads; with --peft also the adapters alone in PEFT's format "
+                    "(adapter_config.json and adapter_model.safetensors).",
+        epilog="examples:\n"
+               "  jaxmem merge-lora configs/lora/llama3-8b-qlora-1x4090.yaml --out merged/\n"
+               "  jaxmem merge-lora run.yaml out_dir=runs/r1 --out merged/ --peft adapters/ --dtype bfloat16")
+    ap.add_argument("config", help="the run's config YAML")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. out_dir=...)")
+    ap.add_argument("--out", required=True, help="folder for the merged Hugging Face checkpoint")
+    ap.add_argument("--peft", default=None, help="also write the adapters in PEFT's format to this folder")
+    ap.add_argument("--dtype", default=None, help="tensor dtype of the merged files (default: the params')")
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    cfg = load_config(args.config, args.overrides)
+    if cfg.lora.rank <= 0:
+        raise ConfigError("lora.rank: merge-lora needs a LoRA run (lora.rank > 0)")
+    ckpts = Checkpoints.for_run(cfg)
+    if ckpts.latest_step() is None:
+        raise ConfigError(f"out_dir: {cfg.out_dir} holds no checkpoint to merge")
+    prog = build_program(cfg)
+    state, meta = ckpts.restore(prog.abstract_state)
+    ckpts.close()
+    params = merged_params(prog, state)
+    save_hf(nnx.merge(prog.graphdef, params), args.out, dtype=args.dtype)
+    print(f"jaxmem merge-lora: step {int(meta.get('step', 0))} of {cfg.out_dir} merged into {args.out}")
+    if args.peft:
+        lo = cfg.lora
+        save_peft(jax.device_get(state["params"]), cfg.model, args.peft, rank=lo.rank, alpha=lo.alpha,
+                  rslora=lo.rslora, dropout=lo.dropout, targets=tuple(hf_target_names(prog.layout.lora.targets)),
+                  base_model=cfg.checkpoint.init_from)
+        print(f"jaxmem merge-lora: adapters in PEFT's format in {args.peft}")
+    return 0

@@ -1,0 +1,142 @@
+"""The frozen base of a LoRA run and how each layer's weights are rebuilt from it inside the layer scan.
+
+The train state keeps the adapters under "params" (the only trainable tree: gradients, optimizer state and
+master weights exist for it alone) and the base model under "base": every weight at the parameter dtype,
+except the targeted projections, stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by
+jaxmem.lora.quant) and never written. The model itself is built from the base with each targeted weight
+replaced by a [L] placeholder; the layer scan carries the stored weights and the adapters per layer and
+rebuilds one layer's weights at a time, W + scale * A B in the compute dtype, so the step never holds more
+than a layer or two of dequantized base (checked on the compiled figure in tests/test_lora.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.lora.adapters import adapter_axes, resolve_targets, scale as lora_scale, target_weights
+from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from jaxmem.schema import Config
+
+NF4_BLOCK = 64
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraSetup:
+    targets: tuple[str, ...]  # our layer param names
+    rank: int
+    scale: float
+    base_dtype: str
+    double_quant: bool
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "LoraSetup | None":
+        lo = cfg.lora
+        if lo.rank <= 0:
+            return None
+        return cls(resolve_targets(lo.targets), lo.rank, lora_scale(lo.alpha, lo.rank, lo.rslora), lo.base_dtype,
+                   lo.double_quant)
+
+
+def _in_dims(cfg: Config, name: str) -> tuple[int, ...]:
+    """Per-layer axes of weight `name` that are its inputs (the axes int8 scales reduce over)."""
+    return tuple(range(len(target_weights(cfg.model)[name].in_shape)))
+
+
+def store(setup: LoraSetup, cfg: Config, name: str, w: jax.Array):
+    """A targeted [L, ...] weight in its stored form."""
+    if setup.base_dtype == "int8":
+        return quantize_int8(w, tuple(1 + d for d in _in_dims(cfg, name)))
+    if setup.base_dtype == "nf4":
+        return quantize_nf4(w, NF4_BLOCK, setup.double_quant, batch_dims=1)
+    return w.astype(setup.base_dtype)
+
+
+def unstore(setup: LoraSetup, stored, shape: tuple[int, ...], dtype):
+    """One layer's weight of `shape` from its stored form (the layer's slice of every leaf)."""
+    if setup.base_dtype == "int8":
+        return dequantize_int8(stored, dtype)
+    if setup.base_dtype == "nf4":
+        return dequantize_nf4(stored, shape, dtype)
+    return stored.astype(dtype)
+
+
+def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
+    """The frozen base: the model's params in param_dtype, targeted layer weights in their stored form."""
+    base = jax.tree.map(lambda x: x.astype(param_dtype), params)
+    layers = dict(base["layers"])
+    for name in setup.targets:
+        layers[name] = store(setup, cfg, name, params["layers"][name])
+    return dict(base, layers=layers)
+
+
+def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: dict) -> dict:
+    """Partition specs of the base: untargeted leaves as the model's params; int8 values as their weight and
+    scales without the input dims; nf4 leaves (flattened per layer) split on their last dim like the weight's
+    first sharded dim where it divides, else replicated."""
+    layers = dict(model_specs["layers"])
+    for name in setup.targets:
+        spec, stored = model_specs["layers"][name], abstract_base["layers"][name]
+        if setup.base_dtype == "int8":
+            ins = {1 + d for d in _in_dims(cfg, name)}
+            layers[name] = {"q": spec, "scale": P(*(None if i in ins else a for i, a in enumerate(spec)))}
+        elif setup.base_dtype == "nf4":
+            axes = next((a for a in spec if a is not None), None)
+            layers[name] = jax.tree.map(lambda x: P(None, axes) if axes and x.ndim == 2 else P(*[None] * x.ndim),
+                                        stored)
+        else:
+            layers[name] = spec
+    return dict(model_specs, layers=layers)
+
+
+def adapter_logical_axes(setup: LoraSetup) -> dict:
+    return adapter_axes(setup.targets)
+
+
+def model_params(setup: LoraSetup, base: dict) -> dict:
+    """What nnx.merge builds the model from: the base with each targeted weight a [L] placeholder (the layer
+    scan rebuilds the real one per layer)."""
+    layers = dict(base["layers"])
+    for name in setup.targets:
+        n_layers = jax.tree.leaves(base["layers"][name])[0].shape[0]
+        layers[name] = jnp.zeros((n_layers,), jnp.float32)
+    return dict(base, layers=layers)
+
+
+def lora_layers(setup: LoraSetup, base: dict, adapters: dict) -> dict:
+    """Per targeted weight, the stored base and the adapters, all stacked on the layer dim."""
+    return {name: {"stored": base["layers"][name], "a": adapters["layers"][name]["a"],
+                   "b": adapters["layers"][name]["b"]} for name in setup.targets}
+
+
+def rebuild(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], dtype) -> Callable:
+    """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each targeted weight rebuilt."""
+
+    def fetch(sliced):
+        layer_state, pieces = sliced
+        out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)
+        for name, p in pieces.items():
+            w = unstore(setup, jax.lax.stop_gradient(p["stored"]), shapes[name], jnp.float32)
+            a, b = p["a"].astype(jnp.float32), p["b"].astype(jnp.float32)
+            n_in = a.ndim - 1
+            delta = jnp.tensordot(a, b, axes=([n_in], [0]))
+            out[name] = (w + setup.scale * delta).astype(dtype)
+        return out
+
+    return fetch
+
+
+def layer_shapes(cfg: Config, setup: LoraSetup) -> dict[str, tuple[int, ...]]:
+    weights = target_weights(cfg.model)
+    return {name: weights[name].in_shape + weights[name].out_shape for name in setup.targets}
+
+
+def stored_bytes(setup: LoraSetup, cfg: Config, abstract_base: dict) -> int:
+    """Bytes of the targeted weights in their stored form (all devices)."""
+    return sum(math.prod(x.shape) * x.dtype.itemsize for name in setup.targets
+               for x in jax.tree.leaves(abstract_base["layers"][name]))
