@@ -78,9 +78,11 @@ def test_state_specs_and_bytes_match(program_and_bill):
     if "master" in state:
         assert spec(state["master"]) == spec_leaves(lay.opt_specs)
     prec = Precision.from_config(prog.cfg.precision)
-    layers = sum(math.prod(x.shape) for x in jax.tree.leaves(state["params"]["layers"]))
+    layers = sum(math.prod(x.shape) for x in jax.tree.leaves(lay.model_abstract_params["layers"]))
     assert lay.layer_param_elems * prog.cfg.model.n_layers == layers  # the presets' count is the model's
     device, host = bill.device, bill.host
+    base = jax.tree.leaves(state.get("base", {}))  # LoRA's frozen base in its stored form (int8 / uint8 too)
+    assert device["base"] == sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in base)
     assert device["params"] == _per_device_bytes(state["params"], host=False)
     assert host["params"] == _per_device_bytes(state["params"], host=True)
     opt_bytes = _per_device_bytes(state["opt"]) + _per_device_bytes(state.get("master", {}))
