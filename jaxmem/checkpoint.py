@@ -95,9 +95,21 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
     means train.steps), so a resume that raises train.steps can keep it.
     """
     warmup, decay = schedule_steps(cfg)
-    return {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
+    meta = {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
             "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
             "decay_steps": int(decay), "warmup_steps": int(warmup)}
+    if cfg.lora.rank > 0:
+        meta["lora_base"] = lora_base_identity(cfg)
+    return meta
+
+
+def lora_base_identity(cfg: Config) -> str:
+    """Which frozen base a LoRA run's adapters belong to: where the weights come from and how they are stored
+    (a LoRA checkpoint holds the adapters and their optimizer state only)."""
+    origin = f"init_from {Path(cfg.checkpoint.init_from).absolute()}" if cfg.checkpoint.init_from \
+        else f"seed {cfg.train.seed}"
+    lo = cfg.lora
+    return f"{cfg.model.preset} {origin}, {lo.base_dtype}{' double-quantized' if lo.double_quant else ''}"
 
 
 class Checkpoints:
@@ -131,12 +143,14 @@ class Checkpoints:
         The copy is taken before returning, so the state may be donated to the next step
         right away.
         """
+        state = {k: v for k, v in state.items() if k != "base"}  # a LoRA base is rebuilt, never saved
         self._manager.save(step, args=ocp.args.Composite(
             **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}), force=True)
 
     def restore(self, abstract_state: dict, step: int | None = None,
                 required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings.
+        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings; a LoRA
+        state comes back without its frozen base (`restore_run` rebuilds it).
 
         `required_meta` names integer fields the meta item must hold (a resume needs RUN_META_KEYS).
         A step directory that is damaged, or holds another model's state, is a one-line ConfigError
@@ -146,6 +160,7 @@ class Checkpoints:
         if step is None:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         meta = self._restore_meta(step, required_meta)
+        abstract_state = {k: v for k, v in abstract_state.items() if k != "base"}
         try:
             saved = _saved_shapes(self.directory / str(step) / _STATE)
         except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
@@ -238,6 +253,20 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
     return params
 
 
+def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_meta: tuple[str, ...] = ()):
+    """(state, meta) of a run's checkpoint; for LoRA the frozen base is rebuilt from where the config says
+    (checkpoint.init_from, or the seed) after checking it is the base the adapters were trained on."""
+    state, meta = ckpts.restore(prog.abstract_state, step, required_meta)
+    if prog.layout.lora is None:
+        return state, meta
+    want, saved = lora_base_identity(prog.cfg), meta.get("lora_base")
+    if saved != want:
+        raise ConfigError(f"{ckpts.directory}: these adapters belong to the base '{saved}', this run's base is "
+                          f"'{want}' (checkpoint.init_from, train.seed, lora.base_dtype); use the same base or a "
+                          "new out_dir")
+    return dict(state, base=prog.frozen_base()), meta
+
+
 def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
     return ConfigError(f"checkpoint.init_from: {params_dir} is incomplete or damaged ({reason}); "
                        "run `jaxmem import-hf` again")
@@ -249,6 +278,8 @@ def init_from(prog, path: str | Path) -> dict:
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
     check_model_json(path, prog.cfg)
-    params = restore_params(path, prog.abstract_state["params"])
-    assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=(0,))
+    params = restore_params(path, prog.abstract_model_params())
+    # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
+    donate = () if prog.layout.lora is not None else (0,)
+    assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=donate)
     return assemble(params)

@@ -49,6 +49,7 @@ class Layout:
     # frozen base's shapes before quantization).
     model_abstract_params: dict = None
     model_gathered_specs: dict = None
+    model_param_specs: dict = None
     lora: Any = None  # jaxmem.lora.frozen.LoraSetup, or None for a full fine-tune
     base_abstract: dict | None = None  # the frozen base in its stored form (quantized leaves)
     base_specs: dict | None = None
@@ -112,7 +113,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     return Layout(
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef, **trainable,
         grad_accum=grad_accum, rows=rows, model_abstract_params=model_abstract,
-        model_gathered_specs=gathered_specs, **lora_fields,
+        model_gathered_specs=gathered_specs, model_param_specs=param_specs, **lora_fields,
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),

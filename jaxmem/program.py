@@ -121,6 +121,31 @@ class TrainProgram:
         state["base"] = make_base(setup, self.cfg, params, self.precision.param)
         return state
 
+    def abstract_model_params(self) -> dict:
+        """The model's params (ShapeDtypeStructs with their shardings): what init_from restores."""
+        specs = self.layout.model_param_specs
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.precision.param,
+                                                              sharding=NamedSharding(self.mesh, s)),
+                            self.layout.model_abstract_params, specs)
+
+    def frozen_base(self) -> dict:
+        """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from, else the seed."""
+        from jaxmem.checkpoint import check_model_json, restore_params
+        from jaxmem.lora.frozen import make_base
+
+        cfg, setup = self.cfg, self.layout.lora
+        out = self.state_shardings["base"]
+        if cfg.checkpoint.init_from:
+            check_model_json(cfg.checkpoint.init_from, cfg)
+            params = restore_params(cfg.checkpoint.init_from, self.abstract_model_params())
+            return jax.jit(lambda p: make_base(setup, cfg, p, self.precision.param), out_shardings=out)(params)
+
+        def fresh():
+            model = init_model(cfg.model, seed=cfg.train.seed, param_dtype=self.precision.param)
+            return make_base(setup, cfg, nnx.to_pure_dict(nnx.split(model)[1]), self.precision.param)
+
+        return jax.jit(fresh, out_shardings=out)()
+
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import jax
 
 from jaxmem import distributed
-from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, run_meta
+from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
 from jaxmem.schema import Config, dump_yaml, to_dict
 from jaxmem.data import Batches, TokenSource, make_source
 from jaxmem.evaluate import Evaluator
@@ -68,7 +68,7 @@ def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, 
     latest = ckpts.latest_step() if ckpts else None
     if latest is not None:
         # damaged or another model's: a one-line ConfigError
-        state, meta = ckpts.restore(prog.abstract_state, latest, required_meta=RUN_META_KEYS)
+        state, meta = restore_run(prog, ckpts, latest, required_meta=RUN_META_KEYS)
         rows = prog.grad_accum * prog.rows
         if meta.get("config_hash") != math_hash(cfg) or meta.get("batch_rows") != rows:
             _note(_resume_mismatch(cfg, meta, latest, rows))

@@ -102,7 +102,7 @@ head in bf16 are 3.9 of it), so even with the adapters' optimizer state on the h
 2,048 tokens, above the 40.5 GiB usable (it would fit without the 10% headroom).
 
 Not done yet (issue #18): loading a base into the quantized form while streaming the safetensors shards
-(today the base is quantized from full params on the device), adapter-only checkpoints, lora.dropout."""
+(today the base is quantized from full params on the device), lora.dropout."""
 
 
 def main(argv: list[str]) -> int:

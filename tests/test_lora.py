@@ -165,10 +165,10 @@ def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_
     out, peft_dir = tmp_path / "merged", tmp_path / "peft"
     assert cli.main(["merge-lora", "configs/tiny.yaml", *overrides, "--out", str(out), "--peft", str(peft_dir)]) == 0
     prog = _program(*overrides[:-1], "parallel.fsdp=1", "train.micro_batch=2")
-    from jaxmem.checkpoint import Checkpoints
+    from jaxmem.checkpoint import Checkpoints, restore_run
 
     ckpts = Checkpoints.for_run(prog.cfg)
-    state, _ = ckpts.restore(prog.abstract_state)
+    state, _ = restore_run(prog, ckpts)  # the adapters, and the base rebuilt from the seed
     ckpts.close()
     toks = _tokens(2)
     want, _ = jax.jit(loss_sum_fn(prog))(state["params"], toks[:, :-1], toks[:, 1:], base=state["base"])
@@ -179,3 +179,51 @@ def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_
     adapters, settings = load_peft(peft_dir, prog.cfg.model)
     assert settings["rank"] == 4 and settings["alpha"] == 8
     jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(state["params"]))
+
+
+def _lora_run_cfg(tmp_path, *extra):
+    return load_config("configs/tiny.yaml", BASE + ["train.steps=6", "train.log_every=1", "checkpoint.every=3",
+                                                   f"out_dir={tmp_path}", "train.progress=false",
+                                                   "lora.base_dtype=nf4", "parallel.fsdp=-1", *extra])
+
+
+def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+    import shutil
+
+    from jaxmem.checkpoint import _saved_shapes
+    from jaxmem.train import run
+
+    cfg = _lora_run_cfg(tmp_path)
+    straight = run(cfg)
+    saved = _saved_shapes(tmp_path / "checkpoints" / "3" / "state")
+    assert saved and not any("base" in k for k in saved)  # the frozen base is rebuilt, never saved
+    assert any("params" in k for k in saved) and any("opt" in k for k in saved)
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    resumed = run(cfg)
+    assert resumed["start_step"] == 3
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"][3:]]
+    # adapters trained on one base do not resume on another
+    with pytest.raises(ConfigError, match="these adapters belong to the base"):
+        shutil.rmtree(tmp_path / "checkpoints" / "6")
+        run(_lora_run_cfg(tmp_path, "lora.base_dtype=int8"))
+
+
+def test_lora_starts_from_init_from_params(tmp_path):
+    import orbax.checkpoint as ocp
+
+    from jaxmem.checkpoint import init_from
+    from jaxmem.schema import to_dict
+    from jaxmem.model import init_model
+
+    cfg = _lora_run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}")
+    params = nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=7))[1])
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save((tmp_path / "hf" / "params").absolute(), params)
+    import json
+
+    (tmp_path / "hf" / "model.json").write_text(json.dumps(to_dict(cfg)["model"]))
+    prog = build_program(cfg)
+    state = init_from(prog, tmp_path / "hf")
+    np.testing.assert_array_equal(np.asarray(state["base"]["embed"]), np.asarray(params["embed"]))
+    rebuilt = jax.device_get(prog.frozen_base())  # what a resume rebuilds: the same base
+    jax.tree.map(np.testing.assert_array_equal, rebuilt, jax.device_get(state["base"]))

@@ -36,7 +36,7 @@ def merged_params(prog, state: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
-    from jaxmem.checkpoint import Checkpoints
+    from jaxmem.checkpoint import Checkpoints, restore_run
     from jaxmem.config import load_config
     from jaxmem.hf import save_hf
     from jaxmem.lora.adapters import hf_target_names
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     if ckpts.latest_step() is None:
         raise ConfigError(f"out_dir: {cfg.out_dir} holds no checkpoint to merge")
     prog = build_program(cfg)
-    state, meta = ckpts.restore(prog.abstract_state)
+    state, meta = restore_run(prog, ckpts)
     ckpts.close()
     params = merged_params(prog, state)
     save_hf(nnx.merge(prog.graphdef, params), args.out, dtype=args.dtype)
