@@ -272,13 +272,19 @@ def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
                        "run `jaxmem import-hf` again")
 
 
+def model_params_from(prog, path: str | Path) -> dict:
+    """The model's params from a params-only checkpoint (`jaxmem import-hf`), checked against the config's
+    model and laid out with the program's shardings."""
+    check_model_json(path, prog.cfg)
+    return restore_params(path, prog.abstract_model_params())
+
+
 def init_from(prog, path: str | Path) -> dict:
     """A fresh train state (step 0, new optimizer state) whose params come from `path`.
 
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
-    check_model_json(path, prog.cfg)
-    params = restore_params(path, prog.abstract_model_params())
+    params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
     donate = () if prog.layout.lora is not None else (0,)
     assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=donate)

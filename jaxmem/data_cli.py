@@ -15,13 +15,6 @@ examples:
   jaxmem data configs/sft/llama3-8b-chat-8xh100.yaml --preview --documents 3 data.packing=first_fit"""
 
 
-def _decoder(path: str):
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(path)
-    return lambda ids: tokenizer.decode(list(ids), skip_special_tokens=False)
-
-
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.config import load_config
     from jaxmem.data import RecordSource, make_source, packing_summary
@@ -43,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = source.rows
     if args.preview:
-        print(rows.describe(_decoder(cfg.data.tokenizer), documents=args.documents))
+        print(rows.describe(documents=args.documents))  # decoded with the rows' own tokenizer
     else:
         print(packing_summary(rows, cfg.train.seq_len))
     return 0

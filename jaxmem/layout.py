@@ -124,7 +124,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
 def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict, model_specs: dict):
     """(trainable specs of the adapters per ZeRO stage, the frozen base's abstract form and specs)."""
     from jaxmem.lora import frozen
-    from jaxmem.lora.adapters import init_adapters
+    from jaxmem.lora.adapters import adapter_axes, init_adapters
 
     prec = Precision.from_config(cfg.precision)
     adapters = jax.eval_shape(lambda: init_adapters(cfg.model, setup.targets, setup.rank, jax.random.key(0),
@@ -132,7 +132,7 @@ def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict
     base = jax.eval_shape(lambda p: frozen.make_base(setup, cfg, p, prec.param), model_abstract)
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
     mesh = _shape_only_mesh(sizes)
-    axes = frozen.adapter_logical_axes(setup)
+    axes = adapter_axes(setup.targets)
 
     def specs(table):
         return jax.tree.map(lambda names, x: sharding.logical_to_spec(names, table, mesh, x.shape), axes, adapters,

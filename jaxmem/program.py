@@ -101,9 +101,12 @@ class TrainProgram:
         seed = self.cfg.train.seed if seed is None else seed
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
 
-    def _fresh_state(self, seed: int) -> dict:
+    def _fresh_params(self, seed: int) -> dict:
         model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
-        return self.state_from_params(nnx.to_pure_dict(nnx.split(model)[1]), seed)
+        return nnx.to_pure_dict(nnx.split(model)[1])
+
+    def _fresh_state(self, seed: int) -> dict:
+        return self.state_from_params(self._fresh_params(seed), seed)
 
     def state_from_params(self, params, seed: int | None = None) -> dict:
         """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; with
@@ -130,21 +133,14 @@ class TrainProgram:
 
     def frozen_base(self) -> dict:
         """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from, else the seed."""
-        from jaxmem.checkpoint import check_model_json, restore_params
+        from jaxmem.checkpoint import model_params_from
         from jaxmem.lora.frozen import make_base
 
-        cfg, setup = self.cfg, self.layout.lora
-        out = self.state_shardings["base"]
+        cfg, setup, out = self.cfg, self.layout.lora, self.state_shardings["base"]
+        make = lambda p: make_base(setup, cfg, p, self.precision.param)  # noqa: E731
         if cfg.checkpoint.init_from:
-            check_model_json(cfg.checkpoint.init_from, cfg)
-            params = restore_params(cfg.checkpoint.init_from, self.abstract_model_params())
-            return jax.jit(lambda p: make_base(setup, cfg, p, self.precision.param), out_shardings=out)(params)
-
-        def fresh():
-            model = init_model(cfg.model, seed=cfg.train.seed, param_dtype=self.precision.param)
-            return make_base(setup, cfg, nnx.to_pure_dict(nnx.split(model)[1]), self.precision.param)
-
-        return jax.jit(fresh, out_shardings=out)()
+            return jax.jit(make, out_shardings=out)(model_params_from(self, cfg.checkpoint.init_from))
+        return jax.jit(lambda: make(self._fresh_params(cfg.train.seed)), out_shardings=out)()
 
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)

@@ -106,10 +106,10 @@ def batch_overrides(micro_batch: int, data_ways: int, global_batch: int) -> list
 
 class Tuner:
     def __init__(self, config: str, overrides: list[str], target: dict, global_batch: int | None,
-                 budget_s: float, cache_dir: Path, workers: int, log=print):
+                 budget_s: float, cache_dir: Path, workers: int):
         from jaxmem.plan import resolve_topology
 
-        self.config, self.user, self.target, self.log = config, list(overrides), target, log
+        self.config, self.user, self.target = config, list(overrides), target
         self.budget_end = time.monotonic() + budget_s
         self.cache_dir, self.workers = cache_dir, workers
         base = load_config(config, overrides)

@@ -6,6 +6,8 @@ operands and run it whole on every device; kernels run per shard instead.
 """
 from __future__ import annotations
 
+import math
+
 from jax.sharding import Mesh
 
 from jaxmem.sharding import DATA_AXES, TOKEN_AXES, MeshAxis
@@ -40,16 +42,9 @@ def head_axes(mesh: Mesh, kv_heads: int):
     attention runs on whole sequences and a slice of the heads), as far as the kv heads divide; or None."""
     axes = []
     for axis in (tp_axis(mesh), seq_axis(mesh)):
-        if axis is not None and kv_heads % (mesh.shape[axis] * _ways(mesh, axes)) == 0:
+        if axis is not None and kv_heads % (mesh.shape[axis] * math.prod(mesh.shape[a] for a in axes)) == 0:
             axes.append(axis)
     return tuple(axes) or None
-
-
-def _ways(mesh: Mesh, axes) -> int:
-    n = 1
-    for a in axes:
-        n *= mesh.shape[a]
-    return n
 
 
 def is_sharded(mesh: Mesh | None) -> bool:

@@ -11,7 +11,6 @@ than a layer or two of dequantized base (checked on the compiled figure in tests
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable
 
 import jax
@@ -19,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.lora.adapters import adapter_axes, resolve_targets, scale as lora_scale, target_weights
+from jaxmem.lora.adapters import lora_delta, resolve_targets, scale as lora_scale, target_weights
 from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from jaxmem.schema import Config
 
@@ -94,10 +93,6 @@ def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: 
     return dict(model_specs, layers=layers)
 
 
-def adapter_logical_axes(setup: LoraSetup) -> dict:
-    return adapter_axes(setup.targets)
-
-
 def model_params(setup: LoraSetup, base: dict) -> dict:
     """What nnx.merge builds the model from: the base with each targeted weight a [L] placeholder (the layer
     scan rebuilds the real one per layer)."""
@@ -122,9 +117,7 @@ def rebuild(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], dtype) -> Call
         out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)
         for name, p in pieces.items():
             w = unstore(setup, jax.lax.stop_gradient(p["stored"]), shapes[name], jnp.float32)
-            a, b = p["a"].astype(jnp.float32), p["b"].astype(jnp.float32)
-            n_in = a.ndim - 1
-            delta = jnp.tensordot(a, b, axes=([n_in], [0]))
+            delta = lora_delta(p["a"], p["b"], n_out=p["b"].ndim - 1)  # one layer: B is [r, *out]
             out[name] = (w + setup.scale * delta).astype(dtype)
         return out
 
@@ -135,8 +128,3 @@ def layer_shapes(cfg: Config, setup: LoraSetup) -> dict[str, tuple[int, ...]]:
     weights = target_weights(cfg.model)
     return {name: weights[name].in_shape + weights[name].out_shape for name in setup.targets}
 
-
-def stored_bytes(setup: LoraSetup, cfg: Config, abstract_base: dict) -> int:
-    """Bytes of the targeted weights in their stored form (all devices)."""
-    return sum(math.prod(x.shape) * x.dtype.itemsize for name in setup.targets
-               for x in jax.tree.leaves(abstract_base["layers"][name]))

@@ -78,27 +78,28 @@ def _shard_elems(shape, spec, sizes) -> int:
     return math.prod(shape) // div
 
 
+def _per_device(tree, specs, sizes: dict[str, int], *, in_bytes: bool = False) -> int:
+    """Per-device elements (or bytes, each leaf at its own dtype) of `tree` sharded by `specs`."""
+    return sum(_shard_elems(x.shape, s, sizes) * (x.dtype.itemsize if in_bytes else 1)
+               for x, s in zip(jax.tree.leaves(tree), spec_leaves(specs), strict=True))
+
+
 def _model_elems(layout: Layout, part: str) -> int:
     """Per-device elements of the model's `part` as the step uses it (all-gathered over the data axes)."""
-    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) for x, s in zip(
-        jax.tree.leaves(layout.model_abstract_params[part]), spec_leaves(layout.model_gathered_specs[part]),
-        strict=True))
+    return _per_device(layout.model_abstract_params[part], layout.model_gathered_specs[part], layout.mesh_sizes)
 
 
 def _base_bytes(layout: Layout) -> int:
     """Per-device bytes of a LoRA run's frozen base in its stored form (0 for a full fine-tune)."""
     if layout.base_abstract is None:
         return 0
-    return sum(_shard_elems(x.shape, s, layout.mesh_sizes) * x.dtype.itemsize for x, s in zip(
-        jax.tree.leaves(layout.base_abstract), spec_leaves(layout.base_specs), strict=True))
+    return _per_device(layout.base_abstract, layout.base_specs, layout.mesh_sizes, in_bytes=True)
 
 
 def _state_elems(layout: Layout, specs, part: str | None = None) -> int:
     """Per-device elements of the params tree (or its `part` subtree), sharded by `specs`."""
     params = layout.abstract_params if part is None else layout.abstract_params[part]
-    specs = specs if part is None else specs[part]
-    return sum(_shard_elems(x.shape, s, layout.mesh_sizes)
-               for x, s in zip(jax.tree.leaves(params), spec_leaves(specs), strict=True))
+    return _per_device(params, specs if part is None else specs[part], layout.mesh_sizes)
 
 
 def _state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
