@@ -18,6 +18,9 @@ GIB = 1024**3
 HEADLINES = {
     "configs/qwen2-72b-8xh100.yaml": "Qwen2-72B full fine-tune, 8 x h100-80g, seq 32768, micro-batch 1: "
                                      "device total <= 72 GiB per GPU, host within a 2 TB node",
+    "configs/qwen2-72b-8xh100-128k.yaml": "Qwen2-72B full fine-tune, 8 x h100-80g, seq 131072, micro-batch 1 "
+                                          "(issue #12): sequence parallel sp=8 (Ulysses) + sequence tiling, "
+                                          "device total <= 72 GiB per GPU, host within a 2 TB node",
     "configs/llama3-8b-1xh100-128k.yaml": "Llama-3-8B full fine-tune, 1 x h100-80g, seq 131072",
     "configs/llama3-8b-1x4090.yaml": "Llama-3-8B full fine-tune, 1 x rtx4090-24g, seq 4096",
     "configs/llama3-8b-8xh100.yaml": "Llama-3-8B, FSDP 8 x h100-80g, seq 8192, micro-batch 2, selective remat "
@@ -34,6 +37,17 @@ NOTES = """Notes:
   (a second copy of the state) and the node needs 1.72 TiB (220.1 GiB per GPU, compiled). The price of
   streaming: the device total rises from 45.6 to ~62.5 GiB (the per-layer state buffers) and the cost model
   adds ~4 s of serial PCIe traffic to a ~46 s step (estimated).
+- Qwen2-72B at seq 131072 (issue #12) fits with sequence parallelism instead of FSDP: `parallel.sp=8`
+  (Ulysses; attention runs on whole sequences with 64 / 8 = 8 query heads and 1 kv head per GPU, so the
+  Pallas kernel takes it) shards weights, gradients and optimizer state over the same 8 GPUs and leaves
+  131072 / 8 = 16384 tokens per GPU outside attention, half the 32768 of the FSDP config. Host side: the
+  fp32 master + Adam m, v (101.6 GiB per GPU) and the offloaded layer inputs (80 x 16384 x 8192 bf16 =
+  20 GiB per GPU) once, 1.00x the host-resident bytes, 972.7 GiB per node (compiled). Without sequence
+  parallelism (fsdp=8, 131072 tokens per GPU) the offloaded layer inputs alone would be 160 GiB per GPU
+  and the host side ~2,093 GiB per node, over the 2,048 GiB node (estimated: 12 B/param / 8 + 80 x 131072
+  x 8192 x 2 B). `remat.seq_tile=4096` trims the device total from 57.73 GiB (`remat.seq_tile=0`, compiled
+  for 8 x H100 (deviceless)) to 56.04 GiB; the cost model gives the same step time for both (~55 s,
+  estimated).
 - Llama-3-8B on 8 x h100-80g (FSDP, seq 8192, micro-batch 2, selective remat, no offload): compare with
   the 82.4 GiB torchtitan reports for FSDP + selective activation checkpointing on H100 (measured on GPU
   there, compiled deviceless here: not the same kind of figure). XLA's rematerialization pass trimmed
