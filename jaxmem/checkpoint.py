@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmem.schema import Config, ConfigError, config_hash
@@ -255,7 +256,16 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
 
 def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_meta: tuple[str, ...] = ()):
     """(state, meta) of a run's checkpoint; for LoRA the frozen base is rebuilt from where the config says
-    (checkpoint.init_from, or the seed) after checking it is the base the adapters were trained on."""
+    (checkpoint.init_from, or the seed) after checking it is the base the adapters were trained on.
+    Pipeline checkpoints and pipeline runs are re-cut between layouts (jaxmem.pipeline.checkpoints)."""
+    from jaxmem.pipeline import checkpoints as pipeline_ckpts
+
+    step = ckpts.latest_step() if step is None else step
+    if getattr(prog, "counts", None) is not None:  # a pipeline program
+        return pipeline_ckpts.restore_pipeline(prog, ckpts, step, required_meta)
+    meta = ckpts.meta(step) if step is not None else None
+    if meta and meta.get(pipeline_ckpts.PP_META):
+        return pipeline_ckpts.restore_from_pipeline(prog, ckpts, step, meta, required_meta), meta
     state, meta = ckpts.restore(prog.abstract_state, step, required_meta)
     if prog.layout.lora is None:
         return state, meta
@@ -284,6 +294,12 @@ def init_from(prog, path: str | Path) -> dict:
 
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
+    if getattr(prog, "counts", None) is not None:  # a pipeline: read on the host, cut per stage
+        from jaxmem.pipeline.checkpoints import _host
+
+        check_model_json(path, prog.cfg)
+        params = restore_params(path, _host(prog.abstract_model_params()))
+        return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
     donate = () if prog.layout.lora is not None else (0,)

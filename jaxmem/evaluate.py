@@ -58,10 +58,15 @@ class Evaluator:
 
     def run(self, state: dict) -> dict:
         """eval_loss (mean over the held-out valid labels), eval_ppl = exp(eval_loss), eval_tokens."""
-        self.step_fn = self.step_fn or eval_step(self.prog)
+        if self.step_fn is None:
+            if hasattr(self.prog, "eval_loss"):  # a pipeline evaluates stage by stage
+                self.step_fn = self.prog.eval_loss
+            else:
+                fn = eval_step(self.prog)
+                self.step_fn = lambda state, batch: fn(state["params"], state.get("base"), batch)
         total, count = 0.0, 0.0
         for batch in self.batches:
-            loss_sum, n_valid = jax.device_get(self.step_fn(state["params"], state.get("base"), batch))
+            loss_sum, n_valid = jax.device_get(self.step_fn(state, batch))
             total, count = total + float(loss_sum), count + float(n_valid)
         loss = total / max(count, 1.0)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0)), "eval_tokens": int(count)}

@@ -62,6 +62,12 @@ class Layout:
                          for a in (axes if isinstance(axes, tuple) else (axes,)))
         return math.prod(shape) // ways
 
+    def keeping(self, keys: tuple[str, ...]) -> "Layout":
+        """This layout with the trainable trees cut to the top-level params `keys` (a pipeline stage's)."""
+        cut = lambda tree: {k: v for k, v in tree.items() if k in keys}  # noqa: E731
+        names = ("abstract_params", "param_specs", "grad_specs", "opt_specs", "gathered_specs")
+        return dataclasses.replace(self, **{n: cut(getattr(self, n)) for n in names})
+
     @property
     def data_ways(self) -> int:
         return self.mesh_sizes["dp"] * self.mesh_sizes["fsdp"]

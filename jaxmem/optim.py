@@ -143,13 +143,14 @@ def put_layer(stacked, new, i):
 
 
 def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
-                     skip_nonfinite: bool, fetch=lambda t: t, homes=None):
+                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None):
     """AdamW over the non-layer params, then layer by layer.
 
     grads are unscaled by `scale`, clipped by their global norm (optax's rule), and with
     `skip_nonfinite` an inf/nan anywhere keeps every old value. `fetch(tree)` brings a slice to where the
     math runs; `homes[part]` = (params, opt, weights) functions put the results of part "rest" or "layers"
-    back where that state lives.
+    back where that state lives. `norm`: the global gradient norm when these grads are one part of the model's
+    (a pipeline stage's), else it is computed here.
     Returns (new_params, new_opt_state, new_weights, (grad_norm, finite)).
     """
     same = (lambda t: t,) * 3
@@ -163,10 +164,15 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
             return jnp.float32(0.0), jnp.bool_(True)
         return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
 
-    sq_rest, ok_rest = sums(g_rest)
-    sq_layers, ok_layers = jax.lax.map(sums, g_layers)
-    norm = jnp.sqrt(sq_rest + jnp.sum(sq_layers))
-    finite = jnp.logical_and(ok_rest, jnp.all(ok_layers)) if skip_nonfinite else jnp.bool_(True)
+    if norm is None:
+        sq_rest, ok_rest = sums(g_rest)
+        sq_layers, ok_layers = jax.lax.map(sums, g_layers)
+        norm = jnp.sqrt(sq_rest + jnp.sum(sq_layers))
+        finite = jnp.logical_and(ok_rest, jnp.all(ok_layers)) if skip_nonfinite else jnp.bool_(True)
+    elif skip_nonfinite:
+        raise ValueError("layerwise_update: skip_nonfinite needs the norm computed here")
+    else:
+        finite = jnp.bool_(True)
 
     def one(g, s, w, p_old, home):
         g, s, w, p_old = fetch((g, s, w, p_old))

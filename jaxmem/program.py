@@ -194,11 +194,16 @@ def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
     return state
 
 
-def build_program(cfg: Config, mesh: Mesh | None = None, devices=None) -> TrainProgram:
-    """Everything needed to init, step, checkpoint and plan a run, without allocating weights."""
+def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None
+                  ) -> TrainProgram:
+    """Everything needed to init, step, checkpoint and plan a run, without allocating weights.
+
+    `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
     layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
                             mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in sharding.MESH_AXES})
+    if keep is not None:
+        layout = layout.keeping(keep)
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
 
@@ -237,14 +242,26 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
     inside each packed document; positions restart RoPE per document). The train step differentiates this
     function (jaxmem.api.loss_fn too).
     `ctx` replaces the program's forward context (the update-in-backward step swaps its layer scan)."""
+    return stage_fn(prog, ctx)
+
+
+# Top-level params a pipeline stage may lack (jaxmem.pipeline.partition.stage_keys decides which it holds).
+END_PARAMS = ("embed", "final_norm", "lm_head")
+
+
+def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True):
+    """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None): the model's parts in
+    order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
+    `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
+    With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline)."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh)
+    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh) if last else None
 
     setup = prog.layout.lora
 
-    def loss_sum(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None):
+    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None):
         run_ctx = ctx
         if setup is not None:  # params are the adapters: each layer is rebuilt from base + adapters in the scan
             from jaxmem.lora import frozen
@@ -253,13 +270,20 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
             run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
                 body, h, (stacked, pieces)))
             params = frozen.model_params(setup, base)
+        # a stage's module holds placeholders for the end params it does not own (never read)
+        params = dict(params, **{k: jnp.zeros((), jnp.float32) for k in END_PARAMS
+                                 if k not in params and (k != "lm_head" or not cfg.model.tie_embeddings)})
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            h_btd = model.hidden(inputs_bt, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            h_btd = model.embed_tokens(x, run_ctx) if first else x
+            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            if not last:
+                return h_btd
+            h_btd = model.final_hidden(h_btd, run_ctx)
         w_dv = model.lm_head_weight().astype(prog.precision.compute)
         return loss_impl(h_btd, w_dv, labels_bt)
 
-    return loss_sum
+    return run
 
 
 def _make_step(prog: TrainProgram):

@@ -74,6 +74,15 @@ class ParallelConfig:
                 "inside, fsdp across), dp (weights replicated; tp still applies)")
     zero_stage: Literal[1, 2, 3] = _f(3, "ZeRO stage over the fsdp axis, one of 1 (shard the optimizer state), "
                                          "2 (also the gradients), 3 (also the parameters)")
+    pp: int = _f(1, "pipeline-parallel stages: the decoder layers split into pp consecutive stages, each a program "
+                    "of its own on devices/pp devices (dp x fsdp x sp x tp inside each stage); the micro-batches "
+                    "are train.grad_accum's")
+    pp_schedule: Literal["gpipe", "1f1b"] = _f(
+        "1f1b", "pipeline schedule, one of gpipe (every forward, then every backward: each stage holds all "
+                "micro-batches' activations) or 1f1b (stage s holds at most pp - s micro-batches)")
+    pp_layers: str = _f("even", "decoder layers per stage: even, auto (the counts that minimize the largest "
+                                "stage's compiled peak), or one count per stage, comma-separated (a YAML list "
+                                "works too), e.g. 19,21,21,19")
 
 
 @dataclasses.dataclass(frozen=True)

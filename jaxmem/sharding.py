@@ -56,6 +56,10 @@ RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
 
 
 def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
+    """dp, fsdp, sp, tp sizes of one pipeline stage's mesh (the whole mesh when parallel.pp = 1)."""
+    if n_devices % par.pp:
+        raise ConfigError(f"parallel.pp: {par.pp} stages do not divide the {n_devices} devices")
+    n_devices //= par.pp
     sizes = {"dp": par.dp, "fsdp": par.fsdp, "sp": par.sp, "tp": par.tp}
     known = math.prod(v for v in sizes.values() if v != -1)
     if n_devices % known:
@@ -70,10 +74,20 @@ def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
 
 
 def make_mesh(par: ParallelConfig, devices: Sequence | None = None) -> Mesh:
+    if par.pp > 1:
+        raise ConfigError("parallel.pp: a pipeline runs one mesh per stage (jaxmem.pipeline.stage_meshes)")
+    return stage_meshes(par, devices)[0]
+
+
+def stage_meshes(par: ParallelConfig, devices: Sequence | None = None) -> list[Mesh]:
+    """One mesh per pipeline stage over consecutive devices (so with one stage per process, or per node, the
+    stage boundaries are the process boundaries); the same dp/fsdp/sp/tp shape in each."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(par, len(devices))
-    arr = np.array(devices, dtype=object).reshape(tuple(shape[a] for a in MESH_AXES))
-    return Mesh(arr, tuple(a.value for a in MESH_AXES), axis_types=(AxisType.Auto,) * len(MESH_AXES))
+    per = len(devices) // par.pp
+    names = tuple(a.value for a in MESH_AXES)
+    return [Mesh(np.array(devices[s * per:(s + 1) * per], dtype=object).reshape(tuple(shape[a] for a in MESH_AXES)),
+                 names, axis_types=(AxisType.Auto,) * len(MESH_AXES)) for s in range(par.pp)]
 
 
 def data_ways(mesh: Mesh) -> int:

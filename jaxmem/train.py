@@ -143,7 +143,10 @@ def _oom_error(when: str, e: Exception) -> TrainError:
 
 
 def compile_train_step(prog: TrainProgram):
-    """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError)."""
+    """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError); a
+    pipeline's stage programs compile at their first call."""
+    if getattr(prog, "counts", None) is not None:
+        return prog.jit_step()
     try:
         return prog.lower().compile()
     except jax.errors.JaxRuntimeError as e:
@@ -153,8 +156,9 @@ def compile_train_step(prog: TrainProgram):
 
 
 def _state_finite(state: dict) -> bool:
-    weights = {k: state[k] for k in ("params", "master") if k in state}
-    return bool(jax.jit(all_finite)(weights))
+    parts = state["stages"] if "stages" in state else [state]  # a pipeline's: one state per stage
+    weights = [{k: part[k] for k in ("params", "master") if k in part} for part in parts if part is not None]
+    return all(bool(jax.jit(all_finite)(w)) for w in weights)  # one program per stage's devices
 
 
 class _Outputs:
@@ -206,7 +210,12 @@ def run(cfg: Config) -> dict:
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
         cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
-        prog = build_program(cfg)
+        if cfg.parallel.pp > 1:
+            from jaxmem.pipeline.runtime import build_pipeline
+
+            prog = build_pipeline(cfg)
+        else:
+            prog = build_program(cfg)
         return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog))
     finally:
         if ckpts:
@@ -266,7 +275,10 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 if not _state_finite(state):
                     raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
                                      f"step {last_saved}); lower optimizer.lr")
-                ckpts.save(done, state, run_meta(cfg, done, data.position_at(done), data.per_step))
+                meta = run_meta(cfg, done, data.position_at(done), data.per_step)
+                if getattr(prog, "counts", None) is not None:
+                    meta["pp_layers"] = list(prog.counts)  # jaxmem.pipeline.checkpoints re-cuts other layouts
+                ckpts.save(done, state, meta)
                 last_saved = done
         summary["final_step"] = total
         if ckpts:

@@ -84,6 +84,8 @@ def _parallel(cfg: Config) -> None:
             raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
     if [cfg.parallel.dp, cfg.parallel.fsdp, cfg.parallel.sp, cfg.parallel.tp].count(-1) > 1:
         raise ConfigError("parallel: at most one of dp, fsdp, sp, tp may be -1 (fill)")
+    if cfg.parallel.pp < 1:
+        raise ConfigError(f"parallel.pp: must be >= 1 stages, got {cfg.parallel.pp}")
 
 
 def _precision(cfg: Config) -> None:
@@ -250,6 +252,23 @@ def _update_in_backward_levers(cfg: Config) -> None:
                           "precision.loss_scale (fp16), or use bf16")
 
 
+def _pipeline_levers(cfg: Config) -> None:
+    """parallel.pp: the layer counts per stage, and the levers a pipeline does not take (yet), by name."""
+    if cfg.parallel.pp == 1:
+        return
+    from jaxmem.pipeline.partition import layer_counts
+
+    counts = layer_counts(cfg)  # "parallel.pp_layers: ..." on a bad list
+    for k in counts or ():
+        remat.group_size(cfg.remat, k)  # every_k groups must divide each stage's layers
+    refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
+               "precision.loss_scale.enabled": cfg.precision.loss_scale.enabled,
+               "offload.params": cfg.offload.params != "device"}
+    for key, on in refused.items():
+        if on:
+            raise ConfigError(f"{key}: not supported with parallel.pp > 1 yet; use pp=1 for this lever")
+
+
 def _batch_fits_fixed_mesh(cfg: Config) -> None:
     """With no -1 mesh axis the data ways are known now: the batch and offload rules run at load."""
     if fixed_mesh_size(cfg.parallel) is not None:
@@ -262,6 +281,7 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
     _remat_groups_divide_layers,  # remat vs model
     _batch_fits_fixed_mesh,  # train vs parallel, offload vs the derived grad_accum
     _update_in_backward_levers,  # optimizer vs remat, offload, precision
+    _pipeline_levers,  # parallel.pp vs model, remat, lora, optimizer, precision, offload
 )
 
 
@@ -269,9 +289,10 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
 
 
 def fixed_mesh_size(par: ParallelConfig) -> int | None:
-    """dp * fsdp * sp * tp, or None when an axis is -1 (filled from the device count)."""
+    """pp * dp * fsdp * sp * tp (every device of the run), or None when an axis is -1 (filled from the device
+    count)."""
     sizes = (par.dp, par.fsdp, par.sp, par.tp)
-    return None if -1 in sizes else math.prod(sizes)
+    return None if -1 in sizes else math.prod(sizes) * par.pp
 
 
 def batch_layout(cfg: Config, data_ways: int) -> tuple[int, int]:
@@ -343,4 +364,4 @@ def check_topology(cfg: Config, gpus_per_host: int, n_devices: int, label: str) 
         raise ConfigError(f"target.gpus_per_host: must be >= 1, got {gpus_per_host}")
     mesh = fixed_mesh_size(cfg.parallel)
     if mesh is not None and mesh != n_devices:
-        raise ConfigError(f"parallel: dp*fsdp*sp*tp={mesh} != {n_devices} devices of {label}")
+        raise ConfigError(f"parallel: pp*dp*fsdp*sp*tp={mesh} != {n_devices} devices of {label}")

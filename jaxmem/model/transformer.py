@@ -70,14 +70,25 @@ class Transformer(nnx.Module):
     def hidden(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
                positions_bt=None) -> jax.Array:
         """Final-norm hidden states [B, T, D] in the compute dtype."""
-        cfg = self.cfg
-        if positions_bt is None:
-            positions_bt = jnp.broadcast_to(jnp.arange(tokens_bt.shape[1], dtype=jnp.int32), tokens_bt.shape)
-        positions_bt = constrain(positions_bt, ACT_BTD[:2])
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        h = self.embed_tokens(tokens_bt, ctx)
+        h = self.run_layers(h, ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+        return self.final_hidden(h, ctx)
+
+    # The three parts of `hidden`; a pipeline stage runs the ones it holds (jaxmem.pipeline).
+    def embed_tokens(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
+        """Token embeddings [B, T, D] in the compute dtype."""
         tokens_bt = constrain(tokens_bt, ACT_BTD[:2])
         h = jnp.take(self.embed[...], tokens_bt, axis=0).astype(ctx.compute_dtype)
-        h = constrain(h, ACT_BTD)
+        return constrain(h, ACT_BTD)
+
+    def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
+                   positions_bt=None) -> jax.Array:
+        """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row."""
+        cfg = self.cfg
+        if positions_bt is None:
+            positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
+        positions_bt = constrain(positions_bt, ACT_BTD[:2])
+        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         graphdef, stacked = nnx.split(self.layers)
 
         def body(h_btd, layer_state):
@@ -87,8 +98,12 @@ class Transformer(nnx.Module):
             h_btd = attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ctx)
             return constrain(mlp(h_btd, ctx), ACT_BTD)
 
-        h = ctx.scan_layers(body, h, stacked)
-        return ctx.per_token(lambda x: ctx.norm(x, self.final_norm[...], cfg.norm_eps).astype(ctx.compute_dtype), h)
+        return ctx.scan_layers(body, h_btd, stacked)
+
+    def final_hidden(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
+        """The final RMSNorm, in the compute dtype."""
+        norm = lambda x: ctx.norm(x, self.final_norm[...], self.cfg.norm_eps).astype(ctx.compute_dtype)  # noqa: E731
+        return ctx.per_token(norm, h_btd)
 
     def __call__(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT, **kwargs) -> jax.Array:
         """Logits [B, T, V] in fp32 (for inference and parity checks; training uses a loss kernel)."""

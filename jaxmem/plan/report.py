@@ -168,6 +168,9 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(k, _gib(c[k]), _gib(c[f"host_{k}"]))
         comp.add_row("total", _gib(c["device_total"]), _gib(c["host_total"]), style="bold")
         console.print(comp)
+    from jaxmem.pipeline.plan import render_pipeline
+
+    render_pipeline(plan, console)
     avc = plan.get("analytic_vs_compiled")
     if avc and avc["compiled_device_bytes"] is not None:
         console.print(f"device total per device: estimated (analytic) {_gib(avc['analytic_device_bytes'])} {unit[0]} "

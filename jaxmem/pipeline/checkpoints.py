@@ -1,0 +1,76 @@
+"""Pipeline checkpoints: a pp run saves {"stages": [state of each stage]} and its layer counts
+(meta "pp_layers"). A resume with the same counts restores each stage straight onto its shardings; any
+other layout (other counts, other pp, no pp) and a non-pp checkpoint under a pipeline go through host
+memory: the saved state is read onto the host, re-cut by layer ranges (jaxmem.pipeline.partition) and
+placed on the new layout's shardings. Parameters and optimizer state keep their logical identity."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import SingleDeviceSharding
+
+from jaxmem.model import abstract_model
+from jaxmem.optim import make_optimizer
+from jaxmem.pipeline import partition
+from jaxmem.precision import Precision
+from jaxmem.program import assemble_state
+from jaxmem.schema import Config
+
+PP_META = "pp_layers"
+
+
+def _host(tree):
+    """The same shapes and dtypes, placed on the host (the CPU backend) for a restore."""
+    cpu = SingleDeviceSharding(jax.devices("cpu")[0])
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), tree)
+
+
+def whole_shapes(cfg: Config) -> dict:
+    """The train state of the whole model (a non-pp run's), as ShapeDtypeStructs."""
+    cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, pp_layers="even"))
+    prec = Precision.from_config(cfg.precision)
+    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
+    return jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+
+
+def stage_shapes(cfg: Config, counts) -> dict:
+    """{"stages": [...]} of a pipeline with `counts` layers per stage, as ShapeDtypeStructs."""
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=sum(counts)),
+                              parallel=dataclasses.replace(cfg.parallel, pp=len(counts)))
+    whole = whole_shapes(cfg)
+    out = []
+    for s, (lo, hi) in enumerate(partition.bounds(counts)):
+        keys = partition.stage_keys(cfg, s)
+        params = {k: v for k, v in whole["params"].items() if k in keys}
+        params["layers"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct((hi - lo, *a.shape[1:]), a.dtype),
+                                        params["layers"])
+        prec = Precision.from_config(cfg.precision)
+        out.append(jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params))
+    return {"stages": out}
+
+
+def read_whole(cfg: Config, ckpts, step: int, meta: dict, required_meta=()) -> dict:
+    """The checkpoint at `step` as the whole model's train state, on the host (numpy)."""
+    saved = meta.get(PP_META)
+    if saved:
+        host, _ = ckpts.restore(_host(stage_shapes(cfg, saved)), step, required_meta)
+        return partition.merge_tree(host["stages"], whole_shapes(cfg))
+    host, _ = ckpts.restore(_host(whole_shapes(cfg)), step, required_meta)
+    return jax.tree.map(np.asarray, host)
+
+
+def restore_pipeline(prog, ckpts, step: int, required_meta=()) -> tuple[dict, dict]:
+    """(state, meta) of a pipeline run from any run's checkpoint."""
+    meta = ckpts.meta(step)
+    if meta.get(PP_META) == list(prog.counts):
+        return ckpts.restore(prog.abstract_state, step, required_meta)
+    return prog.state_from_whole(read_whole(prog.cfg, ckpts, step, meta, required_meta)), meta
+
+
+def restore_from_pipeline(prog, ckpts, step: int, meta: dict, required_meta=()) -> dict:
+    """A non-pp program's state from a pipeline run's checkpoint."""
+    whole = read_whole(prog.cfg, ckpts, step, meta, required_meta)
+    return jax.device_put(whole, prog.state_shardings)
