@@ -288,3 +288,60 @@ def test_analytic_vs_compiled_is_null_without_a_compile():
     p = plan(cfg, resolve_topology(cfg), compile=False)
     assert p["analytic_vs_compiled"] == {"analytic_device_bytes": p["analytic"]["device_total"],
                                          "compiled_device_bytes": None, "ratio": None}
+
+
+def _small_llama(extra=()):
+    # 2 layers of llama3-8b shape on one GPU: every figure below is computed from these shapes
+    return load_config(None, ["model.preset=llama3-8b", "model.n_layers=2", "parallel.fsdp=1",
+                              "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
+                              "precision.master_weights=true", "precision.grad_reduce_dtype=bfloat16",
+                              "train.seq_len=1024", "train.micro_batch=1", "remat.preset=full",
+                              "kernels.attention=xla", "kernels.loss=naive", *extra])
+
+
+V, D, F, S, KV = 128256, 4096, 14336, 1024, 8 * 128
+LAYER = D + D + 2 * D * F + F * D + D * D + 2 * D * KV + D * D  # norms, gate/up, down, q, k, v, o
+
+
+def test_bill_optimizer_on_host_moves_exactly_the_state_and_the_phase_terms():
+    dev, host = compute_bill(_small_llama(), 1), compute_bill(_small_llama(["offload.optimizer=host"]), 1)
+    n = 2 * V * D + D + 2 * LAYER  # embed, lm_head, final norm, 2 layers
+    assert dev.device["master"] == dev.device["opt_m"] == dev.device["opt_v"] == n * 4
+    for k in ("master", "opt_m", "opt_v"):  # moved whole, fp32
+        assert host.device[k] == 0 and host.host[k] == n * 4
+    for k in ("params", "grads", "activations", "logits", "temporaries"):
+        assert host.device[k] == dev.device[k], k
+    # naive loss + optimizer on the device: the fp32 [tokens, vocab] logits gradient stays live through the
+    # layer scan (in working_set); with the optimizer on the host it does not
+    assert dev.device["working_set"] - host.device["working_set"] == S * V * 4
+    # plain-XLA attention's S x S copies in the backward: fp32 probs, fp32 dprobs, bf16 dscores
+    assert dev.attention_scratch == host.attention_scratch == 32 * S * S * 10
+    # with the optimizer on the host the layer gradients do not exist yet while the loss runs
+    assert dev.absent_in_loss == 0 and host.absent_in_loss == 2 * LAYER * 2
+    assert dev.update_phase == host.update_phase == 0  # the update runs on the host (the default)
+    for b in (dev, host):
+        d = b.device
+        steady = sum(v for k, v in d.items() if k not in ("working_set", "logits", "temporaries"))
+        layer = max(d["working_set"], d["working_set"] - b.attention_scratch + d["temporaries"])
+        assert b.layer_phase == layer
+        assert b.device_total == steady + max(layer, d["logits"] - b.absent_in_loss)
+
+
+def test_bill_streamed_update_phase_and_the_scheduler_prefetch():
+    cfg = _small_llama(["offload.optimizer=host", "offload.optimizer_update=device", "offload.params=host"])
+    on_4090 = compute_bill(cfg, 1, device_memory=TARGETS["rtx4090-24g"].hbm_bytes)
+    on_h100 = compute_bill(cfg, 1, device_memory=TARGETS["h100-80g"].hbm_bytes)
+    head = V * D  # the largest non-layer leaf (lm_head; the embedding is the same size)
+    # weights on the host: only the embedding / norm / LM head gradients are device buffers, and the layers'
+    # gradients are never on the device (nothing is absent at the loss phase)
+    assert on_4090.device["grads"] == (2 * V * D + D) * 2 and on_4090.absent_in_loss == 0
+    # the LM head's update: its master, m, v in and their updated copies (fp32), its new bf16 weight and the
+    # gradients not yet consumed; XLA prefetches nothing more under the 4090's scheduler limit
+    at_update = on_4090.device["grads"] + head * 2 + 2 * 3 * head * 4
+    assert on_4090.update_phase == at_update == on_4090.device_total
+    # under the H100's limit it also brings in the embedding's master, m and v (3 x fp32)
+    assert on_h100.update_phase == at_update + 3 * V * D * 4 == on_h100.device_total
+    # without a memory figure (no target named) nothing is prefetched
+    assert compute_bill(cfg, 1).update_phase == at_update
+    # the update inside the host step (optimizer_update=host) has no device update phase
+    assert compute_bill(_small_llama(["offload.optimizer=host", "offload.params=host"]), 1).update_phase == 0

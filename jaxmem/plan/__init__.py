@@ -15,7 +15,7 @@ def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "")
     from jaxmem.plan.compiled import compile_for_plan
     from jaxmem.plan.costmodel import estimate
     from jaxmem.plan.report import build_plan
-    bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo))
+    bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo), device_memory=topo.gpu.hbm_bytes if topo.gpu else None)
     cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
     compiled = compile_for_plan(cfg, topo)[1] if compile else None
     return build_plan(cfg, topo, bill, compiled, cost, source)

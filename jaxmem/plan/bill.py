@@ -39,15 +39,34 @@ class Bill:
     mesh: dict[str, int]
     notes: list[str]
     layout: Layout  # the decisions counted: the same object build_program builds from
+    # The plain-XLA S x S score copies inside working_set: live only while the layer's attention backward
+    # runs, when the layer's MLP weights (gathered) and their full gradients (in temporaries) are not.
+    attention_scratch: int = 0
+    # Gradient bytes not yet allocated while the loss phase runs (the decoder layers' gradients, when the
+    # optimizer state lives on the host: `jaxmem explain` of llama3-8b full remat + optimizer on host shows
+    # the layer gradient buffers created at the layer scan's backward, after the loss's logits are dead).
+    absent_in_loss: int = 0
+    # The device peak of an optimizer update streamed from the host (offload.optimizer=host with
+    # optimizer_update=device): a whole device-side total, not added to the rest (0 when the update does not
+    # stream). See update_phase_bytes.
+    update_phase: int = 0
+
+    @property
+    def layer_phase(self) -> int:
+        """One layer's backward at its peak: the attention backward (working set with the S x S copies) or
+        the MLP backward (working set without them, plus the gathered weights and full gradients)."""
+        d = self.device
+        return max(d["working_set"], d["working_set"] - self.attention_scratch + d["temporaries"])
 
     @property
     def device_total(self) -> int:
-        """The estimated peak: the loss phase (logits, LM head) and one layer's backward (working set,
-        gathered layer weights and gradients = temporaries) are never live together; the larger counts."""
+        """The estimated peak: the loss phase (logits, LM head) and one layer's backward (layer_phase) are
+        never live together; the larger counts."""
         d = self.device
         phases = ("working_set", "logits", "temporaries")
-        layer_phase = d["working_set"] + d["temporaries"]
-        return sum(v for k, v in d.items() if k not in phases) + max(layer_phase, d["logits"])
+        steady = sum(v for k, v in d.items() if k not in phases) + max(
+            self.layer_phase, d["logits"] - self.absent_in_loss)
+        return max(steady, self.update_phase)
 
     @property
     def host_total(self) -> int:
@@ -62,6 +81,8 @@ class Bill:
                 "host": {k: int(v) for k, v in self.host.items()}, "host_total": int(self.host_total),
                 "activations_by_name": dict(self.activations_by_name),
                 "offloaded_by_name": dict(self.offloaded_by_name), "notes": list(self.notes),
+                "attention_scratch": int(self.attention_scratch),
+                "absent_in_loss": int(self.absent_in_loss), "update_phase": int(self.update_phase),
                 "label": "estimated (analytic)"}
 
 
@@ -169,9 +190,12 @@ def logits_bytes(cfg: Config, layout: Layout) -> int:
     return kernels.loss_scratch_bytes(layout.kernels["loss"], tokens, vocab, cfg.kernels, cfg.model.d_model, itemsize)
 
 
-def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout | None = None) -> Bill:
+def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout | None = None,
+                 device_memory: int | None = None) -> Bill:
     """Analytic per-device bill for `cfg` sharded over `n_devices` GPUs (or, with gpu=False, CPU devices:
-    `auto` kernels resolve differently). Every decision comes from `layout` (default: resolved here)."""
+    `auto` kernels resolve differently). Every decision comes from `layout` (default: resolved here).
+    `device_memory` (bytes of one GPU; default: cfg.target.name's) only sets how much of a streamed
+    optimizer update XLA's scheduler prefetches (update_phase_bytes)."""
     layout = layout or resolve(cfg, n_devices, "gpu" if gpu else "cpu")
     sizes = layout.mesh_sizes
     prec = Precision.from_config(cfg.precision)
@@ -200,9 +224,24 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
                      "policy that does not save dots)")
     activations = sum(saved_dev.values())
 
-    # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients.
+    # One layer's backward: its forward intermediates come back (recomputed or saved) plus their gradients,
+    # and plain-XLA attention's S x S copies. At the attention backward's peak `jaxmem explain` (llama3.2-1b
+    # and llama3-8b, full remat, seq 4096, 8 x h100-80g) shows fp32 probs, fp32 probs gradient and the bf16
+    # scores gradient (10 bytes per element); the bool mask (the 11th byte of the kernel's scratch formula)
+    # lives only in the forward, where no gradient is live yet.
+    if scores_working:
+        scores_working -= score_elems(cfg, layout) * 1  # the pred mask, forward only
     working = _working_elems(cfg, layout, per_name) * cd + scores_working
     logits = logits_bytes(cfg, layout)
+    if layout.kernels["loss"] == "naive" and "opt" not in layout.host_state:
+        # The naive loss's fp32 logits gradient (the take_along_axis scatter-add, [tokens, vocab] per
+        # device): with the optimizer update on the device XLA schedules the LM head's weight-gradient dot
+        # after the layer scan, so this buffer stays live through every layer's backward (`jaxmem explain`
+        # of llama3.2-1b and llama3-8b, full remat: input_scatter_fusion.1, 1.96 GiB, live across the
+        # backward while loop). With the optimizer on the host that dot runs before the scan.
+        tokens = layout.per_device_elems(ACT_BTD[:2], (layout.rows, cfg.train.seq_len))
+        vocab = layout.per_device_elems(("act_vocab",), (m.vocab_size,))
+        working += tokens * vocab * 4
 
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
@@ -232,8 +271,65 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if "params" in layout.host_state:  # the decoder layers; embedding, final norm and LM head stay
         host["params"] = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
         device["params"] -= host["params"]
+    streamed = "opt" in layout.host_state and cfg.offload.optimizer_update == "device" \
+        and not cfg.optimizer.update_in_backward
+    if streamed and "params" in layout.host_state:
+        # The decoder layers' gradients go straight to the host with their weights (compiled llama3-8b
+        # 1 x 4090 recipe: the bf16 [L, ...] layer gradient buffers are in host memory); only the
+        # embedding / final norm / LM head gradients are device buffers. (Read off that recipe only, with
+        # the update streamed; optimizer_update=host keeps the full count until a compile shows otherwise.)
+        device["grads"] -= _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
     host["activations"] = sum(saved_host.values())
-    return Bill(device, host, saved_dev, saved_host, sizes, notes, layout)
+    update_phase = 0
+    if streamed:
+        update_phase = update_phase_bytes(cfg, layout, prec, device, _device_memory(cfg, device_memory))
+    absent_in_loss = 0
+    if "opt" in layout.host_state and not (streamed and "params" in layout.host_state) \
+            and not cfg.optimizer.update_in_backward:
+        absent_in_loss = _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
+    return Bill(device, host, saved_dev, saved_host, sizes, notes, layout, attention_scratch=scores_working,
+                absent_in_loss=absent_in_loss, update_phase=update_phase)
+
+
+# XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): 80% of the device memory,
+# less the device-resident arguments, times xla_gpu_memory_limit_slop_factor (95 by default).
+SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP = 0.80, 0.95
+
+
+def _device_memory(cfg: Config, device_memory: int | None) -> int:
+    if device_memory is not None:
+        return device_memory
+    from jaxmem.targets import TARGETS
+
+    target = TARGETS.get(cfg.target.name or "")
+    return target.hbm_bytes if target else 0
+
+
+def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int],
+                       device_memory: int) -> int:
+    """Device bytes at the peak of an optimizer update streamed from the host (state on the host, update on
+    the device). The non-layer leaves (embedding, LM head, final norm) are updated whole: at the largest
+    one's update (compiled llama3-8b 1 x 4090 recipe, 8 and 32 layers, read with `jaxmem explain
+    --dump-dir`, device buffers only) the device holds its fp32 master, m and v brought in, their three
+    updated copies, its new bf16 weight, and every gradient not yet consumed (its own, the embedding's);
+    activations, the layer phase and the old weights are dead. XLA's scheduler also prefetches the next
+    leaf's state while that fits under its memory limit (`SCHEDULER_*`): on an 80 GB H100 all three
+    copies (+5.87 GiB: 20.55 GiB compiled on the GPU), on a 24 GB RTX 4090 none (14.68 GiB)."""
+    rest, _ = split_layers(layout.abstract_params)
+    rest_specs, _ = split_layers(layout.opt_specs)
+    state_dtypes = ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
+    leaves = sorted((_shard_elems(x.shape, s, layout.mesh_sizes)
+                     for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), reverse=True)
+    largest = leaves[0] if leaves else 0
+    state = [largest * _itemsize(d) for d in state_dtypes]
+    peak = device["grads"] + largest * _itemsize(prec.param) + 2 * sum(state)
+    args = device["params"] + device["base"] + device["inputs"]
+    limit = (SCHEDULER_MEMORY_FRACTION * device_memory - args) * SCHEDULER_SLOP
+    for copy in ([leaves[1] * _itemsize(d) for d in state_dtypes] if len(leaves) > 1 else []):
+        if peak + copy > limit:
+            break
+        peak += copy
+    return peak
 
 
 def _batch_row_elems(cfg: Config) -> int:
