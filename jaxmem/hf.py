@@ -125,8 +125,8 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     return nnx.merge(graphdef, state)
 
 
-def _gather(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
+def _gather(x: jax.Array | np.ndarray) -> np.ndarray:
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:  # host arrays: a pipeline's merged model
         return np.asarray(x)
     from jax.experimental import multihost_utils
 

@@ -77,3 +77,18 @@ def test_two_processes_match_one(tmp_path):
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
     np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)
     assert (multi / "checkpoints" / str(STEPS)).is_dir()  # both processes took part in the save
+
+
+@pytest.mark.slow
+def test_pipeline_across_two_processes_matches_one(tmp_path):
+    """pp=2 with one stage per process (its activations cross processes) trains like pp=2 in one process."""
+    pipeline = ["parallel.pp=2", "train.grad_accum=2", "checkpoint.enabled=false"]
+    port = _free_port()
+    multi = tmp_path / "multi"
+    _wait([_train(multi, 4, pipeline + [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                                        f"distributed.process_id={i}"]) for i in range(2)])
+    _wait([_train(tmp_path / "single", 8, pipeline)])
+    got, want = read_jsonl(multi / "metrics.jsonl"), read_jsonl(tmp_path / "single" / "metrics.jsonl")
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)

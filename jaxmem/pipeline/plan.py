@@ -107,7 +107,7 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
     cast = prog.precision.param != prog.precision.grad_reduce
     return StageFigures(
         stage=stage.index, layers=stage.n_layers, in_flight=in_flight,
-        state=u["argument"] - grad_bytes, grads=grad_bytes, params_for_grad=_shard_bytes(p_grad) if cast else 0,
+        state=_state_on_device(prog), grads=grad_bytes, params_for_grad=_shard_bytes(p_grad) if cast else 0,
         residuals=f["output"] - activation, residuals_host=f["host_output"],
         forward_peak=f["temp"] + received + activation,
         backward_peak=b["temp"] + activation + received,
@@ -115,6 +115,13 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
         state_host=u["host_argument"],
         update_host=u["host_argument"] + u["host_output"] - u["host_alias"] + u["host_temp"],
         compile_seconds=round(time.perf_counter() - start, 2), warnings=tuple(memory_warnings(lines)))
+
+
+def _state_on_device(prog) -> int:
+    """Device bytes of the train state between passes (offloaded entries live in pinned host memory)."""
+    on_host = lambda s: memory_kinds_shim.uses_shim([s]) or s.memory_kind == memory_kinds_shim.HOST_KIND  # noqa: E731
+    leaves = jax.tree.leaves(prog.abstract_state)
+    return _shard_bytes([a for a, s in zip(leaves, jax.tree.leaves(prog.state_shardings)) if not on_host(s)])
 
 
 def _shard_bytes(tree) -> int:

@@ -55,7 +55,9 @@ class Stage:
         self.zero_grads = jax.jit(self._zero_grads, out_shardings=self.grad_shardings)
         self.grad_sums = jax.jit(self._grad_sums)
         self.params_for_grad = jax.jit(self._params_for_grad)
-        self.update = jax.jit(self._update, donate_argnums=(0, 1))
+        # explicit state shardings: they carry the host memory kinds of offloaded state (also deviceless)
+        self.update = jax.jit(self._update, in_shardings=(self.prog.state_shardings, self.grad_shardings, None),
+                              out_shardings=self.prog.state_shardings, donate_argnums=(0, 1))
         self.evaluate = jax.jit(self._evaluate)
 
     # ------------------------------------------------------------ what the driver runs
