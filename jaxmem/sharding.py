@@ -75,7 +75,8 @@ def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
 
 def make_mesh(par: ParallelConfig, devices: Sequence | None = None) -> Mesh:
     if par.pp > 1:
-        raise ConfigError("parallel.pp: a pipeline runs one mesh per stage (jaxmem.pipeline.stage_meshes)")
+        raise ConfigError("parallel.pp: a pipeline runs one program per stage; `jaxmem train` and `jaxmem plan` "
+                          "take it (jaxmem.pipeline), this command does not yet: set parallel.pp=1")
     return stage_meshes(par, devices)[0]
 
 

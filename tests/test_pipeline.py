@@ -72,6 +72,7 @@ def test_pipeline_matches_one_device(name, kind, reference):
 LEVERS = {  # tied embeddings (the last stage's copy), bf16 + fp32 master, remat, activation and optimizer offload
     "tied": ["model.tie_embeddings=true"],
     "offload": ["remat.preset=offload_layer_inputs", "offload.optimizer=host"],
+    "qkv_bias": ["model.qkv_bias=true"],  # Qwen2's
     "bf16_master_full_remat": ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
                                "precision.master_weights=true", "remat.preset=full"],
 }
@@ -254,3 +255,32 @@ def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan,
     render(auto_plan, Console(width=200))
     out = capsys.readouterr().out
     assert "pipeline stages, layers" in out and "even split for comparison, layers [4, 4]" in out
+
+
+def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
+    from jaxmem.pipeline.plan import StageFigures, stage_warnings
+
+    bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
+             for b in auto_plan["pipeline"]["stage_bills"]]
+    totals = [b.device_total for b in bills]
+    assert totals == _stage_totals(auto_plan["pipeline"]["stage_bills"])
+    between = (min(totals) + max(totals)) // 2
+    heavy = int(np.argmax(totals))
+    assert stage_warnings(bills, between) == [
+        f"pipeline stage {heavy} ({bills[heavy].layers} layers, {bills[heavy].in_flight} micro-batches in flight) "
+        f"does not fit: {totals[heavy] / 2**30:.2f} GiB > {between / 2**30:.2f} GiB usable"]
+    assert stage_warnings(bills, max(totals)) == []
+
+
+def test_eval_through_the_stages_equals_one_device():
+    from jaxmem.evaluate import eval_step
+
+    cfg, pipe = _pipeline(LAYOUTS["pp2_fsdp2_tp2"])
+    one = build_program(load_config("configs/tiny.yaml", BASE + ["parallel.fsdp=1", f"train.micro_batch={ROWS}",
+                                                                  f"train.grad_accum={ACCUM}"]),
+                        devices=jax.devices()[:1])
+    tokens = _tokens(7, cfg, pipe)
+    got = pipe.eval_loss(pipe.init_state(), pipe.shard_batch(tokens))
+    state = one.init_state()
+    want = jax.device_get(eval_step(one)(state["params"], None, one.shard_batch(tokens)))
+    np.testing.assert_allclose(got, [float(want[0]), float(want[1])], rtol=1e-6)

@@ -185,7 +185,7 @@ def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
     "pipeline", and with pp_layers=auto the even split next to the balanced one."""
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.costmodel import estimate
-    from jaxmem.plan.report import GIB as _GIB, build_plan
+    from jaxmem.plan.report import build_plan
     from jaxmem.pipeline import partition
     from jaxmem.pipeline.balance import balance
     from jaxmem.pipeline.runtime import build_pipeline
@@ -220,12 +220,15 @@ def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
             "even_stage_bills": [f.to_json() for f in even] if even else None}
     out["pipeline"] = info
     if figures and usable:
-        for f in figures:
-            if f.device_total > usable:
-                out["warnings"].append(f"pipeline stage {f.stage} ({f.layers} layers, {f.in_flight} micro-batches "
-                                       f"in flight) does not fit: {f.device_total / _GIB:.2f} GiB > "
-                                       f"{usable / _GIB:.2f} GiB usable")
+        out["warnings"] += stage_warnings(figures, usable)
     return out
+
+
+def stage_warnings(figures: list[StageFigures], usable: int) -> list[str]:
+    """One line per stage whose compiled figure is over the usable device bytes, naming it."""
+    return [f"pipeline stage {f.stage} ({f.layers} layers, {f.in_flight} micro-batches in flight) does not fit: "
+            f"{f.device_total / GIB:.2f} GiB > {usable / GIB:.2f} GiB usable" for f in figures
+            if f.device_total > usable]
 
 
 def render_pipeline(plan: dict, console) -> None:
