@@ -51,13 +51,15 @@ class Stage:
         self.grad_shardings = sharding.named(mesh, self.prog.grad_specs)
         self._run = stage_fn(self.prog, first=self.first, last=self.last)
         self.forward = jax.jit(self._forward)
-        self.backward = jax.jit(self._backward, donate_argnums=(1, 3))
+        self.backward = jax.jit(self._backward, donate_argnums=(3,),  # residuals free as the driver drops them
+                                out_shardings=(self.grad_shardings, None if self.first else self.activation))
         self.zero_grads = jax.jit(self._zero_grads, out_shardings=self.grad_shardings)
         self.grad_sums = jax.jit(self._grad_sums)
         self.params_for_grad = jax.jit(self._params_for_grad)
         # explicit state shardings: they carry the host memory kinds of offloaded state (also deviceless)
         self.update = jax.jit(self._update, in_shardings=(self.prog.state_shardings, self.grad_shardings, None),
-                              out_shardings=self.prog.state_shardings, donate_argnums=(0, 1))
+                              out_shardings=self.prog.state_shardings, donate_argnums=(0,),
+                              keep_unused=True)  # old params (unread with a master copy) alias the new
         self.evaluate = jax.jit(self._evaluate)
 
     # ------------------------------------------------------------ what the driver runs
