@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from jaxmem.schema import Config, ConfigError, config_hash
 from jaxmem.hf_config import read_json_object
 from jaxmem.optim import schedule_steps
+from jaxmem.pipeline import is_pipeline
 from jaxmem.precision import all_finite
 
 _STATE, _META = "state", "meta"
@@ -261,7 +262,7 @@ def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_me
     from jaxmem.pipeline import checkpoints as pipeline_ckpts
 
     step = ckpts.latest_step() if step is None else step
-    if getattr(prog, "counts", None) is not None:  # a pipeline program
+    if is_pipeline(prog):
         return pipeline_ckpts.restore_pipeline(prog, ckpts, step, required_meta)
     meta = ckpts.meta(step) if step is not None else None
     if meta and meta.get(pipeline_ckpts.PP_META):
@@ -294,11 +295,11 @@ def init_from(prog, path: str | Path) -> dict:
 
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
-    if getattr(prog, "counts", None) is not None:  # a pipeline: read on the host, cut per stage
-        from jaxmem.pipeline.checkpoints import _host
+    if is_pipeline(prog):  # read on the host, cut per stage
+        from jaxmem.pipeline.checkpoints import on_cpu_host
 
         check_model_json(path, prog.cfg)
-        params = restore_params(path, _host(prog.abstract_model_params()))
+        params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
         return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot

@@ -34,6 +34,7 @@ from jaxmem.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWr
                             summary_writer_class, wandb_available)
 from jaxmem.optim import schedule_steps
 from jaxmem.precision import all_finite
+from jaxmem.pipeline import is_pipeline
 from jaxmem.program import TrainProgram, build_program
 from jaxmem.telemetry import MemoryTelemetry, save_memory_profile
 from jaxmem.config import load_config
@@ -145,7 +146,7 @@ def _oom_error(when: str, e: Exception) -> TrainError:
 def compile_train_step(prog: TrainProgram):
     """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError); a
     pipeline's stage programs compile at their first call."""
-    if getattr(prog, "counts", None) is not None:
+    if is_pipeline(prog):
         return prog.jit_step()
     try:
         return prog.lower().compile()
@@ -280,7 +281,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                     raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
                                      f"step {last_saved}); lower optimizer.lr")
                 meta = run_meta(cfg, done, data.position_at(done), data.per_step)
-                if getattr(prog, "counts", None) is not None:
+                if is_pipeline(prog):
                     meta["pp_layers"] = list(prog.counts)  # jaxmem.pipeline.checkpoints re-cuts other layouts
                 ckpts.save(done, state, meta)
                 last_saved = done

@@ -35,13 +35,13 @@ def _g(b: int) -> str:
 
 
 def _stage_table(bills: list[dict]) -> list[str]:
-    rows = ["| stage | layers | micro-batches in flight | state | grads (fp32 accumulator) | residuals x in flight "
-            "(device) | largest pass | update | **device total** | host |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for s in bills:
-        rows.append(f"| {s['stage']} | {s['layers']} | {s['in_flight']} | {_g(s['state'])} | {_g(s['grads'])} | "
-                    f"{_g(s['in_flight'] * s['residuals'])} | {_g(max(s['forward_peak'], s['backward_peak']))} | "
-                    f"{_g(s['update_total'])} | **{_g(s['device_total'])}** | {_g(s['host_total'])} |")
+    from jaxmem.pipeline.plan import STAGE_COLUMNS, stage_row
+
+    rows = ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---:|" * len(STAGE_COLUMNS)]
+    for b in bills:
+        cells = stage_row(b)
+        cells[-2] = f"**{cells[-2]}**"
+        rows.append("| " + " | ".join(cells) + " |")
     return rows
 
 

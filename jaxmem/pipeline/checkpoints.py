@@ -22,43 +22,45 @@ from jaxmem.schema import Config
 PP_META = "pp_layers"
 
 
-def _host(tree):
+def on_cpu_host(tree):
     """The same shapes and dtypes, placed on the host (the CPU backend) for a restore."""
     cpu = SingleDeviceSharding(jax.devices("cpu")[0])
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=cpu), tree)
 
 
+def whole_params(cfg: Config) -> dict:
+    """The whole model's params (every layer), as ShapeDtypeStructs in the param dtype."""
+    prec = Precision.from_config(cfg.precision)
+    return nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
+
+
+def _state_shapes(cfg: Config, params: dict) -> dict:
+    prec = Precision.from_config(cfg.precision)
+    return jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+
+
 def whole_shapes(cfg: Config) -> dict:
     """The train state of the whole model (a non-pp run's), as ShapeDtypeStructs."""
     cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, pp=1, pp_layers="even"))
-    prec = Precision.from_config(cfg.precision)
-    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=prec.param))[1])
-    return jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params)
+    return _state_shapes(cfg, whole_params(cfg))
 
 
 def stage_shapes(cfg: Config, counts) -> dict:
     """{"stages": [...]} of a pipeline with `counts` layers per stage, as ShapeDtypeStructs."""
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_layers=sum(counts)),
                               parallel=dataclasses.replace(cfg.parallel, pp=len(counts)))
-    whole = whole_shapes(cfg)
-    out = []
-    for s, (lo, hi) in enumerate(partition.bounds(counts)):
-        keys = partition.stage_keys(cfg, s)
-        params = {k: v for k, v in whole["params"].items() if k in keys}
-        params["layers"] = jax.tree.map(lambda a: jax.ShapeDtypeStruct((hi - lo, *a.shape[1:]), a.dtype),
-                                        params["layers"])
-        prec = Precision.from_config(cfg.precision)
-        out.append(jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), params))
-    return {"stages": out}
+    params = whole_params(cfg)
+    return {"stages": [_state_shapes(cfg, partition.stage_params(cfg, params, counts, s))
+                       for s in range(len(counts))]}
 
 
 def read_whole(cfg: Config, ckpts, step: int, meta: dict, required_meta=()) -> dict:
     """The checkpoint at `step` as the whole model's train state, on the host (numpy)."""
     saved = meta.get(PP_META)
     if saved:
-        host, _ = ckpts.restore(_host(stage_shapes(cfg, saved)), step, required_meta)
+        host, _ = ckpts.restore(on_cpu_host(stage_shapes(cfg, saved)), step, required_meta)
         return partition.merge_tree(host["stages"], whole_shapes(cfg))
-    host, _ = ckpts.restore(_host(whole_shapes(cfg)), step, required_meta)
+    host, _ = ckpts.restore(on_cpu_host(whole_shapes(cfg)), step, required_meta)
     return jax.tree.map(np.asarray, host)
 
 

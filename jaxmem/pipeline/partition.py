@@ -61,6 +61,21 @@ def stage_keys(cfg: Config, stage: int) -> tuple[str, ...]:
     return tuple(keys)
 
 
+def stage_params(cfg: Config, params: dict, counts: Sequence[int], stage: int) -> dict:
+    """A stage's cut of a whole-model params tree (arrays or ShapeDtypeStructs): its top-level params and
+    its slice of the layer stack."""
+    lo, hi = bounds(counts)[stage]
+    cut = {k: v for k, v in params.items() if k in stage_keys(cfg, stage)}
+
+    def rows(x):
+        if isinstance(x, jax.ShapeDtypeStruct):
+            return jax.ShapeDtypeStruct((hi - lo, *x.shape[1:]), x.dtype)
+        return x[lo:hi]
+
+    cut["layers"] = jax.tree.map(rows, params["layers"])
+    return cut
+
+
 def bounds(counts: Sequence[int]) -> list[tuple[int, int]]:
     ends = np.cumsum(counts)
     return [(int(e - c), int(e)) for c, e in zip(counts, ends)]

@@ -119,9 +119,9 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
 
 def _state_on_device(prog) -> int:
     """Device bytes of the train state between passes (offloaded entries live in pinned host memory)."""
-    on_host = lambda s: memory_kinds_shim.uses_shim([s]) or s.memory_kind == memory_kinds_shim.HOST_KIND  # noqa: E731
     leaves = jax.tree.leaves(prog.abstract_state)
-    return _shard_bytes([a for a, s in zip(leaves, jax.tree.leaves(prog.state_shardings)) if not on_host(s)])
+    return _shard_bytes([a for a, s in zip(leaves, jax.tree.leaves(prog.state_shardings))
+                         if not memory_kinds_shim.is_host(s)])
 
 
 def _shard_bytes(tree) -> int:
@@ -137,16 +137,16 @@ def stage_figures(pipe) -> list[StageFigures]:
     return [compile_stage(stage, pipe.schedule.in_flight[stage.index]) for stage in pipe.stages]
 
 
-def render_rows(figures: list[StageFigures]) -> list[str]:
-    """Markdown table rows: one per stage."""
-    rows = ["| stage | layers | in flight | state | grads | residuals x in flight | largest pass | update | "
-            "device total | host |", "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-    for s in figures:
-        rows.append(f"| {s.stage} | {s.layers} | {s.in_flight} | {g(s.state)} | {g(s.grads + s.params_for_grad)} | "
-                    f"{g(s.in_flight * s.residuals)} | {g(max(s.forward_peak, s.backward_peak))} | "
-                    f"{g(s.update_total)} | **{g(s.device_total)}** | {g(s.host_total)} |")
-    return rows
+STAGE_COLUMNS = ("stage", "layers", "micro-batches in flight", "state", "grads (fp32 accumulator, cast params)",
+                 "residuals x in flight (device)", "largest pass", "update", "device total", "host")
+
+
+def stage_row(b: dict) -> list[str]:
+    """One stage's bill (StageFigures.to_json) as the cells of STAGE_COLUMNS, GiB per device."""
+    g = lambda x: f"{x / GIB:.2f}"  # noqa: E731
+    return [str(b["stage"]), str(b["layers"]), str(b["in_flight"]), g(b["state"]), g(b["grads"] + b["params_for_grad"]),
+            g(b["in_flight"] * b["residuals"]), g(max(b["forward_peak"], b["backward_peak"])), g(b["update_total"]),
+            g(b["device_total"]), g(b["host_total"])]
 
 
 # ---------------------------------------------------------------- `jaxmem plan` with parallel.pp > 1
@@ -239,15 +239,10 @@ def render_pipeline(plan: dict, console) -> None:
 
     def table(title, bills):
         t = Table(title=title, caption="GiB per device, compiled for the target per stage program")
-        for col in ("stage", "layers", "in flight", "state", "grads", "residuals x in flight", "largest pass",
-                    "update", "device total", "host"):
+        for col in STAGE_COLUMNS:
             t.add_column(col, justify="right")
-        g = lambda b: f"{b / GIB:.2f}"  # noqa: E731
-        for s in bills:
-            t.add_row(str(s["stage"]), str(s["layers"]), str(s["in_flight"]), g(s["state"]),
-                      g(s["grads"] + s["params_for_grad"]), g(s["in_flight"] * s["residuals"]),
-                      g(max(s["forward_peak"], s["backward_peak"])), g(s["update_total"]), g(s["device_total"]),
-                      g(s["host_total"]))
+        for b in bills:
+            t.add_row(*stage_row(b))
         console.print(t)
 
     console.print(f"pipeline: {info['stages']} stages, {info['schedule']}, {info['micro_batches']} micro-batches, "

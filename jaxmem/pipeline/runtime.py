@@ -7,6 +7,7 @@ JAX dispatch is asynchronous, so stages on different devices run at the same tim
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 import jax
@@ -22,8 +23,8 @@ from jaxmem.model import init_model
 from jaxmem.optim import adam_count, schedule as lr_schedule
 from jaxmem.pipeline import partition, schedule as schedules
 from jaxmem.pipeline.stage import Stage
-from jaxmem.pipeline.transfer import Link, owns
-from jaxmem.program import assemble_state, batch_keys
+from jaxmem.pipeline.transfer import Link, leads, owns
+from jaxmem.program import assemble_state, batch_keys, split_batch
 from jaxmem.schema import Config, ConfigError
 
 
@@ -88,10 +89,9 @@ class PipelineProgram:
         return nnx.merge(graphdef, params)
 
     def abstract_model_params(self) -> dict:
-        whole = self.stages[0].prog.layout.model_abstract_params
-        layers = jax.tree.map(lambda x: jax.ShapeDtypeStruct((sum(self.counts), *x.shape[1:]), x.dtype),
-                              whole["layers"])
-        return dict(whole, layers=layers)
+        from jaxmem.pipeline.checkpoints import whole_params
+
+        return whole_params(self.cfg)
 
     def init_state(self, seed: int | None = None) -> dict:
         seed = self.cfg.train.seed if seed is None else seed
@@ -100,14 +100,12 @@ class PipelineProgram:
     def _stage_init(self, stage: Stage, seed: int):
         if not owns(stage.mesh):
             return None
-        lo, hi = partition.bounds(self.counts)[stage.index]
         prog = stage.prog
 
         def fresh():
             params = nnx.to_pure_dict(nnx.split(init_model(self.cfg.model, seed=seed,
                                                            param_dtype=prog.precision.param))[1])
-            params = {k: v for k, v in params.items() if k in stage.keys}
-            params["layers"] = jax.tree.map(lambda x: x[lo:hi], params["layers"])
+            params = partition.stage_params(self.cfg, params, self.counts, stage.index)
             return assemble_state(prog.cfg, prog.precision, prog.optimizer, params)
 
         return jax.jit(fresh, out_shardings=prog.state_shardings)()
@@ -134,13 +132,16 @@ class PipelineProgram:
         return partition.merge_tree([jax.device_get(s) for s in state["stages"]], whole_template)
 
     # ------------------------------------------------------------ step
+    @functools.cached_property
+    def links(self) -> "Links":
+        return Links(self)
+
     def jit_step(self):
         return PipelineStep(self)
 
     def eval_loss(self, state: dict, batch: dict) -> tuple[float, float]:
         """(loss sum, valid labels) of a batch, forward only, one micro-batch at a time through the stages."""
-        step = self._eval_links = getattr(self, "_eval_links", None) or PipelineStep(self)
-        inputs, labels, segment_ids, positions = _split(batch)
+        inputs, labels, segment_ids, positions = split_batch(batch)
         loss_sum, count = None, None
         for m in range(inputs.shape[0]):
             x = None
@@ -156,14 +157,10 @@ class PipelineProgram:
                         loss_sum = out[0] if loss_sum is None else loss_sum + out[0]
                         count = out[1] if count is None else count + out[1]
                 else:
-                    x = step.ahead[stage.index].send(out)
-        local = np.array([float(loss_sum) if loss_sum is not None else 0.0,
-                          float(count) if count is not None else 0.0])
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 2).sum(0)
-        return float(local[0]), float(local[1])
+                    x = self.links.ahead[stage.index].send(out)
+        counted = loss_sum is not None and leads(self.stages[-1].mesh)
+        total = _sum_over_processes([float(loss_sum), float(count)] if counted else [0.0, 0.0])
+        return float(total[0]), float(total[1])
 
     def lower(self):
         raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.pipeline.plan")
@@ -189,31 +186,40 @@ def build_pipeline(cfg: Config, devices: Sequence | None = None, counts: Sequenc
     return PipelineProgram(cfg, tuple(counts), stages, sched)
 
 
-class PipelineStep:
-    """step(state, batch) -> (state, metrics), like TrainProgram.jit_step()'s."""
+class Links:
+    """The transfers between neighbouring stages: activations ahead, cotangents back, and (tied embeddings)
+    the embedding's gradient between the first and the last stage."""
 
     def __init__(self, prog: PipelineProgram):
-        self.prog = prog
         stages = prog.stages
         dtype = stages[0].prog.precision.compute
         shape = stages[0].activation_shape
         self.ahead = [Link(a.mesh, b.mesh, shape, dtype, b.activation.spec) for a, b in zip(stages, stages[1:])]
         self.back = [Link(b.mesh, a.mesh, shape, dtype, a.activation.spec, reverse=True)
                      for a, b in zip(stages, stages[1:])]
-        self.tied = prog.cfg.model.tie_embeddings
-        if self.tied:
+        self.embed = None
+        if prog.cfg.model.tie_embeddings:
             first, last = stages[0], stages[-1]
             embed = first.prog.abstract_state["params"]["embed"]
             spec = first.prog.grad_specs["embed"]
-            self.embed_links = (Link(first.mesh, last.mesh, embed.shape, jnp.float32, spec),
-                                Link(last.mesh, first.mesh, embed.shape, jnp.float32, spec, reverse=True))
+            self.embed = (Link(first.mesh, last.mesh, embed.shape, jnp.float32, spec),
+                          Link(last.mesh, first.mesh, embed.shape, jnp.float32, spec, reverse=True))
+
+
+class PipelineStep:
+    """step(state, batch) -> (state, metrics), like TrainProgram.jit_step()'s."""
+
+    def __init__(self, prog: PipelineProgram):
+        self.prog = prog
+        self.links = prog.links
+        self.tied = prog.cfg.model.tie_embeddings
         self.lr_at = lr_schedule(prog.cfg)
         self.add = jax.jit(lambda a, b: a + b)
 
     def __call__(self, state: dict, batch: dict):
         prog, stages = self.prog, self.prog.stages
         mine = [owns(s.mesh) for s in stages]
-        inputs, labels, segment_ids, positions = _split(batch)
+        inputs, labels, segment_ids, positions = split_batch(batch)
         n_valid = np.float32(max(int(np.sum(labels != IGNORE_INDEX)), 1))
 
         params = [s.params_for_grad(st["params"]) if own else None for s, st, own in zip(stages, state["stages"], mine)]
@@ -234,7 +240,7 @@ class PipelineStep:
                     if stage.last:
                         loss_sums.append(out)
                 if not stage.last:
-                    moved = self.ahead[s].send(out)
+                    moved = self.links.ahead[s].send(out)
                     if mine[s + 1]:
                         received[("F", s + 1, m)] = moved
             else:
@@ -244,20 +250,21 @@ class PipelineStep:
                         else received.pop(("B", s, m))
                     grads[s], dx = stage.backward(params[s], residuals.pop((s, m)), ct, grads[s])
                 if not stage.first:
-                    moved = self.back[s - 1].send(dx)
+                    moved = self.links.back[s - 1].send(dx)
                     if mine[s - 1]:
                         received[("B", s - 1, m)] = moved
         if self.tied:
             grads = self._sum_tied_embedding(grads, mine)
         sums = [s.grad_sums(g) if own else None for s, g, own in zip(stages, grads, mine)]
-        if self.tied and mine[-1] and len(stages) > 1:  # the embedding's gradient is counted once
+        if self.tied and mine[-1]:  # the embedding's gradient is counted once
             sums[-1] = sums[-1] - stages[-1].grad_sums({"embed": grads[-1]["embed"]})
         loss_sum = None
         if mine[-1]:  # summed in micro-batch order from 0, as the one-program step's scan does
             loss_sum = jnp.float32(0.0)
             for value in loss_sums:
                 loss_sum = loss_sum + value
-        norm, loss_sum = _gather_scalars(sums, loss_sum)
+        norm, loss_sum = _gather_scalars([x for x, s in zip(sums, stages) if x is not None and leads(s.mesh)],
+                                         loss_sum if leads(stages[-1].mesh) else None)
         new = []
         for s, st, g, own in zip(stages, state["stages"], grads, mine):
             new.append(s.update(st, g, jnp.float32(norm)) if own else None)
@@ -268,7 +275,7 @@ class PipelineStep:
         return {"stages": new}, metrics
 
     def _sum_tied_embedding(self, grads, mine):
-        to_last, to_first = self.embed_links
+        to_last, to_first = self.links.embed
         g0 = grads[0]["embed"] if mine[0] else None
         gl = grads[-1]["embed"] if mine[-1] else None
         at_last, at_first = to_last.send(g0), to_first.send(gl)
@@ -284,23 +291,18 @@ def _put(stage: Stage, array, m: int):
     return None if array is None else jax.make_array_from_process_local_data(stage.rows, array[m])
 
 
-def _split(batch: dict):
-    if "tokens" in batch:
-        tokens = batch["tokens"]
-        return tokens[..., :-1], tokens[..., 1:], None, None
-    return batch["inputs"], batch["labels"], batch.get("segment_ids"), batch.get("positions")
+def _sum_over_processes(values) -> np.ndarray:
+    """Per-process values summed over every process (the stages a process drives hold its part)."""
+    local = np.asarray(values, np.float64)
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local)).reshape(-1, local.size).sum(0)
 
 
 def _gather_scalars(sums: list, loss_sum) -> tuple[float, float]:
-    """(global gradient norm, the step's loss sum), from the stages this process drives and, across
-    processes, from every process."""
-    local = np.array([sum(float(x) for x in sums if x is not None), float(loss_sum) if loss_sum is not None else 0.0,
-                      1.0 if loss_sum is not None else 0.0], np.float64)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        local = np.asarray(multihost_utils.process_allgather(local)).reshape(-1, 3)
-        sq, loss = local[:, 0].sum(), local[:, 1].sum()
-    else:
-        sq, loss = local[0], local[1]
+    """(global gradient norm, the step's loss sum) from the stages' squared-gradient sums and loss sum this
+    process reports (it leads their meshes), summed over every process."""
+    sq, loss = _sum_over_processes([sum(float(x) for x in sums), float(loss_sum) if loss_sum is not None else 0.0])
     return float(np.sqrt(np.float32(sq))), float(loss)

@@ -15,6 +15,12 @@ def owns(mesh: Mesh) -> bool:
     return any(d.process_index == me for d in mesh.devices.flat)
 
 
+def leads(mesh: Mesh) -> bool:
+    """This process is the lowest-numbered one driving the mesh: it alone reports the mesh's values when they
+    are summed over processes (a stage may span several)."""
+    return jax.process_index() == min(d.process_index for d in mesh.devices.flat)
+
+
 def _local_only(a: Mesh, b: Mesh) -> bool:
     me = jax.process_index()
     return all(d.process_index == me for m in (a, b) for d in m.devices.flat)
