@@ -18,10 +18,10 @@ import orbax.checkpoint as ocp
 from jaxmem.schema import Config, ConfigError, config_hash
 from jaxmem.hf_config import read_json_object
 from jaxmem.optim import schedule_steps
-from jaxmem.pipeline import is_pipeline
+from jaxmem.pipeline import is_pipeline, stage_store
 from jaxmem.precision import all_finite
 
-_STATE, _META = "state", "meta"
+_STATE, _STAGES, _META = "state", "stages", "meta"  # a pipeline saves "stages" (stage_store) in place of "state"
 
 # Keys that may change between a save and a resume without changing the math of a
 # step (mesh, bookkeeping, how the global batch is split); the rest enters the hash.
@@ -51,10 +51,8 @@ def _is_oom(e: Exception) -> bool:
 
 def _shapes(tree) -> dict[str, tuple]:
     """'opt.layers.0.mu.wq' -> shape for every leaf of a state, abstract state or orbax tree metadata."""
-    def name(path):
-        return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-    return {name(path): tuple(getattr(leaf, "shape", ())) for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    return {stage_store.leaf_name(path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
 def _saved_shapes(item_dir: Path) -> dict[str, tuple]:
@@ -124,7 +122,7 @@ class Checkpoints:
         # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _META))
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _STAGES, _META))
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":
@@ -146,8 +144,11 @@ class Checkpoints:
         right away.
         """
         state = {k: v for k, v in state.items() if k != "base"}  # a LoRA base is rebuilt, never saved
-        self._manager.save(step, args=ocp.args.Composite(
-            **{_STATE: ocp.args.StandardSave(state), _META: ocp.args.JsonSave(meta)}), force=True)
+        if _STAGES in state:  # a pipeline's: each process writes the stages it drives
+            item = {_STAGES: stage_store.StagesSave(state[_STAGES])}
+        else:
+            item = {_STATE: ocp.args.StandardSave(state)}
+        self._manager.save(step, args=ocp.args.Composite(**item, **{_META: ocp.args.JsonSave(meta)}), force=True)
 
     def restore(self, abstract_state: dict, step: int | None = None,
                 required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
@@ -163,23 +164,30 @@ class Checkpoints:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         meta = self._restore_meta(step, required_meta)
         abstract_state = {k: v for k, v in abstract_state.items() if k != "base"}
+        staged = _STAGES in abstract_state
         try:
-            saved = _saved_shapes(self.directory / str(step) / _STATE)
+            saved = (stage_store.saved_shapes(self.directory / str(step) / _STAGES) if staged
+                     else _saved_shapes(self.directory / str(step) / _STATE))
         except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
-            raise self._damaged(step, f"{_STATE} metadata: {_reason(e)}") from None
+            raise self._damaged(step, f"{_STAGES if staged else _STATE} metadata: {_reason(e)}") from None
         problem = _mismatch(saved, _shapes(abstract_state))
         if problem:
             raise ConfigError(f"{self.directory / str(step)}: holds a train state that does not fit this run "
                               f"({problem}); resume with the config that saved it, or use a new out_dir")
         try:
-            state = self._manager.restore(step, args=ocp.args.Composite(
-                **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
+            if staged:
+                state = {_STAGES: self._manager.restore(step, args=ocp.args.Composite(
+                    **{_STAGES: stage_store.StagesRestore(abstract_state[_STAGES])}))[_STAGES]}
+            else:
+                state = self._manager.restore(step, args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
         except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
             if _is_oom(e):
                 raise
             raise self._damaged(step, _reason(e)) from None
         # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
-        if not bool(jax.jit(all_finite)(state)):
+        parts = [p for p in state[_STAGES] if p is not None] if staged else [state]  # one program per stage mesh
+        if not all(bool(jax.jit(all_finite)(p)) for p in parts):
             raise self._damaged(step, "it holds inf/NaN values")
         return state, meta
 
@@ -222,7 +230,10 @@ def check_model_json(path: str | Path, cfg: Config) -> None:
     """Raises a one-line ConfigError if `<path>/model.json` describes another model."""
     model_json = Path(path) / "model.json"
     if not model_json.is_file():
-        raise ConfigError(f"checkpoint.init_from: {model_json} not found (expected a `jaxmem import-hf` output dir)")
+        hf = " (a Hugging Face directory is read directly by LoRA runs only)" if (Path(path) / "config.json").is_file() \
+            else ""
+        raise ConfigError(f"checkpoint.init_from: {model_json} not found (expected a `jaxmem import-hf` output "
+                          f"dir{hf})")
     saved = read_json_object(model_json)
     mine = dataclasses.asdict(cfg.model)
     for key in _MODEL_KEYS:
@@ -301,6 +312,11 @@ def init_from(prog, path: str | Path) -> dict:
         check_model_json(path, prog.cfg)
         params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
         return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
+    if prog.layout.lora is not None:
+        from jaxmem.lora.load_base import is_hf_dir, lora_state
+
+        if is_hf_dir(path):  # a Hugging Face directory: the base streamed and quantized a layer at a time
+            return lora_state(prog, path)
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
     donate = () if prog.layout.lora is not None else (0,)

@@ -27,7 +27,7 @@ import jax
 
 from jaxmem import distributed
 from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
-from jaxmem.schema import Config, ConfigError, dump_yaml, to_dict
+from jaxmem.schema import Config, dump_yaml, to_dict
 from jaxmem.data import Batches, TokenSource, make_source
 from jaxmem.evaluate import Evaluator
 from jaxmem.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
@@ -214,10 +214,6 @@ def run(cfg: Config) -> dict:
         if cfg.parallel.pp > 1:
             from jaxmem.pipeline.runtime import build_pipeline
 
-            if ckpts is not None and jax.process_count() > 1:
-                raise ConfigError("checkpoint.enabled: a pipeline across processes cannot save checkpoints yet "
-                                  "(orbax refuses arrays that live in one process of several); set "
-                                  "checkpoint.enabled=false, or run the pipeline within one process")
             prog = build_pipeline(cfg)
         else:
             prog = build_program(cfg)

@@ -1,5 +1,6 @@
 """Multi-process training: 2 local processes x 4 CPU devices (gloo) match 1 process x 8 devices."""
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -80,15 +81,34 @@ def test_two_processes_match_one(tmp_path):
 
 
 @pytest.mark.slow
-def test_pipeline_across_two_processes_matches_one(tmp_path):
-    """pp=2 with one stage per process (its activations cross processes) trains like pp=2 in one process."""
-    pipeline = ["parallel.pp=2", "train.grad_accum=2", "checkpoint.enabled=false"]
-    port = _free_port()
-    multi = tmp_path / "multi"
-    _wait([_train(multi, 4, pipeline + [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
-                                        f"distributed.process_id={i}"]) for i in range(2)])
-    _wait([_train(tmp_path / "single", 8, pipeline)])
-    got, want = read_jsonl(multi / "metrics.jsonl"), read_jsonl(tmp_path / "single" / "metrics.jsonl")
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
-    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], rtol=1e-6)
-    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want], rtol=1e-5)
+def test_pipeline_across_two_processes_matches_one_and_its_checkpoints_resume(tmp_path):
+    """pp=2 with one stage per process (its activations cross processes) trains like pp=2 in one process;
+    each process writes its stage into the checkpoint, which resumes across two processes and in one
+    process without a pipeline, continuing the straight run's losses."""
+    pipeline = ["parallel.pp=2", "train.grad_accum=2", f"optimizer.decay_steps={STEPS + 2}"]  # one LR schedule
+    more = [f"train.steps={STEPS + 2}"]
+
+    def two(out_dir: Path, extra: list[str]) -> None:
+        port = _free_port()
+        _wait([_train(out_dir, 4, pipeline + extra + [f"distributed.coordinator=127.0.0.1:{port}",
+                                                      "distributed.num_processes=2", f"distributed.process_id={i}"])
+               for i in range(2)])
+
+    multi, flat = tmp_path / "multi", tmp_path / "flat"
+    two(multi, [])
+    saved = multi / "checkpoints" / str(STEPS) / "stages"
+    assert sorted(p.name for p in saved.glob("stage_*")) == ["stage_0", "stage_1"]  # one per process
+    shutil.copytree(multi, flat)
+    _wait([_train(tmp_path / "single", 8, pipeline + more + ["checkpoint.enabled=false"])])
+    want = read_jsonl(tmp_path / "single" / "metrics.jsonl")
+    got = read_jsonl(multi / "metrics.jsonl")  # written by process 0 only
+    assert [r["step"] for r in got] == list(range(1, STEPS + 1))
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want[:STEPS]], rtol=1e-6)
+    np.testing.assert_allclose([r["grad_norm"] for r in got], [r["grad_norm"] for r in want[:STEPS]], rtol=1e-5)
+
+    two(multi, more)
+    _wait([_train(flat, 8, more + pipeline[2:])])  # no pipeline: the stages are re-cut into one model
+    for out_dir in (multi, flat):
+        resumed = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r["step"] > STEPS]
+        assert [r["step"] for r in resumed] == [STEPS + 1, STEPS + 2]
+        np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in want[STEPS:]], rtol=2e-5)

@@ -173,6 +173,7 @@ def straight_pipeline_run(tmp_path_factory):
     (PP, FLAT),  # a pipeline checkpoint resumed without a pipeline
     (FLAT, PP + ["parallel.pp_layers=1,3"]),  # a flat checkpoint resumed by an uneven pipeline
     (PP, PP + ["parallel.pp_layers=3,1", "parallel.pp_schedule=gpipe"]),  # re-cut between pipelines
+    (PP + ["offload.optimizer=host"], PP + ["offload.optimizer=host"]),  # host-resident stage state, same cut
 ])
 def test_checkpoints_resume_across_layouts(tmp_path, first, then, straight_pipeline_run):
     """Steps 3-4 after a resume on another layout continue the 4-step pipeline run: same logical state."""
@@ -284,3 +285,19 @@ def test_eval_through_the_stages_equals_one_device():
     state = one.init_state()
     want = jax.device_get(eval_step(one)(state["params"], None, one.shard_batch(tokens)))
     np.testing.assert_allclose(got, [float(want[0]), float(want[1])], rtol=1e-6)
+
+
+@pytest.mark.parametrize("damage", ["shapes", "chunk"])
+def test_a_damaged_stage_in_a_checkpoint_is_named_not_read_as_zeros(tmp_path, damage):
+    from jaxmem.schema import ConfigError
+
+    _run(tmp_path, 2, PP)
+    stage = tmp_path / "checkpoints" / "2" / "stages" / "stage_1"
+    if damage == "shapes":
+        (stage / "shapes.json").unlink()
+    else:  # one chunk of an Adam moment: a missing chunk must not read back as zeros
+        chunks = sorted(p for p in (stage / "opt.layers.0.mu.wq" / "c").rglob("*") if p.is_file())
+        assert len(chunks) == 4  # fsdp=4 shards, a chunk each
+        chunks[0].unlink()
+    with pytest.raises(ConfigError, match=r"checkpoints/2: checkpoint is incomplete or damaged.*delete this directory"):
+        _run(tmp_path, 4, PP)

@@ -1,5 +1,5 @@
-"""Pipeline checkpoints: a pp run saves {"stages": [state of each stage]} and its layer counts
-(meta "pp_layers"). A resume with the same counts restores each stage straight onto its shardings; any
+"""Pipeline checkpoints: a pp run saves {"stages": [state of each stage]} (the `stages` item of
+jaxmem.pipeline.stage_store, written by each stage's own processes) and its layer counts (meta "pp_layers"). A resume with the same counts restores each stage straight onto its shardings; any
 other layout (other counts, other pp, no pp) and a non-pp checkpoint under a pipeline go through host
 memory: the saved state is read onto the host, re-cut by layer ranges (jaxmem.pipeline.partition) and
 placed on the new layout's shardings. Parameters and optimizer state keep their logical identity."""
