@@ -17,6 +17,7 @@ from pathlib import Path
 
 import jax
 
+from jaxmem.plan.oom import is_oom
 from jaxmem.targets import target_for_device_kind
 
 SCHEMA_VERSION = 1
@@ -55,7 +56,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
     from jaxmem.plan.report import cost_assumptions
     from jaxmem.program import build_program
     from jaxmem.schema import config_hash
-    from jaxmem.train import _is_oom, _oom_error, compile_train_step
+    from jaxmem.train import _oom_error, compile_train_step
 
     prog = build_program(cfg)
     n = prog.mesh.size
@@ -85,7 +86,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
             times.append(time.perf_counter() - t0)
             losses.append(float(metrics["loss"]))
     except jax.errors.JaxRuntimeError as e:
-        if _is_oom(e):
+        if is_oom(e):
             raise _oom_error("running", e) from None
         raise
     after_steps = _allocator(local)

@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 from jaxmem.schema import Config, ConfigError, config_hash
 from jaxmem.hf_config import read_json_object
 from jaxmem.optim import schedule_steps
+from jaxmem.plan.oom import is_oom
 from jaxmem.pipeline import is_pipeline, stage_store
 from jaxmem.precision import all_finite
 
@@ -43,10 +44,6 @@ def _reason(e: BaseException) -> str:
     text = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
     text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)  # the step directory, named already
     return text if len(text) <= 300 else text[:297] + "..."
-
-
-def _is_oom(e: Exception) -> bool:
-    return "RESOURCE_EXHAUSTED" in str(e)  # not damage: the devices are too small for the state
 
 
 def _shapes(tree) -> dict[str, tuple]:
@@ -182,7 +179,7 @@ class Checkpoints:
                 state = self._manager.restore(step, args=ocp.args.Composite(
                     **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
         except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
-            if _is_oom(e):
+            if is_oom(e):
                 raise
             raise self._damaged(step, _reason(e)) from None
         # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
@@ -258,7 +255,7 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
         try:
             params = ckptr.restore(params_dir, abstract_params)
         except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
-            if _is_oom(e):
+            if is_oom(e):
                 raise
             raise _damaged_params(params_dir, _reason(e)) from None
     if not bool(jax.jit(all_finite)(params)):

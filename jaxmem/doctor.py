@@ -8,13 +8,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import sys
 from pathlib import Path
 from typing import Mapping
 
-from jaxmem.plan.allocator import DEFAULT_FRACTION, ENV_KEYS as ALLOCATOR_VARS
+from jaxmem.plan.allocator import ENV_KEYS as ALLOCATOR_VARS, derive
 
 GIB = 1024**3
 NO_CONFIG = "no config given"
@@ -81,27 +80,26 @@ def check_cudnn(on_gpu: bool) -> dict:
 
 
 def check_allocator(env: Mapping[str, str], hbm_bytes: int | None, device_total: int | None,
-                    where: str = "") -> dict:
-    """XLA's BFC allocator caps each GPU at MEM_FRACTION x HBM (0.75 unset), preallocated or not;
-    ALLOCATOR=platform has no cap (and no pool)."""
+                    where: str = "", headroom: float = 0.0) -> dict:
+    """What XLA's allocator will let `jaxmem train` use under this environment: the settings
+    jaxmem.plan.allocator.derive gives (its rule, the one train and bench apply), against the plan."""
     shown = ", ".join(f"{k}={env[k]}" for k in ALLOCATOR_VARS if k in env) or "none set"
     if hbm_bytes is None or device_total is None:
         return check("allocator", "skip" if device_total is None else "ok", f"{shown}; {where}")
-    if env.get("XLA_PYTHON_CLIENT_ALLOCATOR", "").lower() == "platform":
+    settings = derive(device_total, hbm_bytes, headroom, "estimated (analytic)", environ=env)
+    if settings.limit_bytes is None:
         return check("allocator", "ok", f"{shown}: no allocator cap")
-    fraction = float(env.get("XLA_PYTHON_CLIENT_MEM_FRACTION") or DEFAULT_FRACTION)
-    cap = fraction * hbm_bytes
     need = (f"plan needs {_gib(device_total)} per device, estimated (analytic), = {device_total / hbm_bytes:.0%} "
-            f"of {_gib(hbm_bytes)} HBM{where}; allocator cap {fraction:.2f} x HBM = {_gib(cap)}")
+            f"of {_gib(hbm_bytes)} HBM{where}; allocator cap {settings.limit_bytes / hbm_bytes:.3g} x HBM = "
+            f"{_gib(settings.limit_bytes)}")
+    ours = [f"export {k}={settings.env[k]}" for k in settings.set_by_jaxmem]
+    if ours:
+        need += f" (jaxmem train sets it; your own scripts need: {'; '.join(ours)})"
     if device_total > hbm_bytes:
         return check("allocator", "warn", f"{shown}; {need}: more than the HBM itself (`jaxmem plan` it)")
-    if device_total <= cap:
-        return check("allocator", "ok", f"{shown}; {need}")
-    suggest = min(0.99, max(0.95, math.ceil(device_total / hbm_bytes * 100 + 2) / 100))
-    fix = f"export XLA_PYTHON_CLIENT_MEM_FRACTION={suggest:.2f}"
-    if env.get("XLA_PYTHON_CLIENT_PREALLOCATE", "").lower() != "false":
-        fix += "; export XLA_PYTHON_CLIENT_PREALLOCATE=false"
-    return check("allocator", "warn", f"{shown}; {need}; fix: {fix}")
+    if settings.warning:
+        return check("allocator", "warn", f"{shown}; {settings.warning}")
+    return check("allocator", "ok", f"{shown}; {need}")
 
 
 def check_pinned_host(devices, offload: bool | None) -> dict:
@@ -180,14 +178,13 @@ def run_checks(cfg=None, env: Mapping[str, str] | None = None, ram: int | None =
     from jaxmem.aot import resolve_topology
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.report import offload_requested
-    from jaxmem.targets import TARGETS
+    from jaxmem.targets import target_for_device_kind
 
     topo = resolve_topology(cfg)
     bill = compute_bill(cfg, topo.n_devices, gpu=True)
-    gpu = topo.gpu or next((t for t in TARGETS.values() if on_gpu and t.description == devices[0].device_kind),
-                           None)
+    gpu = topo.gpu or (target_for_device_kind(devices[0].device_kind) if on_gpu else None)
     if gpu is not None:
-        alloc = check_allocator(env, gpu.hbm_bytes, bill.device_total, f" ({gpu.name})")
+        alloc = check_allocator(env, gpu.hbm_bytes, bill.device_total, f" ({gpu.name})", cfg.target.headroom)
     else:
         alloc = check_allocator(env, None, None, "no target.name and no known GPU here")
     ram = mem_total() if ram is None else ram

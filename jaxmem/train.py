@@ -33,6 +33,7 @@ from jaxmem.evaluate import Evaluator
 from jaxmem.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
                             summary_writer_class, wandb_available)
 from jaxmem.optim import schedule_steps
+from jaxmem.plan.oom import is_oom
 from jaxmem.precision import all_finite
 from jaxmem.pipeline import is_pipeline
 from jaxmem.program import TrainProgram, build_program
@@ -132,11 +133,6 @@ def _note(text: str) -> None:
         print(f"jaxmem train: {text}", file=sys.stderr)
 
 
-def _is_oom(e: Exception) -> bool:
-    text = str(e)
-    return "RESOURCE_EXHAUSTED" in text or "Out of memory" in text
-
-
 def _oom_error(when: str, e: Exception) -> TrainError:
     first = str(e).strip().splitlines()[0][:200]
     return TrainError(f"out of device memory while {when} the train step ({first}); run `jaxmem explain CONFIG` "
@@ -151,7 +147,7 @@ def compile_train_step(prog: TrainProgram):
     try:
         return prog.lower().compile()
     except jax.errors.JaxRuntimeError as e:
-        if _is_oom(e):
+        if is_oom(e):
             raise _oom_error("compiling", e) from None
         raise
 
@@ -287,7 +283,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
             summary["checkpoint_steps"] = ckpts.all_steps()
         return summary
     except jax.errors.JaxRuntimeError as e:
-        if _is_oom(e):
+        if is_oom(e):
             raise _oom_error("running", e) from None
         raise
     finally:

@@ -59,13 +59,21 @@ def test_host_ram_warns_above_90_percent():
     assert doctor.check_host_ram(8 * GIB, 10 * GIB, GIB, 8)["status"] == "ok"
 
 
-def test_allocator_default_fraction_too_small_warns():
+def test_allocator_check_applies_the_rule_train_applies():
+    """Unset: jaxmem train derives the fraction (plan / HBM + headroom), so the check passes and names the
+    exports a script of one's own needs; a user's too-small fraction warns with the one that fits."""
     c = doctor.check_allocator({}, H100, 70 * GIB, " (h100-80g)")
-    assert c["status"] == "warn"
+    assert c["status"] == "ok"
     assert "plan needs 70.0 GiB per device, estimated (analytic), = 88% of 79.1 GiB HBM" in c["detail"]
-    assert "allocator cap 0.75 x HBM = 59.3 GiB" in c["detail"]
-    assert c["detail"].endswith("fix: export XLA_PYTHON_CLIENT_MEM_FRACTION=0.95; "
-                                "export XLA_PYTHON_CLIENT_PREALLOCATE=false")
+    assert "allocator cap 0.885 x HBM = 70.0 GiB" in c["detail"]
+    assert c["detail"].endswith("(jaxmem train sets it; your own scripts need: export XLA_PYTHON_CLIENT_PREALLOCATE="
+                                "false; export XLA_PYTHON_CLIENT_MEM_FRACTION=0.885)")
+    low = doctor.check_allocator({"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"}, H100, 70 * GIB, "", 0.05)
+    assert low["status"] == "warn"
+    assert low["detail"].endswith("lets XLA use 59.3 GiB of 79.1 GiB, but the plan needs 70.0 GiB per device "
+                                  "(estimated (analytic)): export XLA_PYTHON_CLIENT_MEM_FRACTION=0.935 or unset it")
+    over = doctor.check_allocator({}, H100, int(0.97 * H100))  # above the 0.95 XLA may take
+    assert over["status"] == "warn" and "the run will not fit" in over["detail"]
 
 
 def test_allocator_raised_fraction_ok(monkeypatch):
@@ -74,9 +82,7 @@ def test_allocator_raised_fraction_ok(monkeypatch):
     c = doctor.check_allocator(doctor.os.environ, H100, 70 * GIB)
     assert c["status"] == "ok"
     assert c["detail"].startswith("XLA_PYTHON_CLIENT_PREALLOCATE=false, XLA_PYTHON_CLIENT_MEM_FRACTION=0.95;")
-    assert "allocator cap 0.95 x HBM = 75.1 GiB" in c["detail"]
-    # a plan needing 93% asks for 0.95 + headroom; the platform allocator has no cap
-    assert "MEM_FRACTION=0.96" in doctor.check_allocator({}, H100, int(0.935 * H100))["detail"]
+    assert "allocator cap 0.95 x HBM = 75.1 GiB" in c["detail"] and "jaxmem train sets" not in c["detail"]
     assert doctor.check_allocator({"XLA_PYTHON_CLIENT_ALLOCATOR": "platform"}, H100, 78 * GIB)["status"] == "ok"
 
 

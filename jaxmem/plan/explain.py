@@ -93,21 +93,13 @@ def render(result: dict, console=None) -> None:
 # ------------------------------------------------------------------ out-of-memory in a real run
 
 
-def is_oom(exc: BaseException) -> bool:
-    text = f"{type(exc).__name__} {exc}"
-    return any(s in text for s in ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "out of device memory"))
-
-
 def _attached_target() -> str:
     import jax
 
-    from jaxmem.targets import TARGETS
+    from jaxmem.targets import target_for_device_kind
 
-    kind = getattr(jax.devices()[0], "device_kind", "")
-    for name, target in TARGETS.items():
-        if target.description.lower() in kind.lower() or kind.lower() in target.description.lower():
-            return name
-    return ""
+    target = target_for_device_kind(getattr(jax.devices()[0], "device_kind", ""))
+    return target.name if target else ""
 
 
 def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> bool:
@@ -121,7 +113,7 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
     from jaxmem.plan import oom
 
     text = oom.exc_text(exc)
-    if not (is_oom(RuntimeError(text)) or oom.parse_oom(text).form):
+    if not (oom.is_oom(RuntimeError(text)) or oom.parse_oom(text).form):
         return False
     from rich.console import Console
 
