@@ -14,6 +14,14 @@ been updated, so the layers (and the embedding, final norm and LM head, for one 
 *previous* step's global norm, kept in the train state as `grad_norm`; the first step is not clipped.
 This is the trade-off: a loss spike is clipped one step late. The norm of this step's full gradient is
 still computed exactly (each layer adds its squared norm) and reported.
+
+Host offload. With `offload.optimizer=host` (and `offload.optimizer_update=device`) the fp32 master
+weights and Adam's m and v stay in pinned host memory: the stacked host arrays are the backward's loop
+carry, each layer's slice is fetched to the device, updated there and written back into the host stack in
+place (`put_layer`: a dynamic update slice on the host array), so the device holds one layer's state at a
+time. The embedding, final norm and LM head are streamed the same way after the backward. Adam's per-layer
+step counts ([L] integers) ride on the device. The update computed on the host
+(`offload.optimizer_update=host`) and `offload.params=host` are refused (jaxmem.validate).
 """
 from __future__ import annotations
 
@@ -76,17 +84,20 @@ def floats_as_ints(tree, like):
     return jax.tree.map(lambda x, t: x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x, tree, like)
 
 
-def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g):
+def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch=lambda t: t):
     """scan_layers(body, h, stacked_params, state) -> h, with the update in the backward.
 
     state = (weights or None, opt_state with `ints_as_floats`, clip_factor, squared_norm_seed); weights None
     means the params are the weights (no fp32 master). Each layer sees its params in `grad_dtype`, as the
-    plain step's layers do. `constrain_grad(g)` places one layer's gradient (its reduce-scatter)."""
+    plain step's layers do. `constrain_grad(g)` places one layer's gradient (its reduce-scatter).
+    `fetch(tree)` brings one layer's slice of weights and optimizer state to the device (host-resident
+    stacks); the updated slice goes back into the stack's own memory space (`put_layer`)."""
 
     def update(dp, p, w, s, factor, like):
         """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
         (the model hands the layer as an nnx.State)."""
         w_like, s_like = like
+        w, s = fetch((w, s))
         g = constrain_grad(jax.tree.map(lambda x: x.astype(jnp.float32), dp))
         sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
         g = jax.tree.map(lambda x: x * factor, _restructure(g, w_like))
@@ -142,7 +153,7 @@ def make_step(prog):
     """The train step of `prog` with the layer stack's update inside the backward (module docstring)."""
     import dataclasses
 
-    from jaxmem import sharding
+    from jaxmem import offload, sharding
     from jaxmem.optim import adam_count, schedule
     from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE, loss_sum_fn, split_batch
     from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -155,11 +166,23 @@ def make_step(prog):
         leaves = jax.tree.leaves(layer_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         return jax.lax.with_sharding_constraint(g, jax.tree.unflatten(jax.tree.structure(g), leaves))
 
+    # offload.optimizer=host (validated: with offload.optimizer_update=device): master, m and v stay in pinned
+    # host memory, the loop carry of the backward; each layer's slice is fetched, updated on the device and
+    # written back in place. Adam's per-layer step counts ([L] integers) ride on the device as fp32.
+    on_host = cfg.offload.optimizer == "host"
+    fetch = offload.to_device if on_host else (lambda t: t)
     scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
-                     constrain_grad=constrain_grad)
+                     constrain_grad=constrain_grad, fetch=fetch)
     lr_at = schedule(cfg)
 
+    def counts_to_device(tree):
+        return jax.tree.map(lambda x: offload.to_device(x) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+
+    def home(tree, like):  # tree's leaves in the memory spaces of like's (host-resident state stays there)
+        return jax.tree.map(lambda x, h: jax.device_put(x, jax.typeof(h).memory_space), tree, like)
+
     def step(state, batch):
+        state = offload.mark_host_entries(cfg, state)  # host avals on compile-only devices too
         # one micro-batch (validated): inputs, labels, segment ids, positions [rows, T] (or None)
         micro = jax.tree.map(lambda x: x[0], split_batch(batch))
         labels = micro[1]
@@ -180,22 +203,25 @@ def make_step(prog):
         with jax.named_scope(GRADS_SCOPE):
             grads, loss_sum = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
                 rest, params["layers"], None if master is None else master["layers"],
-                ints_as_floats(state["opt"]["layers"]), jnp.float32(0.0))
+                ints_as_floats(counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
         g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
         with jax.named_scope(UPDATE_SCOPE):
             g_rest = jax.lax.with_sharding_constraint(
                 jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
             sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
             w_rest, _ = split_layers(master or params)
+            s_rest = state["opt"]["rest"]
             new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest),
-                                               state["opt"]["rest"], w_rest, prec.param)
+                                               fetch(s_rest), fetch(w_rest), prec.param)
+            new_s, new_w = home(new_s, s_rest), home(new_w, w_rest)
         grad_norm = jnp.sqrt(sq_rest + sq_layers)
-        new_opt = {"rest": new_s, "layers": floats_as_ints(new_layer_opt, state["opt"]["layers"])}
+        layer_opt = state["opt"]["layers"]
+        new_opt = {"rest": new_s, "layers": home(floats_as_ints(new_layer_opt, layer_opt), layer_opt)}
         new_params = jax.lax.with_sharding_constraint(dict(new_p, layers=new_layer_params),
                                                       prog.state_shardings["params"])
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt, grad_norm=grad_norm)
         if master is not None:
-            new_state["master"] = dict(new_w, layers=new_layer_weights)
+            new_state["master"] = dict(new_w, layers=home(new_layer_weights, master["layers"]))
         count = adam_count(new_opt)
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
                    "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0)}

@@ -1,5 +1,6 @@
 """Remat presets and granularities: same loss and grads as `none` on CPU; bytes move on a deviceless H100."""
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,6 +14,7 @@ from jaxmem.kernels.cross_entropy.reference import linear_cross_entropy_referenc
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.names import ALL_NAMES
 
+ROOT = Path(__file__).resolve().parents[1]
 MODEL = load_config(None, ["model.preset=tiny", "model.n_layers=4"]).model
 TOKENS = np.random.RandomState(0).randint(0, MODEL.vocab_size, (2, 33)).astype(np.int32)
 
@@ -61,6 +63,17 @@ def test_per_name_override_matches_none(baseline):
     cfg = RematConfig(preset="full", names={"mlp_act": "device", "layer_input": "offload"})
     assert remat.name_choices(cfg)["mlp_act"] == "device"
     assert remat.offloaded_names(cfg) == ["layer_input"]
+    _assert_same(_loss_and_grads(cfg), baseline)
+
+
+def test_selective_lean_config_matches_none(baseline):
+    """configs/llama3-8b-8xh100-selective-lean.yaml: selective with the MLP gate / up kept on the host; its
+    remat block (on the tiny model) must not change the loss or the gradients."""
+    cfg = load_config(str(ROOT / "configs" / "llama3-8b-8xh100-selective-lean.yaml")).remat
+    assert sorted(remat.offloaded_names(cfg)) == ["mlp_gate", "mlp_up"]
+    # the same tensors are kept as by the selective preset (only where changes): no extra recompute
+    kept = {n for n, c in remat.name_choices(cfg).items() if c != "remat"}
+    assert kept == {n for n, c in remat.name_choices(RematConfig(preset="selective")).items() if c != "remat"}
     _assert_same(_loss_and_grads(cfg), baseline)
 
 

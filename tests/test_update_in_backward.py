@@ -1,4 +1,7 @@
-"""optimizer.update_in_backward against the plain step (layer-wise update after the backward)."""
+"""optimizer.update_in_backward against the plain step (layer-wise update after the backward), with the
+optimizer state on the device or in pinned host memory (streamed through the device a layer at a time)."""
+import functools
+import math
 import shutil
 
 import jax
@@ -13,9 +16,12 @@ TINY = "configs/tiny.yaml"
 BASE = ["remat.preset=full", "train.micro_batch=1", "optimizer.warmup_steps=0", "precision.param_dtype=bfloat16",
         "precision.master_weights=true"]
 NO_CLIP = ["optimizer.clip_norm=1000"]  # far above the tiny model's gradient norms (~1.4)
+HOST_OPT = ["offload.optimizer=host", "offload.optimizer_update=device"]
+LAYOUTS = {"one_device": ["parallel.fsdp=1", "train.micro_batch=8"], "fsdp8": ["parallel.fsdp=8"]}
 
 
 def _steps(overrides, devices, n=3):
+    """(loss, grad norm) of n steps and the final state (live arrays, in their memory kinds)."""
     cfg = load_config(TINY, BASE + overrides)
     prog = build_program(cfg, devices=devices)
     state, step = prog.init_state(), prog.jit_step()
@@ -24,7 +30,21 @@ def _steps(overrides, devices, n=3):
         tokens = np.random.default_rng(i).integers(0, 256, size=(8, cfg.train.seq_len + 1)).astype(np.int32)
         state, m = step(state, prog.shard_batch(tokens.reshape(prog.batch_shape)))
         metrics.append((float(m["loss"]), float(m["grad_norm"])))
-    return metrics, jax.device_get(state)
+    return metrics, state
+
+
+@functools.cache
+def _plain(layout: str):
+    """The plain update (state on the device), shared by the in-backward variants of a layout."""
+    return _steps(NO_CLIP + LAYOUTS[layout], _devices(layout))
+
+
+def _devices(layout: str):
+    return jax.devices()[:1] if layout == "one_device" else jax.devices()
+
+
+def _kinds(tree) -> set:
+    return {x.sharding.memory_kind for x in jax.tree.leaves(tree) if x.ndim}
 
 
 def _max_diff(a, b):
@@ -32,18 +52,24 @@ def _max_diff(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-@pytest.mark.parametrize("layout", [["parallel.fsdp=1", "train.micro_batch=8"], ["parallel.fsdp=8"]],
-                         ids=["one_device", "fsdp8"])
-def test_matches_the_plain_update(layout):
-    """Same losses, gradient norms, master weights, moments and params after 3 steps (no clipping)."""
-    devices = jax.devices()[:1] if "parallel.fsdp=1" in layout else jax.devices()
-    plain, plain_state = _steps(NO_CLIP + layout, devices)
-    inside, inside_state = _steps(NO_CLIP + layout + ["optimizer.update_in_backward=true"], devices)
+@pytest.mark.parametrize("optimizer", ["device", "host"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_matches_the_plain_update(layout, optimizer):
+    """Same losses, gradient norms, master weights, moments and params after 3 steps (no clipping). With
+    offload.optimizer=host the master weights and moments stay in pinned host memory between steps (each
+    layer's slice is streamed through the device inside the backward)."""
+    plain, plain_state = _plain(layout)
+    offload = HOST_OPT if optimizer == "host" else []
+    inside, inside_state = _steps(NO_CLIP + LAYOUTS[layout] + offload + ["optimizer.update_in_backward=true"],
+                                  _devices(layout))
     np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
     np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
     for key in ("params", "master", "opt"):
         assert _max_diff(inside_state[key], plain_state[key]) < 1e-6, key
     assert float(inside_state["grad_norm"]) == pytest.approx(inside[-1][1], rel=1e-6)
+    state_kind = "pinned_host" if optimizer == "host" else "device"
+    assert _kinds((inside_state["opt"], inside_state["master"])) == {state_kind}
+    assert _kinds(inside_state["params"]) == {"device"}
 
 
 def test_clips_by_the_previous_steps_norm():
@@ -61,7 +87,8 @@ def test_clips_by_the_previous_steps_norm():
 
 @pytest.mark.parametrize("override, message", [
     ("remat.preset=selective", "needs remat.preset=full"),
-    ("offload.optimizer=host", "needs offload.optimizer=device"),
+    ("offload.optimizer=host", "with offload.optimizer=host needs offload.optimizer_update=device"),
+    ("offload.params=host", "needs offload.params=device"),
     ("train.grad_accum=2", "needs train.grad_accum=1"),
     ("precision.loss_scale.enabled=true", "cannot skip a step .* turn off precision.loss_scale"),
 ])
@@ -73,14 +100,47 @@ def test_refuses_levers_it_cannot_honour(override, message):
         load_config(TINY, overrides)
 
 
-def test_resume_is_exact(tmp_path):
-    """The previous step's norm is train state: a resumed run clips like the uninterrupted one."""
-    cfg = load_config(TINY, BASE + ["optimizer.update_in_backward=true", "optimizer.clip_norm=0.5", f"out_dir={tmp_path}",
-                                    "train.progress=false", "train.steps=4", "train.log_every=1",
-                                    "checkpoint.every=2", "train.seq_len=32"])
+@pytest.mark.parametrize("optimizer", ["device", "host"])
+def test_resume_is_exact(tmp_path, optimizer):
+    """The previous step's norm is train state: a resumed run clips like the uninterrupted one (and restores
+    a host-resident optimizer state into pinned host memory)."""
+    offload = HOST_OPT if optimizer == "host" else []
+    cfg = load_config(TINY, BASE + offload + ["optimizer.update_in_backward=true", "optimizer.clip_norm=0.5",
+                                              f"out_dir={tmp_path}", "train.progress=false", "train.steps=4",
+                                              "train.log_every=1", "checkpoint.every=2", "train.seq_len=32"])
     straight = run(cfg)
     shutil.rmtree(tmp_path / "checkpoints" / "4")
     resumed = run(cfg)
     assert resumed["resumed_from"] == 2
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"][2:]]
     assert [r["grad_norm"] for r in resumed["records"]] == [r["grad_norm"] for r in straight["records"][2:]]
+
+
+SMALL = ["model.preset=tiny", "model.d_model=512", "model.d_ff=1536", "model.n_heads=8", "model.n_kv_heads=4",
+         "model.head_dim=64", "model.vocab_size=1024", "model.n_layers=4", "train.seq_len=256",
+         "train.micro_batch=1", "parallel.fsdp=1", "precision.param_dtype=bfloat16",
+         "precision.compute_dtype=bfloat16", "precision.master_weights=true", "remat.preset=full",
+         "optimizer.update_in_backward=true", "target.name=h100-80g"]
+
+
+def test_deviceless_host_optimizer_leaves_the_device():
+    """Compiled deviceless for one H100: with the state on the host, exactly master + m + v are host
+    arguments, and the device total drops by most of them (one layer's leaves are streamed through the
+    device in the backward). The analytic bill follows both compiles within 5%."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from jaxmem import aot
+    from jaxmem.plan.bill import compute_bill
+    from jaxmem.plan.compiled import memory_figures
+
+    figures = {}
+    for name, extra in (("device", []), ("host", HOST_OPT)):
+        cfg = load_config(None, SMALL + extra)
+        prog = build_program(cfg, devices=aot.target_devices("h100-80g", 1))
+        figures[name] = memory_figures(prog.lower().compile())
+        assert compute_bill(cfg, 1).device_total == pytest.approx(figures[name]["device"], rel=0.05), name
+    state = prog.abstract_state
+    moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state["opt"], state["master"]))
+                if x.ndim)
+    device, host = figures["device"], figures["host"]
+    assert device["host"] == 0 and host["host_argument"] == moved
+    assert host["device"] < device["device"] - moved / 2, (device, host, moved)
