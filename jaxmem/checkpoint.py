@@ -227,8 +227,8 @@ def check_model_json(path: str | Path, cfg: Config) -> None:
     """Raises a one-line ConfigError if `<path>/model.json` describes another model."""
     model_json = Path(path) / "model.json"
     if not model_json.is_file():
-        hf = " (a Hugging Face directory is read directly by LoRA runs only)" if (Path(path) / "config.json").is_file() \
-            else ""
+        hf = ("; a Hugging Face directory is read directly by LoRA runs only: run `jaxmem import-hf` on it"
+              if (Path(path) / "config.json").is_file() else "")
         raise ConfigError(f"checkpoint.init_from: {model_json} not found (expected a `jaxmem import-hf` output "
                           f"dir{hf})")
     saved = read_json_object(model_json)

@@ -148,7 +148,7 @@ def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict
     stage = cfg.parallel.zero_stage
     trainable = dict(abstract_params=adapters, param_specs=sharded if stage == 3 else replicated,
                      grad_specs=sharded if stage >= 2 else replicated, opt_specs=sharded, gathered_specs=replicated)
-    model_specs_base = frozen.base_specs(setup, cfg, model_specs, base)
+    model_specs_base = frozen.base_specs(setup, cfg, model_specs, base, sizes)
     return trainable, dict(lora=setup, base_abstract=base, base_specs=model_specs_base)
 
 

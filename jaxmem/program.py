@@ -17,7 +17,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding, validate
-from jaxmem.validate import RECORD_KINDS
+from jaxmem.validate import RECORD_KINDS, ConfigError
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.layout import Layout, platform_of, resolve as resolve_layout
@@ -114,15 +114,21 @@ class TrainProgram:
         setup = self.layout.lora
         if setup is None:
             return assemble_state(self.cfg, self.precision, self.optimizer, params)
-        from jaxmem.lora.adapters import init_adapters
         from jaxmem.lora.frozen import make_base
 
+        state = self.adapter_state(seed)
+        state["base"] = make_base(setup, self.cfg, params, self.precision.param)
+        return state
+
+    def adapter_state(self, seed: int | None = None) -> dict:
+        """A LoRA run's step-0 state without its base: fresh adapters, their optimizer state and master."""
+        from jaxmem.lora.adapters import init_adapters
+
+        setup = self.layout.lora
         seed = self.cfg.train.seed if seed is None else seed
         adapters = init_adapters(self.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),
                                  self.precision.param)
-        state = assemble_state(self.cfg, self.precision, self.optimizer, adapters)
-        state["base"] = make_base(setup, self.cfg, params, self.precision.param)
-        return state
+        return assemble_state(self.cfg, self.precision, self.optimizer, adapters)
 
     def abstract_model_params(self) -> dict:
         """The model's params (ShapeDtypeStructs with their shardings): what init_from restores."""
@@ -132,11 +138,15 @@ class TrainProgram:
                             self.layout.model_abstract_params, specs)
 
     def frozen_base(self) -> dict:
-        """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from, else the seed."""
+        """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face
+        directory is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
         from jaxmem.checkpoint import model_params_from
         from jaxmem.lora.frozen import make_base
+        from jaxmem.lora.load_base import is_hf_dir, stream_base
 
         cfg, setup, out = self.cfg, self.layout.lora, self.state_shardings["base"]
+        if cfg.checkpoint.init_from and is_hf_dir(cfg.checkpoint.init_from):
+            return stream_base(self, cfg.checkpoint.init_from)
         make = lambda p: make_base(setup, cfg, p, self.precision.param)  # noqa: E731
         if cfg.checkpoint.init_from:
             return jax.jit(make, out_shardings=out)(model_params_from(self, cfg.checkpoint.init_from))
@@ -228,10 +238,18 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
         from jaxmem.lora.frozen import layer_shapes, rebuild
 
         fetch = rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute)
+        if cfg.lora.dropout > 0:  # layers given keys (the train step's) keep the adapters apart for dropout
+            from jaxmem.lora import dropout
+
+            fetch = dropout.rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute, cfg.lora.dropout)
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
+    if layout.lora is not None and cfg.lora.dropout > 0:
+        from jaxmem.lora.dropout import project
+
+        ctx = dataclasses.replace(ctx, project=project)
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
 
 
@@ -250,23 +268,30 @@ END_PARAMS = ("embed", "final_norm", "lm_head")
 
 
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True):
-    """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None): the model's parts in
-    order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
+    """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
+    model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
     `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
-    With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline)."""
+    With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
+    `dropout_key` (LoRA with lora.dropout > 0, the train step only) turns the adapters' input dropout on."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
     loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh) if last else None
 
     setup = prog.layout.lora
+    if setup is not None and setup.quantize_embeddings and mesh.size > 1:
+        raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
 
-    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None):
+    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None):
         run_ctx = ctx
         if setup is not None:  # params are the adapters: each layer is rebuilt from base + adapters in the scan
             from jaxmem.lora import frozen
 
             pieces = frozen.lora_layers(setup, base, params)
+            if dropout_key is not None:
+                from jaxmem.lora.dropout import with_keys
+
+                pieces = with_keys(pieces, dropout_key, cfg.model.n_layers)
             run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
                 body, h, (stacked, pieces)))
             params = frozen.model_params(setup, base)
@@ -275,12 +300,23 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                                  if k not in params and (k != "lm_head" or not cfg.model.tie_embeddings)})
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            h_btd = model.embed_tokens(x, run_ctx) if first else x
+            if first and setup is not None and setup.quantize_embeddings:
+                from jaxmem.lora.frozen_vocab import embed_tokens
+
+                h_btd = embed_tokens(base["embed"], x, cfg.model.d_model, run_ctx.compute_dtype)
+            else:
+                h_btd = model.embed_tokens(x, run_ctx) if first else x
             h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
             if not last:
                 return h_btd
             h_btd = model.final_hidden(h_btd, run_ctx)
-        w_dv = model.lm_head_weight().astype(prog.precision.compute)
+        if setup is not None and setup.quantize_embeddings:  # a vocab chunk dequantized at a time in the loss
+            from jaxmem.lora.frozen_vocab import QuantizedHead
+
+            w_dv = QuantizedHead(base["embed" if cfg.model.tie_embeddings else "lm_head"], cfg.model.d_model,
+                                 prog.precision.compute)
+        else:
+            w_dv = model.lm_head_weight().astype(prog.precision.compute)
         return loss_impl(h_btd, w_dv, labels_bt)
 
     return run
@@ -297,9 +333,10 @@ def _make_step(prog: TrainProgram):
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
     scaling = cfg.precision.loss_scale
+    dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
 
-    def micro_loss(params, micro, denom, base):
-        loss_sum, _ = token_loss(params, *micro, base=base)
+    def micro_loss(params, micro, denom, base, dropout_key):
+        loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
@@ -313,8 +350,13 @@ def _make_step(prog: TrainProgram):
         params = state["params"]
         p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
-        def one(micro):
-            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get("base"))
+        def one(micro, index=None):
+            key = None
+            if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
+                from jaxmem.lora.dropout import step_key
+
+                key = step_key(cfg.train.seed, state["step"], 0 if index is None else index)
+            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get("base"), key)
             return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
         # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
@@ -324,12 +366,13 @@ def _make_step(prog: TrainProgram):
                 grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
             else:
                 def acc(carry, micro):
-                    g, l = one(micro)
+                    g, l = one(*micro) if dropout_on else one(micro)
                     return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
                 zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
-                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), micro_batches)
+                xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
+                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)

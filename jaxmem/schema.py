@@ -125,8 +125,9 @@ class OptimizerConfig:
     update_in_backward: bool = _f(
         False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
                "the whole-model gradient never exists; clips by the previous step's global norm; needs "
-               "remat.preset=full at layer granularity, one micro-batch per step, optimizer and params on the "
-               "device and no fp16 loss scaling")
+               "remat.preset=full at layer granularity, one micro-batch per step, params on the device and no "
+               "fp16 loss scaling; with offload.optimizer=host needs offload.optimizer_update=device (each "
+               "layer's state is streamed from pinned host memory to the device and back)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +191,9 @@ class LoraConfig:
     alpha: float = _f(16.0, "LoRA alpha: the adapters' product is scaled by alpha / rank (alpha / sqrt(rank) with "
                             "rslora)")
     rslora: bool = _f(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank)")
-    dropout: float = _f(0.0, "dropout on the adapters' input; only 0 is supported so far")
+    dropout: float = _f(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout), in [0, 1): the "
+                             "adapter path becomes scale * B A dropout(x) beside the base's x W; 0: the adapters "
+                             "merge into each layer's weights")
     targets: str = _f("all-linear", "projections that get adapters, by Hugging Face name, comma-separated (a YAML "
                                      "list works too): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                      "down_proj; or all-linear")
@@ -198,6 +201,10 @@ class LoraConfig:
         "bfloat16", "how the frozen targeted base weights are stored, one of bfloat16, int8 (per output channel "
                     "absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
     double_quant: bool = _f(False, "with base_dtype=nf4, quantize the block scales too (int8 in blocks of 256)")
+    quantize_embeddings: bool = _f(
+        False, "store the frozen embedding table and LM head as base_dtype too (int8 or nf4, per vocab row): the "
+               "embedding dequantizes the rows it gathers, the chunked loss a vocab chunk at a time; needs "
+               "kernels.loss=chunked on one device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,8 +220,10 @@ class CheckpointConfig:
     keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
-    init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); "
-                            "a checkpoint in out_dir to resume from wins")
+    init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); a "
+                            "LoRA run may name a Hugging Face directory (config.json + *.safetensors) instead: "
+                            "its base is read and quantized a layer at a time; a checkpoint in out_dir to resume "
+                            "from wins")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.model.names import CheckpointName as CN
@@ -40,6 +41,10 @@ def per_token_tiles(tile: int, sp: int = 1) -> Callable:
     Every arg and output is [B, T, ...] with the token dim second. `names` are checkpoint names for the
     outputs: inside a tile nothing is saved (a remat policy cannot see in), so an output the policy may
     keep (q, k, v) is tagged again whole, outside the tiles.
+
+    The tiles write into one buffer per output (no stacked [n, ...] copy, no zero buffer that XLA shares
+    between loops and copies for each); the backward recomputes each tile and writes each input's cotangent over the
+    output cotangent of the same size, read tile by tile before it is overwritten (`_tiled_vjp`).
     """
     if tile <= 0:
         return run_whole
@@ -49,21 +54,128 @@ def per_token_tiles(tile: int, sp: int = 1) -> Callable:
         n = tile_count(t, sp, tile)
         if n == 1:
             return fn(*args)
+        tiles, single = _Tiles(b, t, sp, n, tile), []
 
-        def split(x):  # [B, T, ...] -> [n, B, sp * tile, ...]: tile i holds tile i of every device's slice
-            rest = x.shape[2:]
-            x = jnp.moveaxis(x.reshape(b, sp, n, tile, *rest), 2, 0)
-            return x.reshape(n, b, sp * tile, *rest)
+        def tuple_fn(*xs):
+            ys = fn(*xs)
+            single.append(not isinstance(ys, (tuple, list)))
+            return (ys,) if single[-1] else tuple(ys)
 
-        def merge(y):  # the inverse of split
-            rest = y.shape[3:]
-            return jnp.moveaxis(y.reshape(n, b, sp, tile, *rest), 0, 2).reshape(b, t, *rest)
-
-        body = jax.checkpoint(lambda xs: fn(*xs), policy=jax.checkpoint_policies.nothing_saveable,
-                              prevent_cse=False)
-        out = jax.tree.map(merge, jax.lax.map(body, tuple(split(a) for a in args)))
+        closed, consts = jax.closure_convert(tuple_fn, *(tiles.get(tiles.view(a), 0) for a in args))
+        out = _tiled_vjp(closed, tiles, len(args))(*args, *consts)
+        if single[0]:
+            out = out[0]
         if names:
             out = tuple(checkpoint_name(o, name) for o, name in zip(out, names, strict=True))
         return out
 
     return run
+
+
+class _Tiles:
+    """[B, T, ...] seen as [B, sp, n, tile, ...]: tile i is tile i of every device's slice."""
+
+    def __init__(self, b, t, sp, n, tile):
+        self.b, self.t, self.sp, self.n, self.tile = b, t, sp, n, tile
+
+    def view(self, x):
+        return x.reshape(self.b, self.sp, self.n, self.tile, *x.shape[2:])
+
+    def whole(self, x):
+        return x.reshape(self.b, self.t, *x.shape[4:])
+
+    def get(self, v, i, rest=None):  # tile i of a view as [B, sp * tile, ...] (`rest`: its trailing shape)
+        y = jax.lax.dynamic_index_in_dim(v, i, axis=2, keepdims=False)
+        return y.reshape(self.b, self.sp * self.tile, *(y.shape[3:] if rest is None else rest))
+
+    def put(self, buf, y, i):
+        return jax.lax.dynamic_update_index_in_dim(buf, y.reshape(buf.shape[:2] + (1,) + buf.shape[3:]), i, 2)
+
+    def fresh(self, src, x, k: int):
+        """A [B, sp, n, tile, ...] buffer for x's values (every tile is overwritten), derived from tile 0 of the
+        view `src` and the number k: so XLA neither merges it with another loop's buffer (one shared zero
+        buffer and a copy per loop) nor loses src's sharding of the batch and sequence dims."""
+        seed = jax.lax.slice_in_dim(src, 0, 1, axis=2)
+        seed = jnp.sum(seed * 0, axis=tuple(range(4, src.ndim))) + k if src.ndim > 4 else seed * 0 + k
+        rest = x.shape[2:]
+        seed = seed.reshape(*seed.shape, *[1] * len(rest)).astype(x.dtype)
+        return jnp.broadcast_to(seed, (self.b, self.sp, self.n, self.tile, *rest))
+
+
+def _float0(x):
+    return jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
+
+
+def _tiled_vjp(closed: Callable, tiles: _Tiles, n_args: int) -> Callable:
+    """closed(*tile_args, *consts) run over tiles, with a backward that recomputes one tile at a time."""
+
+    def forward(*xs):
+        args, consts = xs[:n_args], xs[n_args:]
+        views = [tiles.view(a) for a in args]
+        shapes = jax.eval_shape(closed, *(tiles.get(v, 0) for v in views), *consts)
+
+        def body(i, bufs):
+            ys = closed(*(tiles.get(v, i) for v in views), *consts)
+            return tuple(tiles.put(buf, y, i) for buf, y in zip(bufs, ys))
+
+        full = [jax.ShapeDtypeStruct((tiles.b, tiles.t) + s.shape[2:], s.dtype) for s in shapes]
+        bufs = jax.lax.fori_loop(0, tiles.n, body, tuple(tiles.fresh(views[0], s, k) for k, s in enumerate(full)))
+        return tuple(tiles.whole(buf) for buf in bufs)
+
+    def backward(xs, cts):
+        args, consts = xs[:n_args], xs[n_args:]
+        # each differentiable input's cotangent goes over an output cotangent of the same size and dtype
+        free, over = list(range(len(cts))), {}
+        for j, a in enumerate(args):
+            k = next((k for k in free if not _float0(a) and cts[k].dtype == a.dtype and cts[k].shape[:2]
+                      == a.shape[:2] and cts[k].size == a.size), None)
+            if k is not None:
+                free.remove(k)
+                over[j] = k
+        diff = [j for j, a in enumerate(args) if not _float0(a)]
+        own = {j: tiles.fresh(tiles.view(args[j]), args[j], j) for j in diff if j not in over}
+        dconsts0 = tuple(jnp.zeros_like(c) for c in consts if not _float0(c))
+
+        def body(step, carry):
+            ct_bufs, own_bufs, dconsts = carry
+            i = tiles.n - 1 - step  # the order of lax.map's transpose: the same sums
+            tile_args = [tiles.get(v, i) for v in views]
+            tile_cts = tuple(tiles.get(c, i, ct.shape[2:]) for c, ct in zip(ct_bufs, cts))
+            diff_fn = lambda da, dc: closed(*_merge(tile_args, diff, da), *_merge(consts, cidx, dc))  # noqa: E731
+            _, vjp = jax.vjp(diff_fn, [tile_args[j] for j in diff], [consts[c] for c in cidx])
+            da, dc = vjp(tile_cts)
+            ct_bufs, own_bufs = list(ct_bufs), dict(own_bufs)
+            for j, d in zip(diff, da):
+                if j in over:
+                    ct_bufs[over[j]] = tiles.put(ct_bufs[over[j]], d, i)
+                else:
+                    own_bufs[j] = tiles.put(own_bufs[j], d, i)
+            return tuple(ct_bufs), own_bufs, tuple(a + d for a, d in zip(dconsts, dc))
+
+        cidx = [c for c, x in enumerate(consts) if not _float0(x)]
+        views = [tiles.view(a) for a in args]
+        ct_views = tuple(tiles.view(c) for c in cts)
+        ct_bufs, own_bufs, dconsts = jax.lax.fori_loop(0, tiles.n, body, (ct_views, own, dconsts0))
+        dargs = [_zero(a) for a in args]
+        for j in diff:
+            d = ct_bufs[over[j]] if j in over else own_bufs[j]
+            dargs[j] = d.reshape(args[j].shape)
+        dcs = [_zero(c) for c in consts]
+        for c, d in zip(cidx, dconsts):
+            dcs[c] = d
+        return (*dargs, *dcs)
+
+    f = jax.custom_vjp(lambda *xs: forward(*xs))
+    f.defvjp(lambda *xs: (forward(*xs), xs), backward)
+    return f
+
+
+def _merge(values, idx, new):
+    out = list(values)
+    for j, v in zip(idx, new):
+        out[j] = v
+    return out
+
+
+def _zero(x):
+    return np.zeros(x.shape, jax.dtypes.float0) if _float0(x) else jnp.zeros_like(x)

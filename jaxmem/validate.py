@@ -132,15 +132,22 @@ def _lora(cfg: Config) -> None:
         return
     if lo.alpha <= 0:
         raise ConfigError(f"lora.alpha: must be > 0, got {lo.alpha}")
-    if lo.dropout != 0:
-        raise ConfigError(f"lora.dropout: {lo.dropout} is not supported yet; only 0 (the adapters are merged into "
-                          "each layer's weights inside the scan, where no input dropout applies)")
+    if not 0 <= lo.dropout < 1:
+        raise ConfigError(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
+    if lo.dropout > 0 and cfg.remat.seq_tile > 0:
+        raise ConfigError("lora.dropout: > 0 does not combine with remat.seq_tile yet (each tile would draw the "
+                          "same mask); set remat.seq_tile=0 or lora.dropout=0")
     from jaxmem.lora.adapters import resolve_targets
 
     resolve_targets(lo.targets)  # "lora.targets: 'x' is not a target; use some of ..."
     if cfg.optimizer.update_in_backward or cfg.offload.params == "host":
         raise ConfigError("lora.rank: LoRA does not combine with optimizer.update_in_backward or offload.params=host "
                           "yet (the frozen base stays on the device, quantized if you like: lora.base_dtype)")
+    par = cfg.parallel
+    if lo.quantize_embeddings and (lo.base_dtype == "bfloat16" or cfg.kernels.loss != "chunked"
+                                   or max(par.dp, par.fsdp, par.tp, par.sp, par.pp) > 1):
+        raise ConfigError("lora.quantize_embeddings: needs lora.base_dtype int8 or nf4, kernels.loss=chunked and one "
+                          f"device (got base_dtype={lo.base_dtype}, kernels.loss={cfg.kernels.loss})")
 
 
 def _checkpoint(cfg: Config) -> None:
@@ -245,8 +252,11 @@ def _update_in_backward_levers(cfg: Config) -> None:
     if cfg.remat.preset != "full" or cfg.remat.granularity != "layer" or cfg.remat.names:
         raise ConfigError(f"{key}: needs remat.preset=full with remat.granularity=layer and no remat.names "
                           "(the backward rebuilds each layer from its input)")
-    if cfg.offload.optimizer != "device" or cfg.offload.params != "device":
-        raise ConfigError(f"{key}: needs offload.optimizer=device and offload.params=device")
+    if cfg.offload.params != "device":
+        raise ConfigError(f"{key}: needs offload.params=device (the backward updates device-resident layers)")
+    if cfg.offload.optimizer == "host" and cfg.offload.optimizer_update != "device":
+        raise ConfigError(f"{key}: with offload.optimizer=host needs offload.optimizer_update=device (each "
+                          "layer's state is streamed to the device and back; no host-compute variant)")
     if cfg.precision.loss_scale.enabled:
         raise ConfigError(f"{key}: cannot skip a step after layers were already updated; turn off "
                           "precision.loss_scale (fp16), or use bf16")

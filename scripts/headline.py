@@ -21,6 +21,9 @@ HEADLINES = {
     "configs/qwen2-72b-8xh100-128k.yaml": "Qwen2-72B full fine-tune, 8 x h100-80g, seq 131072, micro-batch 1 "
                                           "(issue #12): sequence parallel sp=8 (Ulysses) + sequence tiling, "
                                           "device total <= 72 GiB per GPU, host within a 2 TB node",
+    "configs/qwen2-72b-8xh100-128k-inbackward.yaml": "Qwen2-72B full fine-tune, 8 x h100-80g, seq 131072, "
+                                                     "micro-batch 1, the AdamW update inside the backward "
+                                                     "(optimizer.update_in_backward), state streamed from host",
     "configs/llama3-8b-1xh100-128k.yaml": "Llama-3-8B full fine-tune, 1 x h100-80g, seq 131072",
     "configs/llama3-8b-1x4090.yaml": "Llama-3-8B full fine-tune, 1 x rtx4090-24g, seq 4096",
     "configs/llama3-8b-8xh100.yaml": "Llama-3-8B, FSDP 8 x h100-80g, seq 8192, micro-batch 2, selective remat "
@@ -48,6 +51,11 @@ NOTES = """Notes:
   x 8192 x 2 B). `remat.seq_tile=4096` trims the device total from 57.73 GiB (`remat.seq_tile=0`, compiled
   for 8 x H100 (deviceless)) to 56.04 GiB; the cost model gives the same step time for both (~55 s,
   estimated).
+- The same 131072-token run with the AdamW update inside the backward (`optimizer.update_in_backward`,
+  `configs/qwen2-72b-8xh100-128k-inbackward.yaml`): 43.92 GiB per GPU and 812.7 GiB of host per node,
+  compiled for 8 x H100 (deviceless): the host holds the fp32 master + Adam m, v once (1.00x the state)
+  and nothing else, because the layer inputs stay on the GPU (the backward rebuilds each layer from its
+  input), and no whole-model gradient exists. The price: clipping by the previous step's global norm.
 - Llama-3-8B on 8 x h100-80g (FSDP, seq 8192, micro-batch 2, selective remat, no offload): compare with
   the 82.4 GiB torchtitan reports for FSDP + selective activation checkpointing on H100 (measured on GPU
   there, compiled deviceless here: not the same kind of figure). XLA's rematerialization pass trimmed

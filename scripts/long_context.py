@@ -70,9 +70,15 @@ def _row_md(name: str, config: str, overrides: list[str], note: str, plan: dict)
     cfg_ref = f"`{config}`" + (f" `{' '.join(overrides)}`" if overrides else "")
     seq = next((o.split("=")[1] for o in overrides if o.startswith("train.seq_len=")), None)
     return (f"| {name} | {cfg_ref} | {int(seq) if seq else _seq_of(config):,} | sp={mesh.get('sp', 1)} | "
-            f"**{c['device_total'] / GIB:.2f}** | {'yes' if plan['fits'] else '**no**'} | "
+            f"**{c['device_total'] / GIB:.2f}** | {_fits_md(plan)} | "
             f"{plan['host_bytes_per_node'] / GIB:,.0f} of {plan['target']['host_ram_bytes'] / GIB:,.0f} | "
             f"{cost['step_seconds']:,.0f} | {note} |")
+
+
+def _fits_md(plan: dict) -> str:
+    if not plan["fits"]:
+        return "**no**"
+    return "**no** (host RAM)" if plan.get("host_fits") is False else "yes"
 
 
 def _seq_of(config: str) -> int:

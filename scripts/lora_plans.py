@@ -16,24 +16,30 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks"
 GIB = 1024**3
 Q8, Q70 = "configs/lora/llama3-8b-qlora-1x4090.yaml", "configs/lora/llama3-70b-qlora-1xh100.yaml"
+Q70_L40S = "configs/lora/llama3-70b-qlora-1xl40s.yaml"
 H100 = ["target.name=h100-80g"]
 L40S = ["target.name=l40s-48g"]
 BF16_BASE = ["lora.base_dtype=bfloat16", "lora.double_quant=false"]
 
 # (row, config, overrides, sequence lengths to probe in order, the goal it answers)
 ROWS = [
-    ("Llama-3-8B LoRA (bf16 base), 1 x RTX 4090 24GB", Q8, BF16_BASE, [4096, 8192, 16384, 32768, 65536], ""),
-    ("Llama-3-8B QLoRA (nf4), 1 x RTX 4090 24GB", Q8, [], [8192, 16384, 32768, 65536, 131072],
+    ("Llama-3-8B LoRA (bf16 base), 1 x RTX 4090 24GB", Q8, BF16_BASE, [4096, 8192, 16384, 32768, 65536, 131072],
+     ""),
+    ("Llama-3-8B QLoRA (nf4), 1 x RTX 4090 24GB", Q8, [], [8192, 16384, 32768, 65536, 131072, 262144],
      "seq 8192 with >= 10% headroom"),
-    ("Llama-3-8B LoRA (bf16 base), 1 x H100 80GB", Q8, BF16_BASE + H100, [131072, 262144, 524288, 1048576], ""),
-    ("Llama-3-8B QLoRA (nf4), 1 x H100 80GB", Q8, H100, [262144, 524288, 1048576],
+    ("Llama-3-8B LoRA (bf16 base), 1 x H100 80GB", Q8, BF16_BASE + H100,
+     [131072, 262144, 524288, 1048576, 2097152], ""),
+    ("Llama-3-8B QLoRA (nf4), 1 x H100 80GB", Q8, H100, [262144, 524288, 1048576, 2097152],
      "seq >= 1,048,576 (Unsloth: 342,000)"),
-    ("Llama-3-70B QLoRA (nf4), 1 x H100 80GB", Q70, [], [65536, 131072, 196608, 262144],
+    ("Llama-3-70B QLoRA (nf4), 1 x H100 80GB", Q70, [], [65536, 131072, 196608, 262144, 393216, 524288],
      "seq >= 131,072 (Unsloth: 89,389 on an 80 GB A100)"),
     ("Llama-3-70B QLoRA (nf4), 1 x L40S 48GB", Q70, L40S, [8192, 16384, 32768, 65536],
      "(QLoRA paper: a 65B model on one 48 GB GPU)"),
     ("Llama-3-70B QLoRA (nf4), 1 x L40S 48GB, adapter optimizer state on the host", Q70,
      L40S + ["offload.optimizer=host", "offload.optimizer_update=device"], [2048, 4096, 8192], ""),
+    ("Llama-3-70B QLoRA (nf4, embedding + LM head in nf4 too), 1 x L40S 48GB, adapter optimizer state on the "
+     "host, bf16 adapter gradients", Q70_L40S, [], [2048, 4096, 8192, 12288, 16384],
+     "(QLoRA paper: a 65B model on one 48 GB GPU; Unsloth: 12,106 tokens for Llama-3.3-70B on 48 GB)"),
 ]
 
 
@@ -84,25 +90,32 @@ def _row_md(name: str, config: str, overrides: list[str], goal: str, probes: lis
 
 NOTES = """How to read it: **device GiB** is XLA's memory analysis of the real LoRA train step compiled for the
 GPU (deviceless, on this CPU-only machine); the split into base / adapters / adapter gradients / adapter
-optimizer state is the analytic bill's (estimated). Every row uses the levers in its config
-(`configs/lora/`): rank 32 on all seven projections (alpha 32), NF4 base with double-quantized scales for
-QLoRA (bf16 for LoRA), bf16 compute with fp32 master adapters, micro-batch 1, layer inputs offloaded to host
-memory, sequence tiling (8192 tokens) from 32K up, Pallas flash attention and the chunked loss. Sequence
-lengths were probed in the order listed in `scripts/lora_plans.py`; "longest that fits" is the longest
-probed length whose compiled figure is within the usable memory (90% of the GPU). Nothing here was
-measured on a GPU, and the Unsloth / QLoRA figures are theirs, measured on their GPUs.
+optimizer state is the analytic bill's (estimated, device bytes: 0 where that state is on the host). Every
+row uses the levers in its config (`configs/lora/`): rank 32 on all seven projections (alpha 32), NF4 base
+with double-quantized scales for QLoRA (bf16 for LoRA), bf16 compute with fp32 master adapters, micro-batch
+1, layer inputs offloaded to host memory, sequence tiling (8192 tokens) from 32K up, Pallas flash attention
+and the chunked loss. The last row is `configs/lora/llama3-70b-qlora-1xl40s.yaml`: also the frozen embedding
+table and LM head in NF4 (`lora.quantize_embeddings`, 1.0 GiB in place of 3.9), the adapters' optimizer
+state and fp32 master on the host (`offload.optimizer=host`) and the adapter gradients in bf16
+(`precision.grad_reduce_dtype=bfloat16`). Sequence lengths were probed in the order listed in
+`scripts/lora_plans.py`; "longest that fits" is the longest probed length whose compiled figure is within
+the usable memory (90% of the GPU). Nothing here was measured on a GPU, and the Unsloth / QLoRA figures
+are theirs, measured on their GPUs.
 
-What stops the next length: at these sequence lengths the per-layer working set (the layer input, q/k/v,
-the attention output, the tiler's [T, d] buffers) grows with T while the base is fixed; `jaxmem explain`
-on the next length names the buffers: for Llama-3-8B QLoRA at 1,048,576 tokens (76.9 GiB, the goal of
-issue #18) they are [T, 4096] bf16 values of 8 GiB each (the layer input, the attention output, the sequence
-tiler's stacked outputs, the flash kernel's output); fitting it needs the tiler to write into one output
-buffer instead of stacking. Llama-3-70B on a 48 GB GPU: the NF4 base alone is 36.8 GiB (embedding and LM
-head in bf16 are 3.9 of it), so even with the adapters' optimizer state on the host it needs 43 GiB at
-2,048 tokens, above the 40.5 GiB usable (it would fit without the 10% headroom).
+What stops the next length (`jaxmem explain`, compiled for the target, deviceless): for the 8B rows on an
+H100 the per-layer working set of [T, 4096] bf16 values while the base is fixed (at 1,048,576 tokens 8 GiB
+each: the layer input, q, the attention output, the flash kernel's output and their cotangents; they double
+at 2,097,152).
+The sequence tiler writes its tiles into one buffer per output and the input cotangents over the output
+cotangents, with no zero buffer shared between loops (`jaxmem/seq_tiling.py`): at 1,048,576 tokens that
+took Llama-3-8B QLoRA from 76.9 to 55.7 GiB. Llama-3-70B on a 48 GB GPU fits 8,192 tokens (Unsloth reports
+12,106); at 12,288 (41.7 GiB against 40.5 usable) the peak is the MLP of one layer's backward: the [T, d_ff]
+gate / up / activation values (672 MiB each; `remat.seq_tile` tiles them, but then the three rebuilt bf16
+MLP weights, 448 MiB each, are held twice, by the layer and by the tile loop: with `remat.seq_tile=4096`
+12,288 still plans at 41.2 GiB) on top of the 33.9 GiB NF4 base.
 
-Not done yet (issue #18): loading a base into the quantized form while streaming the safetensors shards
-(today the base is quantized from full params on the device), lora.dropout."""
+Not done yet (issue #18): `lora.quantize_embeddings` with more than one device (the sharded loss takes a
+plain head)."""
 
 
 def main(argv: list[str]) -> int:

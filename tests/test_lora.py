@@ -84,11 +84,11 @@ def test_only_the_adapters_train_and_the_base_is_never_written():
     assert all(jax.tree.leaves(changed))
 
 
-def test_fsdp_by_tp_trains_like_one_device():
+@pytest.mark.parametrize("base", [["lora.base_dtype=int8"], ["lora.base_dtype=nf4", "lora.double_quant=true"]])
+def test_fsdp_by_tp_trains_like_one_device(base):
     def run(overrides, devices):
         # a large Adam eps makes the update ~linear in the gradient, so params compare gradients
-        prog = _program(*overrides, "lora.base_dtype=int8", "optimizer.eps=1e-1", "optimizer.lr=1e-1",
-                        devices=devices)
+        prog = _program(*overrides, *base, "optimizer.eps=1e-1", "optimizer.lr=1e-1", devices=devices)
         state, step = prog.init_state(), prog.jit_step()
         losses = []
         for i in range(3):
@@ -126,7 +126,9 @@ def test_dequantized_base_is_rebuilt_a_layer_at_a_time():
 @pytest.mark.parametrize("overrides,fragment", [
     (["lora.targets=q_proj,x_proj"], "lora.targets: 'x_proj' is not a target"),
     (["lora.rank=-1"], "lora.rank: must be >= 0"),
-    (["lora.dropout=0.1"], "lora.dropout: 0.1 is not supported yet"),
+    (["lora.dropout=-0.1"], "lora.dropout: must be in [0, 1), got -0.1"),
+    (["lora.dropout=1.0"], "lora.dropout: must be in [0, 1), got 1.0"),
+    (["lora.dropout=0.1", "remat.seq_tile=8"], "lora.dropout: > 0 does not combine with remat.seq_tile"),
     (["lora.base_dtype=int4"], "lora.base_dtype: 'int4' is not allowed"),
     (["optimizer.update_in_backward=true", "remat.preset=full"], "LoRA does not combine"),
 ])
@@ -227,3 +229,195 @@ def test_lora_starts_from_init_from_params(tmp_path):
     np.testing.assert_array_equal(np.asarray(state["base"]["embed"]), np.asarray(params["embed"]))
     rebuilt = jax.device_get(prog.frozen_base())  # what a resume rebuilds: the same base
     jax.tree.map(np.testing.assert_array_equal, rebuilt, jax.device_get(state["base"]))
+
+
+# ---------------------------------------------------------------- lora.dropout (jaxmem.lora.dropout)
+
+# the derivation jaxmem.lora.dropout documents, written out: key(seed) -> 0x10AD -> step -> micro -> layer -> target
+TARGET_ORDER = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down")
+LOW_RANK = {"wq": ("BTD,Dr->BTr", "BTr,rNH->BTNH"), "wk": ("BTD,Dr->BTr", "BTr,rKH->BTKH"),
+            "wv": ("BTD,Dr->BTr", "BTr,rKH->BTKH"), "wo": ("BTNH,NHr->BTr", "BTr,rD->BTD"),
+            "w_gate": ("BTD,Dr->BTr", "BTr,rF->BTF"), "w_up": ("BTD,Dr->BTr", "BTr,rF->BTF"),
+            "w_down": ("BTF,Fr->BTr", "BTr,rD->BTD")}
+
+
+def _ref_key(seed, step, micro, layer, name):
+    key = jax.random.key(seed)
+    for i in (0x10AD, step, micro, layer, TARGET_ORDER.index(name)):
+        key = jax.random.fold_in(key, i)
+    return key
+
+
+class _RefWeight:
+    def __init__(self, name, w):
+        self.name, self.w = name, w
+
+    def __getitem__(self, index):
+        return self
+
+
+def _reference_loss(prog, adapters, base, toks, p, step, micro):
+    """Layer by layer, unrolled: x W + scale * (drop(x) A) B with the documented keys, then the CE sum."""
+    from jaxmem.model import ForwardContext
+    from jaxmem.model.rope import inverse_frequencies
+
+    cfg, setup = prog.cfg, prog.layout.lora
+    shapes = layer_shapes(cfg, setup)
+    cd = prog.precision.compute
+    model = nnx.merge(prog.graphdef, dict(base, layers={k: v for k, v in base["layers"].items()
+                                                       if k not in setup.targets} | {
+        k: jnp.zeros((cfg.model.n_layers,)) for k in setup.targets}))
+    graphdef, stacked = nnx.split(model.layers)
+    x, labels = toks[:, :-1], toks[:, 1:]
+    positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
+    inv_freq = inverse_frequencies(cfg.model.head_dim, cfg.model.rope_theta, cfg.model.rope_scaling)
+    h = model.embed_tokens(x, ForwardContext(compute_dtype=cd))
+    for layer in range(cfg.model.n_layers):
+        def project(spec, xin, w, dtype, layer=layer):
+            if not isinstance(w, _RefWeight):
+                return jnp.einsum(spec, xin, w.astype(dtype))
+            keep = jax.random.bernoulli(_ref_key(cfg.train.seed, step, micro, layer, w.name), 1 - p, xin.shape)
+            dropped = jnp.where(keep, xin / (1 - p), 0)
+            first, second = LOW_RANK[w.name]
+            ab = adapters["layers"][w.name]
+            low = jnp.einsum(second, jnp.einsum(first, dropped, ab["a"][layer]), ab["b"][layer])
+            return (jnp.einsum(spec, xin, w.w.astype(dtype)) + setup.scale * low).astype(dtype)
+
+        state = jax.tree.map(lambda v: v[layer], nnx.to_pure_dict(stacked))
+        for name in setup.targets:
+            w = unstore(setup, jax.tree.map(lambda v: v[layer], base["layers"][name]), shapes[name], jnp.float32)
+            state[name] = _RefWeight(name, w)
+        block = nnx.merge(graphdef, state)
+        ctx = ForwardContext(compute_dtype=cd, project=project)
+        h = block.attention_part(h, positions, None, inv_freq, ctx)
+        h = block.mlp_part(h, ctx)
+    h = model.final_hidden(h, ForwardContext(compute_dtype=cd))
+    logits = jnp.einsum("BTD,DV->BTV", h, model.lm_head_weight().astype(cd))
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1).sum()
+
+
+@pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
+def test_dropout_matches_an_unrolled_reference_with_the_same_masks(base_dtype):
+    from jaxmem.lora.dropout import step_key
+
+    p = 0.3
+    prog = _program("parallel.fsdp=1", "train.micro_batch=2", f"lora.base_dtype={base_dtype}",
+                    f"lora.dropout={p}", "remat.preset=full")
+    state = prog.init_state()
+    adapters = _random_adapters(jax.device_get(state["params"]))
+    base = jax.device_get(state["base"])
+    toks = _tokens(2)
+    key = step_key(prog.cfg.train.seed, 5, 1)
+
+    def ours(ad):
+        return loss_sum_fn(prog)(ad, toks[:, :-1], toks[:, 1:], base=base, dropout_key=key)[0]
+
+    got, got_grads = jax.jit(jax.value_and_grad(ours))(adapters)
+    want, want_grads = jax.value_and_grad(lambda ad: _reference_loss(prog, ad, base, toks, p, 5, 1))(adapters)
+    np.testing.assert_allclose(float(got), float(want), rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-5), got_grads, want_grads)
+    # the masks matter: another micro-batch index, or no dropout, gives another loss
+    other = _reference_loss(prog, adapters, base, toks, p, 5, 2)
+    plain, _ = jax.jit(loss_sum_fn(prog))(adapters, toks[:, :-1], toks[:, 1:], base=base)
+    assert abs(float(other) - float(got)) > 1e-3 and abs(float(plain) - float(got)) > 1e-3
+
+
+def test_the_step_draws_its_masks_from_step_and_micro_batch():
+    """The jitted step (grad_accum=2) reports the loss of the reference with keys (seed, step, micro 0 / 1)."""
+    p = 0.25
+    prog = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2", f"lora.dropout={p}")
+    state = prog.init_state()
+    state["params"] = _random_adapters(state["params"])
+    adapters, base = jax.device_get(state["params"]), jax.device_get(state["base"])
+    state["step"] = jnp.int32(7)
+    toks = _tokens(4, 3)
+    _, m = prog.jit_step()(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
+    want = sum(float(_reference_loss(prog, adapters, base, toks[2 * i:2 * i + 2], p, 7, i)) for i in range(2))
+    np.testing.assert_allclose(float(m["loss"]), want / (4 * 32), rtol=2e-5)
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5])
+def test_dropout_drops_a_fraction_p_and_scales_the_rest(p):
+    from jaxmem.lora.dropout import AdaptedWeight, project
+
+    x = jnp.ones((8, 1024, 32), jnp.float32)  # 262,144 inputs: the fraction is within ~0.5% of p
+    eye = jnp.eye(32)  # A = B = I, W = 0, scale 1: the projection returns drop(x) itself
+    out = np.asarray(project("BTD,DF->BTF", x, AdaptedWeight(jnp.zeros((32, 32)), eye, eye, jax.random.key(3),
+                                                               1.0, p), jnp.float32))
+    dropped = np.mean(out == 0)
+    assert abs(dropped - p) < 0.005, dropped
+    np.testing.assert_allclose(out[out != 0], 1 / (1 - p), rtol=1e-6)
+
+
+def _one_step(prog, state, toks):
+    state = jax.tree.map(jnp.copy, state)  # the step donates its input
+    new, m = prog.jit_step()(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
+    return float(m["loss"]), jax.device_get(new["params"])
+
+
+def test_dropout_is_deterministic_per_step_and_differs_between_steps():
+    toks = _tokens(2)
+    for p, differs in ((0.2, True), (0.0, False)):
+        prog = _program("parallel.fsdp=1", "train.micro_batch=2", f"lora.dropout={p}")
+        state = prog.init_state()
+        state["params"] = _random_adapters(state["params"])
+        loss, params = _one_step(prog, state, toks)
+        again, params_again = _one_step(prog, state, toks)
+        assert loss == again
+        jax.tree.map(np.testing.assert_array_equal, params, params_again)
+        later, params_later = _one_step(prog, dict(state, step=jnp.int32(1)), toks)  # only the key changes
+        assert (later != loss) == differs
+        assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), params, params_later))) == differs
+
+
+def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout():
+    from jaxmem.evaluate import eval_step
+
+    plain = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2")
+    dropped = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2", "lora.dropout=0.4")
+    hlo = plain.lower().as_text()
+    assert "rng_bit_generator" not in hlo and "threefry" not in hlo  # no mask is drawn at dropout 0
+    assert "threefry" in dropped.lower().as_text() or "rng_bit_generator" in dropped.lower().as_text()
+    state = plain.init_state()
+    state["params"] = _random_adapters(state["params"])
+    batch = plain.shard_batch(_tokens(4).reshape(plain.batch_shape))
+    want = jax.device_get(eval_step(plain)(state["params"], state["base"], batch))
+    got = jax.device_get(eval_step(dropped)(state["params"], state["base"], batch))
+    assert got[0] == want[0] and got[1] == want[1]  # bit for bit: evaluation never drops
+    assert _one_step(plain, state, _tokens(4))[0] != _one_step(dropped, state, _tokens(4))[0]
+
+
+def test_lora_dropout_resumes_exactly(tmp_path):
+    import shutil
+
+    from jaxmem.train import run
+
+    cfg = _lora_run_cfg(tmp_path, "lora.dropout=0.2", "train.grad_accum=2")
+    straight = run(cfg)
+    shutil.rmtree(tmp_path / "checkpoints" / "6")
+    resumed = run(cfg)
+    assert resumed["start_step"] == 3
+    assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"][3:]]
+    nodrop = run(_lora_run_cfg(tmp_path / "nodrop", "train.grad_accum=2"))
+    assert [r["loss"] for r in nodrop["records"]][1:] != [r["loss"] for r in straight["records"]][1:]
+
+
+def test_dropout_masks_do_not_depend_on_the_mesh():
+    from jaxmem.lora.dropout import step_key
+
+    toks = _tokens(8)
+    losses = []
+    for overrides, n in ((["parallel.fsdp=1", "train.micro_batch=8"], 1),
+                         (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8),
+                         (["parallel.fsdp=4", "parallel.sp=2", "train.micro_batch=2"], 8)):
+        prog = _program(*overrides, "lora.dropout=0.3", "lora.base_dtype=int8", devices=jax.devices()[:n])
+        state = prog.init_state()
+        adapters = _random_adapters(jax.device_get(state["params"]))
+        batch = prog.shard_batch(toks.reshape(prog.batch_shape))["tokens"][0]
+        for step in (3, 4):
+            loss = jax.jit(lambda a, base, t, step=step: loss_sum_fn(prog)(
+                a, t[:, :-1], t[:, 1:], base=base, dropout_key=step_key(0, step, 0))[0])(adapters, state["base"], batch)
+            losses.append(float(loss))
+    np.testing.assert_allclose(losses[0::2], losses[0], rtol=1e-6)  # step 3 on every mesh: the same masks
+    np.testing.assert_allclose(losses[1::2], losses[1], rtol=1e-6)
+    assert abs(losses[0] - losses[1]) > 100 * 1e-6 * abs(losses[0])  # another step's masks: another loss

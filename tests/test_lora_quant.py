@@ -26,7 +26,7 @@ def _weight(shape, seed=0):
 
 def ref_int8(w, in_axes):
     scale = np.max(np.abs(w), axis=in_axes, keepdims=True) * np.float32(1 / 127)
-    q = np.clip(np.round(w / np.where(scale == 0, np.float32(1), scale)), -127, 127).astype(np.int8)
+    q = np.clip(np.round(w * (np.float32(1) / np.where(scale == 0, np.float32(1), scale))), -127, 127).astype(np.int8)
     return q, scale.astype(np.float32)
 
 
@@ -36,7 +36,7 @@ def ref_nf4_layer(w, block):
     flat = np.concatenate([flat, np.zeros(-flat.size % block, np.float32)])
     blocks = flat.reshape(-1, block)
     absmax = np.abs(blocks).max(axis=1)
-    x = blocks / np.where(absmax == 0, np.float32(1), absmax)[:, None]
+    x = blocks * (np.float32(1) / np.where(absmax == 0, np.float32(1), absmax))[:, None]
     indices = np.argmin(np.abs(x[..., None] - CODES), axis=-1).astype(np.uint8).reshape(-1)
     packed = np.array([(lo | (hi << 4)) for lo, hi in zip(indices[0::2], indices[1::2])], np.uint8)
     return packed, absmax, indices

@@ -28,6 +28,15 @@ def merged_params(prog, state: dict) -> dict:
         params["layers"][name] = np.stack([np.asarray(unstore(setup, jax.tree.map(lambda x: x[i], stored),
                                                               shapes[name], jnp.float32))
                                            for i in range(n_layers)])
+    if setup.quantize_embeddings:  # stored per vocab row (frozen_vocab): back to [V, D] / the head's [D, V]
+        from jaxmem.lora.frozen_vocab import unstore_rows
+
+        for key in ("embed", "lm_head"):
+            if isinstance(base.get(key), dict):
+                n_rows, d = jax.tree.leaves(base[key])[0].shape[0], prog.cfg.model.d_model
+                w = np.concatenate([np.asarray(unstore_rows(jax.tree.map(lambda x: x[i:i + 8192], base[key]), d,
+                                                            jnp.float32)) for i in range(0, n_rows, 8192)])
+                params[key] = w.T if key == "lm_head" else w
     merged = merge(params, jax.tree.map(np.asarray, adapters), setup.scale)
     dtype = prog.precision.param
     return jax.tree.map(lambda x: jnp.asarray(np.asarray(x).astype(dtype)), merged)

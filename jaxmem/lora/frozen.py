@@ -11,6 +11,7 @@ than a layer or two of dequantized base (checked on the compiled figure in tests
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Callable
 
 import jax
@@ -32,6 +33,7 @@ class LoraSetup:
     scale: float
     base_dtype: str
     double_quant: bool
+    quantize_embeddings: bool = False  # the embedding table and LM head stored as base_dtype too (frozen_vocab)
 
     @classmethod
     def from_config(cls, cfg: Config) -> "LoraSetup | None":
@@ -39,7 +41,7 @@ class LoraSetup:
         if lo.rank <= 0:
             return None
         return cls(resolve_targets(lo.targets), lo.rank, lora_scale(lo.alpha, lo.rank, lo.rslora), lo.base_dtype,
-                   lo.double_quant)
+                   lo.double_quant, lo.quantize_embeddings)
 
 
 def _in_dims(cfg: Config, name: str) -> tuple[int, ...]:
@@ -71,13 +73,26 @@ def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
     layers = dict(base["layers"])
     for name in setup.targets:
         layers[name] = store(setup, cfg, name, params["layers"][name])
+    if setup.quantize_embeddings:  # stored per vocab row: [V, D], the LM head transposed (frozen_vocab)
+        from jaxmem.lora.frozen_vocab import store_rows
+
+        for key in ("embed", "lm_head"):
+            if key in params:
+                w = params[key].T if key == "lm_head" else params[key]
+                base[key] = store_rows(setup.base_dtype, setup.double_quant, w)
     return dict(base, layers=layers)
 
 
-def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: dict) -> dict:
+def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: dict,
+               mesh_sizes: dict[str, int]) -> dict:
     """Partition specs of the base: untargeted leaves as the model's params; int8 values as their weight and
     scales without the input dims; nf4 leaves (flattened per layer) split on their last dim like the weight's
-    first sharded dim where it divides, else replicated."""
+    first sharded dim where it divides (mesh_sizes: axis name -> size), else replicated (e.g. the [L, 1]
+    offset of double-quantized scales)."""
+
+    def ways(axes) -> int:
+        return math.prod(mesh_sizes.get(a, 1) for a in (axes if isinstance(axes, tuple) else (axes,)))
+
     layers = dict(model_specs["layers"])
     for name in setup.targets:
         spec, stored = model_specs["layers"][name], abstract_base["layers"][name]
@@ -86,11 +101,17 @@ def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: 
             layers[name] = {"q": spec, "scale": P(*(None if i in ins else a for i, a in enumerate(spec)))}
         elif setup.base_dtype == "nf4":
             axes = next((a for a in spec if a is not None), None)
-            layers[name] = jax.tree.map(lambda x: P(None, axes) if axes and x.ndim == 2 else P(*[None] * x.ndim),
-                                        stored)
+            split = lambda x: axes and x.ndim == 2 and x.shape[1] % ways(axes) == 0  # noqa: E731
+            layers[name] = jax.tree.map(lambda x: P(None, axes) if split(x) else P(*[None] * x.ndim), stored)
         else:
             layers[name] = spec
-    return dict(model_specs, layers=layers)
+    out = dict(model_specs, layers=layers)
+    if setup.quantize_embeddings:  # every stored leaf [V, ...]: split on the vocab dim like the table's vocab axis
+        for key, vocab_dim in (("embed", 0), ("lm_head", 1)):
+            if key in abstract_base:
+                axis = (tuple(model_specs[key]) + (None, None))[vocab_dim]
+                out[key] = jax.tree.map(lambda x: P(axis, *[None] * (x.ndim - 1)), abstract_base[key])
+    return out
 
 
 def model_params(setup: LoraSetup, base: dict) -> dict:
@@ -100,7 +121,8 @@ def model_params(setup: LoraSetup, base: dict) -> dict:
     for name in setup.targets:
         n_layers = jax.tree.leaves(base["layers"][name])[0].shape[0]
         layers[name] = jnp.zeros((n_layers,), jnp.float32)
-    return dict(base, layers=layers)
+    vocab = {k: jnp.zeros((), jnp.float32) for k in ("embed", "lm_head") if isinstance(base.get(k), dict)}
+    return dict(base, layers=layers, **vocab)  # a stored embedding / head is read by frozen_vocab, not the model
 
 
 def lora_layers(setup: LoraSetup, base: dict, adapters: dict) -> dict:

@@ -34,6 +34,13 @@ def _safe(scale: jnp.ndarray) -> jnp.ndarray:
     return jnp.where(scale == 0, jnp.ones_like(scale), scale)
 
 
+def _inverse(scale: jnp.ndarray) -> jnp.ndarray:
+    """1 / scale (1 where scale is 0), on the small scale array: values are quantized as w * (1 / scale), a
+    product, because XLA rewrites w / broadcast(scale) into that product in some fusions and not in others;
+    spelled out, every backend and the host's numpy (jaxmem.lora.quant_host) round alike."""
+    return jnp.float32(1) / _safe(scale)
+
+
 # ---- int8, per output channel ----
 
 def quantize_int8(w: jnp.ndarray, in_axes: tuple[int, ...]) -> dict:
@@ -41,7 +48,7 @@ def quantize_int8(w: jnp.ndarray, in_axes: tuple[int, ...]) -> dict:
     in_axes = tuple(a % w.ndim for a in in_axes)
     w32 = w.astype(jnp.float32)
     scale = jnp.max(jnp.abs(w32), axis=in_axes, keepdims=True) * INV_INT8_MAX
-    q = jnp.clip(jnp.round(w32 / _safe(scale)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    q = jnp.clip(jnp.round(w32 * _inverse(scale)), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     return {"q": q, "scale": scale}
 
 
@@ -73,12 +80,23 @@ def nearest_nf4(x: jnp.ndarray) -> jnp.ndarray:
     return best
 
 
+def pairwise_mean(x: jnp.ndarray) -> jnp.ndarray:
+    """The mean over the last dim, keepdims, summed in a fixed pairwise order (zero-padded to a power of two,
+    then x[0::2] + x[1::2] until one is left) and times 1/n: elementwise adds only, so every backend and the
+    host's numpy (jaxmem.lora.quant_host) round it the same, unlike a reduction whose order XLA picks."""
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << max(n - 1, 0).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        x = x[..., 0::2] + x[..., 1::2]
+    return x * np.float32(1 / n)
+
+
 def _quantize_scales(absmax: jnp.ndarray, n_blocks: int) -> dict:
     """Double quantization of the [*batch, n_blocks] fp32 absmaxes: int8 around their mean, blockwise absmax."""
-    offset = jnp.mean(absmax, axis=-1, keepdims=True)
+    offset = pairwise_mean(absmax)
     centered = _blocks(absmax - offset, SCALE_BLOCK)  # [*batch, n_scale_blocks, SCALE_BLOCK]
     scale = jnp.max(jnp.abs(centered), axis=-1) * INV_INT8_MAX
-    q = jnp.clip(jnp.round(centered / _safe(scale)[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
+    q = jnp.clip(jnp.round(centered * _inverse(scale)[..., None]), -INT8_MAX, INT8_MAX).astype(jnp.int8)
     q = q.reshape(*q.shape[:-2], -1)[..., :n_blocks]
     return {"absmax_q": q, "absmax_scale": scale, "absmax_offset": offset}
 
@@ -103,7 +121,7 @@ def quantize_nf4(w: jnp.ndarray, block: int = 64, double_quant: bool = False, ba
     batch = w.shape[:batch_dims]
     blocks = _blocks(w.astype(jnp.float32).reshape(*batch, -1), block)  # [*batch, n_blocks, block]
     absmax = jnp.max(jnp.abs(blocks), axis=-1)
-    indices = nearest_nf4(blocks / _safe(absmax)[..., None]).reshape(*batch, -1)
+    indices = nearest_nf4(blocks * _inverse(absmax)[..., None]).reshape(*batch, -1)
     codes = indices[..., 0::2] | (indices[..., 1::2] << 4)
     if not double_quant:
         return {"codes": codes, "absmax": absmax}

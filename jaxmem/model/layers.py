@@ -35,6 +35,11 @@ def param(rngs, shape, axes, dtype, init="normal", std=0.02):
     return nnx.Param(value, out_sharding=axes, eager_sharding=False)
 
 
+def einsum_project(spec: str, x, w, compute_dtype):
+    """The default `ForwardContext.project`: x times a layer weight w (cast to the compute dtype), by einsum."""
+    return jnp.einsum(spec, x, w.astype(compute_dtype))
+
+
 def tag(x, name: CN):
     """Names `x` for remat policies; compute it inside `with scope(name):` so its ops carry the name too."""
     return checkpoint_name(x, name.value)
@@ -78,17 +83,17 @@ class Block(nnx.Module):
             normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM)
         normed = normed.astype(cd)
         with scope(CN.QUERY_PROJ):
-            q = jnp.einsum("BTD,DNH->BTNH", normed, self.wq[...].astype(cd))
+            q = ctx.project("BTD,DNH->BTNH", normed, self.wq[...], cd)
             if self.qkv_bias:
                 q = q + self.bq[...].astype(cd)
             q = tag(constrain(q, ACT_BTNH), CN.QUERY_PROJ)
         with scope(CN.KEY_PROJ):
-            k = jnp.einsum("BTD,DKH->BTKH", normed, self.wk[...].astype(cd))
+            k = ctx.project("BTD,DKH->BTKH", normed, self.wk[...], cd)
             if self.qkv_bias:
                 k = k + self.bk[...].astype(cd)
             k = tag(constrain(k, ACT_BTNH), CN.KEY_PROJ)
         with scope(CN.VALUE_PROJ):
-            v = jnp.einsum("BTD,DKH->BTKH", normed, self.wv[...].astype(cd))
+            v = ctx.project("BTD,DKH->BTKH", normed, self.wv[...], cd)
             if self.qkv_bias:
                 v = v + self.bv[...].astype(cd)
             v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
@@ -97,7 +102,7 @@ class Block(nnx.Module):
     def attention_output(self, x_btd, context_btnh, *, ctx):
         """Per token: the output projection and the residual add."""
         with scope(CN.ATTN_OUT):
-            out = jnp.einsum("BTNH,NHD->BTD", context_btnh, self.wo[...].astype(ctx.compute_dtype))
+            out = ctx.project("BTNH,NHD->BTD", context_btnh, self.wo[...], ctx.compute_dtype)
             out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
         return x_btd + out.astype(x_btd.dtype)
 
@@ -111,13 +116,13 @@ class Block(nnx.Module):
             normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)
         normed = normed.astype(cd)
         with scope(CN.MLP_GATE):
-            gate = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_gate[...].astype(cd)), ACT_BTF),
+            gate = tag(constrain(ctx.project("BTD,DF->BTF", normed, self.w_gate[...], cd), ACT_BTF),
                        CN.MLP_GATE)
         with scope(CN.MLP_UP):
-            up = tag(constrain(jnp.einsum("BTD,DF->BTF", normed, self.w_up[...].astype(cd)), ACT_BTF), CN.MLP_UP)
+            up = tag(constrain(ctx.project("BTD,DF->BTF", normed, self.w_up[...], cd), ACT_BTF), CN.MLP_UP)
         with scope(CN.MLP_ACT):
             act = tag(jax.nn.silu(gate) * up, CN.MLP_ACT)
         with scope(CN.MLP_OUT):
-            out = jnp.einsum("BTF,FD->BTD", act, self.w_down[...].astype(cd))
+            out = ctx.project("BTF,FD->BTD", act, self.w_down[...], cd)
             out = tag(constrain(out, ACT_BTD), CN.MLP_OUT)
         return x_btd + out.astype(x_btd.dtype)

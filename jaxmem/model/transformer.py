@@ -12,7 +12,7 @@ from jaxmem.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from jaxmem.model.axes import constrain
-from jaxmem.model.layers import ACT_BTD, Block, param
+from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
 from jaxmem.seq_tiling import run_whole
 
@@ -35,7 +35,8 @@ class ForwardContext:
     attention(q, k, v, segment_ids) and norm(x, w, eps) pick kernels;
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
-    per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling).
+    per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
+    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout).
     """
 
     compute_dtype: Any = jnp.float32
@@ -44,6 +45,7 @@ class ForwardContext:
     scan_layers: Callable = _plain_scan
     segment: Callable = _identity_segment
     per_token: Callable = run_whole
+    project: Callable = einsum_project
 
 
 DEFAULT_CONTEXT = ForwardContext()

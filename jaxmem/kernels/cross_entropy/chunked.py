@@ -49,7 +49,10 @@ def _vocab_starts(v: int, block_v: int):
 
 
 def _logits_chunk(h_cd, w_dv, start, block_v):
-    w_chunk = jax.lax.dynamic_slice_in_dim(w_dv, start, block_v, axis=1)
+    if hasattr(w_dv, "columns"):  # a frozen head stored quantized (jaxmem.lora.frozen_vocab): one chunk dequantized
+        w_chunk = w_dv.columns(start, block_v)
+    else:
+        w_chunk = jax.lax.dynamic_slice_in_dim(w_dv, start, block_v, axis=1)
     return jnp.einsum("TD,DV->TV", h_cd, w_chunk, preferred_element_type=jnp.float32), w_chunk
 
 
@@ -93,6 +96,7 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard)."""
     t, d = h_td.shape
     v = w_dv.shape[1]
+    frozen = hasattr(w_dv, "zero_cotangent")  # a frozen quantized head: no dW
     bt, bv = tiles(t, v, blocks)  # a short sequence is one chunk, not padded to block_t
     h_pad, lab_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
     n_t = h_pad.shape[0] // bt
@@ -121,21 +125,24 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
                        - jnp.where(col[None, :] == lab[:, None], 1.0, 0.0)
                        * jax.lax.dynamic_slice_in_dim(onehot_scale, rows, bt)[:, None])
             # the overlapping last chunk rewrites dW columns with equal values, but must not add to dh twice
-            dw_chunk = dw_chunk + jnp.einsum("TD,TV->DV", h_cd, dlogits.astype(h_cd.dtype),
-                                             preferred_element_type=jnp.float32)
+            if not frozen:
+                dw_chunk = dw_chunk + jnp.einsum("TD,TV->DV", h_cd, dlogits.astype(h_cd.dtype),
+                                                 preferred_element_type=jnp.float32)
             dh_rows = jnp.einsum("TV,DV->TD", jnp.where(fresh, dlogits, 0.0).astype(w_chunk.dtype), w_chunk,
                                  preferred_element_type=jnp.float32)
             dh = jax.lax.dynamic_update_slice_in_dim(dh, jax.lax.dynamic_slice_in_dim(dh, rows, bt) + dh_rows,
                                                      rows, axis=0)
             return (dh, dw_chunk), None
 
-        (dh, dw_chunk), _ = jax.lax.scan(token_chunk, (dh, jnp.zeros((d, bv), jnp.float32)), jnp.arange(n_t))
-        dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
+        (dh, dw_chunk), _ = jax.lax.scan(token_chunk, (dh, None if frozen else jnp.zeros((d, bv), jnp.float32)),
+                                         jnp.arange(n_t))
+        if not frozen:
+            dw = jax.lax.dynamic_update_slice_in_dim(dw, dw_chunk.astype(dw.dtype), start, axis=1)
         return (dh, dw), None
 
-    init = (jnp.zeros(h_pad.shape, jnp.float32), jnp.zeros(w_dv.shape, w_dv.dtype))
+    init = (jnp.zeros(h_pad.shape, jnp.float32), None if frozen else jnp.zeros(w_dv.shape, w_dv.dtype))
     (dh, dw), _ = jax.lax.scan(vocab_chunk, init, (nominal, starts))
-    return dh[:t].astype(h_td.dtype), dw
+    return dh[:t].astype(h_td.dtype), w_dv.zero_cotangent() if frozen else dw
 
 
 _chunked = fused_linear_cross_entropy(forward_stats, backward_grads)

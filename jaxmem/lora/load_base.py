@@ -1,0 +1,148 @@
+"""A LoRA run's frozen base streamed from a Hugging Face checkpoint directory, quantized on the host.
+
+`checkpoint.init_from` naming a Hugging Face directory (config.json + *.safetensors, the download itself) in a
+LoRA run builds the base here instead of materializing the model: every stacked weight is read a layer at a
+time (one HF tensor in the parameter dtype, at most one layer's weight in fp32 while it is quantized),
+brought to its stored form on the host (jaxmem.lora.quant_host, bit-identical to jaxmem.lora.frozen.store)
+and written into its slot of the [L, ...] leaf, already in its target sharding, on the device. So neither
+the host nor the device ever holds the whole base in the parameter dtype: a 70B QLoRA run starts on one GPU.
+The embedding, final norm and LM head are read like jaxmem.hf.load_hf reads them (slices per device).
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxmem.hf import _callback, _check_tensors, _get, _set
+from jaxmem.hf_config import model_config_from_hf, read_json_object
+from jaxmem.hf_layout import param_maps, read_slice
+from jaxmem.hf_safetensors import CheckpointReader
+from jaxmem.lora import quant_host
+from jaxmem.lora.adapters import target_weights
+from jaxmem.lora.frozen import NF4_BLOCK, LoraSetup
+from jaxmem.schema import Config, ConfigError
+
+KEY = "checkpoint.init_from"
+
+
+def is_hf_dir(path: str | Path) -> bool:
+    """A Hugging Face checkpoint directory (config.json and safetensors), not a `jaxmem import-hf` output."""
+    path = Path(path)
+    return (path / "config.json").is_file() and not (path / "model.json").is_file()
+
+
+def check_model(path: Path, cfg: Config) -> None:
+    """A one-line ConfigError naming config.json if it describes another model than the run's."""
+    from jaxmem.checkpoint import _MODEL_KEYS
+
+    config_file = path / "config.json"
+    theirs = dataclasses.asdict(model_config_from_hf(read_json_object(config_file), where=str(config_file)))
+    mine = dataclasses.asdict(cfg.model)
+    for key in _MODEL_KEYS:
+        if theirs[key] != mine[key]:
+            raise ConfigError(f"{KEY}: {config_file} describes a model with {key}={theirs[key]!r} but the run has "
+                              f"model.{key}={mine[key]!r}; make the model config match")
+
+
+def store_layer(setup: LoraSetup, cfg: Config, name: str, w: np.ndarray):
+    """One layer of a targeted weight (numpy, the parameter dtype) in its stored form, as frozen.store."""
+    if setup.base_dtype == "int8":
+        return quant_host.quantize_int8(w, tuple(range(len(target_weights(cfg.model)[name].in_shape))))
+    if setup.base_dtype == "nf4":
+        return quant_host.quantize_nf4(w, NF4_BLOCK, setup.double_quant)
+    return w.astype(jnp.dtype(setup.base_dtype))
+
+
+def read_layer(reader: CheckpointReader, pm, layer: int, layer_shape: tuple[int, ...]) -> np.ndarray:
+    """Layer `layer` of the stacked param `pm`, whole, in our layout (the HF tensor's dtype)."""
+    name = pm.hf_name.format(layer=layer)
+    block = read_slice(pm.kind, lambda hf_index: reader.read(name, hf_index), (slice(None),) * len(layer_shape),
+                       layer_shape)
+    if not np.isfinite(block).all():
+        raise ConfigError(f"{reader.file_of(name)}: tensor {name} holds inf/NaN values; the file is damaged")
+    return block
+
+
+def _layer_sharding(sharding: NamedSharding) -> NamedSharding:
+    """The sharding of one layer's [1, ...] slot: the leaf's, with the layer dim whole."""
+    return NamedSharding(sharding.mesh, P(None, *tuple(sharding.spec)[1:]), memory_kind=sharding.memory_kind)
+
+
+def _writer(sharding: NamedSharding):
+    """put(buffer, piece, layer): the buffer (donated) with the host numpy `piece` as its layer `layer`."""
+    one = _layer_sharding(sharding)
+    update = jax.jit(lambda buf, piece, i: jax.lax.dynamic_update_slice_in_dim(buf, piece, i, 0),
+                     out_shardings=sharding, donate_argnums=0)
+
+    def put(buf, piece: np.ndarray, layer: int):
+        piece = np.asarray(piece, buf.dtype)[None]
+        slot = jax.make_array_from_callback(piece.shape, one, lambda index: piece[index])
+        return update(buf, slot, jnp.int32(layer))
+
+    return put
+
+
+def stream_base(prog, path: str | Path) -> dict:
+    """The frozen base of `prog` (a LoRA TrainProgram) from the HF directory `path`, in state_shardings["base"]."""
+    path = Path(path)
+    cfg, setup = prog.cfg, prog.layout.lora
+    check_model(path, cfg)
+    reader = CheckpointReader(path)
+    maps = param_maps(cfg.model)
+    abstract = prog.layout.model_abstract_params
+    _check_tensors(reader, maps, abstract, cfg.model.n_layers, path)
+    out, shapes = prog.state_shardings["base"], prog.abstract_state["base"]
+    param_dtype = np.dtype(prog.precision.param)
+    base: dict = {}
+    for pm in maps:
+        if not pm.stacked:
+            shape = _get(abstract, pm.path).shape
+            cb = _callback(reader, pm, shape, param_dtype)
+            leaf_sharding = _get(out, pm.path)
+            if not isinstance(leaf_sharding, NamedSharding):  # a quantized table: loaded like a param first
+                leaf_sharding = _get(prog.abstract_model_params(), pm.path).sharding
+            _set(base, pm.path, jax.make_array_from_callback(shape, leaf_sharding, cb))
+    _store_vocab(setup, base, out)
+    stacked = [pm for pm in maps if pm.stacked]
+    writers, buffers = {}, {}
+    for pm in stacked:
+        name = pm.path[1]
+        writers[name] = jax.tree.map(_writer, out["layers"][name])
+        buffers[name] = jax.tree.map(lambda a, s: jax.jit(lambda: jnp.zeros(a.shape, a.dtype), out_shardings=s)(),
+                                     shapes["layers"][name], out["layers"][name])
+    for layer in range(cfg.model.n_layers):
+        for pm in stacked:
+            name = pm.path[1]
+            w = read_layer(reader, pm, layer, _get(abstract, pm.path).shape[1:]).astype(param_dtype)
+            stored = store_layer(setup, cfg, name, w) if name in setup.targets else w
+            del w
+            buffers[name] = jax.tree.map(lambda put, buf, piece: put(buf, piece, layer), writers[name],
+                                         buffers[name], stored)
+    base["layers"] = buffers
+    return base
+
+
+def _store_vocab(setup: LoraSetup, base: dict, out: dict) -> None:
+    """lora.quantize_embeddings: the embedding table and LM head stored per vocab row, as frozen.make_base
+    stores them (on the device: one table at a time, never the layers)."""
+    if not getattr(setup, "quantize_embeddings", False):
+        return
+    from jaxmem.lora.frozen_vocab import store_rows
+
+    for key in ("embed", "lm_head"):
+        if key in base:
+            rows = (lambda w: w.T) if key == "lm_head" else (lambda w: w)
+            base[key] = jax.jit(lambda w, rows=rows: store_rows(setup.base_dtype, setup.double_quant, rows(w)),
+                                out_shardings=out[key])(base[key])
+
+
+def lora_state(prog, path: str | Path) -> dict:
+    """A LoRA run's step-0 state: fresh adapters (and their optimizer state) on the streamed base."""
+    rest = {k: v for k, v in prog.state_shardings.items() if k != "base"}
+    state = jax.jit(prog.adapter_state, out_shardings=rest)()
+    return dict(state, base=stream_base(prog, path))
