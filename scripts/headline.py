@@ -49,7 +49,7 @@ NOTES = """Notes:
   parallelism (fsdp=8, 131072 tokens per GPU) the offloaded layer inputs alone would be 160 GiB per GPU
   and the host side ~2,093 GiB per node, over the 2,048 GiB node (estimated: 12 B/param / 8 + 80 x 131072
   x 8192 x 2 B). `remat.seq_tile=4096` trims the device total from 57.73 GiB (`remat.seq_tile=0`, compiled
-  for 8 x H100 (deviceless)) to 56.04 GiB; the cost model gives the same step time for both (~55 s,
+  for 8 x H100 (deviceless)) to 55.30 GiB; the cost model gives the same step time for both (~55 s,
   estimated).
 - The same 131072-token run with the AdamW update inside the backward (`optimizer.update_in_backward`,
   `configs/qwen2-72b-8xh100-128k-inbackward.yaml`): 43.92 GiB per GPU and 812.7 GiB of host per node,
