@@ -74,12 +74,11 @@ def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
     for name in setup.targets:
         layers[name] = store(setup, cfg, name, params["layers"][name])
     if setup.quantize_embeddings:  # stored per vocab row: [V, D], the LM head transposed (frozen_vocab)
-        from jaxmem.lora.frozen_vocab import store_rows
+        from jaxmem.lora.frozen_vocab import store_table
 
         for key in ("embed", "lm_head"):
             if key in params:
-                w = params[key].T if key == "lm_head" else params[key]
-                base[key] = store_rows(setup.base_dtype, setup.double_quant, w)
+                base[key] = store_table(setup, key, params[key])
     return dict(base, layers=layers)
 
 

@@ -24,6 +24,11 @@ def store_rows(base_dtype: str, double_quant: bool, w_vd: jax.Array) -> dict:
     return quantize_nf4(w_vd, NF4_BLOCK, double_quant, batch_dims=1)
 
 
+def store_table(setup, key: str, w: jax.Array) -> dict:
+    """The stored form of the "embed" ([V, D]) or "lm_head" ([D, V], stored transposed) table."""
+    return store_rows(setup.base_dtype, setup.double_quant, w.T if key == "lm_head" else w)
+
+
 def unstore_rows(stored: dict, d: int, dtype) -> jax.Array:
     """[..., D] from stored rows whose leaves are [..., per row] (any leading dims: gathered or sliced rows)."""
     if "q" in stored:

@@ -130,15 +130,13 @@ def stream_base(prog, path: str | Path) -> dict:
 def _store_vocab(setup: LoraSetup, base: dict, out: dict) -> None:
     """lora.quantize_embeddings: the embedding table and LM head stored per vocab row, as frozen.make_base
     stores them (on the device: one table at a time, never the layers)."""
-    if not getattr(setup, "quantize_embeddings", False):
+    if not setup.quantize_embeddings:
         return
-    from jaxmem.lora.frozen_vocab import store_rows
+    from jaxmem.lora.frozen_vocab import store_table
 
     for key in ("embed", "lm_head"):
         if key in base:
-            rows = (lambda w: w.T) if key == "lm_head" else (lambda w: w)
-            base[key] = jax.jit(lambda w, rows=rows: store_rows(setup.base_dtype, setup.double_quant, rows(w)),
-                                out_shardings=out[key])(base[key])
+            base[key] = jax.jit(lambda w, key=key: store_table(setup, key, w), out_shardings=out[key])(base[key])
 
 
 def lora_state(prog, path: str | Path) -> dict:
