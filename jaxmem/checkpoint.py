@@ -310,9 +310,9 @@ def init_from(prog, path: str | Path) -> dict:
         params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
         return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
     if prog.layout.lora is not None:
-        from jaxmem.lora.load_base import is_hf_dir, lora_state
+        from jaxmem.lora.load_base import lora_state, streams
 
-        if is_hf_dir(path):  # a Hugging Face directory: the base streamed and quantized a layer at a time
+        if streams(path):  # an HF directory or import-hf output: the base streamed and quantized a layer at a time
             return lora_state(prog, path)
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot

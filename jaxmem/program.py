@@ -139,13 +139,13 @@ class TrainProgram:
 
     def frozen_base(self) -> dict:
         """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face
-        directory is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
+        directory or an import-hf output is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
         from jaxmem.checkpoint import model_params_from
         from jaxmem.lora.frozen import make_base
-        from jaxmem.lora.load_base import is_hf_dir, stream_base
+        from jaxmem.lora.load_base import stream_base, streams
 
         cfg, setup, out = self.cfg, self.layout.lora, self.state_shardings["base"]
-        if cfg.checkpoint.init_from and is_hf_dir(cfg.checkpoint.init_from):
+        if cfg.checkpoint.init_from and streams(cfg.checkpoint.init_from):
             return stream_base(self, cfg.checkpoint.init_from)
         make = lambda p: make_base(setup, cfg, p, self.precision.param)  # noqa: E731
         if cfg.checkpoint.init_from:

@@ -1,4 +1,5 @@
-"""A LoRA run's frozen base streamed from a Hugging Face checkpoint directory, quantized on the host.
+"""A LoRA run's frozen base streamed from a Hugging Face checkpoint directory (or a `jaxmem import-hf`
+output), quantized on the host.
 
 `checkpoint.init_from` naming a Hugging Face directory (config.json + *.safetensors, the download itself) in a
 LoRA run builds the base here instead of materializing the model: every stacked weight is read a layer at a
@@ -7,6 +8,7 @@ brought to its stored form on the host (jaxmem.lora.quant_host, bit-identical to
 and written into its slot of the [L, ...] leaf, already in its target sharding, on the device. So neither
 the host nor the device ever holds the whole base in the parameter dtype: a 70B QLoRA run starts on one GPU.
 The embedding, final norm and LM head are read like jaxmem.hf.load_hf reads them (slices per device).
+A `jaxmem import-hf` output is read the same way, a layer at a time, through tensorstore (_ImportedSource).
 """
 from __future__ import annotations
 
@@ -87,26 +89,90 @@ def _writer(sharding: NamedSharding):
     return put
 
 
+class _HfSource:
+    """Tensors of a Hugging Face directory (safetensors shards)."""
+
+    def __init__(self, path: Path, cfg: Config, maps, abstract):
+        check_model(path, cfg)
+        self.reader = CheckpointReader(path)
+        _check_tensors(self.reader, maps, abstract, cfg.model.n_layers, path)
+
+    def whole(self, pm, shape, sharding, np_dtype) -> jax.Array:
+        return jax.make_array_from_callback(shape, sharding, _callback(self.reader, pm, shape, np_dtype))
+
+    def layer(self, pm, layer: int, layer_shape) -> np.ndarray:
+        return read_layer(self.reader, pm, layer, layer_shape)
+
+
+class _ImportedSource:
+    """Params of a `jaxmem import-hf` output (orbax, OCDBT), read through tensorstore a slice at a time: orbax
+    stores each param as a zarr array named by its dotted path inside the OCDBT database (orbax 0.11-0.12)."""
+
+    def __init__(self, path: Path, cfg: Config, maps, abstract):
+        from jaxmem.checkpoint import check_model_json
+
+        check_model_json(path, cfg)
+        self.params = (path / "params").absolute()
+        self.stores = {pm.path: self._open(pm, _get(abstract, pm.path).shape) for pm in maps}
+
+    def _open(self, pm, shape):
+        import tensorstore as ts
+
+        name = ".".join(pm.path)
+        spec = {"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{self.params}/", "path": f"{name}/"},
+                "fill_missing_data_reads": False}
+        try:
+            store = ts.open(spec, open=True, read=True).result()
+        except Exception as e:  # tensorstore: missing or unreadable array
+            raise ConfigError(f"{KEY}: {self.params} has no readable {name} ({str(e).splitlines()[0][:160]}); run "
+                              "`jaxmem import-hf` again, or name the Hugging Face directory") from None
+        if tuple(store.shape) != tuple(shape):
+            raise ConfigError(f"{KEY}: {self.params} holds {name} of shape {list(store.shape)}, the run's is "
+                              f"{list(shape)}")
+        return store
+
+    def whole(self, pm, shape, sharding, np_dtype) -> jax.Array:
+        store = self.stores[pm.path]
+        return jax.make_array_from_callback(
+            shape, sharding, lambda index: np.asarray(store[index].read().result()).astype(np_dtype))
+
+    def layer(self, pm, layer: int, layer_shape) -> np.ndarray:
+        block = np.asarray(self.stores[pm.path][layer].read().result())
+        if not np.isfinite(block).all():
+            raise ConfigError(f"{KEY}: {self.params} holds inf/NaN values in {'.'.join(pm.path)}; run "
+                              "`jaxmem import-hf` again")
+        return block
+
+
+def is_imported_dir(path: str | Path) -> bool:
+    """A `jaxmem import-hf` output (model.json + params/)."""
+    path = Path(path)
+    return (path / "model.json").is_file() and (path / "params").is_dir()
+
+
+def streams(path: str | Path) -> bool:
+    """`path` is a base stream_base reads a layer at a time: a Hugging Face directory or an import-hf output."""
+    return is_hf_dir(path) or is_imported_dir(path)
+
+
 def stream_base(prog, path: str | Path) -> dict:
-    """The frozen base of `prog` (a LoRA TrainProgram) from the HF directory `path`, in state_shardings["base"]."""
+    """The frozen base of `prog` (a LoRA TrainProgram) from the HF directory or `jaxmem import-hf` output
+    `path`, in state_shardings["base"]."""
     path = Path(path)
     cfg, setup = prog.cfg, prog.layout.lora
-    check_model(path, cfg)
-    reader = CheckpointReader(path)
     maps = param_maps(cfg.model)
     abstract = prog.layout.model_abstract_params
-    _check_tensors(reader, maps, abstract, cfg.model.n_layers, path)
+    source = (_HfSource if is_hf_dir(path) else _ImportedSource)(path, cfg, maps, abstract)
     out, shapes = prog.state_shardings["base"], prog.abstract_state["base"]
     param_dtype = np.dtype(prog.precision.param)
     base: dict = {}
     for pm in maps:
         if not pm.stacked:
             shape = _get(abstract, pm.path).shape
-            cb = _callback(reader, pm, shape, param_dtype)
             leaf_sharding = _get(out, pm.path)
             if not isinstance(leaf_sharding, NamedSharding):  # a quantized table: loaded like a param first
                 leaf_sharding = _get(prog.abstract_model_params(), pm.path).sharding
-            _set(base, pm.path, jax.make_array_from_callback(shape, leaf_sharding, cb))
+            _set(base, pm.path, source.whole(pm, shape, leaf_sharding, param_dtype))
     _store_vocab(setup, base, out)
     stacked = [pm for pm in maps if pm.stacked]
     writers, buffers = {}, {}
@@ -118,7 +184,7 @@ def stream_base(prog, path: str | Path) -> dict:
     for layer in range(cfg.model.n_layers):
         for pm in stacked:
             name = pm.path[1]
-            w = read_layer(reader, pm, layer, _get(abstract, pm.path).shape[1:]).astype(param_dtype)
+            w = source.layer(pm, layer, _get(abstract, pm.path).shape[1:]).astype(param_dtype)
             stored = store_layer(setup, cfg, name, w) if name in setup.targets else w
             del w
             buffers[name] = jax.tree.map(lambda put, buf, piece: put(buf, piece, layer), writers[name],
