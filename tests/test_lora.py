@@ -398,8 +398,6 @@ def test_lora_dropout_resumes_exactly(tmp_path):
     resumed = run(cfg)
     assert resumed["start_step"] == 3
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"][3:]]
-    nodrop = run(_lora_run_cfg(tmp_path / "nodrop", "train.grad_accum=2"))
-    assert [r["loss"] for r in nodrop["records"]][1:] != [r["loss"] for r in straight["records"]][1:]
 
 
 def test_dropout_masks_do_not_depend_on_the_mesh():
@@ -408,8 +406,7 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
     toks = _tokens(8)
     losses = []
     for overrides, n in ((["parallel.fsdp=1", "train.micro_batch=8"], 1),
-                         (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8),
-                         (["parallel.fsdp=4", "parallel.sp=2", "train.micro_batch=2"], 8)):
+                         (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8)):
         prog = _program(*overrides, "lora.dropout=0.3", "lora.base_dtype=int8", devices=jax.devices()[:n])
         state = prog.init_state()
         adapters = _random_adapters(jax.device_get(state["params"]))
