@@ -114,7 +114,7 @@ gate / up / activation values (672 MiB each; `remat.seq_tile` tiles them, but th
 MLP weights, 448 MiB each, are held twice, by the layer and by the tile loop: with `remat.seq_tile=4096`
 12,288 still plans at 41.2 GiB) on top of the 33.9 GiB NF4 base.
 
-Not done yet (issue #18): `lora.quantize_embeddings` with more than one device (the sharded loss takes a
+Not built yet: `lora.quantize_embeddings` with more than one device (the sharded loss takes a
 plain head)."""
 
 
