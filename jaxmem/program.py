@@ -237,11 +237,12 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     if layout.lora is not None:  # the scan carries (layer state, stored base + adapters) and rebuilds weights
         from jaxmem.lora.frozen import layer_shapes, rebuild
 
-        fetch = rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute)
         if cfg.lora.dropout > 0:  # layers given keys (the train step's) keep the adapters apart for dropout
             from jaxmem.lora import dropout
 
             fetch = dropout.rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute, cfg.lora.dropout)
+        else:
+            fetch = rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute)
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,

@@ -133,8 +133,10 @@ def _tiled_vjp(closed: Callable, tiles: _Tiles, n_args: int) -> Callable:
                 free.remove(k)
                 over[j] = k
         diff = [j for j, a in enumerate(args) if not _float0(a)]
-        own = {j: tiles.fresh(tiles.view(args[j]), args[j], j) for j in diff if j not in over}
-        dconsts0 = tuple(jnp.zeros_like(c) for c in consts if not _float0(c))
+        cidx = [c for c, x in enumerate(consts) if not _float0(x)]
+        views = [tiles.view(a) for a in args]
+        own = {j: tiles.fresh(views[j], args[j], j) for j in diff if j not in over}
+        dconsts0 = tuple(jnp.zeros_like(consts[c]) for c in cidx)
 
         def body(step, carry):
             ct_bufs, own_bufs, dconsts = carry
@@ -152,8 +154,6 @@ def _tiled_vjp(closed: Callable, tiles: _Tiles, n_args: int) -> Callable:
                     own_bufs[j] = tiles.put(own_bufs[j], d, i)
             return tuple(ct_bufs), own_bufs, tuple(a + d for a, d in zip(dconsts, dc))
 
-        cidx = [c for c, x in enumerate(consts) if not _float0(x)]
-        views = [tiles.view(a) for a in args]
         ct_views = tuple(tiles.view(c) for c in cts)
         ct_bufs, own_bufs, dconsts = jax.lax.fori_loop(0, tiles.n, body, (ct_views, own, dconsts0))
         dargs = [_zero(a) for a in args]
@@ -165,7 +165,7 @@ def _tiled_vjp(closed: Callable, tiles: _Tiles, n_args: int) -> Callable:
             dcs[c] = d
         return (*dargs, *dcs)
 
-    f = jax.custom_vjp(lambda *xs: forward(*xs))
+    f = jax.custom_vjp(forward)
     f.defvjp(lambda *xs: (forward(*xs), xs), backward)
     return f
 

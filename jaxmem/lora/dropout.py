@@ -19,10 +19,10 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jaxmem.lora.adapters import TARGETS
-from jaxmem.lora.frozen import LoraSetup, rebuild as merged_rebuild, unstore
+from jaxmem.lora.frozen import LoraSetup, rebuild as merged_rebuild, rebuild_with
+from jaxmem.model.layers import einsum_project
 
 DOMAIN = 0x10AD  # folded into key(train.seed) first: dropout keys never meet the init keys
 TARGET_INDEX = {ours: i for i, ours in enumerate(TARGETS.values())}
@@ -69,7 +69,7 @@ def project(spec: str, x: jax.Array, w, compute_dtype) -> jax.Array:
     """The projection hook: a plain weight as the model's default einsum; an AdaptedWeight as
     x W + scale * (drop(x) A) B, the low-rank path in fp32 and the sum cast to the compute dtype."""
     if not isinstance(w, AdaptedWeight):
-        return jnp.einsum(spec, x, w.astype(compute_dtype))
+        return einsum_project(spec, x, w, compute_dtype)
     ins, rest = spec.split(",")
     w_letters, out_letters = rest.split("->")
     n_in = w.a.ndim - 1
@@ -79,7 +79,7 @@ def project(spec: str, x: jax.Array, w, compute_dtype) -> jax.Array:
                     w.a.astype(jnp.float32), preferred_element_type=jnp.float32)
     low = jnp.einsum(f"{x_letters[:-n_in]}{r},{r}{w_letters[n_in:]}->{out_letters}", xa, w.b.astype(jnp.float32),
                      preferred_element_type=jnp.float32)
-    y = jnp.einsum(spec, x, w.w.astype(compute_dtype))
+    y = einsum_project(spec, x, w.w, compute_dtype)
     return (y.astype(jnp.float32) + w.scale * low).astype(compute_dtype)
 
 
@@ -95,15 +95,11 @@ def with_keys(pieces: dict, key: jax.Array | None, n_layers: int) -> dict:
 def rebuild(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], dtype, p: float) -> Callable:
     """Like jaxmem.lora.frozen.rebuild, but a layer whose pieces carry keys gets AdaptedWeights."""
     merged = merged_rebuild(setup, shapes, dtype)
+    adapted = rebuild_with(setup, shapes, lambda name, w, piece: AdaptedWeight(
+        w.astype(dtype), piece["a"], piece["b"], piece["key"], setup.scale, p))
 
     def fetch(sliced):
-        layer_state, pieces = sliced
-        if not any("key" in piece for piece in pieces.values()):
-            return merged(sliced)
-        out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)
-        for name, piece in pieces.items():
-            w = unstore(setup, jax.lax.stop_gradient(piece["stored"]), shapes[name], jnp.float32).astype(dtype)
-            out[name] = AdaptedWeight(w, piece["a"], piece["b"], piece["key"], setup.scale, p)
-        return out
+        keyed = any("key" in piece for piece in sliced[1].values())
+        return adapted(sliced) if keyed else merged(sliced)
 
     return fetch

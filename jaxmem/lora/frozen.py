@@ -133,13 +133,23 @@ def lora_layers(setup: LoraSetup, base: dict, adapters: dict) -> dict:
 def rebuild(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], dtype) -> Callable:
     """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each targeted weight rebuilt."""
 
+    def merge(name, w, piece):
+        delta = lora_delta(piece["a"], piece["b"], n_out=piece["b"].ndim - 1)  # one layer: B is [r, *out]
+        return (w + setup.scale * delta).astype(dtype)
+
+    return rebuild_with(setup, shapes, merge)
+
+
+def rebuild_with(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], make: Callable) -> Callable:
+    """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each targeted weight replaced by
+    make(name, w, piece): w its base weight dequantized in fp32 (no gradient), piece its slice of the adapters."""
+
     def fetch(sliced):
         layer_state, pieces = sliced
         out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)
-        for name, p in pieces.items():
-            w = unstore(setup, jax.lax.stop_gradient(p["stored"]), shapes[name], jnp.float32)
-            delta = lora_delta(p["a"], p["b"], n_out=p["b"].ndim - 1)  # one layer: B is [r, *out]
-            out[name] = (w + setup.scale * delta).astype(dtype)
+        for name, piece in pieces.items():
+            w = unstore(setup, jax.lax.stop_gradient(piece["stored"]), shapes[name], jnp.float32)
+            out[name] = make(name, w, piece)
         return out
 
     return fetch
