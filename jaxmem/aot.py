@@ -30,6 +30,20 @@ def target_devices(target: str, gpus_per_host: int, hosts: int = 1) -> tuple:
     return tuple(topo.devices)
 
 
+def lowering_target(device):
+    """A context for lowering a function onto `device`: for a compile-only GPU device (a deviceless compile
+    on a machine whose default backend is another), it makes that device the default, which is where Pallas'
+    Triton lowering reads the GPU generation from from jax 0.11 on (it raises "No supported GPU devices
+    found" otherwise; jax 0.10.2 assumed compute capability 9.0). A no-op for attached devices."""
+    import contextlib
+
+    import jax
+
+    if device.platform == jax.default_backend():
+        return contextlib.nullcontext()
+    return jax.default_device(device)
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """What a plan compiles for: a named GPU target (deviceless) or, with name "", the attached devices."""

@@ -71,7 +71,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
     with captured_stderr() as lines:
         compiled = compile_train_step(prog)
     figures = CompiledFigures(read_fields(compiled), memory_warnings(lines), time.perf_counter() - start,
-                              f"compiled on this machine for {kind}")
+                              f"compiled on this machine for {kind}", jax.__version__)
     measured = f"measured on {platform.upper()}"
     na = f"not available on {platform}"
     try:

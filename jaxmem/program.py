@@ -5,6 +5,7 @@ step that is planned is the step that runs.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 from typing import Any
@@ -16,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import kernels, memory_kinds_shim, offload, remat, sharding, validate
+from jaxmem import aot, kernels, memory_kinds_shim, offload, remat, sharding, validate
 from jaxmem.validate import RECORD_KINDS, ConfigError
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -164,14 +165,24 @@ class TrainProgram:
         return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, batch),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 
+    @contextlib.contextmanager
+    def lowering(self):
+        """The context every lowering of this program's functions runs in: its target device is the
+        default (aot.lowering_target), and jax's lowering caches are cleared around a shim host placement
+        (memory_kinds_shim.clear_lowering_caches says why)."""
+        shim = memory_kinds_shim.uses_shim(self.state_shardings)
+        with aot.lowering_target(self.mesh.devices.flat[0]):
+            if shim:
+                memory_kinds_shim.clear_lowering_caches()
+            try:
+                yield
+            finally:
+                if shim:
+                    memory_kinds_shim.clear_lowering_caches()
+
     def lower(self):
-        if not memory_kinds_shim.uses_shim(self.state_shardings):
+        with self.lowering():
             return self.jit_step().lower(self.abstract_state, self.abstract_batch())
-        memory_kinds_shim.clear_lowering_caches()
-        try:
-            return self.jit_step().lower(self.abstract_state, self.abstract_batch())
-        finally:
-            memory_kinds_shim.clear_lowering_caches()
 
 
 def batch_keys(cfg: Config) -> tuple[str, ...]:

@@ -314,6 +314,34 @@ metadata={op_name="jit(step)/while" stack_frame_id=1}
     assert mod.users["p"] == ["t", "r"] and mod.users["t"] == ["w"] and mod.computations["b"] == ["q", "g", "u"]
 
 
+def test_live_values_are_sized_as_xla_sizes_them(dumped, module):
+    """The live-range table, sized from the HLO types, adds up at XLA's own peak moment to XLA's total there."""
+    import re
+
+    text = hlo_dump.find_dump(dumped[1])[1].read_text()
+    moment = int(re.search(r"Live ranges at (\d+) \(peak\)", text).group(1))
+    xla_total = sum(b for _, _, b in hlo_dump.peak_buffers(text))
+    values = hlo_dump.live_values(text, module)
+    assert sum(v.bytes for v in values if v.start <= moment <= v.end) == xla_total
+    assert not any(v.host for v in values)  # nothing offloaded in this program: the device peak is XLA's
+    # the sweep over every moment may find one a few KiB above XLA's (values XLA lets share a buffer, like a
+    # loop's carry and its update, are counted apart), never below it
+    peak, host = hlo_dump.device_peak_buffers(text, module)
+    assert xla_total <= sum(b for _, _, b in peak) <= xla_total * 1.001 and host == 0
+
+
+def test_device_peak_leaves_host_buffers_out_and_can_be_another_moment():
+    hlo = hlo_dump.HloModuleText("\n".join([
+        "HloModule m", "", "ENTRY %main () -> f32[2000] {",
+        "  %a = f32[1000]{0} parameter(0)", "  %h = f32[4000]{0:S(5)} copy(%a)",
+        "  ROOT %b = f32[2000]{0} add(%a, %a)", "}"]))
+    live = "\n".join(["HloLiveRange (max 3):", "  BufferLiveRange:", "    a{}:0-1", "    h{}:1-2", "    b{}:2-3",
+                      "  Live ranges at 1 (peak):", "    h{}: 16000 bytes (cumulative: 16000 bytes)",
+                      "    a{}: 4000 bytes (cumulative: 20000 bytes)"])
+    # XLA's peak (moment 1) is mostly the host buffer; on the device the peak is b (8000 bytes) at moment 2
+    assert hlo_dump.device_peak_buffers(live, hlo) == ([("b", "{}", 8000)], 16000)
+
+
 def test_oom_hook_ignores_other_errors():
     cfg = load_config("configs/tiny.yaml")
     assert not report_oom(cfg, ValueError("shape mismatch"))
@@ -337,5 +365,5 @@ def test_oom_hook_prints_the_explain_report(cfg, dumped, monkeypatch, tmp_path):
     assert report_oom(cfg, RuntimeError("RESOURCE_EXHAUSTED: Out of memory allocating 9 GiB"), top=3, file=out)
     text = out.getvalue()
     assert calls == ["8 x h100-80g"]
-    assert "buffers live at the peak" in text and "compiled for 8 x h100-80g (deviceless)" in text
+    assert "buffers live at the device peak" in text and "compiled for 8 x h100-80g (deviceless)" in text
     assert "logits" in text and "could not explain" not in text

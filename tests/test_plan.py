@@ -9,7 +9,7 @@ from jaxmem.aot import resolve_topology
 from jaxmem.config import ConfigError, load_config
 from jaxmem.plan import plan
 from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.compiled import CompiledFigures, captured_stderr, device_bytes, memory_warnings
+from jaxmem.plan.compiled import CompiledFigures, captured_stderr, device_bytes, memory_warnings, offload_version_warning
 from jaxmem.plan.report import offload_status
 from jaxmem.targets import TARGETS
 
@@ -177,6 +177,15 @@ def test_offload_messages():
     assert offload_status(cfg, none)["message"] == "offload requested but nothing moved"
     moved = CompiledFigures(dict(fields, host_argument=3 * 2**30), [], 0.0, "x")
     assert offload_status(cfg, moved)["message"] == "offload verified: 3.00 GiB on host"
+
+
+def test_deviceless_offload_plans_name_the_jax_whose_xla_compiled_them():
+    # jax 0.10's XLA places host-offload programs differently from jax 0.11's (the one measured on the H100)
+    warning = offload_version_warning("0.10.2", host=2**30)
+    assert "jax 0.10.2" in warning and "plan with the jax that will run" in warning
+    assert offload_version_warning("0.10.2", host=0) is None  # no host buffers: the versions agree
+    assert offload_version_warning("0.11.2", host=2**30) is None
+    assert offload_version_warning("0.12.0.1", host=2**30) is None
 
 
 def test_stderr_capture_keeps_memory_warnings_only():

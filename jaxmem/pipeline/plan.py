@@ -15,7 +15,6 @@ in_flight comes from the schedule (1F1B: pp - s on stage s; GPipe: every micro-b
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import time
@@ -71,18 +70,6 @@ def _with_sharding(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
-@contextlib.contextmanager
-def _lowering(stage):
-    shim = memory_kinds_shim.uses_shim(stage.prog.state_shardings)
-    if shim:
-        memory_kinds_shim.clear_lowering_caches()
-    try:
-        yield
-    finally:
-        if shim:
-            memory_kinds_shim.clear_lowering_caches()
-
-
 def compile_stage(stage, in_flight: int) -> StageFigures:
     """Compiles the stage's forward, backward and update for its mesh's devices and reads their figures."""
     prog = stage.prog
@@ -91,7 +78,7 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
     p_grad = _with_sharding(stage.abstract_params_for_grad(), prog.state_shardings["params"])
     grads = _with_sharding(jax.eval_shape(stage._zero_grads), stage.grad_shardings)
     x, extras = stage.abstract_input(), stage.abstract_extras()
-    with captured_stderr() as lines, _lowering(stage):
+    with captured_stderr() as lines, stage.prog.lowering():
         fwd = stage.forward.lower(p_grad, x, extras).compile()
         out_avals = fwd.out_info
         res_avals = _with_sharding(out_avals[1], fwd.output_shardings[1])
@@ -177,7 +164,7 @@ def _as_compiled(fig: StageFigures, topo, pp: int):
                   host_generated_code=0)
     label = (f"compiled for {topo.label} (deviceless), pipeline stage {fig.stage} of {pp} (the largest): state + "
              f"{fig.in_flight} micro-batches' residuals + its largest pass, from its programs' memory analyses")
-    return CompiledFigures(fields, list(fig.warnings), fig.compile_seconds, label)
+    return CompiledFigures(fields, list(fig.warnings), fig.compile_seconds, label, jax.__version__)
 
 
 def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:

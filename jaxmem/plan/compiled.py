@@ -10,6 +10,9 @@ import sys
 import tempfile
 import time
 
+import jax
+
+from jaxmem import compat
 from jaxmem.aot import Topology
 from jaxmem.schema import Config
 
@@ -54,6 +57,7 @@ class CompiledFigures:
     warnings: list[str]
     compile_seconds: float
     label: str
+    jax_version: str = ""  # the XLA that compiled it decides the figure (offload_version_warning)
 
     @property
     def device_total(self) -> int:
@@ -66,7 +70,7 @@ class CompiledFigures:
     def to_json(self) -> dict:
         return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
                 "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
-                "label": self.label}
+                "label": self.label, "jax": self.jax_version}
 
 
 @contextlib.contextmanager
@@ -112,8 +116,22 @@ def compile_for_plan(cfg: Config, topo: Topology):
     warnings = memory_warnings(lines)
     if topo.name and prog.layout.kernels["attention"] == "cudnn":
         warnings.append(cudnn_workspace_warning(cfg, prog.layout))
-    figures = CompiledFigures(fields, warnings, seconds, f"compiled for {topo.label} {where}")
+    old_xla = offload_version_warning(jax.__version__, host_bytes(fields))
+    warnings += [old_xla] if topo.name and old_xla else []
+    figures = CompiledFigures(fields, warnings, seconds, f"compiled for {topo.label} {where}", jax.__version__)
     return compiled, figures
+
+
+def offload_version_warning(jax_version: str, host: int) -> str | None:
+    """The XLA of jax 0.10 and the one of jax 0.11 (which ran on the H100) schedule host-offload programs
+    differently: the 1-GPU 128k recipe (optimizer on the host, layer inputs offloaded) compiled deviceless to
+    32.35 GiB with jax 0.10.2 and 37.45 with jax 0.11.2, and peaked at 39.11 on an H100 with jax 0.11.2
+    (benchmarks/plan_accuracy.md). Without host buffers both versions agree with the GPU within 2.5%."""
+    if not host or compat.version_tuple(jax_version) >= (0, 11, 0):
+        return None
+    return (f"planned with jax {jax_version}, whose XLA schedules host-offload programs differently from jax "
+            f"0.11's (the 1-GPU 128k offload recipe: 32.35 GiB with jax 0.10.2, 37.45 with jax 0.11.2, 39.11 "
+            f"measured on an H100 with jax 0.11.2); plan with the jax that will run")
 
 
 def cudnn_workspace_warning(cfg: Config, layout) -> str:

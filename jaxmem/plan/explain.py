@@ -48,13 +48,13 @@ def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> None:
 def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
     hlo_path, live_path, usage_path = hlo_dump.find_dump(Path(dump_dir))
     module = hlo_dump.HloModuleText(hlo_path.read_text())
-    peak = hlo_dump.peak_buffers(live_path.read_text())
+    peak, host = hlo_dump.device_peak_buffers(live_path.read_text(), module)
     total = sum(b for _, _, b in peak)
     ranked = sorted(peak, key=lambda x: -x[2])[:top]
     state = state_shapes(cfg, module)
     buffers = [classify(cfg, module, n, i, b, state) for n, i, b in ranked]
     usage = usage_path.read_text().splitlines()[1].strip() if usage_path else ""
-    return {"peak_live_bytes": total, "buffers": buffers, "memory_usage_report": usage}
+    return {"peak_live_bytes": total, "host_live_bytes": host, "buffers": buffers, "memory_usage_report": usage}
 
 
 def explain(cfg: Config, topo: Topology, top: int = 10, dump_dir: str | None = None) -> dict:
@@ -74,8 +74,10 @@ def render(result: dict, console=None) -> None:
     from rich.markup import escape
 
     console = console or Console()
-    table = Table(title=f"buffers live at the peak ({result['peak_live_bytes'] / 2**30:.2f} GiB), "
-                        f"{result['label']}")
+    host = result.get("host_live_bytes", 0)
+    table = Table(title=f"device buffers live at the device peak ({result['peak_live_bytes'] / 2**30:.2f} GiB"
+                        + (f"; {host / 2**30:.2f} GiB in pinned host memory then" if host else "")
+                        + f"), {result['label']}")
     for col in ("#", "MiB", "shape", "dtype", "category", "why", "source"):
         table.add_column(col, overflow="fold", justify="right" if col in ("#", "MiB") else "left")
     for i, b in enumerate(result["buffers"], 1):

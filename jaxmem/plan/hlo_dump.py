@@ -3,6 +3,7 @@ live-range file's buffers at the peak. Used by `jaxmem explain`."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -10,6 +11,11 @@ _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*)$")
 _META = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _PEAK_LINE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}): (\d+) bytes")
+_RANGE_LINE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
+ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1, "bf16": 2,
+            "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8,
+            "c128": 16, "s4": 0.5, "u4": 0.5, "token": 0}
+HOST_SPACE = ":S(5)"  # the layout suffix of pinned-host buffers
 
 
 @dataclasses.dataclass
@@ -173,6 +179,63 @@ def peak_buffers(live_range_text: str) -> list[tuple[str, str, int]]:
                 break
             out.append((m.group(1), m.group(2), int(m.group(3))))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LiveValue:
+    name: str  # instruction
+    index: str  # tuple index, e.g. "{}" or "{3}"
+    start: int  # first and last position in the instruction sequence, inclusive
+    end: int
+    bytes: int
+    host: bool
+
+
+def live_values(live_range_text: str, module: HloModuleText) -> list[LiveValue]:
+    """Every value of the live-range file's BufferLiveRange table, sized from its HLO type (a tuple is its
+    table of addresses, 8 bytes an element) and placed by its layout's memory space."""
+    start = live_range_text.find("BufferLiveRange:")
+    values = []
+    for line in live_range_text[start:].splitlines()[1:] if start >= 0 else []:
+        m = _RANGE_LINE.match(line)
+        if not m:
+            if values:
+                break
+            continue
+        ins = module.instrs.get(m.group(1))
+        if ins is None:
+            continue
+        type_ = element_type(ins.type, m.group(2))
+        if type_.startswith("("):
+            size, host = 8 * len(_split_top(type_[1:-1])), False
+        else:
+            dtype, shape = parse_array_type(type_)
+            size, host = int(math.prod(shape) * ITEMSIZE.get(dtype, 4)), HOST_SPACE in type_
+        values.append(LiveValue(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)), size, host))
+    return values
+
+
+def device_peak_buffers(live_range_text: str, module: HloModuleText) -> tuple[list[tuple[str, str, int]], int]:
+    """(instruction, tuple index, bytes) of every device buffer live at the device peak, and the host bytes live
+    then. XLA's own "(peak)" counts pinned-host buffers too, so in an offloaded program it can be another
+    moment than the device's. Falls back to XLA's peak list when the file has no live-range table."""
+    values = live_values(live_range_text, module)
+    if not values:
+        return peak_buffers(live_range_text), 0
+    length = max(v.end for v in values) + 2
+    change = [0] * length
+    for v in values:
+        if not v.host:
+            change[v.start] += v.bytes
+            change[v.end + 1] -= v.bytes
+    live, best, moment = 0, -1, 0
+    for t, delta in enumerate(change):
+        live += delta
+        if live > best:
+            best, moment = live, t
+    at_peak = [v for v in values if v.start <= moment <= v.end]
+    host = sum(v.bytes for v in at_peak if v.host)
+    return [(v.name, v.index, v.bytes) for v in at_peak if not v.host], host
 
 
 def find_dump(dump_dir: Path, module: str = "jit_step") -> tuple[Path, Path, Path | None]:
