@@ -314,32 +314,49 @@ metadata={op_name="jit(step)/while" stack_frame_id=1}
     assert mod.users["p"] == ["t", "r"] and mod.users["t"] == ["w"] and mod.computations["b"] == ["q", "g", "u"]
 
 
-def test_live_values_are_sized_as_xla_sizes_them(dumped, module):
-    """The live-range table, sized from the HLO types, adds up at XLA's own peak moment to XLA's total there."""
-    import re
-
-    text = hlo_dump.find_dump(dumped[1])[1].read_text()
-    moment = int(re.search(r"Live ranges at (\d+) \(peak\)", text).group(1))
+def test_device_peak_of_a_program_without_host_buffers_is_xlas_peak(dumped):
+    _, live, _ = hlo_dump.find_dump(dumped[1])
+    text, assignment = live.read_text(), hlo_dump.buffer_assignment_path(live).read_text()
     xla_total = sum(b for _, _, b in hlo_dump.peak_buffers(text))
-    values = hlo_dump.live_values(text, module)
-    assert sum(v.bytes for v in values if v.start <= moment <= v.end) == xla_total
-    assert not any(v.host for v in values)  # nothing offloaded in this program: the device peak is XLA's
-    # the sweep over every moment may find one a few KiB above XLA's (values XLA lets share a buffer, like a
-    # loop's carry and its update, are counted apart), never below it
-    peak, host = hlo_dump.device_peak_buffers(text, module)
+    assert not any(r.host for r in hlo_dump.value_regions(assignment).values())
+    # the sweep over every moment may find one a few KiB above XLA's listed peak, never below it
+    peak, host = hlo_dump.device_peak_buffers(text, assignment)
     assert xla_total <= sum(b for _, _, b in peak) <= xla_total * 1.001 and host == 0
 
 
-def test_device_peak_leaves_host_buffers_out_and_can_be_another_moment():
-    hlo = hlo_dump.HloModuleText("\n".join([
-        "HloModule m", "", "ENTRY %main () -> f32[2000] {",
-        "  %a = f32[1000]{0} parameter(0)", "  %h = f32[4000]{0:S(5)} copy(%a)",
-        "  ROOT %b = f32[2000]{0} add(%a, %a)", "}"]))
-    live = "\n".join(["HloLiveRange (max 3):", "  BufferLiveRange:", "    a{}:0-1", "    h{}:1-2", "    b{}:2-3",
-                      "  Live ranges at 1 (peak):", "    h{}: 16000 bytes (cumulative: 16000 bytes)",
+def test_an_offloaded_program_is_explained_at_its_device_peak():
+    """Optimizer state in pinned host memory: the listed buffers are device buffers, the host bytes live then
+    are reported apart, and the device peak is no more than XLA's device total for the step."""
+    from jaxmem.aot import resolve_topology
+    from jaxmem.plan.compiled import compile_for_plan
+
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8", "offload.optimizer=host", "target.name=h100-80g"])
+    topo = resolve_topology(cfg)
+    result = explain_mod.explain(cfg, topo, top=500)
+    assert result["host_live_bytes"] > 0
+    assert not any("host memory" in b["why"] for b in result["buffers"])
+    assert sum(b["bytes"] for b in result["buffers"]) == result["peak_live_bytes"]
+    device_total = compile_for_plan(cfg, topo)[1].device_total
+    assert 0.8 * device_total <= result["peak_live_bytes"] <= device_total
+
+
+def test_device_peak_counts_aliases_once_and_leaves_host_buffers_out():
+    # a: 4000 device bytes (0-1); h: 16000 host bytes (1-2); b: 8000 device bytes (2-3) with its loop alias
+    # b_phi at the same offset (3-4): XLA's peak (moment 1) is mostly the host buffer; the device peak is b's,
+    # counted once although b and b_phi are both live at moment 3
+    assignment = "\n".join([
+        "BufferAssignment:", "allocation 0: size 12000, page 0, preallocated-temp:",
+        " value: <1 a @0> (size=4000,offset=0): f32[1000]{0}",
+        " value: <2 b @0> (size=8000,offset=4000): f32[2000]{0}",
+        " value: <3 b_phi{1} (phi) @0> (size=8000,offset=4000): f32[2000]{0}",
+        "allocation 1: size 16000, color 5, page 0, preallocated-temp:",
+        " value: <4 h @5> (size=16000,offset=0): f32[4000]{0:S(5)}"])
+    live = "\n".join(["HloLiveRange (max 4):", "  BufferLiveRange:", "    a{}:0-1", "    h{}:1-2", "    b{}:2-3",
+                      "    b_phi{1}:3-4", "  Live ranges at 1 (peak):", "    h{}: 16000 bytes (cumulative: 16000 bytes)",
                       "    a{}: 4000 bytes (cumulative: 20000 bytes)"])
-    # XLA's peak (moment 1) is mostly the host buffer; on the device the peak is b (8000 bytes) at moment 2
-    assert hlo_dump.device_peak_buffers(live, hlo) == ([("b", "{}", 8000)], 16000)
+    assert hlo_dump.device_peak_buffers(live, assignment) == ([("b", "{}", 8000)], 16000)
+    # without a buffer assignment the peak is XLA's list
+    assert hlo_dump.device_peak_buffers(live, "") == ([("h", "{}", 16000), ("a", "{}", 4000)], 0)
 
 
 def test_oom_hook_ignores_other_errors():

@@ -48,7 +48,9 @@ def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> None:
 def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
     hlo_path, live_path, usage_path = hlo_dump.find_dump(Path(dump_dir))
     module = hlo_dump.HloModuleText(hlo_path.read_text())
-    peak, host = hlo_dump.device_peak_buffers(live_path.read_text(), module)
+    assignment = hlo_dump.buffer_assignment_path(live_path)
+    peak, host = hlo_dump.device_peak_buffers(live_path.read_text(),
+                                              assignment.read_text() if assignment.exists() else "")
     total = sum(b for _, _, b in peak)
     ranked = sorted(peak, key=lambda x: -x[2])[:top]
     state = state_shapes(cfg, module)

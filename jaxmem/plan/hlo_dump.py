@@ -3,7 +3,6 @@ live-range file's buffers at the peak. Used by `jaxmem explain`."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
 from pathlib import Path
 
@@ -12,10 +11,6 @@ _META = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _FRAME = re.compile(r"stack_frame_id=(\d+)")
 _PEAK_LINE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}): (\d+) bytes")
 _RANGE_LINE = re.compile(r"^\s*([\w.\-]+)(\{[\d,]*\}):(\d+)-(\d+)\s*$")
-ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1, "f8e8m0fnu": 1, "bf16": 2,
-            "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8, "c64": 8,
-            "c128": 16, "s4": 0.5, "u4": 0.5, "token": 0}
-HOST_SPACE = ":S(5)"  # the layout suffix of pinned-host buffers
 
 
 @dataclasses.dataclass
@@ -181,61 +176,90 @@ def peak_buffers(live_range_text: str) -> list[tuple[str, str, int]]:
     return out
 
 
+_VALUE_LINE = re.compile(r"^\s*value: <\d+ ([\w.\-]+)(\{[\d,]*\})?(?: \(phi\))? @(\d+)> "
+                         r"\(size=(\d+),offset=(\d+)\)")
+_ALLOCATION_LINE = re.compile(r"^allocation (\d+):")
+HOST_COLOR = "5"  # XLA's memory space (color) of pinned-host buffers
+
+
 @dataclasses.dataclass(frozen=True)
-class LiveValue:
-    name: str  # instruction
-    index: str  # tuple index, e.g. "{}" or "{3}"
-    start: int  # first and last position in the instruction sequence, inclusive
-    end: int
+class Region:
+    """Bytes of one allocation that a set of aliased values occupy (a loop's carry, its body parameter and
+    the in-place update all live at the same offset)."""
+
+    allocation: int
+    offset: int
     bytes: int
     host: bool
 
 
-def live_values(live_range_text: str, module: HloModuleText) -> list[LiveValue]:
-    """Every value of the live-range file's BufferLiveRange table, sized from its HLO type (a tuple is its
-    table of addresses, 8 bytes an element) and placed by its layout's memory space."""
+def value_regions(buffer_assignment_text: str) -> dict[str, Region]:
+    """"instruction{index}" -> where XLA's buffer assignment put that value."""
+    out, allocation = {}, -1
+    for line in buffer_assignment_text.splitlines():
+        if m := _ALLOCATION_LINE.match(line):
+            allocation = int(m.group(1))
+        elif m := _VALUE_LINE.match(line):
+            name, index, color, size, offset = m.groups()
+            out[name + (index or "{}")] = Region(allocation, int(offset), int(size), color == HOST_COLOR)
+    return out
+
+
+def live_ranges(live_range_text: str) -> list[tuple[str, str, int, int]]:
+    """(instruction, tuple index, first, last position) of each value of the BufferLiveRange table."""
     start = live_range_text.find("BufferLiveRange:")
-    values = []
+    out = []
     for line in live_range_text[start:].splitlines()[1:] if start >= 0 else []:
         m = _RANGE_LINE.match(line)
         if not m:
-            if values:
-                break
-            continue
-        ins = module.instrs.get(m.group(1))
-        if ins is None:
-            continue
-        type_ = element_type(ins.type, m.group(2))
-        if type_.startswith("("):
-            size, host = 8 * len(_split_top(type_[1:-1])), False
-        else:
-            dtype, shape = parse_array_type(type_)
-            size, host = int(math.prod(shape) * ITEMSIZE.get(dtype, 4)), HOST_SPACE in type_
-        values.append(LiveValue(m.group(1), m.group(2), int(m.group(3)), int(m.group(4)), size, host))
-    return values
+            break
+        out.append((m.group(1), m.group(2), int(m.group(3)), int(m.group(4))))
+    return out
 
 
-def device_peak_buffers(live_range_text: str, module: HloModuleText) -> tuple[list[tuple[str, str, int]], int]:
-    """(instruction, tuple index, bytes) of every device buffer live at the device peak, and the host bytes live
-    then. XLA's own "(peak)" counts pinned-host buffers too, so in an offloaded program it can be another
-    moment than the device's. Falls back to XLA's peak list when the file has no live-range table."""
-    values = live_values(live_range_text, module)
-    if not values:
+def device_peak_buffers(live_range_text: str, buffer_assignment_text: str) -> tuple[list[tuple[str, str, int]], int]:
+    """(instruction, tuple index, bytes) of every device buffer live at the device peak, and the pinned-host
+    bytes live then. XLA's own "(peak)" counts host buffers too, so in an offloaded program it can be another
+    moment than the device's. Values that share bytes (aliases) count once. Without a buffer assignment the
+    peak is XLA's own list."""
+    regions = value_regions(buffer_assignment_text)
+    ranges = [(n, i, a, b, regions[n + i]) for n, i, a, b in live_ranges(live_range_text) if n + i in regions]
+    if not ranges:
         return peak_buffers(live_range_text), 0
-    length = max(v.end for v in values) + 2
-    change = [0] * length
-    for v in values:
-        if not v.host:
-            change[v.start] += v.bytes
-            change[v.end + 1] -= v.bytes
+    spans: dict[Region, list[tuple[int, int]]] = {}
+    for _, _, first, last, region in ranges:
+        spans.setdefault(region, []).append((first, last))
+    device = [0] * (max(last for _, _, _, last, _ in ranges) + 2)
+    for region, intervals in spans.items():
+        if not region.host:
+            for first, last in _merged(intervals):
+                device[first] += region.bytes
+                device[last + 1] -= region.bytes
     live, best, moment = 0, -1, 0
-    for t, delta in enumerate(change):
-        live += delta
+    for t, change in enumerate(device):
+        live += change
         if live > best:
             best, moment = live, t
-    at_peak = [v for v in values if v.start <= moment <= v.end]
-    host = sum(v.bytes for v in at_peak if v.host)
-    return [(v.name, v.index, v.bytes) for v in at_peak if not v.host], host
+    at_peak: dict[Region, tuple[str, str]] = {}
+    for name, index, first, last, region in ranges:
+        if first <= moment <= last:
+            at_peak.setdefault(region, (name, index))  # the value named first in the table stands for its aliases
+    host = sum(r.bytes for r in at_peak if r.host)
+    return [(n, i, r.bytes) for r, (n, i) in at_peak.items() if not r.host], host
+
+
+def _merged(intervals: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for first, last in sorted(intervals):
+        if out and first <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], last))
+        else:
+            out.append((first, last))
+    return out
+
+
+def buffer_assignment_path(live_range_path: Path) -> Path:
+    return live_range_path.with_name(live_range_path.name.replace("-live-range.txt", "-buffer-assignment.txt"))
 
 
 def find_dump(dump_dir: Path, module: str = "jit_step") -> tuple[Path, Path, Path | None]:
