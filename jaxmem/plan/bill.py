@@ -151,11 +151,16 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
 
 
 def _working_elems(cfg: Config, layout: Layout, per_name: dict[str, int]) -> int:
-    """Elements per device live in one layer's backward: its forward intermediates (recomputed or saved)
-    and their gradients. With sequence tiling the parts inside the tiles hold one tile at a time; with
-    sequence parallelism q, k, v and the context also exist head-split while the all-to-alls run."""
+    """Elements per device live in one layer's backward at its peak, the MLP's backward: the layer's forward
+    intermediates (recomputed or read back) once, plus the gradients of the two [tokens, d_ff] MLP inputs
+    (gate and up). `jaxmem explain` of the H100 cases (jax 0.11.2): at seq 131072 four [T, d_ff] and about
+    eight [T, d_model] buffers, at seq 32768 with selective remat the same on top of the saved stack; the
+    other gradients of the layer come later, when the MLP's are dead. With sequence tiling the parts inside
+    the tiles hold one tile at a time; with sequence parallelism q, k, v and the context also exist head-split
+    while the all-to-alls run."""
     n_tiles = tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile)
-    total = 2 * sum(v // n_tiles if n in INSIDE_TILES else v for n, v in per_name.items())
+    tiled = {n: v // n_tiles if n in INSIDE_TILES else v for n, v in per_name.items()}
+    total = sum(tiled.values()) + tiled[CN.MLP_GATE.value] + tiled[CN.MLP_UP.value]
     if layout.mesh_sizes["sp"] > 1:
         total += sum(per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT))
     return total
@@ -261,9 +266,9 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         logits += head_full * 4 + (head_full * cd if gathered else 0)
     if accum > 1:
         temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator
-    device = dict(params=params, base=_base_bytes(layout), grads=grads, master=master, opt_m=moment, opt_v=moment,
-                  inputs=inputs,
-                  activations=activations, working_set=working, logits=logits, temporaries=temporaries)
+    device = dict(params=params, base=_base_bytes(layout), params_for_grad=0, grads=grads, master=master,
+                  opt_m=moment, opt_v=moment, inputs=inputs, activations=activations, working_set=working,
+                  logits=logits, temporaries=temporaries)
     host = {k: 0 for k in HOST_CATEGORIES}
     if "opt" in layout.host_state:
         for k in ("master", "opt_m", "opt_v"):
@@ -274,6 +279,15 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if "params" in layout.host_state:  # the decoder layers; embedding, final norm and LM head stay
         host["params"] = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
         device["params"] -= host["params"]
+    elif _itemsize(prec.grad_reduce) > _itemsize(prec.param) and layout.lora is None \
+            and not cfg.optimizer.update_in_backward:
+        # offload.cast_for_grad casts the whole decoder stack to the gradient dtype before the forward (its
+        # gradient comes out in that dtype); from then on the donated bf16 layers are dead and XLA reuses
+        # their bytes, so through the backward the layers are held at the gradient's width (`jaxmem explain`
+        # of the H100 cases with fp32 gradients: "a copy of state['params']['layers']" in f32 at the peak,
+        # 3.63 GiB for Llama-3.2-1B, 6.50 for the 8-layer 8B, and no bf16 layer weights).
+        layers = _state_elems(layout, layout.param_specs, "layers")
+        device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
     streamed = "opt" in layout.host_state and cfg.offload.optimizer_update == "device" \
         and not cfg.optimizer.update_in_backward
     if streamed and "params" in layout.host_state:
@@ -287,6 +301,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if streamed or ("opt" in layout.host_state and cfg.optimizer.update_in_backward):
         # in-backward: the embedding / final norm / LM head are updated after the backward, streamed alike
         update_phase = update_phase_bytes(cfg, layout, prec, device, _device_memory(cfg, device_memory))
+    if streamed and "params" not in layout.host_state:
+        device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, _device_memory(cfg, device_memory))
     absent_in_loss = 0
     if "opt" in layout.host_state and not (streamed and "params" in layout.host_state) \
             and not cfg.optimizer.update_in_backward:
@@ -352,6 +368,25 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
             break
         peak += copy
     return peak
+
+
+def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int],
+                          device_memory: int) -> int:
+    """Bytes of a streamed optimizer update (state on the host, weights on the device) that XLA's scheduler
+    brings forward into the layers' backward while they fit under its memory limit: the first updated
+    leaf's fp32 master, m and v (the largest non-layer leaf) and the buffer the layers' new weights are
+    written into (`jaxmem explain` of the 1-GPU 128k recipe, jax 0.11.2: the LM head's three fp32 copies,
+    5.87 GiB, and the new bf16 layer weights, 1.63 GiB, live at the device peak in the MLP backward)."""
+    rest, _ = split_layers(layout.abstract_params)
+    rest_specs, _ = split_layers(layout.opt_specs)
+    largest = max((_shard_elems(x.shape, s, layout.mesh_sizes)
+                   for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), default=0)
+    state = largest * (4 * prec.master + 2 * _itemsize(prec.moment))
+    prefetch = state + _state_bytes(layout, layout.param_specs, prec.param, part="layers")
+    phase = sum(device.values())  # an upper bound of the backward's own peak
+    limit = (SCHEDULER_MEMORY_FRACTION * device_memory - device["params"] - device["base"] - device["inputs"]) \
+        * SCHEDULER_SLOP
+    return prefetch if phase + prefetch <= limit else 0
 
 
 def _batch_row_elems(cfg: Config) -> int:

@@ -19,6 +19,9 @@ EXPLAIN_CATEGORIES = (PARAM, GRAD, OPTIMIZER, ACTIVATION, LOGITS, TEMP)
 BILL_TO_EXPLAIN: dict[str, str] = {
     "params": PARAM,
     "base": PARAM,  # LoRA: the frozen base weights, at their stored dtype (bf16, int8 or nf4)
+    # the decoder layers cast to a wider gradient dtype for the backward (fp32 grads of bf16 weights): the
+    # bytes beyond `params` (the stored layers are dead once cast, so this is the difference of the widths)
+    "params_for_grad": PARAM,
     "grads": GRAD,
     "master": OPTIMIZER,  # fp32 master weights live in the optimizer's part of the state
     "opt_m": OPTIMIZER,
