@@ -104,7 +104,9 @@ def test_deviceless_optimizer_and_params_on_host():
     moved = _bytes(opt_prog.abstract_state["opt"]) + _bytes(opt_prog.abstract_state["master"])
     assert base["host"] == 0
     assert opt["host_argument"] == moved  # exactly the optimizer state and master weights
-    assert abs((base["device"] - opt["device"]) - moved) <= 0.10 * moved, (base, opt, moved)
+    # the device saves about the state moved: within 10% with jax 0.10.2; jax 0.11.2's XLA also moves the
+    # update's fp32 temporaries off the device (1.16x the state for this model)
+    assert 0.9 * moved <= base["device"] - opt["device"] <= 1.2 * moved, (base, opt, moved)
 
     par_prog, par = _compile(["offload.optimizer=host", "offload.params=host"])
     layers = _bytes(par_prog.abstract_state["params"]["layers"])
