@@ -12,8 +12,9 @@ import re
 import jax
 
 # [lowest, first unsupported): 0.10.2 is tested here (Python 3.11); the 0.11 series was checked against
-# jax 0.11.2's source, and training ran on it on an H100 (Python 3.12).
-JAX_RANGE = ("0.10.2", "0.12")
+# jax 0.11.2's source, and training ran on it on an H100 (Python 3.12); 0.12.0.1 was checked against its
+# source and the suite ran on it on CPU with deviceless H100 compiles (Python 3.12; not yet on a GPU).
+JAX_RANGE = ("0.10.2", "0.13")
 
 # Features that reach into JAX internals, with the range each was checked for.
 FEATURES = {
@@ -51,8 +52,8 @@ def host_compute(fn, out_memory_spaces):
     """`fn` compiled to run on the host (XLA host compute), its outputs placed in `out_memory_spaces`.
 
     jax 0.10 spells this `compute_on2(f, compute_type=, out_memory_spaces=)` (its `compute_on` is a context
-    manager); jax 0.11 renamed it to `compute_on` with the same keywords. The signature decides, not the
-    version string, so a backport either way keeps working.
+    manager); jax 0.11 renamed it to `compute_on` with the same keywords (same signature in 0.12). The
+    signature decides, not the version string, so a backport either way keeps working.
     """
     feature = "host-side optimizer update (compute_on)"
     require(feature)

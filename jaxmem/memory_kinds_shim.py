@@ -13,9 +13,9 @@ jax drops every memory kind) and `mlir._get_mem_kind` (the per-argument lookup).
 The wrapped lowering then writes `mhlo.memory_kind` on those arguments, and XLA
 gives them the host memory space (`S(5)` in the entry layout).
 
-Both hooks have the same signature and call sites from jax 0.10.2 through the
-0.11 series (checked against jax 0.11.2's source: `lower_jaxpr_to_module` maps
-`_get_mem_kind` over the argument and result shardings unless
+Both hooks have the same signature and call sites from jax 0.10.2 through
+0.12.0.1 (checked against jax 0.11.2's and 0.12.0.1's source: `lower_jaxpr_to_module`
+maps `_get_mem_kind` over the argument and result shardings unless
 `are_all_shardings_default_mem_kind` said all are default). Any jax outside
 `compat.FEATURES`' range raises `ShimUnsupported` (one line) instead of
 guessing. tests/test_shim.py fails loudly if the patch stops putting bytes on

@@ -239,6 +239,44 @@ ENTRY %main (a: f32[8,6], b: f32[4,8,2], i: s32[]) -> f32[4,8,2] {
     assert attribution.tagged_name(mod, mod.instrs["rope"]) is None  # computed from a tagged value, not it
 
 
+def test_tagged_name_follows_an_async_fusion_and_tuple_element_operands():
+    """XLA in jax 0.12 writes a residual with an async dynamic-update-slice fusion and names tuple elements
+    as `%op#0` operands (no get-tuple-element): the walk goes through both to the written value's scope."""
+    text = """HloModule m
+
+%dus (p0: f32[4,8,2], p1: s32[], p2: f32[8,2]) -> f32[4,8,2] {
+  %p0 = f32[4,8,2]{2,1,0} parameter(0)
+  %p2 = f32[8,2]{1,0} parameter(2)
+  %bc = f32[1,8,2]{2,1,0} bitcast(%p2)
+  %p1 = s32[] parameter(1)
+  ROOT %u = f32[4,8,2]{2,1,0} dynamic-update-slice(%p0, %bc, %p1, %p1, %p1), metadata={op_name="s/while/body/dynamic_update_slice"}
+}
+
+%async (a0: f32[4,8,2], a1: s32[], a2: f32[8,2]) -> f32[4,8,2] {
+  %a0 = f32[4,8,2]{2,1,0} parameter(0)
+  %a1 = s32[] parameter(1)
+  %a2 = f32[8,2]{1,0} parameter(2)
+  ROOT %f = f32[4,8,2]{2,1,0} fusion(%a0, %a1, %a2), kind=kLoop, calls=%dus, metadata={op_name="s/while/body/dynamic_update_slice"}
+}
+
+ENTRY %main (x: f32[8,2], b: f32[4,8,2], i: s32[]) -> f32[4,8,2] {
+  %x = f32[8,2]{1,0} parameter(0)
+  %call = (f32[8,2]{1,0}, f32[8]{0}) custom-call(%x), custom_call_target="k", metadata={op_name="s/ckpt.attn_context/attention_pallas/pallas_call"}
+  %b = f32[4,8,2]{2,1,0} parameter(1)
+  %i = s32[] parameter(2)
+  %start = ((f32[4,8,2]{2,1,0}, s32[], f32[8,2]{1,0}), f32[4,8,2]{2,1,0}, u32[]) async-start(%b, %i, %call#0), calls=%async, metadata={op_name="s/while/body/dynamic_update_slice"}
+  ROOT %done = f32[4,8,2]{2,1,0} async-done(%start), metadata={op_name="s/while/body/dynamic_update_slice"}
+}
+"""
+    mod = hlo_dump.HloModuleText(text)
+    element = mod.instrs["call#0"]
+    assert element.opcode == "get-tuple-element" and element.operands == ["call"] and element.tuple_index == 0
+    assert hlo_dump.parse_array_type(element.type) == ("f32", (8, 2)) and element.computation == "main"
+    assert mod.users["call"] == ["call#0"] and mod.users["call#0"] == ["start"]
+    assert mod.computations["main"].index("call#0") < mod.computations["main"].index("start")
+    assert attribution.tagged_name(mod, mod.instrs["done"]) == "attn_context"
+
+
 def test_every_weight_shaped_op_of_the_update_and_backward_pass_is_classified_by_phase(cfg, module):
     """Beyond the peak: each weight-shaped value the update writes is an optimizer buffer, each one the
     backward pass writes is a gradient (or an all-gathered weight), whatever source line it carries."""

@@ -14,21 +14,21 @@ def test_running_jax_is_inside_the_checked_range():
     assert compat.in_range(jax.__version__, compat.FEATURES[shim.FEATURE])
 
 
-@pytest.mark.parametrize("version", ["0.10.1", "0.12.0", "1.0.0"])
+@pytest.mark.parametrize("version", ["0.10.1", "0.13.0", "1.0.0"])
 def test_versions_outside_the_range_are_refused_in_one_line(monkeypatch, version):
     monkeypatch.setattr(shim, "_installed", False)
     monkeypatch.setattr(jax, "__version__", version)
     with pytest.raises(shim.ShimUnsupported) as info:
         shim.install()
     text = str(info.value)
-    assert "\n" not in text and f"found jax {version}" in text and ">=0.10.2,<0.12" in text
+    assert "\n" not in text and f"found jax {version}" in text and ">=0.10.2,<0.13" in text
 
 
-@pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.11.2"])
+@pytest.mark.parametrize("version", ["0.10.2", "0.11.0", "0.11.2", "0.12.0.1"])
 def test_versions_inside_the_range_install(monkeypatch, version):
     monkeypatch.setattr(shim, "_installed", False)
     monkeypatch.setattr(jax, "__version__", version)
-    shim.install()  # the hooks are looked up by name; both exist in 0.10.2 and 0.11.2
+    shim.install()  # the hooks are looked up by name; both exist in 0.10.2, 0.11.2 and 0.12.0.1
     assert shim._installed
 
 

@@ -103,16 +103,20 @@ def defining(module, name: str, depth: int = 4, prefer=None):
 _MOVES = {"bitcast", "copy", "reshape", "transpose", "slice", "dynamic-slice", "convert", "reduce-precision",
           "bitcast-convert", "copy-start", "copy-done", "all-gather", "all-gather-start", "all-gather-done",
           "all-to-all", "collective-permute", "collective-permute-start", "collective-permute-done",
-          "dynamic-update-slice", "get-tuple-element", "optimization-barrier"}
+          "dynamic-update-slice", "get-tuple-element", "optimization-barrier", "async-done"}
+# Ops that run a computation whose root is their value: a fusion, and an async-start (XLA in jax 0.12 writes
+# a scan's stacked residual with an async dynamic-update-slice fusion; its async-done reads the start).
+_WRAPPERS = ("fusion", "async-start")
 
 
-def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, depth: int = 8) -> str | None:
+def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, depth: int = 10) -> str | None:
     """The checkpoint name of the value `ins` holds or writes (e.g. into a scan's stacked residual).
 
     The layers compute each tagged value inside a name scope carrying its name (jaxmem.model.names.scope),
-    which XLA keeps in op_name. From `ins`, through ops that only move, cast or cut a value (into a fusion
-    from its root, out of it through its parameters; a dynamic-update-slice: the value it writes), the first
-    op whose op_name carries a name gives it. Several names (XLA merged ops of different scopes) -> "a|b".
+    which XLA keeps in op_name. From `ins`, through ops that only move, cast or cut a value (into a fusion or
+    async computation from its root, out of it through its parameters; a dynamic-update-slice: the value it
+    writes), the first op whose op_name carries a name gives it. Several names (XLA merged ops of different
+    scopes) -> "a|b". `depth` counts ops walked: an async fusion takes two more than a plain one.
     An op that computes something else (rope, a residual add) ends the walk: None."""
     for _ in range(depth):
         if ins is None:
@@ -120,12 +124,12 @@ def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, dept
         name = name_in_op(ins.op_name)
         if name:
             return name
-        if ins.opcode == "fusion" and ins.calls:
+        if ins.opcode in _WRAPPERS and ins.calls:
             ins = module.instrs.get(module.roots.get(ins.calls[0], ""))
             continue
         if ins.opcode == "parameter" and ins.computation != module.entry:
             callers = [module.instrs[c] for c in module.callers.get(ins.computation, [])
-                       if module.instrs[c].opcode == "fusion"]
+                       if module.instrs[c].opcode in _WRAPPERS]
             index = int(ins.operands[0]) if ins.operands and ins.operands[0].isdigit() else None
             if not callers or index is None or index >= len(callers[0].operands):
                 return None

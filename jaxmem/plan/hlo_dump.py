@@ -102,6 +102,7 @@ class HloModuleText:
                 continue
             ins = _parse_instr(line, computation) if line.startswith("  ") else None
             if ins:
+                self._add_element_reads(ins)
                 self.instrs[ins.name] = ins
                 if line.lstrip().startswith("ROOT "):
                     self.roots[computation] = ins.name
@@ -114,6 +115,19 @@ class HloModuleText:
                 self.callers.setdefault(c, []).append(ins.name)
             for o in dict.fromkeys(ins.operands):
                 self.users.setdefault(o, []).append(ins.name)
+
+    def _add_element_reads(self, ins: Instr) -> None:
+        """XLA in jax >= 0.12 prints no get-tuple-element ops: a reader names the element as `%op#3`. Each
+        such operand becomes the get-tuple-element it stands for (placed before its first reader, without
+        op_name like XLA's own), so the walks through loop elements and multi-output ops read both forms."""
+        for operand in ins.operands:
+            source, sep, index = operand.rpartition("#")
+            if not sep or operand in self.instrs or source not in self.instrs or not index.isdigit():
+                continue
+            tuple_op = self.instrs[source]
+            self.instrs[operand] = Instr(operand, element_type(tuple_op.type, "{" + index + "}"),
+                                         "get-tuple-element", [source], "", None, None, tuple_op.computation,
+                                         tuple_index=int(index))
 
     @staticmethod
     def _table(text: str, name: str) -> list[str]:
