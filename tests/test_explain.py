@@ -80,6 +80,7 @@ def test_every_buffer_has_the_documented_fields(report):
     assert 40 < len(r["buffers"]) < TOP  # all of them
     sizes = [b["bytes"] for b in r["buffers"]]
     assert sizes == sorted(sizes, reverse=True) and sum(sizes) == r["peak_live_bytes"]
+    assert 0.9 * r["compiled_device_bytes"] <= r["peak_live_bytes"] <= r["compiled_device_bytes"]
     for b in r["buffers"]:
         assert {"buffer", "bytes", "shape", "dtype", "category", "checkpoint_name", "source", "op", "why",
                 "suggestion"} <= set(b)
@@ -366,16 +367,15 @@ def test_an_offloaded_program_is_explained_at_its_device_peak():
     """Optimizer state in pinned host memory: the listed buffers are device buffers, the host bytes live then
     are reported apart, and the device peak is no more than XLA's device total for the step."""
     from jaxmem.aot import resolve_topology
-    from jaxmem.plan.compiled import compile_for_plan
 
     cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8", "offload.optimizer=host", "target.name=h100-80g"])
-    topo = resolve_topology(cfg)
-    result = explain_mod.explain(cfg, topo, top=500)
+    result = explain_mod.explain(cfg, resolve_topology(cfg), top=500)
     assert result["host_live_bytes"] > 0
     assert not any("host memory" in b["why"] for b in result["buffers"])
     assert sum(b["bytes"] for b in result["buffers"]) == result["peak_live_bytes"]
-    device_total = compile_for_plan(cfg, topo)[1].device_total
-    assert 0.8 * device_total <= result["peak_live_bytes"] <= device_total
+    # XLA's memory analysis of the same compile (arguments + outputs - aliases + temp) bounds the device peak
+    # from above (the temp allocation also holds fragmentation); it is 99.8% of it here
+    assert 0.95 * result["compiled_device_bytes"] <= result["peak_live_bytes"] <= result["compiled_device_bytes"]
 
 
 def test_device_peak_counts_aliases_once_and_leaves_host_buffers_out():
@@ -414,6 +414,7 @@ def test_oom_hook_prints_the_explain_report(cfg, dumped, monkeypatch, tmp_path):
     def reuse(cfg_, topo, dump_dir):
         calls.append(topo.label)
         shutil.copytree(dumped[1], dump_dir, dirs_exist_ok=True)
+        return {"device": dumped[0]["compiled_device_bytes"]}
 
     monkeypatch.setattr(explain_mod, "compile_with_dumps", reuse)
     out = io.StringIO()

@@ -26,12 +26,17 @@ def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
     from jaxmem.program import build_program
 
+    from jaxmem.plan.compiled import memory_figures
+
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
-    build_program(cfg, devices=list(topo.devices())).lower().compile()
+    compiled = build_program(cfg, devices=list(topo.devices())).lower().compile()
+    print(json.dumps(memory_figures(compiled)))
 
 
-def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> None:
+def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> dict:
+    """Compiles in a fresh process whose XLA_FLAGS ask for dumps into `dump_dir`; returns the compile's
+    memory figures (jaxmem.plan.compiled.memory_figures)."""
     flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
     env = dict(os.environ, JAX_PLATFORMS="cpu" if topo.name else os.environ.get("JAX_PLATFORMS", ""),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
@@ -43,6 +48,7 @@ def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> None:
     if proc.returncode:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"explain: the dump compile failed:\n{tail}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
@@ -63,8 +69,9 @@ def explain(cfg: Config, topo: Topology, top: int = 10, dump_dir: str | None = N
     """Compiles with dumps in a subprocess and explains the peak (bytes are compiled, deviceless for a target)."""
     with tempfile.TemporaryDirectory(prefix="jaxmem-explain-") as tmp:
         where = Path(dump_dir or tmp)
-        compile_with_dumps(cfg, topo, where)
+        figures = compile_with_dumps(cfg, topo, where)
         out = explain_dump(cfg, where, top)
+    out["compiled_device_bytes"] = figures["device"]  # XLA's memory analysis of the same compile
     out["label"] = f"compiled for {topo.label} ({'deviceless' if topo.name else 'attached devices'})"
     return out
 
