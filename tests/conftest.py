@@ -35,5 +35,30 @@ os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAXMEM_PLAN_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "plans"))
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
+
+
+@pytest.fixture(scope="session")
+def built_once(tmp_path_factory):
+    """`built_once(name, build)`: a directory that `build(directory)` fills once per test run, shared by the
+    xdist workers. A module fixture runs once per worker that needs it, and a deviceless compile (which the
+    persistent cache cannot hold) would run on both; the first worker to ask builds it under a file lock,
+    the other waits, then reads."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # the run's directory, above the per-worker ones
+
+    def directory(name: str, build) -> Path:
+        path = root / name
+        with FileLock(str(path) + ".lock"):
+            if not (path / ".built").exists():
+                path.mkdir(exist_ok=True)
+                build(path)
+                (path / ".built").touch()
+        return path
+
+    return directory

@@ -37,13 +37,14 @@ def cfg():
 
 
 @pytest.fixture(scope="module")
-def dumped(tmp_path_factory):
+def dumped(built_once):
     """(report, dump dir): the CLI run once, its XLA dump kept."""
-    tmp = tmp_path_factory.mktemp("explain")
-    out, dump = tmp / "top.json", tmp / "dump"
-    assert main(["configs/tiny.yaml", *OVERRIDES, "--top", str(TOP), "--json", str(out),
-                 "--dump-dir", str(dump)]) == 0
-    return json.loads(out.read_text()), dump
+    def build(directory):
+        assert main(["configs/tiny.yaml", *OVERRIDES, "--top", str(TOP), "--json", str(directory / "top.json"),
+                     "--dump-dir", str(directory / "dump")]) == 0
+
+    directory = built_once("explain", build)
+    return json.loads((directory / "top.json").read_text()), directory / "dump"
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,7 @@
 """Pipeline parallelism: schedules, layer partitions, numerics against one device, checkpoints across
 layouts, HF export, and the per-stage compiled plan."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -214,12 +216,15 @@ PLAN = ["model.preset=llama3.2-1b", "model.n_layers=8", "train.seq_len=1024", "t
 
 
 @pytest.fixture(scope="module")
-def auto_plan():
+def auto_plan(built_once):
     from jaxmem.aot import resolve_topology
     from jaxmem.plan import plan
 
-    cfg = load_config("configs/tiny.yaml", PLAN + ["parallel.pp_layers=auto"])
-    return plan(cfg, resolve_topology(cfg, None, None, None))
+    def build(directory):
+        cfg = load_config("configs/tiny.yaml", PLAN + ["parallel.pp_layers=auto"])
+        (directory / "plan.json").write_text(json.dumps(plan(cfg, resolve_topology(cfg, None, None, None))))
+
+    return json.loads((built_once("pipeline_auto_plan", build) / "plan.json").read_text())
 
 
 def _stage_totals(bills):

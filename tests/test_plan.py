@@ -21,9 +21,14 @@ SCHEMA_KEYS = {"schema_version", "config", "config_hash", "model", "params", "ta
 
 
 @pytest.fixture(scope="module")
-def tiny_plan():
+def tiny_plan(built_once):
     cfg = load_config("configs/tiny.yaml", TINY_FP32)
-    return cfg, plan(cfg, resolve_topology(cfg), source="configs/tiny.yaml")
+
+    def build(directory):
+        result = plan(cfg, resolve_topology(cfg), source="configs/tiny.yaml")
+        (directory / "plan.json").write_text(json.dumps(result))
+
+    return cfg, json.loads((built_once("tiny_plan", build) / "plan.json").read_text())
 
 
 def test_every_target_has_published_figures():
