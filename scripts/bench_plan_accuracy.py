@@ -66,7 +66,11 @@ GPU_NOTE = (
     "description: neither moves the deviceless figure; splitting it further needs a GPU). The exception is the "
     "params-on-host 4090 recipe: 18.59 GiB deviceless with jax 0.11.2, 19.57 with jax 0.10.2, 20.57 measured: "
     "on the GPU XLA prefetched more of the streamed optimizer update than in either deviceless compile. "
-    "`jaxmem plan` warns when it compiles a host-offload recipe with a jax older than 0.11. The analytic "
+    "`jaxmem plan` warns when it compiles a host-offload recipe with a jax older than 0.11. jax 0.12.0.1 has "
+    "not run on a GPU: its column compares its deviceless compile with the peak measured with jax 0.11.2, for "
+    "scale only; its XLA is up to 10% lower on the fp32-gradient cases (`jaxmem explain` of 8bx8L_s8k_full: "
+    "the embedding's fp32 gradient and the new weights' buffers are no longer live at the backward's peak). "
+    "The analytic "
     "figure is computed with the H100's memory (its scheduler limit decides how much of a streamed optimizer "
     "update is prefetched; the 4090 row ran on the H100).")
 MISS_NOTE = (
