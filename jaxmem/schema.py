@@ -125,8 +125,8 @@ class OptimizerConfig:
     update_in_backward: bool = _f(
         False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
                "the whole-model gradient never exists; clips by the previous step's global norm; needs "
-               "remat.preset=full at layer granularity, one micro-batch per step, params on the device and no "
-               "fp16 loss scaling; with offload.optimizer=host needs offload.optimizer_update=device (each "
+               "remat.preset=full (or offload_layer_inputs: the layer inputs in pinned host memory) at layer "
+               "granularity, one micro-batch per step, params on the device and no fp16 loss scaling; with offload.optimizer=host needs offload.optimizer_update=device (each "
                "layer's state is streamed from pinned host memory to the device and back)")
 
 

@@ -15,6 +15,9 @@ been updated, so the layers (and the embedding, final norm and LM head, for one 
 This is the trade-off: a loss spike is clipped one step late. The norm of this step's full gradient is
 still computed exactly (each layer adds its squared norm) and reported.
 
+Layer inputs. They are the only residuals (the backward rebuilds each layer from its input); with
+`remat.preset=offload_layer_inputs` they are kept in pinned host memory instead of on the device.
+
 Host offload. With `offload.optimizer=host` (and `offload.optimizer_update=device`) the fp32 master
 weights and Adam's m and v stay in pinned host memory: the stacked host arrays are the backward's loop
 carry, each layer's slice is fetched to the device, updated there and written back into the host stack in
@@ -84,14 +87,18 @@ def floats_as_ints(tree, like):
     return jax.tree.map(lambda x, t: x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x, tree, like)
 
 
-def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch=lambda t: t):
+def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch=lambda t: t,
+              offload_inputs=False):
     """scan_layers(body, h, stacked_params, state) -> h, with the update in the backward.
 
     state = (weights or None, opt_state with `ints_as_floats`, clip_factor, squared_norm_seed); weights None
     means the params are the weights (no fp32 master). Each layer sees its params in `grad_dtype`, as the
     plain step's layers do. `constrain_grad(g)` places one layer's gradient (its reduce-scatter).
     `fetch(tree)` brings one layer's slice of weights and optimizer state to the device (host-resident
-    stacks); the updated slice goes back into the stack's own memory space (`put_layer`)."""
+    stacks); the updated slice goes back into the stack's own memory space (`put_layer`). With
+    `offload_inputs` (remat.preset=offload_layer_inputs) each layer's input is written to pinned host memory
+    as the forward makes it and fetched back when the backward rebuilds that layer."""
+    from jaxmem.offload import DEVICE, HOST
 
     def update(dp, p, w, s, factor, like):
         """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
@@ -113,7 +120,7 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
 
     def _forward(body, h, params, consts):
         def step(carry, p):
-            return body(carry, cast(p), *consts), carry
+            return body(carry, cast(p), *consts), jax.device_put(carry, HOST) if offload_inputs else carry
 
         return jax.lax.scan(step, h, params)
 
@@ -128,7 +135,9 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
         def layer(carry, i):
             dh, params_all, weights_all, opt_all, sq = carry
             p = take_layer(params_all, i)
-            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), take_layer(inputs, i), cast(p))
+            x = take_layer(inputs, i)
+            x = jax.device_put(x, DEVICE) if offload_inputs else x
+            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), x, cast(p))
             dx, dp = vjp(dh)
             w = None if weights_all is None else take_layer(weights_all, i)
             new_p, new_w, new_s, sq_i = update(dp, p, w, take_layer(opt_all, i), factor, opt_like.value)
@@ -172,7 +181,8 @@ def make_step(prog):
     on_host = cfg.offload.optimizer == "host"
     fetch = offload.to_device if on_host else (lambda t: t)
     scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
-                     constrain_grad=constrain_grad, fetch=fetch)
+                     constrain_grad=constrain_grad, fetch=fetch,
+                     offload_inputs=cfg.remat.preset == "offload_layer_inputs")
     lr_at = schedule(cfg)
 
     def counts_to_device(tree):

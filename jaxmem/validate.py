@@ -249,9 +249,10 @@ def _update_in_backward_levers(cfg: Config) -> None:
     if not cfg.optimizer.update_in_backward:
         return
     key = "optimizer.update_in_backward"
-    if cfg.remat.preset != "full" or cfg.remat.granularity != "layer" or cfg.remat.names:
-        raise ConfigError(f"{key}: needs remat.preset=full with remat.granularity=layer and no remat.names "
-                          "(the backward rebuilds each layer from its input)")
+    if cfg.remat.preset not in ("full", "offload_layer_inputs") or cfg.remat.granularity != "layer" \
+            or cfg.remat.names:
+        raise ConfigError(f"{key}: needs remat.preset=full or offload_layer_inputs with remat.granularity=layer "
+                          "and no remat.names (the backward rebuilds each layer from its input)")
     if cfg.offload.params != "device":
         raise ConfigError(f"{key}: needs offload.params=device (the backward updates device-resident layers)")
     if cfg.offload.optimizer == "host" and cfg.offload.optimizer_update != "device":

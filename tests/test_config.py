@@ -115,7 +115,7 @@ BAD_CROSS = {
     "_batch_fits_fixed_mesh": (["parallel.fsdp=8", "train.global_batch=24"],
                                "train.global_batch: 24 is not a multiple of micro_batch 2 x data ways 8 = 16"),
     "_update_in_backward_levers": (["optimizer.update_in_backward=true"],
-                                   "optimizer.update_in_backward: needs remat.preset=full"),
+                                   "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
     "_pipeline_levers": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
 }
 

@@ -72,6 +72,18 @@ def test_matches_the_plain_update(layout, optimizer):
     assert _kinds(inside_state["params"]) == {"device"}
 
 
+def test_layer_inputs_in_host_memory_match_the_plain_update():
+    """remat.preset=offload_layer_inputs: the backward fetches each layer's input from pinned host memory;
+    the numbers are those of the plain update (fsdp=8, optimizer state on the host too)."""
+    plain, plain_state = _plain("fsdp8")
+    inside, inside_state = _steps(NO_CLIP + LAYOUTS["fsdp8"] + HOST_OPT + [
+        "optimizer.update_in_backward=true", "remat.preset=offload_layer_inputs"], _devices("fsdp8"))
+    np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
+    np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
+    for key in ("params", "master", "opt"):
+        assert _max_diff(inside_state[key], plain_state[key]) < 1e-6, key
+
+
 def test_clips_by_the_previous_steps_norm():
     """Step 1 has no previous norm: unclipped, like a run that never clips (step 2's loss, computed from the
     params after step 1, is the same). Step 1's norm is above clip_norm, so step 2's gradients are scaled by
@@ -86,7 +98,7 @@ def test_clips_by_the_previous_steps_norm():
 
 
 @pytest.mark.parametrize("override, message", [
-    ("remat.preset=selective", "needs remat.preset=full"),
+    ("remat.preset=selective", "needs remat.preset=full or offload_layer_inputs"),
     ("offload.optimizer=host", "with offload.optimizer=host needs offload.optimizer_update=device"),
     ("offload.params=host", "needs offload.params=device"),
     ("train.grad_accum=2", "needs train.grad_accum=1"),
@@ -144,3 +156,9 @@ def test_deviceless_host_optimizer_leaves_the_device():
     device, host = figures["device"], figures["host"]
     assert device["host"] == 0 and host["host_argument"] == moved
     assert host["device"] < device["device"] - moved / 2, (device, host, moved)
+    # and the layer inputs (the backward's only residuals) in pinned host memory: [L, rows, T, D] bf16
+    cfg = load_config(None, SMALL + HOST_OPT + ["remat.preset=offload_layer_inputs"])
+    inputs = cfg.model.n_layers * cfg.train.seq_len * cfg.model.d_model * 2
+    lean = memory_figures(build_program(cfg, devices=aot.target_devices("h100-80g", 1)).lower().compile())
+    assert lean["host_temp"] >= inputs and lean["device"] <= host["device"] - inputs // 2, (host, lean, inputs)
+    assert compute_bill(cfg, 1).device_total == pytest.approx(lean["device"], rel=0.05)
