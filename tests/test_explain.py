@@ -379,6 +379,17 @@ def test_an_offloaded_program_is_explained_at_its_device_peak():
     assert 0.95 * result["compiled_device_bytes"] <= result["peak_live_bytes"] <= result["compiled_device_bytes"]
 
 
+def test_a_copy_of_optimizer_state_is_traced_to_its_argument():
+    """A host-resident optimizer leaf brought to the device (copy-start / copy-done) is named after its
+    train-state path, which explain files under `optimizer` (fetched for a streamed update), not weights."""
+    hlo = hlo_dump.HloModuleText("\n".join([
+        "HloModule m", "", "ENTRY %main (p: f32[4,8]) -> f32[4,8] {",
+        "  %p = f32[4,8]{1,0:S(5)} parameter(0), metadata={op_name=\"state['opt']['rest'][0].mu['lm_head']\"}",
+        "  %cs = (f32[4,8]{1,0:S(5)}, f32[4,8]{1,0}, u32[]) copy-start(%p)",
+        "  ROOT %cd = f32[4,8]{1,0} copy-done(%cs)", "}"]))
+    assert buffer_kinds._weight_copy(hlo, hlo.instrs["cs"]) == "state['opt']['rest'][0].mu['lm_head']"
+
+
 def test_device_peak_counts_aliases_once_and_leaves_host_buffers_out():
     # a: 4000 device bytes (0-1); h: 16000 host bytes (1-2); b: 8000 device bytes (2-3) with its loop alias
     # b_phi at the same offset (3-4): XLA's peak (moment 1) is mostly the host buffer; the device peak is b's,

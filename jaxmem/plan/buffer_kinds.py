@@ -274,7 +274,8 @@ def _weight_copy(module, ins, depth: int = 6) -> str | None:
     for _ in range(depth):
         if ins.opcode == "parameter":
             if ins.computation == module.entry:
-                return ins.op_name if ins.op_name.startswith(("state['params']", "state['master']")) else None
+                return ins.op_name if ins.op_name.startswith(("state['params']", "state['master']",
+                                                              "state['opt']")) else None
             return None
         if ins.opcode == "get-tuple-element" and ins.operands and ins.operands[0] in module.instrs:
             src = module.instrs[ins.operands[0]]
@@ -364,6 +365,11 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     ckpt = None
     if collective == "all-gather" and weight:
         cat, key, why = "param", "gathered", f"all-gather of {weight}"
+    elif copy_of and copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
+        if cfg.offload.optimizer == "host":
+            cat, key, why = "optimizer", "optimizer_fetch", f"{copy_of} brought from pinned host memory in {where}"
+        else:
+            cat, key, why = "optimizer", "optimizer_temp", f"a copy of {copy_of} in {where}"
     elif copy_of:
         cat, key, why = "param", "param_copy", f"a copy of {copy_of} (cast, slice or relayout) in {where}"
     elif collective == "reduce-scatter" and weight:

@@ -66,11 +66,16 @@ SUGGESTIONS = {
     "optimizer_temp": "optimizer update temporary (AdamW math, or a new copy of the state or params before it "
                       "replaces the old): offload.optimizer=host with offload.optimizer_update=host runs the "
                       "update off the GPU; precision.moment_dtype=bfloat16 halves the moments",
+    "optimizer_fetch": "optimizer state streamed from pinned host memory for the update (offload.optimizer=host, "
+                       "optimizer_update=device): XLA brings leaves forward while they fit under its scheduler "
+                       "limit; optimizer.update_in_backward streams one layer's at a time; "
+                       "precision.moment_dtype=bfloat16 halves the moments",
     "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
                   "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
                   "a larger fsdp axis) shrinks it",
     "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them; "
-            "optimizer.update_in_backward=true (with remat.preset=full) keeps one layer's at a time",
+            "optimizer.update_in_backward=true (remat.preset=full or offload_layer_inputs) keeps one layer's "
+            "at a time",
     "gathered": "all-gathered full weight (FSDP): fewer layers gathered ahead (XLA's scheduler prefetch; "
                 "lower remat.every_k) or add tensor parallelism (parallel.tp)",
     "activation": "scan residual '{name}' kept for every layer: set remat.names.{name}=remat (recompute) or "
