@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CPU_ENV := JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo test clean
+.PHONY: demo test test-latest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -33,6 +33,30 @@ $(CUDNN_SITE)/.installed: | $(BIN)/python
 
 test: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
 	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
+
+# `make test-latest`: the compatibility subset on the newest jax pip resolves for Python 3.12 (jax 0.12 today),
+# in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.
+PYTHON_LATEST ?= python3.12
+LATEST := .venv-latest
+# test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another mesh) aborted twice in a
+# loaded two-worker run and never alone (docs in the closing note); it runs in `make test` on the tested jax.
+LATEST_TESTS := tests/test_compat.py tests/test_shim.py tests/test_offload.py tests/test_explain.py \
+	tests/test_update_in_backward.py tests/test_kernels_common.py tests/test_doctor.py
+
+$(LATEST)/.installed: pyproject.toml
+	$(PYTHON_LATEST) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
+	$(LATEST)/bin/python -m pip install --quiet -e '.[aot]' pytest pytest-xdist filelock
+	touch $@
+
+test-latest:
+	@if ! $(PYTHON_LATEST) -c 'import sys' >/dev/null 2>&1; then \
+		echo "test-latest: no $(PYTHON_LATEST) on this machine; skipped"; \
+	else \
+		$(MAKE) --no-print-directory $(LATEST)/.installed && \
+		$(LATEST)/bin/python -c 'import jax; print("test-latest: jax", jax.__version__)' && \
+		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist worksteal $(LATEST_TESTS); \
+	fi
 
 clean:
 	rm -rf runs .pytest_cache
