@@ -298,11 +298,12 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         device["grads"] -= _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
     host["activations"] = sum(saved_host.values())
     update_phase = 0
+    memory = _device_memory(cfg, device_memory)
     if streamed or ("opt" in layout.host_state and cfg.optimizer.update_in_backward):
         # in-backward: the embedding / final norm / LM head are updated after the backward, streamed alike
-        update_phase = update_phase_bytes(cfg, layout, prec, device, _device_memory(cfg, device_memory))
+        update_phase = update_phase_bytes(cfg, layout, prec, device, memory)
     if streamed and "params" not in layout.host_state:
-        device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, _device_memory(cfg, device_memory))
+        device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, memory)
     absent_in_loss = 0
     if "opt" in layout.host_state and not (streamed and "params" in layout.host_state) \
             and not cfg.optimizer.update_in_backward:
@@ -333,7 +334,7 @@ def in_backward_stream_bytes(cfg: Config, layout: Layout, prec: Precision, devic
     compiled temporaries grow 28.9 MB at d_ff 1536, this gives 28.3; 6.1 MB at d_ff 512, this gives 9.4)."""
     _, layer_params = split_layers(layout.abstract_params)
     _, layer_specs = split_layers(layout.opt_specs)
-    per_elem = (4 if prec.master else 0) + 2 * _itemsize(prec.moment)
+    per_elem = sum(_itemsize(d) for d in _state_dtypes(prec))
     leaves = sorted((_shard_elems(x.shape, s, layout.mesh_sizes) // cfg.model.n_layers
                      for x, s in zip(jax.tree.leaves(layer_params), spec_leaves(layer_specs), strict=True)),
                     reverse=True)
@@ -353,21 +354,36 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
     activations, the layer phase and the old weights are dead. XLA's scheduler also prefetches the next
     leaf's state while that fits under its memory limit (`SCHEDULER_*`): on an 80 GB H100 all three
     copies (+5.87 GiB: 20.55 GiB compiled on the GPU), on a 24 GB RTX 4090 none (14.68 GiB)."""
-    rest, _ = split_layers(layout.abstract_params)
-    rest_specs, _ = split_layers(layout.opt_specs)
-    state_dtypes = ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
-    leaves = sorted((_shard_elems(x.shape, s, layout.mesh_sizes)
-                     for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), reverse=True)
+    leaves = _rest_leaf_elems(layout)
     largest = leaves[0] if leaves else 0
-    state = [largest * _itemsize(d) for d in state_dtypes]
+    state = [largest * _itemsize(d) for d in _state_dtypes(prec)]
     peak = device["grads"] + largest * _itemsize(prec.param) + 2 * sum(state)
-    args = device["params"] + device["base"] + device["inputs"]
-    limit = (SCHEDULER_MEMORY_FRACTION * device_memory - args) * SCHEDULER_SLOP
-    for copy in ([leaves[1] * _itemsize(d) for d in state_dtypes] if len(leaves) > 1 else []):
+    limit = _scheduler_limit(device, device_memory)
+    for copy in ([leaves[1] * _itemsize(d) for d in _state_dtypes(prec)] if len(leaves) > 1 else []):
         if peak + copy > limit:
             break
         peak += copy
     return peak
+
+
+def _rest_leaf_elems(layout: Layout) -> list[int]:
+    """Elements per device of each non-layer leaf (embedding, final norm, LM head) as the optimizer state
+    shards it, largest first: a streamed update moves them whole, one at a time."""
+    rest, _ = split_layers(layout.abstract_params)
+    rest_specs, _ = split_layers(layout.opt_specs)
+    return sorted((_shard_elems(x.shape, s, layout.mesh_sizes)
+                   for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), reverse=True)
+
+
+def _state_dtypes(prec: Precision) -> list:
+    """The optimizer state kept per weight: fp32 master (if any), Adam's m and v."""
+    return ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
+
+
+def _scheduler_limit(device: dict[str, int], device_memory: int) -> float:
+    """XLA's GPU scheduler memory limit for this step (SCHEDULER_*): the device's share less the arguments."""
+    args = device["params"] + device["base"] + device["inputs"]
+    return (SCHEDULER_MEMORY_FRACTION * device_memory - args) * SCHEDULER_SLOP
 
 
 def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int],
@@ -377,16 +393,11 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
     leaf's fp32 master, m and v (the largest non-layer leaf) and the buffer the layers' new weights are
     written into (`jaxmem explain` of the 1-GPU 128k recipe, jax 0.11.2: the LM head's three fp32 copies,
     5.87 GiB, and the new bf16 layer weights, 1.63 GiB, live at the device peak in the MLP backward)."""
-    rest, _ = split_layers(layout.abstract_params)
-    rest_specs, _ = split_layers(layout.opt_specs)
-    largest = max((_shard_elems(x.shape, s, layout.mesh_sizes)
-                   for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), default=0)
-    state = largest * (4 * prec.master + 2 * _itemsize(prec.moment))
-    prefetch = state + _state_bytes(layout, layout.param_specs, prec.param, part="layers")
+    largest = next(iter(_rest_leaf_elems(layout)), 0)
+    new_layers = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
+    prefetch = largest * sum(_itemsize(d) for d in _state_dtypes(prec)) + new_layers
     phase = sum(device.values())  # an upper bound of the backward's own peak
-    limit = (SCHEDULER_MEMORY_FRACTION * device_memory - device["params"] - device["base"] - device["inputs"]) \
-        * SCHEDULER_SLOP
-    return prefetch if phase + prefetch <= limit else 0
+    return prefetch if phase + prefetch <= _scheduler_limit(device, device_memory) else 0
 
 
 def _batch_row_elems(cfg: Config) -> int:
