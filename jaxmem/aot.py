@@ -44,6 +44,16 @@ def lowering_target(device):
     return jax.default_device(device)
 
 
+def compile_abstract(fn, *args):
+    """`fn` jitted and compiled for the device its abstract arguments (ShapeDtypeStructs with a sharding) are
+    placed on, a compile-only device included: the lowering runs under lowering_target."""
+    import jax
+
+    device = next(iter(jax.tree.leaves(args)[0].sharding.device_set))
+    with lowering_target(device):
+        return jax.jit(fn).lower(*args).compile()
+
+
 @dataclasses.dataclass(frozen=True)
 class Topology:
     """What a plan compiles for: a named GPU target (deviceless) or, with name "", the attached devices."""

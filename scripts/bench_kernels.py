@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmem.aot import target_devices  # noqa: E402
+from jaxmem.aot import compile_abstract, target_devices  # noqa: E402
 from jaxmem.config import KernelConfig  # noqa: E402
 from jaxmem.kernels import loss_blocks  # noqa: E402
 from jaxmem.kernels.attention.pallas import attention_cost, flash_attention  # noqa: E402
@@ -52,7 +52,7 @@ def _device():
 
 def _memory(fn, *args) -> dict:
     start = time.perf_counter()
-    f = memory_figures(jax.jit(fn).lower(*args).compile())
+    f = memory_figures(compile_abstract(fn, *args))
     return {"argument_bytes": f["argument"], "output_bytes": f["output"],
             "alias_bytes": f["alias"], "temp_bytes": f["temp"], "device_bytes": f["device"],
             "compile_s": round(time.perf_counter() - start, 1), "how": HOW}

@@ -115,18 +115,16 @@ def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
 @pytest.mark.slow
 def test_pallas_compiles_for_h100_llama3_8b_seq_8192():
     """Deviceless sm_90 compile of llama3-8b attention (32 q heads, 8 kv heads, head_dim 128) fwd+bwd."""
-    from jaxmem.aot import lowering_target, target_devices
+    from jaxmem.aot import compile_abstract, target_devices
 
-    device = target_devices("h100-80g", 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
     spec = lambda n: jax.ShapeDtypeStruct((1, 8192, n, 128), jnp.bfloat16, sharding=sharding)
 
     def fwd_bwd(q, k, v):
         out, vjp = jax.vjp(lambda q, k, v: flash_attention(q, k, v), q, k, v)
         return vjp(out)
 
-    with lowering_target(device):  # Pallas reads the GPU generation from the default device (jax >= 0.11)
-        memory = jax.jit(fwd_bwd).lower(spec(32), spec(8), spec(8)).compile().memory_analysis()
+    memory = compile_abstract(fwd_bwd, spec(32), spec(8), spec(8)).memory_analysis()
     # the XLA path holds 32 x 8192 x 8192 fp32 scores (8 GiB) and their gradient; the kernel holds none
     assert memory.temp_size_in_bytes < 0.25 * 2**30
 
@@ -141,12 +139,10 @@ def test_blocks_shrink_to_fit_the_smallest_shared_memory():
 
 def test_fp32_head_dim_128_compiles_for_rtx4090():
     """Deviceless sm_89 compile (99 KiB shared memory): the default 64 x 64 fp32 tiles would not fit."""
-    from jaxmem.aot import lowering_target, target_devices
+    from jaxmem.aot import compile_abstract, target_devices
 
-    device = target_devices("rtx4090-24g", 1)[0]
-    sharding = jax.sharding.SingleDeviceSharding(device)
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("rtx4090-24g", 1)[0])
     q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32, sharding=sharding)
     kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32, sharding=sharding)
     loss = lambda q, k, v: flash_attention(q, k, v).sum()
-    with lowering_target(device):  # the sm_89 limits apply only if Pallas sees this device as the default
-        jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).compile()
+    compile_abstract(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)  # lowered for the sm_89 device itself

@@ -24,9 +24,8 @@ from jaxmem.plan.buffer_kinds import classify, state_shapes
 
 def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
-    from jaxmem.program import build_program
-
     from jaxmem.plan.compiled import memory_figures
+    from jaxmem.program import build_program
 
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
