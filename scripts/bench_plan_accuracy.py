@@ -224,9 +224,8 @@ def compile_gpu_case(name: str) -> dict:
 
     cfg = gpu_case_config(calibration_cases()[name])
     figures = compile_for_plan(cfg, resolve_topology(cfg, "h100-80g", 1, 1))[1]
-    return {"case": name, "jax": jax.__version__, "device_bytes": figures.fields["argument"]
-            + figures.fields["output"] - figures.fields["alias"] + figures.fields["temp"],
-            "fields": figures.fields, "label": figures.label}
+    return {"case": name, "jax": jax.__version__, "device_bytes": figures.device_total, "fields": figures.fields,
+            "label": figures.label}
 
 
 def gpu_deviceless() -> None:
