@@ -4,7 +4,7 @@ On the devices attached to this process, bench compiles the config's train step 
 that executable is the planned figure), inits the state, runs N steps on the config's data and reports,
 side by side: planned device bytes vs the allocator's measured peak, the cost model's step time vs the
 measured median, tokens/s and MFU. Every figure carries a label saying how it was obtained. Nothing is
-written to disk but the --json file: no checkpoints, no metrics, nothing in out_dir.
+written to disk but the --json file (and the --html page): no checkpoints, no metrics, nothing in out_dir.
 """
 from __future__ import annotations
 
@@ -78,13 +78,14 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
         state = jax.block_until_ready(prog.init_state())
         after_init = _allocator(local)
         state_counted = _shard_bytes(state, local[0])
-        times, losses = [], []
+        times, losses, per_step = [], [], []
         for i in range(steps):
             batch = batch if i == 0 else next(data)  # built on the host before the clock starts
             t0 = time.perf_counter()
             state, metrics = jax.block_until_ready(compiled(state, batch))
             times.append(time.perf_counter() - t0)
             losses.append(float(metrics["loss"]))
+            per_step.append(_allocator(local))  # after the clock stops: --html draws it
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):
             raise _oom_error("running", e) from None
@@ -144,6 +145,10 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
         "mfu": _fig(mfu, measured, MFU_FORMULA, model_flops_per_step=float(cost.model_flops),
                     **({} if mfu is not None else {"note": f"n/a: {no_target}"})),
         "losses": _fig(losses, measured, "the step's loss at every step, warm-up included"),
+        "memory_per_step": _fig([{"step": i + 1, **{f"mem/{k}": v for k, v in (s or {}).items()}}
+                                 for i, s in enumerate(per_step)], measured,
+                                f"after each step: {stats_how} (jaxmem.telemetry's metrics keys)",
+                                **({} if after_steps else {"note": na})),
         "warnings": list(figures.warnings),
     }
 
@@ -195,11 +200,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
     ap = argparse.ArgumentParser(
         prog="jaxmem bench", formatter_class=HelpFormatter,
-        usage="jaxmem bench CONFIG [key=value ...] [--steps N] [--warmup W] [--json FILE]",
+        usage="jaxmem bench CONFIG [key=value ...] [--steps N] [--warmup W] [--json FILE] [--html FILE]",
         description="Run a config's train step on the devices attached to this process and put the plan next to "
                     "the measurement: XLA's compiled device bytes vs the allocator's peak (Device.memory_stats(), "
                     "GPU only), the cost model's step time vs the measured median, tokens/s and MFU (GPU with a "
-                    "known target only). Writes nothing but --json: no checkpoints, nothing in out_dir.",
+                    "known target only). Writes nothing but --json and --html: no checkpoints, nothing in out_dir.",
         epilog="examples:\n"
                "  jaxmem bench configs/tiny.yaml --steps 3            # on CPU: times and losses, no memory stats\n"
                "  jaxmem bench configs/llama3-8b-1xh100-128k.yaml train.seq_len=8192 --json bench.json\n"
@@ -210,7 +215,23 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, metavar="W", default=None,
                     help="first steps left out of the timing (default 3, at most --steps - 1)")
     ap.add_argument("--json", dest="json_path", metavar="FILE", default=None, help="write the results as JSON")
+    ap.add_argument("--html", metavar="FILE", default=None,
+                    help="write a page with the measured device memory of every step next to the planned peak")
     return ap.parse_intermixed_args(argv)
+
+
+def write_html(result: dict, path: str) -> Path:
+    """The measured per-step device memory next to the compiled (planned) device bytes, as one HTML page."""
+    from jaxmem.plan.timeline_html import measured_from_rows, write
+
+    mem = result["memory"]
+    rows = result["memory_per_step"]
+    source = f"{rows['label']}, {rows['how']}" + (f" ({rows['note']})" if rows.get("note") else "")
+    measured = measured_from_rows(rows["value"], mem["planned_device_bytes"]["value"], source,
+                                  f"{mem['planned_device_bytes']['label']}: {mem['planned_device_bytes']['how']}")
+    d = result["device"]
+    return write(path, [], f"jaxmem bench {result['config'] or result['model']}: {d['devices']} x {d['kind']}",
+                 measured)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
         render(result)
         if args.json_path:
             Path(args.json_path).write_text(json.dumps(result, indent=2))
+        if args.html:
+            print(f"memory page: {write_html(result, args.html)}")
     return 0
 
 

@@ -244,17 +244,3 @@ def live_at(timeline: dict, position: int, memory: str = "device") -> list[dict]
     """The bands of one pool live at a schedule position."""
     return [b for b in timeline["bands"] if b["memory"] == memory and b["first"] <= position <= b["last"]]
 
-
-def timeline(cfg: Config, topo, dump_dir: str | None = None, config: str = "") -> dict:
-    """Compiles `cfg` with dumps (a subprocess, deviceless for a named target) and builds its timeline."""
-    import tempfile
-
-    from jaxmem.plan.explain import compile_with_dumps
-
-    with tempfile.TemporaryDirectory(prefix="jaxmem-timeline-") as tmp:
-        where = Path(dump_dir or tmp)
-        figures = compile_with_dumps(cfg, topo, where)
-        label = f"compiled for {topo.label} ({'deviceless' if topo.name else 'attached devices'})"
-        out = build(cfg, where, label, config)
-    out["compiled_device_bytes"] = figures["device"]
-    return out
