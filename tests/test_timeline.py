@@ -252,6 +252,22 @@ def test_chromium_renders_the_tiny_page(run, tmp_path):
     dom = _check_in_browser(d / "t.html", tmp_path, ["param", "activation", "logits", "grad", "optimizer"])
     assert dom.count('class="band"') > 100  # one path per visible buffer
     assert f"live at the device peak ({len(tl['peak']['buffers'])} buffers" in dom
+    # hover and click on the biggest band: the tooltip and the pinned box show that buffer
+    clicked = tmp_path / "clicked.html"
+    clicked.write_text((d / "t.html").read_text().replace("</body>", """<script>
+var bands = Array.from(document.querySelectorAll("path.band"));
+var big = bands.reduce(function (a, b) { return a.getBBox().height > b.getBBox().height ? a : b; });
+big.dispatchEvent(new MouseEvent("mousemove", {clientX: 300, clientY: 300, bubbles: true}));
+document.body.setAttribute("data-tip", document.getElementById("tip").style.display);
+big.dispatchEvent(new MouseEvent("click", {bubbles: true}));
+</script></body>"""))
+    dom, console, _ = _browse(clicked, tmp_path / "2")
+    assert console == [] and 'data-tip="block"' in dom
+    pinned = re.search(r'<div class="pin"><b>pinned buffer</b>(.*?)</div>', dom, re.S).group(1)
+    biggest = max(b["bytes"] for b in tl["bands"])  # the [tokens, vocab] fp32 logits and their gradient
+    name = re.search(r"<th>buffer</th><td>(.*?)</td>", pinned).group(1)
+    assert name in {b["buffer"] for b in tl["bands"] if b["bytes"] == biggest and b["category"] == "logits"}
+    assert "kernels.loss=chunked" in pinned and f"({biggest:,})" in pinned and "<th>checkpoint name</th>" in pinned
 
 
 def test_chromium_renders_the_offloaded_comparison(compared, tmp_path):

@@ -66,7 +66,8 @@ def plot_timelines(timelines: list[dict], path: str | Path) -> Path:
         peak = tl["peak"]
         ax.axvline(peak["position"], color="#c00", linestyle="--", linewidth=0.9)
         ax.annotate(f"peak {peak['device_bytes'] / scale:.2f} {unit}", (peak["position"], peak["device_bytes"] / scale),
-                    xytext=(4, 2), textcoords="offset points", color="#c00", fontsize=8, fontweight="bold")
+                    xytext=(4, -12), textcoords="offset points", color="#c00", fontsize=8, fontweight="bold",
+                    bbox={"fc": "white", "ec": "none", "alpha": 0.8, "pad": 1})
         ax.set_title(f"{tl.get('config') or 'train step'}\n{tl.get('label', '')}", fontsize=8)
         if rows == 2:
             _lane(axes[1][col], tl, "host", host_max, hscale, hunit)

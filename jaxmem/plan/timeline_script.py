@@ -225,10 +225,10 @@ function panel(root, tl, scale) {
     return "<tr><td class=n>" + (i + 1) + "</td><td class=n>" + fmt(b.bytes) + "</td><td>" + esc(b.dtype) + "[" +
       esc(b.shape.join(",")) + "]</td><td><i class=sw style=\"background:" + DATA.colors[b.category] + "\"></i>" +
       esc(b.category) + (b.checkpoint_name ? " (" + esc(b.checkpoint_name) + ")" : "") + "</td><td>" +
-      esc(b.source) + "</td><td>" + esc(b.suggestion) + "</td></tr>";
+      esc(b.source) + "<div class=lever>" + esc(b.suggestion) + "</div></td></tr>";
   });
-  list.innerHTML = "<table><tr><th>#</th><th>bytes</th><th>shape</th><th>category</th><th>source</th>" +
-    "<th>lever</th></tr>" + rows.join("") + "</table>";
+  list.innerHTML = "<table><tr><th>#</th><th>bytes</th><th>shape</th><th>category</th><th>source, lever</th>" +
+    "</tr>" + rows.join("") + "</table>";
 }
 
 function measuredPanel(root, m) {
