@@ -189,7 +189,7 @@ function panel(root, tl, scale) {
   var right = px > LEFT + PW * 0.7;
   el("text", {x: px + (right ? -4 : 4), y: dev.yOf(tl.peak.device_bytes) + (tl.peak.device_bytes /
     scale.device > 0.93 ? 24 : -4), "text-anchor": right ? "end" : "start", fill: "#c00",
-    "font-weight": "bold"}, svg, label);
+    "font-weight": "bold", stroke: "#fff", "stroke-width": 3, "paint-order": "stroke"}, svg, label);
   // the moment under the pointer
   var cursor = el("line", {x1: 0, x2: 0, y1: PH + 6, y2: bottom, stroke: "#333", "stroke-width": 0.6,
     visibility: "hidden", "pointer-events": "none"}, svg);
