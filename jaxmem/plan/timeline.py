@@ -31,11 +31,14 @@ HOST_COPY = "host_copy"
 # Bottom to top in the stacked chart: what lives all step first, one op's working memory last.
 CATEGORIES = ("param", "optimizer", "grad", "activation", "logits", "temp", HOST_COPY)
 assert set(EXPLAIN_CATEGORIES) <= set(CATEGORIES)
-_LOSS_OP = re.compile(r"\bloss")  # the loss kernels' name scopes (loss_chunked, ...); XLA joins merged ops' with ":"
+_LOSS_OP = re.compile(r"\bloss")  # the loss kernels' name scopes (loss_chunked, ...)
 _SEQ_LINE = re.compile(r"^\s*(\d+):(\S+)\s*$")
 _HOST = ":S(5)"
 _SCAN_CODE = (module_path(jaxmem.remat),)
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
+# Ops that name or regroup buffers without computing: they take the part of the op before them (a loop's
+# results are read out with get-tuple-element under the loop's name stack wherever the reader is).
+_BOOKKEEPING = ("get-tuple-element", "bitcast", "tuple", "parameter", "constant")
 _TRANSFERS = ("copy-start", "copy-done", "copy", "dynamic-slice", "async-start", "async-done", "fusion")
 
 
@@ -132,11 +135,14 @@ def _labels(module: hlo_dump.HloModuleText, names: list[str]) -> list[str]:
         return False
 
     def label(ins) -> str:
+        if ins.opcode in _BOOKKEEPING:
+            return ""
         op = ins.op_name
         src = ins
         if not op and ins.computation in loop_of:
             src = loop_of[ins.computation]
             op = src.op_name
+        op = op.split(":")[0]  # XLA joins the names of merged ops with ":"; the first one's op runs first
         phase = _phase(op)
         if phase is None:
             return ""
@@ -144,7 +150,7 @@ def _labels(module: hlo_dump.HloModuleText, names: list[str]) -> list[str]:
             return "update"
         if phase == "grads":
             return "grad accumulation"
-        if _LOSS_OP.search(op.split(":")[0]) or any(in_files(f.file, _LOSS_CODE) for f in module.stack(src.frame)):
+        if _LOSS_OP.search(op) or any(in_files(f.file, _LOSS_CODE) for f in module.stack(src.frame)):
             return "loss"
         return f"{phase} layers" if in_layer_scan(ins) else phase
 
@@ -213,20 +219,21 @@ def build(cfg: Config, dump_dir: Path, label: str = "", config: str = "") -> dic
     peak_list, host_at_peak = hlo_dump.device_peak_buffers(live_text, assignment_text)
     peak_buffers = sorted((classify(cfg, module, v, i, b, state) for v, i, b in peak_list),
                           key=lambda b: -b["bytes"])
-    labels = _labels(module, names)
+    parts = phases(_labels(module, names))
+    peak_phase = next((p["name"] for p in parts if p["first"] <= peak_at <= p["last"]), "")
     return {
         "schema": SCHEMA,
         "config": config,
         "label": label,
         "positions": n,
         "instructions": names,
-        "phases": phases(labels),
+        "phases": parts,
         "categories": list(CATEGORIES),
         "bands": out_bands,
         "device": {"total": device_total, "by_category": series["device"]},
         "host": {"total": host_total, "by_category": series["host"]},
         "peak": {"position": peak_at, "instruction": names[peak_at] if n else "",
-                 "phase": labels[peak_at] if n else "", "device_bytes": device_total[peak_at] if n else 0,
+                 "phase": peak_phase, "device_bytes": device_total[peak_at] if n else 0,
                  "host_bytes": host_at_peak, "buffers": peak_buffers},
         "host_peak_bytes": max(host_total, default=0),
     }
