@@ -39,6 +39,12 @@ text-align:left;vertical-align:top} td.n{text-align:right;white-space:nowrap}
 """
 
 
+_INTRO = ('<p class="sub">jaxmem memory timeline. x: the compiled step\'s schedule (XLA\'s instruction order); '
+          "y: bytes live per device. Each band is one buffer, stacked by category; hover for its shape, source "
+          "line and lever, click to pin it. The dashed line marks the device peak; its live set is listed under "
+          "each chart (the list <code>jaxmem explain --top</code> prints).</p>")
+
+
 def slim(timeline: dict) -> dict:
     """What the page draws from a timeline: the bands (without alias lists), totals, phases and the peak."""
     return {"config": timeline.get("config", ""), "label": timeline.get("label", ""),
@@ -60,10 +66,7 @@ def page(timelines: list[dict], title: str = "", measured: dict | None = None) -
         "<!doctype html>", '<html lang="en"><head><meta charset="utf-8">',
         f"<title>{html.escape(title)}</title>", f"<style>{_STYLE}</style></head><body>",
         f"<h1>{html.escape(title)}</h1>",
-        '<p class="sub">jaxmem memory timeline. x: the compiled step\'s schedule (XLA\'s instruction order); '
-        "y: bytes live per device. Each band is one buffer, stacked by category; hover for its shape, source "
-        "line and lever, click to pin it. The dashed line marks the device peak; its live set is listed under "
-        "each chart (the list <code>jaxmem explain --top</code> prints).</p>",
+        _INTRO if timelines else "",
         '<div id="root"></div><div id="tip"></div>',
         f'<script type="application/json" id="data">{payload}</script>',
         f"<script>{SCRIPT}</script>", "</body></html>", ""])

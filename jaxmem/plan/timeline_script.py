@@ -247,6 +247,7 @@ function measuredPanel(root, m) {
   pts.forEach(function (p) { ymax = Math.max(ymax, p.bytes_in_use || 0, p.peak_bytes_in_use || 0); });
   ymax *= 1.08;
   var H = 260, top = 10, height = 210, svg = el("svg", {viewBox: "0 0 " + W + " " + H, role: "img"}, box);
+  var legend = div("legend", box);
   var s0 = pts[0].step, s1 = Math.max(pts[pts.length - 1].step, s0 + 1);
   var xOf = function (s) { return LEFT + (s - s0) / (s1 - s0) * PW; };
   var yOf = function (v) { return top + height - v / ymax * height; };
@@ -271,11 +272,16 @@ function measuredPanel(root, m) {
       el("title", {}, c, "step " + p.step + ": " + s[2] + " " + fmt(p[s[0]]));
     });
     if (d) el("path", {d: d, fill: "none", stroke: s[1], "stroke-width": 1.6}, svg);
-    el("text", {x: LEFT + 6, y: top + 14 + 13 * k, fill: s[1]}, svg, s[2] + " (measured)");
+    var key = document.createElement("span");
+    key.innerHTML = '<i class="sw" style="background:' + s[1] + '"></i>' + s[2] + " (measured)";
+    legend.appendChild(key);
   });
+  var key = document.createElement("span");
+  key.innerHTML = '<i class="sw" style="background:#c00"></i>planned device peak (compiled, dashed)';
+  legend.appendChild(key);
   el("text", {x: LEFT + PW, y: top + height + 28, "text-anchor": "end", fill: "#555"}, svg, "step");
-  var step = niceStep(s1 - s0, 8);
-  for (var s = s0; s <= s1; s += Math.max(1, step)) {
+  var step = Math.max(1, Math.ceil(niceStep(s1 - s0, 8)));
+  for (var s = s0; s <= s1; s += step) {
     el("text", {x: xOf(s), y: top + height + 14, "text-anchor": "middle", fill: "#555"}, svg, String(s));
   }
 }
