@@ -34,7 +34,8 @@ padding:6px 8px;max-width:460px;box-shadow:0 2px 8px #0003;display:none;z-index:
 .pin{background:#f6f6f2;border:1px solid #ccc;border-radius:4px;padding:6px 8px;margin:6px 0;min-height:18px}
 table{border-collapse:collapse;font-size:12px;width:100%} td,th{border-bottom:1px solid #eee;padding:2px 5px;
 text-align:left;vertical-align:top} td.n{text-align:right;white-space:nowrap}
-.peaklist{max-height:340px;overflow:auto} .lever{font-size:11px;color:#555} .readout{color:#333;min-height:17px;font-size:12px}
+.peaklist{max-height:340px;overflow:auto} .lever{font-size:11px;color:#555}
+.readout{color:#333;min-height:17px;font-size:12px}
 .err{color:#b00;font-weight:bold} .note{color:#555;font-size:12px}
 """
 

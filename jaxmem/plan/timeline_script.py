@@ -128,7 +128,9 @@ function lane(svg, tl, memory, top, height, ymax, pinBox, title) {
     var p = el("path", {d: d, fill: DATA.colors[b.category], stroke: "#ffffff", "stroke-width": 0.35,
       "class": "band"}, g);
     p.addEventListener("mousemove", function (ev) { showTip(ev, bandHtml(b, tl)); });
-    p.addEventListener("mouseenter", function () { p.setAttribute("stroke", "#000"); p.setAttribute("stroke-width", 1); });
+    p.addEventListener("mouseenter", function () {
+      p.setAttribute("stroke", "#000"); p.setAttribute("stroke-width", 1);
+    });
     p.addEventListener("mouseleave", function () {
       p.setAttribute("stroke", "#ffffff"); p.setAttribute("stroke-width", 0.35); hideTip();
     });
