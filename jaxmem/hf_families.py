@@ -321,7 +321,7 @@ class Gemma3Family(LlamaFamily):
         global_rope = _hf_rope(cfg.rope_theta, cfg.rope_scaling)
         out.update({
             "hidden_activation": "gelu_pytorch_tanh",
-            "query_pre_attn_scalar": cfg.query_pre_attn_scalar or cfg.head_dim,
+            "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
             "sliding_window": cfg.sliding_window or cfg.max_seq_len,
             "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
             "rope_parameters": {"full_attention": global_rope,
@@ -329,6 +329,10 @@ class Gemma3Family(LlamaFamily):
             "attention_bias": False, "attn_logit_softcapping": None, "final_logit_softcapping": None,
             "use_bidirectional_attention": False})
         return out
+
+
+def _int_if_whole(x: float):
+    return int(x) if float(x).is_integer() else x  # transformers' Gemma3TextConfig types this field int
 
 
 def _global_every(hf: dict, n_layers: int, where: str) -> int:
