@@ -181,3 +181,26 @@ def test_export_refuses_a_family_that_lacks_the_options():
     cfg = resolve_model(ModelConfig(preset="tiny-qwen3"), {})
     with pytest.raises(ConfigError, match="LlamaForCausalLM needs model.qk_norm=False"):
         hf_config_from_model(cfg, "float32", "LlamaForCausalLM")
+
+
+def test_import_hf_gemma3_snippet_trains_from_it(checkpoints, tmp_path, capsys):
+    """`jaxmem import-hf` of a Gemma 3 folder: the printed config snippet loads (layer-kind keys included),
+    and the orbax params equal load_hf's (norms already 1 + w)."""
+    import orbax.checkpoint as ocp
+
+    from jaxmem.cli import main as cli_main
+    from jaxmem.config import load_config
+
+    directory, hf_model = checkpoints["gemma3"]
+    out = tmp_path / "imported"
+    assert cli_main(["import-hf", str(directory), str(out)]) == 0
+    snippet = tmp_path / "from_hf.yaml"
+    snippet.write_text(capsys.readouterr().out.split("put this in your config:\n", 1)[1])
+    model = jaxmem.load_hf(directory)
+    assert load_config(snippet).model == model.cfg
+    restored = ocp.StandardCheckpointer().restore(out / "params")
+    expected = nnx.to_pure_dict(nnx.split(model)[1])
+    for a, b in zip(jax.tree.leaves(restored), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    hf_norm = hf_model.model.layers[0].input_layernorm.weight.detach().numpy()
+    np.testing.assert_allclose(np.asarray(restored["layers"]["attn_norm"])[0], 1.0 + hf_norm, rtol=1e-6)
