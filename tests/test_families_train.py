@@ -51,3 +51,13 @@ def test_bad_layer_kind_settings_are_one_line_errors(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:
         load_config("configs/tiny-gemma3.yaml", overrides)
     assert "\n" not in str(e.value)
+
+
+def test_gemma3_sequence_parallel_with_the_windowed_pallas_kernel_matches_one_device():
+    """sp=2 x fsdp=4 (Ulysses all-to-alls around the layer-kind cond) with the windowed Pallas kernel
+    (interpret mode) and selective remat: the single-device XLA losses."""
+    config = "configs/tiny-gemma3.yaml"
+    single = _run(config, ["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
+    sp = _run(config, ["parallel.sp=2", "parallel.fsdp=4", "train.micro_batch=2", "kernels.attention=pallas",
+                       "remat.preset=selective"], jax.devices())
+    np.testing.assert_allclose(sp, single, rtol=2e-5)
