@@ -60,3 +60,16 @@ def test_bill_counts_the_new_parameters():
                                                 "parallel.fsdp=8", "precision.param_dtype=bfloat16"])
         bill = compute_bill(cfg, 8)  # bf16 params sharded 8 ways (a dim that does not split evenly pads)
         assert bill.device["params"] * 8 / 2 == pytest.approx(param_count(cfg.model), rel=2e-3)
+
+
+def test_without_remat_the_bill_keeps_the_extra_norm_outputs():
+    from jaxmem.plan.bill import compute_bill
+
+    def saved(preset, **extra):
+        overrides = [f"model.preset={preset}", "train.seq_len=1024", "parallel.fsdp=8", "remat.preset=none"]
+        cfg = load_config("configs/tiny.yaml", overrides + [f"model.{k}={v}" for k, v in extra.items()])
+        return compute_bill(cfg, 8).device["activations"]
+
+    # q/k norms add their fp32 inputs and normed outputs (q + kv heads); post-norms two of each per layer
+    assert saved("qwen3-8b") > saved("qwen3-8b", qk_norm="false")
+    assert saved("gemma3-12b") > saved("gemma3-12b", post_norms="false")
