@@ -67,6 +67,9 @@ def _model(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     check_model(m)
+    if m.embed_scale and cfg.lora.rank and cfg.lora.quantize_embeddings:
+        raise ConfigError("lora.quantize_embeddings: not with model.embed_scale (Gemma) yet: the quantized "
+                          "embedding lookup does not scale by sqrt(d_model); set it to false")
 
 
 def _train(cfg: Config) -> None:

@@ -46,6 +46,8 @@ def test_gemma3_window_shorter_than_the_sequence():
     (["model.sliding_window=-1"], "model.sliding_window"),
     (["model.rope_scaling={rope_type: yarn, factor: 2}"], "model.rope_scaling.rope_type"),
     (["parallel.pp=2", "train.grad_accum=2"], "model.global_every"),
+    (["lora.rank=4", "lora.quantize_embeddings=true", "lora.base_dtype=nf4", "kernels.loss=chunked",
+      "parallel.fsdp=1"], "lora.quantize_embeddings"),
 ])
 def test_bad_layer_kind_settings_are_one_line_errors(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")) as e:

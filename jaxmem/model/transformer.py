@@ -82,10 +82,10 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""
         tokens_bt = constrain(tokens_bt, ACT_BTD[:2])
-        h = jnp.take(self.embed[...], tokens_bt, axis=0).astype(ctx.compute_dtype)
-        if self.cfg.embed_scale:  # sqrt(d_model) rounded to the compute dtype first, as transformers does
-            h = h * jnp.asarray(self.cfg.d_model ** 0.5, ctx.compute_dtype)
-        return constrain(h, ACT_BTD)
+        h = jnp.take(self.embed[...], tokens_bt, axis=0)
+        if self.cfg.embed_scale:  # sqrt(d_model) rounded to the weights' dtype first, as transformers does
+            h = h * jnp.asarray(self.cfg.d_model ** 0.5, h.dtype)
+        return constrain(h.astype(ctx.compute_dtype), ACT_BTD)
 
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
                    positions_bt=None) -> jax.Array:
