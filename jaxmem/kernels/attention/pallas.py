@@ -83,8 +83,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, caus
 
     h = q_ref.shape[-1]
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(_first_key_block(i, bq, bk, window), _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal),
-                                step, init)
+    first, upper = _first_key_block(i, bq, bk, window), _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal)
+    o, m, l = jax.lax.fori_loop(first, upper, step, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
