@@ -1,7 +1,9 @@
 """The new model families planned deviceless: writes benchmarks/families/<config>.json (the `jaxmem plan`
 JSON, exactly `jaxmem plan CONFIG --json FILE`) and benchmarks/families.md.
 
-    JAX_PLATFORMS=cpu .venv/bin/python scripts/families_plans.py [--from-json] [config.yaml ...]
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/families_plans.py [--from-json] [--no-compile] [config.yaml ...]
+
+--no-compile writes the analytic bill and cost model only (no compiled column).
 """
 from __future__ import annotations
 
@@ -23,33 +25,35 @@ CONFIGS = {
 }
 
 
-def run_plan(config: str) -> dict:
+def run_plan(config: str, compile_: bool = True) -> dict:
     from jaxmem.plan import cli
 
     out = OUT / "families" / f"{Path(config).stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cli.main([str(ROOT / config), "--json", str(out)])
+    cli.main([str(ROOT / config), "--json", str(out)] + ([] if compile_ else ["--no-compile"]))
     return json.loads(out.read_text())
 
 
 def row(config: str, plan: dict) -> str:
     c, a, cost = plan["compiled"], plan["analytic"], plan["cost"]
+    compiled = f"**{c['device_total'] / GIB:.2f}**" if c else "not compiled"
+    fits = f"{plan['fits']}" + ("" if c else " (analytic)")
+    compile_time = f"{c['compile_seconds']:.0f} s" if c else "-"
     return (f"| {CONFIGS.get(config, config)} (`{config}`) | {plan['params'] / 1e9:.2f}B | "
-            f"**{c['device_total'] / GIB:.2f}** | {a['device_total'] / GIB:.2f} | {plan['fits']} | "
+            f"{compiled} | {a['device_total'] / GIB:.2f} | {fits} | "
             f"{plan['host_bytes_per_node'] / GIB:.1f} | {cost['step_seconds']:.2f} s, MFU {100 * cost['mfu']:.0f}% "
-            f"| {c['compile_seconds']:.0f} s |")
+            f"| {compile_time} |")
 
 
 def main(argv: list[str]) -> int:
-    from_json = "--from-json" in argv
-    configs = [a for a in argv if a != "--from-json"] or list(CONFIGS)
+    from_json, compile_ = "--from-json" in argv, "--no-compile" not in argv
+    configs = [a for a in argv if not a.startswith("--")] or list(CONFIGS)
     rows = []
     for config in configs:
         saved = OUT / "families" / f"{Path(config).stem}.json"
-        plan = json.loads(saved.read_text()) if from_json else run_plan(config)
+        plan = json.loads(saved.read_text()) if from_json else run_plan(config, compile_)
         rows.append(row(config, plan))
-        print(f"{config}: {plan['compiled']['device_total'] / GIB:.2f} GiB per device, fits={plan['fits']}",
-              flush=True)
+        print(f"{config}: fits={plan['fits']}", flush=True)
     text = ["# Qwen3 and Gemma 3 plans", "",
             "Device totals **compiled for the named GPUs (deviceless)** on a CPU-only machine (jax 0.10.2 + the "
             "CUDA PJRT plugin): XLA's memory analysis of the real train step, per GPU. The analytic column is "
