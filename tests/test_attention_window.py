@@ -112,3 +112,15 @@ def test_pallas_window_compiles_for_h100_gemma3_shape():
     compiled = compile_abstract(fwd_bwd, spec(16), spec(8), spec(8))
     assert compiled.memory_analysis().temp_size_in_bytes < 0.25 * 2**30
     assert "flash_attention_fwd" in compiled.as_text() or "triton" in compiled.as_text().lower()
+
+
+@pytest.mark.parametrize("window", [1, 6, 30])
+def test_cudnn_window_argument_means_the_same_window(window):
+    """The (left, right) window cudnn_attention hands jax.nn.dot_product_attention, run through that API's
+    XLA implementation (same argument, CPU), equals the reference's window."""
+    from jaxmem.kernels.attention.cudnn import local_window_size
+
+    q, k, v = _qkv(t=40)
+    got = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="xla", scale=0.3,
+                                       local_window_size=local_window_size(window))
+    np.testing.assert_allclose(got, attention_reference(q, k, v, window=window, scale=0.3), atol=2e-5)

@@ -46,8 +46,13 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, max_segments
         window = None  # as long as the sequence: no window
     if segment_ids_bt is None:
         return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn",
-                                            scale=scale, local_window_size=None if window is None else (window - 1, 0))
+                                            scale=scale, local_window_size=local_window_size(window))
     return _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments, window, scale)
+
+
+def local_window_size(window: int | None) -> tuple[int, int] | None:
+    """jax.nn.dot_product_attention's (left, right) window for keys less than `window` positions back."""
+    return None if window is None else (window - 1, 0)
 
 
 def packed_segments(segment_ids_bt, max_segments: int):
