@@ -92,7 +92,7 @@ def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np
 
 def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
             parallel: ParallelConfig | None = None) -> Transformer:
-    """Reads a local HF Llama / Qwen2 / Mistral checkpoint into a jaxmem Transformer.
+    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into a jaxmem Transformer.
 
     Args:
       path: directory with config.json and *.safetensors shards (with or without the index file).
@@ -109,12 +109,13 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{config_file}: not found; expected a Hugging Face checkpoint directory")
-    cfg = model_config_from_hf(read_json_object(config_file), where=str(config_file))
+    hf_cfg = read_json_object(config_file)
+    cfg = model_config_from_hf(hf_cfg, where=str(config_file))
     graphdef, state = nnx.split(abstract_model(cfg, param_dtype=jnp.dtype(DTYPES[dtype])))
     abstract = nnx.to_pure_dict(state)
     shardings = _target_shardings(state, mesh, parallel)
     reader = CheckpointReader(path)
-    maps = param_maps(cfg)
+    maps = param_maps(cfg, hf_cfg["architectures"][0])
     _check_tensors(reader, maps, abstract, cfg.n_layers, path)
     values: dict = {}
     for pm in maps:
@@ -138,7 +139,8 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     """Writes config.json and safetensors shards that transformers loads.
 
     Args:
-      architecture: LlamaForCausalLM (default), MistralForCausalLM or Qwen2ForCausalLM (default with qkv bias).
+      architecture: one of jaxmem.hf_families.FAMILIES; default: the family whose options the model has
+        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM).
       dtype: tensor dtype in the files (default: the params' dtype).
       max_shard_bytes: shard size; more than one shard adds model.safetensors.index.json.
     Returns the shard paths. Gathers one HF tensor (one layer of a stacked param) at a time.
@@ -146,7 +148,8 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     cfg = model.cfg
     params = nnx.to_pure_dict(nnx.split(model)[1])
     out_dtype = np.dtype(DTYPES[dtype] if dtype else _get(params, ("embed",)).dtype)
-    maps = param_maps(cfg)
+    hf_cfg = hf_config_from_model(cfg, _dtype_name(out_dtype), architecture)  # refuses a family that lacks cfg
+    maps = param_maps(cfg, hf_cfg["architectures"][0])
     # Tensor order as transformers writes it: embedding, layer by layer, final norm, head.
     order = [(pm, None) for pm in maps if not pm.stacked and pm.path != ("final_norm",) and pm.path != ("lm_head",)]
     order += [(pm, i) for i in range(cfg.n_layers) for pm in maps if pm.stacked]
@@ -179,7 +182,6 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
             total = sum(nbytes(shape, dt) for _, shape, dt in entries)
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        hf_cfg = hf_config_from_model(cfg, _dtype_name(out_dtype), architecture)
         (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
     return [path / n for n in names]
 
@@ -189,7 +191,8 @@ def _parse(argv):
 
     parser = argparse.ArgumentParser(
         prog="jaxmem import-hf", formatter_class=HelpFormatter,
-        description="Convert a local Hugging Face checkpoint (Llama, Qwen2, Mistral) into an orbax params "
+        description="Convert a local Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into an "
+                    "orbax params "
                     "checkpoint that `checkpoint.init_from` starts training from. The safetensors shards are "
                     "streamed into parameters sharded over the local devices; the config snippet to use it is "
                     "printed at the end.",

@@ -256,14 +256,23 @@ def _count(n: int) -> str:
     return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M"
 
 
+def _attention_kinds(m: ModelConfig) -> str:
+    if not m.sliding_window:
+        return "global"
+    if not m.global_every:
+        return f"local {m.sliding_window}"
+    return f"{m.global_every - 1} local {m.sliding_window} : 1 global"
+
+
 def list_presets() -> str:
     from jaxmem.model.presets import PRESETS, param_count, resolve_model
 
-    rows = [("preset", "d_model", "n_layers", "heads/kv", "d_ff", "vocab", "max_seq_len", "params")]
+    rows = [("preset", "d_model", "n_layers", "heads/kv x head_dim", "d_ff", "vocab", "max_seq_len", "attention",
+             "params")]
     for name in PRESETS:
         m = resolve_model(ModelConfig(preset=name), {})
-        rows.append((name, str(m.d_model), str(m.n_layers), f"{m.n_heads}/{m.n_kv_heads}", str(m.d_ff),
-                     str(m.vocab_size), str(m.max_seq_len), _count(param_count(m))))
+        rows.append((name, str(m.d_model), str(m.n_layers), f"{m.n_heads}/{m.n_kv_heads} x {m.head_dim}", str(m.d_ff),
+                     str(m.vocab_size), str(m.max_seq_len), _attention_kinds(m), _count(param_count(m))))
     return ("model presets (model.preset; `custom`: give every model.* shape key yourself):\n" + _table(rows))
 
 

@@ -51,11 +51,27 @@ class ModelConfig:
     head_dim: int = _f(0, "width of one attention head" + _FROM_PRESET)
     d_ff: int = _f(0, "hidden width of the gated (SwiGLU) MLP" + _FROM_PRESET)
     rope_theta: float = _f(10000.0, "RoPE base frequency (theta)" + _FROM_PRESET)
-    rope_scaling: dict | None = _f(None, "Llama-3 style RoPE frequency scaling, a mapping of factor, "
-                                         "low_freq_factor, high_freq_factor, original_max_position_embeddings; "
-                                         "null: plain theta" + _FROM_PRESET)
+    rope_scaling: dict | None = _f(None, "RoPE frequency scaling of the global layers: Llama-3 style, a "
+                                         "mapping of factor, low_freq_factor, high_freq_factor, "
+                                         "original_max_position_embeddings; or {rope_type: linear, factor: f} "
+                                         "(positions divided by f, Gemma 3); null: plain theta" + _FROM_PRESET)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon" + _FROM_PRESET)
     qkv_bias: bool = _f(False, "biases on the query/key/value projections (Qwen2)" + _FROM_PRESET)
+    qk_norm: bool = _f(False, "RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)"
+                       + _FROM_PRESET)
+    post_norms: bool = _f(False, "RMSNorm on the attention and MLP outputs before each residual add, four norms "
+                                 "per layer (Gemma 3)" + _FROM_PRESET)
+    activation: Literal["silu", "gelu_tanh"] = _f(
+        "silu", "gated MLP activation, one of silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)" + _FROM_PRESET)
+    embed_scale: bool = _f(False, "multiply the token embeddings by sqrt(d_model) (Gemma)" + _FROM_PRESET)
+    query_pre_attn_scalar: float = _f(0.0, "attention scores are scaled by query_pre_attn_scalar ** -0.5; "
+                                           "0: head_dim ** -0.5" + _FROM_PRESET)
+    sliding_window: int = _f(0, "local attention layers see the last sliding_window keys (their own included); "
+                                "0: every layer attends to the whole causal prefix" + _FROM_PRESET)
+    global_every: int = _f(0, "with sliding_window: every global_every-th layer (the 6th, 12th, ... for 6) "
+                              "attends globally, the others locally; 0: every layer is local" + _FROM_PRESET)
+    rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers; 0: rope_theta"
+                                 + _FROM_PRESET)
     tie_embeddings: bool = _f(False, "the LM head reuses the input embedding matrix" + _FROM_PRESET)
     max_seq_len: int = _f(8192, "longest sequence the model takes, in tokens (train.seq_len must not exceed it)"
                           + _FROM_PRESET)

@@ -24,7 +24,7 @@ from jaxmem import kernels, remat
 from jaxmem.schema import Config, ConfigError, DistributedConfig, ParallelConfig, apply_overrides, parse_raw, read_yaml
 from jaxmem.documents.reading import RECORD_KINDS
 from jaxmem.model.names import ALL_NAMES
-from jaxmem.model.presets import resolve_model
+from jaxmem.model.presets import check_model, resolve_model
 from jaxmem.targets import get_target
 
 # ---------------------------------------------------------------- loading
@@ -66,6 +66,10 @@ def _model(cfg: Config) -> None:
         _positive(f"model.{k}", getattr(m, k))
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    check_model(m)
+    if m.embed_scale and cfg.lora.rank and cfg.lora.quantize_embeddings:
+        raise ConfigError("lora.quantize_embeddings: not with model.embed_scale (Gemma) yet: the quantized "
+                          "embedding lookup does not scale by sqrt(d_model); set it to false")
 
 
 def _train(cfg: Config) -> None:
@@ -274,7 +278,9 @@ def _pipeline_levers(cfg: Config) -> None:
         remat.group_size(cfg.remat, k)  # every_k groups must divide each stage's layers
     refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
                "precision.loss_scale.enabled": cfg.precision.loss_scale.enabled,
-               "offload.params": cfg.offload.params != "device"}
+               "offload.params": cfg.offload.params != "device",
+               # a stage's layers do not know their number in the whole model, which picks local or global
+               "model.global_every": cfg.model.global_every > 0}
     for key, on in refused.items():
         if on:
             raise ConfigError(f"{key}: not supported with parallel.pp > 1 yet; use pp=1 for this lever")

@@ -79,7 +79,7 @@ def _scoped(scope: str, fn):
 
 
 def select_attention(cfg: KernelConfig, platform: str, mesh=None):
-    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt) -> [B, T, N, H].
+    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, window=None, scale=None) -> [B, T, N, H].
 
     With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp); with an sp
     axis, sequence-parallel (jaxmem.kernels.attention.sequence_parallel).
@@ -93,13 +93,13 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
     # (docs/attention.md), so packed documents go to the Pallas kernel
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
-    return sequence_parallel(lambda q, k, v, seg: chosen(q, k, v, None) if seg is None else packed(q, k, v, seg),
-                             mesh)
+    return sequence_parallel(lambda q, k, v, seg, **kw: chosen(q, k, v, None, **kw) if seg is None
+                             else packed(q, k, v, seg, **kw), mesh)
 
 
 def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
     if impl == "xla":
-        return lambda q, k, v, seg: attention_reference(q, k, v, segment_ids_bt=seg)
+        return lambda q, k, v, seg, **kw: attention_reference(q, k, v, segment_ids_bt=seg, **kw)
     if impl == "pallas":
         from jaxmem.kernels.attention.config import AttentionBlocks
         from jaxmem.kernels.attention.pallas import flash_attention
@@ -107,7 +107,8 @@ def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
         check_block_sizes(cfg)
         blocks = AttentionBlocks(block_q=cfg.attn_block_q, block_k=cfg.attn_block_k)
         interpret = _pallas_interpret("kernels.attention", platform)
-        return lambda q, k, v, seg: flash_attention(q, k, v, seg, blocks=blocks, interpret=interpret, mesh=mesh)
+        return lambda q, k, v, seg, **kw: flash_attention(q, k, v, seg, blocks=blocks, interpret=interpret, mesh=mesh,
+                                                          **kw)
     if impl == "cudnn":
         if not _is_gpu(platform):
             raise KernelUnavailable(f"kernels.attention='cudnn' needs an NVIDIA GPU with cuDNN, not platform "

@@ -1,4 +1,4 @@
-"""Transformer block: RMSNorm, GQA attention with RoPE, SwiGLU MLP.
+"""Transformer block: RMSNorm, GQA attention with RoPE (optional q/k norms, sliding window), a gated MLP.
 
 Parameters name logical axes (`out_sharding` metadata); activations name theirs
 through `constrain`; key tensors carry checkpoint names. Nothing here knows
@@ -18,11 +18,12 @@ from jax.ad_checkpoint import checkpoint_name
 from jaxmem.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
+from jaxmem.model.mlp import MLP_KINDS, mlp_kind
 from jaxmem.model.rope import apply_rope
 
-ACT_BTD = ("act_batch", "act_seq", "act_embed")
+from jaxmem.model.mlp import ACT_BTD, ACT_BTF  # noqa: E402,F401  (re-exported: the bill reads them here)
+
 ACT_BTNH = ("act_batch", "act_seq", "act_heads", None)
-ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 
 
 def param(rngs, shape, axes, dtype, init="normal", std=0.02):
@@ -46,10 +47,15 @@ def tag(x, name: CN):
 
 
 class Block(nnx.Module):
-    """One decoder layer; `attention_part` and `mlp_part` are separable remat segments."""
+    """One decoder layer; `attention_part` and `mlp_part` are separable remat segments.
+
+    Options by config: q/k RMSNorm per head (Qwen3, Gemma 3), post-norms on the attention and MLP outputs
+    (Gemma 3: four norms per layer), a custom attention scale, a sliding window on local layers, and the MLP
+    kind (jaxmem.model.mlp). Norm weights multiply the normalized input (HF's (1 + w) norms are converted on
+    import, jaxmem.hf_families)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
-        d, n, k, h, f = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         out_std = 0.02 / (2 * cfg.n_layers) ** 0.5
         self.attn_norm = param(rngs, (d,), ("norm",), dtype, "ones")
         self.wq = param(rngs, (d, n, h), ("embed", "heads", "head_dim"), dtype)
@@ -59,25 +65,49 @@ class Block(nnx.Module):
             self.bq = param(rngs, (n, h), ("heads", "head_dim"), dtype, "zeros")
             self.bk = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, "zeros")
             self.bv = param(rngs, (k, h), ("kv_heads", "head_dim"), dtype, "zeros")
+        if cfg.qk_norm:
+            self.q_norm = param(rngs, (h,), ("norm",), dtype, "ones")
+            self.k_norm = param(rngs, (h,), ("norm",), dtype, "ones")
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype, std=out_std)
+        if cfg.post_norms:
+            self.attn_post_norm = param(rngs, (d,), ("norm",), dtype, "ones")
         self.mlp_norm = param(rngs, (d,), ("norm",), dtype, "ones")
-        self.w_gate = param(rngs, (d, f), ("embed", "mlp"), dtype)
-        self.w_up = param(rngs, (d, f), ("embed", "mlp"), dtype)
-        self.w_down = param(rngs, (f, d), ("mlp", "embed"), dtype, std=out_std)
-        self.qkv_bias = cfg.qkv_bias
+        self.mlp_kind = mlp_kind(cfg)
+        MLP_KINDS[self.mlp_kind].init(self, cfg, dtype, rngs, param=param, out_std=out_std)
+        if cfg.post_norms:
+            self.mlp_post_norm = param(rngs, (d,), ("norm",), dtype, "ones")
+        self.qkv_bias, self.qk_norm, self.post_norms = cfg.qkv_bias, cfg.qk_norm, cfg.post_norms
+        self.activation = cfg.activation
         self.eps = cfg.norm_eps
+        # the attention kernels' default scale is head_dim ** -0.5; pass one only where it differs
+        scale = cfg.query_pre_attn_scalar ** -0.5 if cfg.query_pre_attn_scalar else None
+        self.attn_scale = None if scale is None or scale == h ** -0.5 else scale
+        self.window = cfg.sliding_window or None
+        self.global_every = cfg.global_every if cfg.sliding_window else 0
 
-    def attention_part(self, x_btd, positions_bt, segment_ids_bt, inv_freq, ctx):
+    def attention_part(self, x_btd, positions_bt, segment_ids_bt, inv_freq, ctx, local=None):
+        """`local` (a traced bool, with model.global_every) says whether this layer is a sliding-window one."""
         x_btd = tag(x_btd, CN.LAYER_INPUT)  # made by the previous layer (or the embedding): no op here to scope
         project = functools.partial(self.qkv, inv_freq=inv_freq, ctx=ctx)
         q, k, v = ctx.per_token(project, x_btd, positions_bt,
                                 names=(CN.QUERY_PROJ.value, CN.KEY_PROJ.value, CN.VALUE_PROJ.value))
         with scope(CN.ATTN_CONTEXT):
-            context = tag(constrain(ctx.attention(q, k, v, segment_ids_bt), ACT_BTNH), CN.ATTN_CONTEXT)
+            context = tag(constrain(self.attend(q, k, v, segment_ids_bt, local, ctx), ACT_BTNH), CN.ATTN_CONTEXT)
         return ctx.per_token(functools.partial(self.attention_output, ctx=ctx), x_btd, context)
 
+    def attend(self, q, k, v, segment_ids_bt, local, ctx):
+        """The attention kernel, with this layer's window: a local layer sees its last `window` keys."""
+        kwargs = {} if self.attn_scale is None else {"scale": self.attn_scale}
+        if self.window is None:
+            return ctx.attention(q, k, v, segment_ids_bt, **kwargs)
+        windowed = lambda: ctx.attention(q, k, v, segment_ids_bt, window=self.window, **kwargs)  # noqa: E731
+        if not self.global_every:
+            return windowed()
+        # one compiled body for both layer kinds: XLA shares the branches' residual buffers
+        return jax.lax.cond(local, windowed, lambda: ctx.attention(q, k, v, segment_ids_bt, **kwargs))
+
     def qkv(self, x_btd, positions_bt, *, inv_freq, ctx):
-        """Per token: RMSNorm, the q/k/v projections (+ biases) and RoPE."""
+        """Per token: RMSNorm, the q/k/v projections (+ biases), the q/k norms and RoPE."""
         cd = ctx.compute_dtype
         with scope(CN.ATTN_NORM):
             normed = tag(ctx.norm(x_btd, self.attn_norm[...], self.eps), CN.ATTN_NORM)
@@ -97,32 +127,29 @@ class Block(nnx.Module):
             if self.qkv_bias:
                 v = v + self.bv[...].astype(cd)
             v = tag(constrain(v, ACT_BTNH), CN.VALUE_PROJ)
+        if self.qk_norm:  # per head over head_dim, before RoPE; recomputed from the saved projections
+            q = ctx.norm(q, self.q_norm[...], self.eps).astype(cd)
+            k = ctx.norm(k, self.k_norm[...], self.eps).astype(cd)
         return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
 
     def attention_output(self, x_btd, context_btnh, *, ctx):
-        """Per token: the output projection and the residual add."""
+        """Per token: the output projection, the post-norm (if any) and the residual add."""
         with scope(CN.ATTN_OUT):
             out = ctx.project("BTNH,NHD->BTD", context_btnh, self.wo[...], ctx.compute_dtype)
             out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
+        if self.post_norms:
+            out = ctx.norm(out, self.attn_post_norm[...], self.eps)
         return x_btd + out.astype(x_btd.dtype)
 
     def mlp_part(self, x_btd, ctx):
         return ctx.per_token(functools.partial(self.mlp, ctx=ctx), x_btd)
 
     def mlp(self, x_btd, *, ctx):
-        """Per token: RMSNorm, the SwiGLU MLP and the residual add."""
-        cd = ctx.compute_dtype
+        """Per token: RMSNorm, the MLP, the post-norm (if any) and the residual add."""
         with scope(CN.MLP_NORM):
             normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)
-        normed = normed.astype(cd)
-        with scope(CN.MLP_GATE):
-            gate = tag(constrain(ctx.project("BTD,DF->BTF", normed, self.w_gate[...], cd), ACT_BTF),
-                       CN.MLP_GATE)
-        with scope(CN.MLP_UP):
-            up = tag(constrain(ctx.project("BTD,DF->BTF", normed, self.w_up[...], cd), ACT_BTF), CN.MLP_UP)
-        with scope(CN.MLP_ACT):
-            act = tag(jax.nn.silu(gate) * up, CN.MLP_ACT)
-        with scope(CN.MLP_OUT):
-            out = ctx.project("BTF,FD->BTD", act, self.w_down[...], cd)
-            out = tag(constrain(out, ACT_BTD), CN.MLP_OUT)
+        out = MLP_KINDS[self.mlp_kind].apply(self, normed.astype(ctx.compute_dtype), ctx,
+                                             activation=self.activation, tag=tag)
+        if self.post_norms:
+            out = ctx.norm(out, self.mlp_post_norm[...], self.eps)
         return x_btd + out.astype(x_btd.dtype)

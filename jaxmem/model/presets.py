@@ -7,6 +7,15 @@ from jaxmem.schema import ConfigError, ModelConfig
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, head_dim=128)
 _QWEN2 = dict(vocab_size=152064, rope_theta=1000000.0, norm_eps=1e-6, head_dim=128, qkv_bias=True)
+# Qwen3 dense (HF Qwen3ForCausalLM config.json): q/k RMSNorm per head, explicit head_dim 128, no biases.
+_QWEN3 = dict(vocab_size=151936, rope_theta=1000000.0, norm_eps=1e-6, head_dim=128, qk_norm=True,
+              max_seq_len=40960)
+# Gemma 3 text (the text_config of HF Gemma3ForConditionalGeneration): 5 local layers (window 1024, RoPE base
+# 10k) then 1 global (RoPE base 1M, linear scaling 8), four (1 + w) norms, q/k norms, GeGLU, tied embeddings
+# scaled by sqrt(d_model).
+_GEMMA3 = dict(vocab_size=262208, norm_eps=1e-6, qk_norm=True, post_norms=True, activation="gelu_tanh",
+               embed_scale=True, tie_embeddings=True, sliding_window=1024, global_every=6, rope_theta=1000000.0,
+               rope_local_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0), max_seq_len=131072)
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
@@ -23,6 +32,16 @@ PRESETS: dict[str, dict] = {
                        max_seq_len=131072),
     "qwen2-72b": dict(_QWEN2, d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, d_ff=29568,
                       max_seq_len=131072),
+    "tiny-qwen3": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
+                       rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=2048),
+    "tiny-gemma3": dict(_GEMMA3, vocab_size=256, d_model=128, n_layers=7, n_heads=4, n_kv_heads=2, head_dim=32,
+                        d_ff=352, query_pre_attn_scalar=32.0, sliding_window=16, max_seq_len=2048),
+    "qwen3-8b": dict(_QWEN3, d_model=4096, n_layers=36, n_heads=32, n_kv_heads=8, d_ff=12288),
+    "qwen3-32b": dict(_QWEN3, d_model=5120, n_layers=64, n_heads=64, n_kv_heads=8, d_ff=25600),
+    "gemma3-12b": dict(_GEMMA3, d_model=3840, n_layers=48, n_heads=16, n_kv_heads=8, head_dim=256, d_ff=15360,
+                       query_pre_attn_scalar=256.0),
+    "gemma3-27b": dict(_GEMMA3, d_model=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, d_ff=21504,
+                       query_pre_attn_scalar=168.0),
     "mistral-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        d_ff=14336, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=32768),
 }
@@ -35,7 +54,12 @@ PUBLISHED_PARAM_COUNTS = {
     "qwen2.5-7b": 7_615_616_512,
     "qwen2-72b": 72_706_203_648,
     "mistral-7b": 7_241_732_096,
+    "qwen3-8b": 8_190_735_360,  # Qwen/Qwen3-8B safetensors index total_size 16381470720 bytes, bf16
+    "qwen3-32b": 32_762_123_264,  # Qwen/Qwen3-32B total_size 65524246528 bytes, bf16
 }
+# The Gemma 3 checkpoints are multimodal (Gemma3ForConditionalGeneration): their published totals include the
+# SigLIP vision tower, so the text decoder's count is computed from the text_config sizes instead.
+TEXT_DECODER_PARAM_COUNTS = {"gemma3-12b": 11_766_034_176, "gemma3-27b": 27_009_346_304}
 
 
 def resolve_model(model: ModelConfig, raw: dict) -> ModelConfig:
@@ -48,12 +72,32 @@ def resolve_model(model: ModelConfig, raw: dict) -> ModelConfig:
 
 
 def layer_param_count(m: ModelConfig) -> int:
-    """Parameters of one decoder layer: two norms, q/k/v/o projections (+ biases), gated MLP."""
+    """Parameters of one decoder layer: two norms (four with post-norms), q/k/v/o projections (+ biases, + q/k
+    norms), gated MLP."""
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     per_layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
     if m.qkv_bias:
         per_layer += n * h + 2 * k * h
+    if m.qk_norm:
+        per_layer += 2 * h
+    if m.post_norms:
+        per_layer += 2 * d
     return per_layer
+
+
+def check_model(m: ModelConfig) -> None:
+    """One-line ConfigErrors for the layer-kind keys (jaxmem.validate runs it at load)."""
+    if m.sliding_window < 0:
+        raise ConfigError(f"model.sliding_window: {m.sliding_window} must be >= 0 (0: no window)")
+    if m.global_every < 0 or (m.global_every and not m.sliding_window):
+        raise ConfigError(f"model.global_every: {m.global_every} needs model.sliding_window > 0 and must be >= 0")
+    if m.query_pre_attn_scalar < 0 or m.rope_local_theta < 0:
+        raise ConfigError("model.query_pre_attn_scalar / model.rope_local_theta: must be >= 0 (0: the default)")
+    scaling = m.rope_scaling or {}
+    if scaling.get("rope_type", "llama3") not in ("llama3", "linear"):
+        raise ConfigError(f"model.rope_scaling.rope_type: {scaling['rope_type']!r}; use llama3 or linear")
+    if scaling and (not isinstance(scaling.get("factor"), (int, float)) or scaling["factor"] <= 0):
+        raise ConfigError(f"model.rope_scaling.factor: {scaling.get('factor')!r} must be a positive number")
 
 
 def param_count(m: ModelConfig) -> int:

@@ -1,4 +1,4 @@
-"""Rotary position embeddings, with Llama-3 frequency scaling."""
+"""Rotary position embeddings, with Llama-3 or linear (position interpolation) frequency scaling."""
 from __future__ import annotations
 
 import math
@@ -11,6 +11,8 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     if not scaling:
         return inv
     factor = scaling["factor"]
+    if scaling.get("rope_type", "llama3") == "linear":  # positions divided by factor (Gemma 3's global layers)
+        return inv / factor
     low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
     original = scaling.get("original_max_position_embeddings", 8192)
     low_wavelen, high_wavelen = original / low, original / high

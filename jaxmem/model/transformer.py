@@ -32,7 +32,9 @@ def _identity_segment(name: str, fn: Callable) -> Callable:
 class ForwardContext:
     """How the model's ops run; built from config by jaxmem.program.build_program, never by the model.
 
-    attention(q, k, v, segment_ids) and norm(x, w, eps) pick kernels;
+    attention(q, k, v, segment_ids, *, window=None, scale=None) and norm(x, w, eps) pick kernels (a layer
+    passes `window`, a static int, only when it is a sliding-window layer, and `scale` only when it is not
+    head_dim ** -0.5);
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
     per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
@@ -40,7 +42,7 @@ class ForwardContext:
     """
 
     compute_dtype: Any = jnp.float32
-    attention: Callable = lambda q, k, v, seg: attention_reference(q, k, v, segment_ids_bt=seg)
+    attention: Callable = lambda q, k, v, seg, **kw: attention_reference(q, k, v, segment_ids_bt=seg, **kw)
     norm: Callable = rms_norm_reference
     scan_layers: Callable = _plain_scan
     segment: Callable = _identity_segment
@@ -80,8 +82,10 @@ class Transformer(nnx.Module):
     def embed_tokens(self, tokens_bt, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
         """Token embeddings [B, T, D] in the compute dtype."""
         tokens_bt = constrain(tokens_bt, ACT_BTD[:2])
-        h = jnp.take(self.embed[...], tokens_bt, axis=0).astype(ctx.compute_dtype)
-        return constrain(h, ACT_BTD)
+        h = jnp.take(self.embed[...], tokens_bt, axis=0)
+        if self.cfg.embed_scale:  # sqrt(d_model) rounded to the weights' dtype first, as transformers does
+            h = h * jnp.asarray(self.cfg.d_model ** 0.5, h.dtype)
+        return constrain(h.astype(ctx.compute_dtype), ACT_BTD)
 
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
                    positions_bt=None) -> jax.Array:
@@ -90,17 +94,31 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
         positions_bt = constrain(positions_bt, ACT_BTD[:2])
-        inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         graphdef, stacked = nnx.split(self.layers)
 
-        def body(h_btd, layer_state):
+        def layer(h_btd, layer_state, inv_freq, local=None):
             layer = nnx.merge(graphdef, layer_state)
             attn = ctx.segment("attention", layer.attention_part)
             mlp = ctx.segment("mlp", layer.mlp_part)
-            h_btd = attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ctx)
+            h_btd = attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ctx, local)
             return constrain(mlp(h_btd, ctx), ACT_BTD)
 
-        return ctx.scan_layers(body, h_btd, stacked)
+        if not cfg.sliding_window:
+            return ctx.scan_layers(lambda h, s: layer(h, s, global_freq), h_btd, stacked)
+        local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
+        if not cfg.global_every:  # every layer local
+            return ctx.scan_layers(lambda h, s: layer(h, s, local_freq), h_btd, stacked)
+
+        # Local and global layers interleave: the scan carries the layer number, and each layer picks its
+        # kind from it (one scanned body for both kinds; the window is a static kernel argument per branch).
+        def mixed(carry, layer_state):
+            h, index = carry
+            local = (index + 1) % cfg.global_every != 0
+            inv_freq = jnp.where(local, local_freq, global_freq)
+            return layer(h, layer_state, inv_freq, local), index + 1
+
+        return ctx.scan_layers(mixed, (h_btd, jnp.zeros((), jnp.int32)), stacked)[0]
 
     def final_hidden(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
         """The final RMSNorm, in the compute dtype."""

@@ -174,17 +174,24 @@ def score_elems(cfg: Config, layout: Layout) -> int:
     return elems // layout.mesh_sizes["sp"]
 
 
-def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]:
+def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None) -> dict[str, int]:
     """Per-layer bytes autodiff keeps without any checkpoint: more than the tagged names (fp32 norm inputs,
-    silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed."""
+    silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed.
+    With q/k norms (`model.qk_norm`) their outputs and fp32 inputs too; with post-norms two more fp32 norm
+    inputs and outputs (estimated by the same accounting, not fitted to a compile)."""
     btd, btf = per_name[CN.LAYER_INPUT.value], per_name[CN.MLP_GATE.value]
     q, kv = per_name[CN.QUERY_PROJ.value], per_name[CN.KEY_PROJ.value]
-    return {
+    out = {
         "mlp_gate": btf * cd, "mlp_up": btf * cd, "mlp_act": btf * cd, "mlp_silu_internals": 3 * btf * cd,
         "norm_inputs_fp32": 4 * btd * 4, "attn_norm": btd * cd, "mlp_norm": btd * cd,
         "query_proj_roped": q * cd, "attn_context": q * cd,
         "key_proj": kv * cd, "key_proj_roped": kv * cd, "value_proj": kv * cd,
     }
+    if model is not None and model.qk_norm:
+        out.update(qk_norm_inputs_fp32=(q + kv) * 4, qk_normed=(q + kv) * cd)
+    if model is not None and model.post_norms:
+        out.update(post_norm_inputs_fp32=2 * btd * 4, post_normed=2 * btd * cd)
+    return out
 
 
 def logits_bytes(cfg: Config, layout: Layout) -> int:
@@ -219,7 +226,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if layout.checkpointed:
         saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
-        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd).items()}
+        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd, m).items()}
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
     scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)

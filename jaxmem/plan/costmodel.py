@@ -3,7 +3,8 @@
 Every figure here is an estimate. The step time adds the device's serial work, each part at its own
 achieved rate:
   matmuls      projection + MLP FLOPs (with remat recompute) / (peak x MATMUL_EFFICIENCY)
-  attention    the FLOPs the kernel runs: causal (half of unmasked) for the flash kernels, whose backward
+  attention    the FLOPs the kernel runs: causal (half of unmasked; the window's band on sliding-window
+               layers) for the flash kernels, whose backward
                redoes the score matmuls (fwd + bwd = 3.5 x fwd), plus the forward rerun when the remat
                policy cannot keep its softmax statistics; / (peak x ATTENTION_EFFICIENCY[kernel])
   loss         LM head + cross-entropy: 4 matmul passes for the chunked / fused kernels (the backward
@@ -127,12 +128,39 @@ class Cost:
         return out
 
 
-def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
-    """Forward FLOPs of one layer's ops over `tokens` tokens (all devices); attention unmasked."""
+def _local_layers(m) -> int:
+    """Sliding-window layers of model `m` (model.sliding_window, model.global_every)."""
+    if not m.sliding_window:
+        return 0
+    return m.n_layers - (m.n_layers // m.global_every if m.global_every else 0)
+
+
+def _keys_per_query(cfg: Config) -> float:
+    """Keys a query scores, averaged over the layers, unmasked convention: S on a global layer, the window
+    (at most S) on a local one."""
     m, s = cfg.model, cfg.train.seq_len
+    local = _local_layers(m)
+    return (local * min(m.sliding_window or s, s) + (m.n_layers - local) * s) / m.n_layers
+
+
+def _flash_attention_fwd(cfg: Config, tokens: int) -> float:
+    """Forward FLOPs a flash kernel runs per layer (averaged over the layers): the causal triangle, or the
+    window's band on a local layer (the kernels skip the blocks outside it)."""
+    from jaxmem.kernels.attention.pallas import score_pairs
+
+    m, s = cfg.model, cfg.train.seq_len
+    local = _local_layers(m)
+    pairs = (local * score_pairs(s, s, window=m.sliding_window or None) + (m.n_layers - local) * score_pairs(s, s))
+    return 4.0 * (tokens / s) * m.n_heads * m.head_dim * pairs / m.n_layers
+
+
+def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
+    """Forward FLOPs of one layer's ops over `tokens` tokens (all devices); attention unmasked (over the
+    window on local layers, averaged over the layers)."""
+    m = cfg.model
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     return {"norm": 0.0, "elementwise": 0.0, "q_proj": 2.0 * tokens * d * n * h,
-            "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * s * n * h,
+            "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * _keys_per_query(cfg) * n * h,
             "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
 
 
@@ -181,11 +209,12 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
 
 def _elementwise_elems_per_token(cfg: Config) -> int:
     """Elements one layer's forward reads + writes in its non-matmul ops, per token: two RMSNorms (read d,
-    write d), RoPE on q and k (read + write), two residual adds (read 2 d, write d), SiLU x up (read 2 f,
-    write f)."""
+    write d; four with post-norms), RoPE on q and k (read + write; the q/k norms as much again), two residual
+    adds (read 2 d, write d), SiLU (or GELU) x up (read 2 f, write f)."""
     m = cfg.model
     d, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.d_ff
-    return 2 * 2 * d + 2 * (q + kv) + 2 * 3 * d + 3 * f
+    norms = 4 if m.post_norms else 2
+    return norms * 2 * d + 2 * (q + kv) * (2 if m.qk_norm else 1) + 2 * 3 * d + 3 * f
 
 
 def loss_efficiency(cfg: Config, kernel: str, tokens_per_device: int) -> float:
@@ -243,11 +272,11 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     reruns = rebuilt.count("attention")
     hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
     if attn_kernel in ATTENTION_EFFICIENCY:
-        causal_fwd = ops["attention"] / 2
+        causal_fwd = _flash_attention_fwd(cfg, tokens)  # ops["attention"] / 2 without a window
         attn_flops = causal_fwd * (3.5 + reruns) * m.n_layers
         attn_s = attn_flops / (n_devices * peak * ATTENTION_EFFICIENCY[attn_kernel])
-    else:  # plain XLA: unmasked matmuls, and the [N, T, S] scores written and read ~6 times (fp32)
-        attn_flops = ops["attention"] * (3 + reruns) * m.n_layers
+    else:  # plain XLA: unmasked matmuls (a window is only a mask), the [N, T, S] scores written and read ~6 times
+        attn_flops = 4.0 * tokens * seq * m.n_heads * m.head_dim * (3 + reruns) * m.n_layers
         scores = grad_accum * rows * m.n_heads * seq * seq * 4 * 6 * (1 + reruns / 3) * m.n_layers
         attn_s = attn_flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm)
 

@@ -31,16 +31,28 @@ DEFAULT_MAX_SEGMENTS = 16
 _FEATURE = "packed sequences in cuDNN attention (jax._src.cudnn.fused_attention_stablehlo)"
 
 
-def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, max_segments: int = DEFAULT_MAX_SEGMENTS):
+def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, max_segments: int = DEFAULT_MAX_SEGMENTS,
+                    window: int | None = None, scale: float | None = None):
     """Causal GQA attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H]) -> [B,T,N,H].
+
+    `window` (a static int): sliding-window attention through cuDNN's sliding_window_length, which skips
+    the tiles outside the band as the causal mask skips those above the diagonal.
 
     With segment ids, each maximal run of equal ids in a row is one document: tokens attend causally
     within their run only. At most `max_segments` runs per row (static: cuDNN keeps softmax statistics for
     B x max_segments sequences); rows with more runs come out NaN rather than silently wrong.
     """
+    if window is not None and window >= q_btnh.shape[1]:
+        window = None  # as long as the sequence: no window
     if segment_ids_bt is None:
-        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn")
-    return _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments)
+        return jax.nn.dot_product_attention(q_btnh, k_bskh, v_bskh, is_causal=True, implementation="cudnn",
+                                            scale=scale, local_window_size=local_window_size(window))
+    return _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments, window, scale)
+
+
+def local_window_size(window: int | None) -> tuple[int, int] | None:
+    """jax.nn.dot_product_attention's (left, right) window for keys less than `window` positions back."""
+    return None if window is None else (window - 1, 0)
 
 
 def packed_segments(segment_ids_bt, max_segments: int):
@@ -66,7 +78,7 @@ def packed_segments(segment_ids_bt, max_segments: int):
     return seqlen, offsets, n_runs > max_segments
 
 
-def _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments):
+def _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments, window=None, scale=None):
     version = jax.__version__
     if not compat.in_range(version, PACKED_RANGE):
         raise compat.UnsupportedVersion(f"{_FEATURE} supports jax >={PACKED_RANGE[0]},<{PACKED_RANGE[1]}; found "
@@ -81,7 +93,8 @@ def _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments):
     seqlen, offsets, overflow = packed_segments(segment_ids_bt, max_segments)
     out = cudnn_fa.dot_product_attention(
         q_btnh, k_bskh, v_bskh, q_seqlen=seqlen, kv_seqlen=seqlen, q_offsets=offsets, kv_offsets=offsets,
-        scale=q_btnh.shape[-1] ** -0.5, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL, qkv_layout="BTNH")
+        scale=q_btnh.shape[-1] ** -0.5 if scale is None else scale, mask_type=cudnn_fa.MaskType.PADDING_CAUSAL,
+        qkv_layout="BTNH", sliding_window_length=window)
     return jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(out.dtype)
 
 

@@ -1,4 +1,6 @@
-"""Flash attention in Pallas (Triton backend): causal, GQA, segment ids; never holds [T, S] scores.
+"""Flash attention in Pallas (Triton backend): causal, GQA, segment ids, sliding window; never holds [T, S]
+scores. With a window, every loop visits only the blocks that intersect the band of kept scores, so time
+grows with T x window instead of T x T / 2.
 
 Forward: one program per (query block, batch, q head) walks the key blocks
 with an online softmax (base 2, fp32) and saves the per-row logsumexp.
@@ -27,10 +29,13 @@ MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block mu
 LOG2E = math.log2(math.e)
 
 
-def _mask(scores, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None):
+def _mask(scores, q_pos, k_pos, q_seg, k_seg, *, causal: bool, kv_len: int | None, window: int | None = None):
     keep = None
     if causal:
         keep = q_pos[:, None] >= k_pos[None, :]
+    if window is not None:  # keys less than `window` positions back (transformers' sliding_window)
+        near = q_pos[:, None] - k_pos[None, :] < window
+        keep = near if keep is None else keep & near
     if kv_len is not None:
         inside = jnp.broadcast_to(k_pos[None, :] < kv_len, scores.shape)
         keep = inside if keep is None else keep & inside
@@ -47,7 +52,17 @@ def _key_blocks(i, n_k: int, bq: int, bk: int, causal: bool):
     return jnp.minimum(n_k, ((i + 1) * bq + bk - 1) // bk) if causal else n_k
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, kv_len, bq, bk):
+def _first_key_block(i, bq: int, bk: int, window: int | None):
+    """With a window, the key blocks wholly before query block i's first query's window are skipped."""
+    return 0 if window is None else jnp.maximum(i * bq - window + 1, 0) // bk
+
+
+def _query_blocks_end(j, n_q: int, bq: int, bk: int, window: int | None):
+    """Query blocks past this bound start after the window of key block j's last key: skipped."""
+    return n_q if window is None else jnp.minimum(n_q, ((j + 1) * bk + window - 2) // bq + 1)
+
+
+def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, kv_len, window, bq, bk):
     i = pl.program_id(0)
     q = q_ref[...]
     q_pos = i * bq + jnp.arange(bq)
@@ -58,7 +73,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, caus
         ks = pl.ds(j * bk, bk)
         k_pos = j * bk + jnp.arange(bk)
         s = plgpu.dot(q, k_ref[ks, :], trans_b=True) * (scale * LOG2E)
-        s = _mask(s, q_pos, k_pos, q_seg, None if seg_ref is None else seg_ref[ks], causal=causal, kv_len=kv_len)
+        s = _mask(s, q_pos, k_pos, q_seg, None if seg_ref is None else seg_ref[ks], causal=causal, kv_len=kv_len,
+                  window=window)
         m_new = jnp.maximum(m, jnp.max(s, axis=1))
         p = jnp.exp2(s - m_new[:, None])
         correction = jnp.exp2(m - m_new)
@@ -67,12 +83,14 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, caus
 
     h = q_ref.shape[-1]
     init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
-    o, m, l = jax.lax.fori_loop(0, _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal), step, init)
+    first, upper = _first_key_block(i, bq, bk, window), _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal)
+    o, m, l = jax.lax.fori_loop(first, upper, step, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log2(l)
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len, bq, bk):
+def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref, *, scale, causal, kv_len, window,
+               bq, bk):
     i = pl.program_id(0)
     q, do = q_ref[...], do_ref[...]
     lse, delta = lse_ref[...], delta_ref[...]
@@ -84,18 +102,18 @@ def _dq_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dq_ref,
         k, v = k_ref[ks, :], v_ref[ks, :]
         s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)
         s = _mask(s, q_pos, j * bk + jnp.arange(bk), q_seg, None if seg_ref is None else seg_ref[ks],
-                  causal=causal, kv_len=kv_len)
+                  causal=causal, kv_len=kv_len, window=window)
         p = jnp.exp2(s - lse[:, None])
         ds = p * (plgpu.dot(do, v, trans_b=True) - delta[:, None])
         return dq + plgpu.dot(ds.astype(k.dtype), k)
 
     upper = _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal)
-    dq = jax.lax.fori_loop(0, upper, step, jnp.zeros(dq_ref.shape, jnp.float32))
+    dq = jax.lax.fori_loop(_first_key_block(i, bq, bk, window), upper, step, jnp.zeros(dq_ref.shape, jnp.float32))
     dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, scale, causal,
-                kv_len, bq, bk, group):
+                kv_len, window, bq, bk, group):
     j = pl.program_id(0)
     k, v = k_ref[...], v_ref[...]
     k_pos = j * bk + jnp.arange(bk)
@@ -109,7 +127,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
         q, do = q_ref[qs, g, :], do_ref[qs, g, :]
         s = plgpu.dot(q, k, trans_b=True) * (scale * LOG2E)
         s = _mask(s, i * bq + jnp.arange(bq), k_pos, None if seg_ref is None else seg_ref[qs], k_seg,
-                  causal=causal, kv_len=kv_len)
+                  causal=causal, kv_len=kv_len, window=window)
         p = jnp.exp2(s - lse_ref[g, qs][:, None])
         dv = dv + plgpu.dot(p.astype(do.dtype), do, trans_a=True)
         ds = p * (plgpu.dot(do, v, trans_b=True) - delta_ref[g, qs][:, None])
@@ -117,7 +135,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, seg_ref, do_ref, lse_ref, delta_ref, dk_ref
 
     carry = (jnp.zeros(dk_ref.shape, jnp.float32), jnp.zeros(dv_ref.shape, jnp.float32))
     for g in range(group):  # the q heads sharing this kv head
-        carry = jax.lax.fori_loop(lower, n_q, functools.partial(step, g), carry)
+        carry = jax.lax.fori_loop(lower, _query_blocks_end(j, n_q, bq, bk, window), functools.partial(step, g),
+                                  carry)
     dk, dv = carry
     dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -127,12 +146,20 @@ def _params(blocks: AttentionBlocks):
     return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
 
 
-def attention_cost(b, t, s, n, h, itemsize, *, causal=True, matmuls=2, passes=1) -> pl.CostEstimate:
+def score_pairs(t: int, s: int, *, causal: bool = True, window: int | None = None) -> float:
+    """(query, key) pairs attention scores per head and row: T x S, half of it causal, about T x window
+    with a window shorter than the sequence."""
+    if window is not None and window < s:
+        return t * window - window * (window - 1) / 2 if causal else t * min(2 * window - 1, s)
+    return t * s * (0.5 if causal else 1.0)
+
+
+def attention_cost(b, t, s, n, h, itemsize, *, causal=True, matmuls=2, passes=1, window=None) -> pl.CostEstimate:
     """FLOPs of `matmuls` [T,S]x[.,H] products per head, one exp per score, and the q/k/v/o bytes moved.
 
     Forward: 2 matmuls; dq: 3; dk/dv: 4 (the scores are recomputed in both backward kernels).
     """
-    pairs = b * n * t * s * (0.5 if causal else 1.0)
+    pairs = b * n * score_pairs(t, s, causal=causal, window=window)
     io = passes * b * (2 * t * n + 2 * s * n) * h * itemsize + b * n * t * 8
     return pl.CostEstimate(flops=int(2 * matmuls * pairs * h), transcendentals=int(pairs), bytes_accessed=int(io))
 
@@ -145,33 +172,35 @@ def _specs(b, t, s, n, kv, h, bq, group, seg):
     return q_spec, kv_spec, seg_spec, row_spec
 
 
-def _forward(q, k, v, seg, *, blocks, causal, scale, kv_len, interpret):
+def _forward(q, k, v, seg, *, blocks, causal, scale, kv_len, window, interpret):
     b, t, n, h = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.block_q, blocks.block_k
     q_spec, kv_spec, seg_spec, row_spec = _specs(b, t, s, n, kv, h, bq, n // kv, seg)
-    kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, kv_len=kv_len, bq=bq, bk=bk)
+    kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, kv_len=kv_len, window=window, bq=bq,
+                               bk=bk)
     return pl.pallas_call(
         kernel, grid=(t // bq, b, n), in_specs=[q_spec, kv_spec, kv_spec, seg_spec], out_specs=[q_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
-        compiler_params=_params(blocks), cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal),
+        compiler_params=_params(blocks),
+        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, window=window),
         interpret=interpret, name="flash_attention_fwd",
     )(q, k, v, seg)
 
 
-def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, interpret):
+def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, window, interpret):
     b, t, n, h = q.shape
     s, kv = k.shape[1], k.shape[2]
     group = n // kv
     bq, bk = blocks.block_q, blocks.block_k
     delta = jnp.einsum("BTNH,BTNH->BNT", o.astype(jnp.float32), do.astype(jnp.float32))
     q_spec, kv_spec, seg_spec, row_spec = _specs(b, t, s, n, kv, h, bq, group, seg)
-    common = dict(scale=scale, causal=causal, kv_len=kv_len, bq=bq, bk=bk)
+    common = dict(scale=scale, causal=causal, kv_len=kv_len, window=window, bq=bq, bk=bk)
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, **common), grid=(t // bq, b, n),
         in_specs=[q_spec, kv_spec, kv_spec, seg_spec, q_spec, row_spec, row_spec], out_specs=q_spec,
         out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype), compiler_params=_params(blocks),
-        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=3),
+        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=3, window=window),
         interpret=interpret, name="flash_attention_dq",
     )(q, k, v, seg, do, lse, delta)
     group_spec = pl.BlockSpec((None, t, group, h), lambda j, b_, kh: (b_, 0, kh, 0))
@@ -184,7 +213,8 @@ def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, interp
         out_specs=[block_kv, block_kv],
         out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
         compiler_params=_params(blocks), interpret=interpret, name="flash_attention_dkv",
-        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=4, passes=2),
+        cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=4, passes=2,
+                                     window=window),
     )(q, k, v, seg, do, lse, delta)
     return dq, dk, dv
 
@@ -208,23 +238,23 @@ def _sharded(fn, mesh, kv_heads: int, has_seg: bool, ins: str, outs: str):
     return lambda q, k, v, _, *rest: mapped(q, k, v, jnp.zeros((), jnp.int32), *rest)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
-def _flash(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh):
-    return _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+def _flash(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh):
+    return _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh)[0]
 
 
-def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, interpret, mesh):
-    forward = functools.partial(_forward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
+def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh):
+    forward = functools.partial(_forward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, window=window,
                                 interpret=interpret)
     o, lse = _sharded(lambda *a: tuple(forward(*a)), mesh, k.shape[2], seg is not None, "xxxs", "xr")(
         q, k, v, seg)
     return o, (q, k, v, seg, o, lse)
 
 
-def _flash_bwd(blocks, causal, scale, kv_len, interpret, mesh, res, do):
+def _flash_bwd(blocks, causal, scale, kv_len, window, interpret, mesh, res, do):
     q, k, v, seg, o, lse = res
     backward = functools.partial(_backward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
-                                 interpret=interpret)
+                                 window=window, interpret=interpret)
     dq, dk, dv = _sharded(lambda *a: tuple(backward(*a)), mesh, k.shape[2], seg is not None, "xxxsxrx", "xxx")(
         q, k, v, seg, o, lse, do)
     return dq, dk, dv, None
@@ -234,9 +264,11 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 
 def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: AttentionBlocks = AttentionBlocks(),
-                    causal: bool = True, scale: float | None = None, interpret: bool = False, mesh=None):
+                    causal: bool = True, scale: float | None = None, window: int | None = None,
+                    interpret: bool = False, mesh=None):
     """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H].
 
+    `window` (a static int): sliding-window attention; blocks wholly outside the window are skipped.
     With a mesh, runs per shard: batch over the data axes, heads over tp (and sp).
     """
     b, t, n, h = q_btnh.shape
@@ -258,5 +290,8 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
             seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
     if seg is not None:
         seg = seg.astype(jnp.int32)
-    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, interpret, mesh)
+    if window is not None and (not isinstance(window, int) or window < 1):
+        raise ValueError(f"flash_attention: window {window!r} must be a positive int (static)")
+    window = None if window is None or window >= t else window  # a window as long as the sequence is none
+    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, window, interpret, mesh)
     return out[:, :t] if pad else out

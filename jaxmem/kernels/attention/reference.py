@@ -6,8 +6,12 @@ import jax.numpy as jnp
 
 
 def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids_bt=None,
-                        scale: float | None = None):
-    """Causal GQA attention. q [B,T,N,H], k/v [B,S,K,H] with N % K == 0; returns [B,T,N,H]."""
+                        scale: float | None = None, window: int | None = None):
+    """Causal GQA attention. q [B,T,N,H], k/v [B,S,K,H] with N % K == 0; returns [B,T,N,H].
+
+    `window` (sliding-window attention): a query sees only the keys less than `window` positions before it
+    (itself included), as transformers' sliding_window. Only a mask here: the [T, S] scores are still built.
+    """
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
     scale = h**-0.5 if scale is None else scale
@@ -17,6 +21,8 @@ def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_
     mask = jnp.ones((t, s), dtype=bool)
     if causal:
         mask = jnp.arange(t)[:, None] + (s - t) >= jnp.arange(s)[None, :]
+    if window is not None:
+        mask = mask & (jnp.arange(t)[:, None] + (s - t) - jnp.arange(s)[None, :] < window)
     mask = mask[None, None, None]
     if segment_ids_bt is not None:
         same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]

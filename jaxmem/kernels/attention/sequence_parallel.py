@@ -48,11 +48,12 @@ def sequence_parallel(attention: Callable, mesh: Mesh | None) -> Callable:
     def put(x, spec):
         return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
 
-    def run(q, k, v, seg):
+    def run(q, k, v, seg, **kwargs):  # kwargs: window, scale (static)
         n, kv = q.shape[2], k.shape[2]
         if n % ways:  # all-gathered kv: queries stay split along the sequence
             whole = P(data, None, None, None)
-            return attention(q, put(k, whole), put(v, whole), None if seg is None else put(seg, P(data, None)))
+            return attention(q, put(k, whole), put(v, whole), None if seg is None else put(seg, P(data, None)),
+                             **kwargs)
         repeats = kv_repeats(kv, ways)
         if repeats > 1:  # kv * repeats = lcm(kv, ways) divides n: the GQA grouping stays right
             # repeat while still split along the sequence (a local copy), then one all-to-all as for q
@@ -61,6 +62,6 @@ def sequence_parallel(attention: Callable, mesh: Mesh | None) -> Callable:
         spec = P(data, None, head_axes(mesh, k.shape[2]), None)
         q, k, v = put(q, spec), put(k, spec), put(v, spec)
         seg = None if seg is None else put(seg, P(data, None))
-        return put(attention(q, k, v, seg), spec)
+        return put(attention(q, k, v, seg, **kwargs), spec)
 
     return run
