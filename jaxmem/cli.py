@@ -16,6 +16,7 @@ COMMANDS = {
     "data": ("jaxmem.data_cli", "preview the training data: a rendered sample, its loss mask, packing stats"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
     "merge-lora": ("jaxmem.lora.export", "a LoRA run's checkpoint as a merged Hugging Face checkpoint (+ PEFT)"),
+    "export-hf": ("jaxmem.export_hf", "a run's checkpoint as a Hugging Face folder with its tokenizer (LoRA merged)"),
     "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),
     "list": ("jaxmem.reference:list_main", "list model presets, remat presets and names, GPU targets, kernels"),
     "doctor": ("jaxmem.doctor", "check this machine for a run: devices, versions, allocator env, host RAM"),
