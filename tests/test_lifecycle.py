@@ -203,6 +203,28 @@ def test_a_killed_peer_ends_the_survivor_in_one_line_and_both_resume(tmp_path):
     assert Checkpoints(out / "checkpoints").latest_step() == STEPS
 
 
+@pytest.mark.slow
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
+    """jax's preemption sync: the notice reaches the other process and both save (one orbax save spans both)."""
+    out = tmp_path / "run"
+    procs = _pair(out, "checkpoint.every=0", sleep="0.5")
+    try:
+        _wait_for(lambda: len(_logged(out)) >= 2, "step 2", procs[0])
+        procs[1].send_signal(signal.SIGTERM)
+        outputs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, (_, e) in zip(procs, outputs):
+        assert p.returncode == EXIT_SAVED, e[-3000:]
+    saved = Checkpoints(out / "checkpoints").all_steps()
+    assert len(saved) == 1 and 2 <= saved[0] < STEPS
+    assert outputs[0][1].strip().splitlines()[-1] == (f"jaxmem train: SIGTERM: saved step {saved[0]} to "
+                                                      f"{out / 'checkpoints'}; rerun the same command to resume")
+    assert _logged(out) == list(range(1, saved[0] + 1))
+
+
 def test_an_empty_override_value_is_a_one_line_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"^train\.wandb: empty value in the override 'train\.wandb='"):
         load_config(TINY, ["train.wandb="])
