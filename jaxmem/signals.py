@@ -72,7 +72,11 @@ class StopRequest:
             return self.signal is not None
         from jax.experimental import multihost_utils
 
-        if multihost_utils.reached_preemption_sync_point(step):
+        try:
+            reached = multihost_utils.reached_preemption_sync_point(step)
+        except RuntimeError:  # jax_enable_preemption_service is off: no agreement possible, SIGTERM kills
+            self.multi = False
+            return self.signal is not None
+        if reached:
             self.signal = self.signal or "SIGTERM"
-            return True
-        return False
+        return reached
