@@ -71,6 +71,10 @@ def failure_settings() -> dict:
 def process_group() -> tuple[int, int]:
     """(this process's index, number of processes) without starting the backend (allocator settings may still
     have to be applied); (0, 1) outside a process group."""
+    from jaxmem.peer_watch import runtime_client
+
+    if runtime_client() is None:  # a jax outside the checked range: ask the backend (it starts now)
+        return (jax.process_index(), jax.process_count()) if jax.distributed.is_initialized() else (0, 1)
     try:
         from jax._src import distributed
 

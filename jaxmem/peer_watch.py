@@ -33,7 +33,14 @@ def last_saved_step(checkpoint_dir: str | Path) -> int | None:
 
 
 def runtime_client():
-    """jax's distributed runtime client, or None (no process group, or a jax whose internals differ)."""
+    """jax's distributed runtime client (a private API, checked for jaxmem.compat.JAX_RANGE), or None (no process
+    group, or a jax outside that range: the watch is then off and jax's own heartbeat ends a lost run)."""
+    import jax
+
+    from jaxmem.compat import JAX_RANGE, in_range
+
+    if not in_range(jax.__version__, JAX_RANGE):
+        return None
     try:
         from jax._src import distributed
 

@@ -37,7 +37,7 @@ from jaxmem.plan.oom import is_oom
 from jaxmem.precision import all_finite
 from jaxmem.pipeline import is_pipeline
 from jaxmem.program import TrainProgram, build_program
-from jaxmem.save_clock import SaveClock, agreed, stopped_line
+from jaxmem.save_clock import SaveClock, stopped_line
 from jaxmem.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, StopRequest
 from jaxmem.telemetry import MemoryTelemetry, save_memory_profile
 from jaxmem.config import load_config
@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
         report_oom(cfg, e)
         return EXIT_ERROR
     records = summary["records"]
-    if summary["stopped_by"]:
+    if summary.get("stopped_by"):
         if jax.process_index() == 0:
             print(f"jaxmem train: {stopped_line(summary, cfg.checkpoint.enabled)}", file=sys.stderr, flush=True)
         return EXIT_SAVED
