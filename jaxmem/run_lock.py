@@ -61,8 +61,10 @@ class RunLock:
         self.out_dir = Path(out_dir).absolute()
         self.path = self.out_dir / LOCK_NAME
         self.me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+        self.created = False
 
     def acquire(self) -> None:
+        self.created = not self.out_dir.exists()  # removed again on release if the run wrote nothing
         self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a takeover races with another starter at most a couple of times
             try:
@@ -94,13 +96,19 @@ class RunLock:
                            f"stop it (Ctrl-C saves a checkpoint), or use another out_dir{gone}")
 
     def release(self) -> None:
-        """Removes the lock if it is still ours."""
+        """Removes the lock if it is still ours, and out_dir too if this lock made it and the run wrote nothing
+        (bad input fails a run before anything is written)."""
         owner = read_owner(self.out_dir)
         if owner and owner.get("pid") == self.me["pid"] and owner.get("host") == self.me["host"]:
             try:
                 self.path.unlink()
             except FileNotFoundError:
                 pass
+            if self.created:
+                try:
+                    self.out_dir.rmdir()  # only when empty
+                except OSError:
+                    pass
 
 
 class hold:
