@@ -176,3 +176,20 @@ def _overrides_of(cfg):
     return [f"out_dir={cfg.out_dir}", "data.kind=jsonl", f"data.path={cfg.data.path}",
             f"data.tokenizer={cfg.data.tokenizer}", "data.format=messages", "train.seq_len=32", "train.micro_batch=1",
             "model.qkv_bias=true", "lora.rank=4", "lora.alpha=8", "lora.base_dtype=bfloat16"]
+
+
+def test_an_export_imports_back_and_the_log_confirms_init_from(full_run, tmp_path, capsys):
+    """export-hf -> import-hf -> checkpoint.init_from: the exported folder starts a new run, and the log names
+    what was loaded and how many parameters it holds."""
+    assert cli.main(["export-hf", str(full_run), "--out", str(tmp_path / "hf")]) == 0
+    assert cli.main(["import-hf", str(tmp_path / "hf"), str(tmp_path / "ckpt")]) == 0
+    capsys.readouterr()
+    cfg = run_config(full_run)
+    from jaxmem.model.presets import param_count
+
+    summary = run(load_config(TINY, [f"out_dir={tmp_path / 'again'}", f"checkpoint.init_from={tmp_path / 'ckpt'}",
+                                     "train.steps=1", "train.progress=false", "train.seq_len=32"]))
+    err = capsys.readouterr().err
+    assert (f"jaxmem train: loaded checkpoint.init_from {tmp_path / 'ckpt'}: {param_count(cfg.model):,} model "
+            "parameters (params only: the optimizer starts fresh at step 0)") in err
+    assert summary["final_step"] == 1
