@@ -133,6 +133,7 @@ def exit_on_lost(checkpoint_dir: str | Path | None, code: int) -> Callable[[int,
 
 
 _started: list[PeerWatch] = []  # the watch of the run this process is in
+_guards: list = []  # the stderr helper of this process (jaxmem.stderr_guard), started once
 
 
 def start_for_run(cfg) -> PeerWatch | None:
@@ -147,6 +148,10 @@ def start_for_run(cfg) -> PeerWatch | None:
     if _started:
         return _started[0]
     ckpt_dir = Path(cfg.out_dir).absolute() / "checkpoints" if cfg.checkpoint.enabled else None
+    if not _guards:  # a lost coordinator aborts this process from C++: one line instead of the trace
+        from jaxmem.stderr_guard import start
+
+        _guards.append(start(str(ckpt_dir) if ckpt_dir else None))
     watch = PeerWatch(client, index, count, exit_on_lost(ckpt_dir, EXIT_PEER_LOST)).start()
     _started.append(watch)
     return watch
