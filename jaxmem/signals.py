@@ -7,6 +7,7 @@ Exit codes of `jaxmem train` (README, docs/lifecycle.md):
   3   out_dir is in use by another live run (the lock, jaxmem.run_lock)
   75  stopped by SIGTERM or a first Ctrl-C after saving a checkpoint of the current step: rerun to resume
   76  another process of a multi-process run died or hung: this one stopped (the last saved step is named)
+  134 process 0 of a multi-process run died: jax aborts the others (SIGABRT); jaxmem.stderr_guard prints the line
   130 a second Ctrl-C: stopped at once, without saving
 
 One process: Python handlers set a flag the train loop reads after each step. Several processes: the step to
