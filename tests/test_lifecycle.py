@@ -255,3 +255,26 @@ def test_every_minutes_saves_by_time_and_is_checked(tmp_path, capsys):
         load_config(TINY, ["checkpoint.every_minutes=-1"])
     err = capsys.readouterr()
     assert "trained tok/s (" in err.out and " seen)" in err.out  # both token rates, labeled
+
+
+def test_the_cli_switches_off_the_cpu_concurrency_scheduler_unless_told(monkeypatch):
+    from jaxmem import cli
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    cli._cpu_scheduler_flag()
+    assert os.environ["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=8 "
+                                       "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_concurrency_optimized_scheduler=true")
+    cli._cpu_scheduler_flag()  # the user's own setting wins
+    assert os.environ["XLA_FLAGS"] == "--xla_cpu_enable_concurrency_optimized_scheduler=true"
+
+
+def test_a_missing_jinja2_names_the_data_extra(monkeypatch):
+    from jaxmem.documents.chat import ChatTemplate
+
+    monkeypatch.setitem(sys.modules, "jinja2", None)
+    monkeypatch.setitem(sys.modules, "jinja2.exceptions", None)
+    with pytest.raises(ConfigError, match=r"^data\.chat_template: x\.jinja: chat templates need the jinja2 package; "
+                                          r"pip install 'jaxmem\[data\]'"):
+        ChatTemplate("{{ messages }}", "data.chat_template: x.jinja")
