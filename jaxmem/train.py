@@ -209,14 +209,15 @@ def run(cfg: Config) -> dict:
     """
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
     peer_watch.start_for_run(cfg)  # a dead peer ends this process within seconds, in one line
-    try:
-        with run_lock.owned(cfg.out_dir):  # before anything is written into out_dir
-            return _run_locked(cfg)
+    multi = distributed.process_group()[1] > 1
+    try:  # the lock before anything is written into out_dir; the handlers before the data and the compile
+        with run_lock.owned(cfg.out_dir), StopRequest(multi_process=multi) as stop:
+            return _run_locked(cfg, stop)
     finally:
         peer_watch.finish_run()
 
 
-def _run_locked(cfg: Config) -> dict:
+def _run_locked(cfg: Config, stop: StopRequest) -> dict:
     if cfg.train.tensorboard:
         summary_writer_class()  # a missing writer fails now, not after the compile
     if cfg.train.wandb:
@@ -231,23 +232,22 @@ def _run_locked(cfg: Config) -> dict:
             prog = build_pipeline(cfg)
         else:
             prog = build_program(cfg)
-        return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog))
+        return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog), stop)
     finally:
         if ckpts:
             ckpts.close()  # finishes saves already started; the state that failed is never among them
 
 
 def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: TokenSource,
-           evaluator: Evaluator | None = None) -> dict:
+           evaluator: Evaluator | None = None, stop: StopRequest | None = None) -> dict:
     total, every = cfg.train.steps, cfg.checkpoint.every
     state, start, position, resumed = initial_state(prog, ckpts)
     summary = {"out_dir": str(cfg.out_dir), "start_step": start, "final_step": start, "resumed_from": resumed,
                "records": [], "compile_time_s": None, "checkpoint_steps": [], "memory_warnings": {},
                "stopped_by": None}
     outputs = _Outputs(cfg, start)
-    stop = StopRequest(multi_process=jax.process_count() > 1)
+    stop = stop or StopRequest(multi_process=jax.process_count() > 1)  # (no handlers: never stops early)
     try:
-        stop.__enter__()
         if start >= total:
             _note(f"{cfg.out_dir} already holds step {start} >= train.steps={total}; nothing to train")
             return summary
@@ -317,7 +317,6 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
             raise _oom_error("running", e) from None
         raise
     finally:
-        stop.__exit__(None, None, None)
         outputs.close()
 
 
