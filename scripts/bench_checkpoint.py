@@ -1,7 +1,7 @@
 """Checkpoint cost on CPU, and the preemption grace period a run needs.
 
 Measured on CPU (this host, 8 virtual devices), for the tiny config and a small one (d_model 512, 8 layers):
-  - step time with no saves, with an async save every 2 steps and with a blocking save every 2 steps (the
+  - step time with no saves, with an async save every EVERY steps and with a blocking save every EVERY steps (the
     median `step_time_s` of the steps right after a save, against the median of the run without saves);
   - the time a blocking save of the whole train state takes (save + wait, as SIGTERM's save does), its bytes on
     disk, and the write rate that gives.
@@ -40,7 +40,7 @@ from jaxmem.model.presets import param_count  # noqa: E402
 from jaxmem.program import build_program  # noqa: E402
 from jaxmem.train import run  # noqa: E402
 
-STEPS, EVERY = 16, 2
+STEPS, EVERY = 26, 5
 MODELS = {"tiny": [], "small": ["model.d_model=512", "model.n_layers=8", "model.d_ff=1408", "model.n_heads=8",
                                 "model.n_kv_heads=4", "model.head_dim=64", "model.vocab_size=4096"]}
 HEADLINE = ["configs/llama3-8b-8xh100.yaml", "configs/llama3-8b-1x4090.yaml", "configs/qwen2-72b-8xh100.yaml",
@@ -150,8 +150,8 @@ def main() -> None:
     lines = ["# Checkpoint cost and the preemption grace period", "",
              f"Produced by `scripts/bench_checkpoint.py`; {results['how']}.", "",
              "## Step time with saves (measured on CPU)", "",
-             "| model | no saves: median s/step | async save every 2: s/step after a save | blocking save every 2: "
-             "s/step after a save | blocking save of the whole state | bytes | write rate |",
+             f"| model | no saves: median s/step | async save every {EVERY}: s/step after a save | blocking save every "
+             f"{EVERY}: s/step after a save | blocking save of the whole state | bytes | write rate |",
              "|---|---|---|---|---|---|---|"]
     for model, r in results["models"].items():
         st, sv = r["step_times"], r["save"]
