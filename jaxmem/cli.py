@@ -16,6 +16,7 @@ COMMANDS = {
     "data": ("jaxmem.data_cli", "preview the training data: a rendered sample, its loss mask, packing stats"),
     "import-hf": ("jaxmem.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
     "merge-lora": ("jaxmem.lora.export", "a LoRA run's checkpoint as a merged Hugging Face checkpoint (+ PEFT)"),
+    "export-hf": ("jaxmem.export_hf", "a run's checkpoint as a Hugging Face folder with its tokenizer (LoRA merged)"),
     "config": ("jaxmem.reference:config_main", "print a resolved config as YAML, each key with its description"),
     "list": ("jaxmem.reference:list_main", "list model presets, remat presets and names, GPU targets, kernels"),
     "doctor": ("jaxmem.doctor", "check this machine for a run: devices, versions, allocator env, host RAM"),
@@ -52,6 +53,24 @@ def _quiet_native_stderr():
         os.close(devnull)
 
 
+CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
+def _cpu_scheduler_flag() -> None:
+    """On a CPU-only host, switch off XLA's concurrency-optimized CPU scheduler before the backend starts.
+
+    With it (jax 0.10.2) a multi-device CPU program can run two independent collectives in a different order
+    on different devices; they wait on each other until XLA's 40 s rendezvous timeout aborts the process
+    (seen in `jaxmem train` with sp=4 x fsdp=2 under load, and in the tests: tests/conftest.py). An XLA_FLAGS
+    that names the flag itself wins. GPU hosts are left alone (the flag only concerns the CPU backend).
+    """
+    platforms = os.environ.get("JAX_PLATFORMS", "")
+    on_cpu = platforms.split(",")[0] == "cpu" or not os.path.exists("/proc/driver/nvidia")
+    flags = os.environ.get("XLA_FLAGS", "")
+    if on_cpu and "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -67,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     if name not in COMMANDS:
         print(f"jaxmem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
+    _cpu_scheduler_flag()
     if not os.path.exists("/proc/driver/nvidia"):  # no GPU here: the plugin's import chatter is noise
         with _quiet_native_stderr():
             import jax  # noqa: F401

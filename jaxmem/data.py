@@ -123,7 +123,7 @@ def _text_tokens(cfg: Config) -> np.ndarray:
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError("data.tokenizer: needs the `tokenizers` package (pip install jaxmem[tokenizers])") from None
+        raise ConfigError("data.tokenizer: needs the `tokenizers` package (pip install 'jaxmem[data]')") from None
     try:
         tokenizer = Tokenizer.from_file(cfg.data.tokenizer)
     except Exception as e:  # the tokenizers library raises a bare Exception on bad files

@@ -2,16 +2,26 @@
 
 Must run before anything asks JAX for devices: the backend is created on first use
 and cannot join a cluster afterwards.
+
+Failure settings (docs/lifecycle.md): jax's coordination service declares a process dead after
+HEARTBEAT_S seconds without a heartbeat (jax's default: 100 s) and a finishing process waits at most
+SHUTDOWN_S seconds for the others at the exit barrier (jax's default: 300 s). jaxmem.peer_watch notices a
+dead peer sooner (10 s) and ends the survivors with one line; the heartbeat is the backstop.
 """
 from __future__ import annotations
 
+import inspect
 import os
-from typing import Mapping
+from typing import Callable, Mapping
 
 import jax
 
 from jaxmem.schema import DistributedConfig
 from jaxmem.validate import check_distributed
+
+
+HEARTBEAT_S = 20
+SHUTDOWN_S = 60
 
 
 def _on_cpu() -> bool:
@@ -47,5 +57,57 @@ def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> 
         return False
     if _on_cpu():  # cross-process collectives on CPU need gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(**kwargs)
+    jax.distributed.initialize(**kwargs, **failure_settings())
     return True
+
+
+def failure_settings() -> dict:
+    """heartbeat_timeout_seconds / shutdown_timeout_seconds for jax.distributed.initialize, where it takes them."""
+    accepted = inspect.signature(jax.distributed.initialize).parameters
+    wanted = {"heartbeat_timeout_seconds": HEARTBEAT_S, "shutdown_timeout_seconds": SHUTDOWN_S}
+    return {k: v for k, v in wanted.items() if k in accepted}
+
+
+def process_group() -> tuple[int, int]:
+    """(this process's index, number of processes) without starting the backend (allocator settings may still
+    have to be applied); (0, 1) outside a process group."""
+    from jaxmem.peer_watch import runtime_client
+
+    if runtime_client() is None:  # a jax outside the checked range: ask the backend (it starts now)
+        return (jax.process_index(), jax.process_count()) if jax.distributed.is_initialized() else (0, 1)
+    try:
+        from jax._src import distributed
+
+        state = distributed.global_state
+        if state.client is not None:
+            return int(state.process_id), int(state.num_processes)
+    except (ImportError, AttributeError, TypeError):
+        pass
+    return 0, 1
+
+
+def decided_on_lead(key: str, decide: Callable[[], None], error: type[Exception]) -> None:
+    """Runs `decide` on process 0 only; if it raises `error`, every process raises it with the same message.
+
+    One process: `decide()` as is. Several: process 0 publishes "" or the message in the coordination
+    service's key-value store and the others wait for it (so a refused lock stops every process at once).
+    """
+    from jaxmem.peer_watch import runtime_client
+
+    client = runtime_client()
+    index, count = process_group()
+    if client is None or count == 1:
+        decide()
+        return
+    key = f"jaxmem/decided/{key}"
+    if index == 0:
+        try:
+            decide()
+        except error as e:
+            client.key_value_set(key, str(e) or type(e).__name__)
+            raise
+        client.key_value_set(key, "")
+        return
+    message = client.blocking_key_value_get(key, 600_000)
+    if message:
+        raise error(message)

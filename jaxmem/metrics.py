@@ -99,7 +99,7 @@ class ProgressBar:
 
         self._progress = Progress(
             TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} tok/s  {task.fields[step_time]} s/step"))
+            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} trained tok/s  {task.fields[step_time]} s/step"))
         self._task = self._progress.add_task("train", total=total, completed=start, loss="-", tps="-", step_time="-")
         self._progress.start()
 
@@ -126,7 +126,10 @@ def _fmt(value: float, digits: int) -> str:
 def log_line(record: dict) -> str:
     """The plain one-line form of a record, for logs without a progress bar."""
     line = (f"step {record['step']}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
-            f"lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} tok/s  {record['step_time_s']:.3f} s/step")
+            f"lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} trained tok/s")
+    if "seen_tokens_per_sec" in record:  # every batch position, padding and untrained prompt tokens included
+        line += f" ({record['seen_tokens_per_sec']:,.0f} seen)"
+    line += f"  {record['step_time_s']:.3f} s/step"
     if "eval_loss" in record:
         line += f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_ppl']:.2f}"
     return line

@@ -232,7 +232,10 @@ class EvalConfig:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    every: int = _f(0, "save every this many steps; 0: only at the end")
+    every: int = _f(0, "save every this many steps; 0: only at the end (and by every_minutes)")
+    every_minutes: float = _f(30.0, "also save when this many minutes have passed since the last save (bounds "
+                                    "the work a crash loses; multi-process runs check it at log steps); 0: off. "
+                                    "SIGTERM / Ctrl-C and the final step always save")
     keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
@@ -462,6 +465,9 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
         key, text = item.split("=", 1)
+        if not text.strip():
+            raise ConfigError(f"{key.strip()}: empty value in the override {item!r}; give a value "
+                              f"({key.strip()}=VALUE), or quote an empty string ({key.strip()}='')")
         _set_dotted(raw, key.strip(), _parse_scalar(text))
     return raw
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import jax
 
-from jaxmem import distributed
+from jaxmem import distributed, peer_watch, run_lock
 from jaxmem.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
 from jaxmem.schema import Config, dump_yaml, to_dict
 from jaxmem.data import Batches, TokenSource, make_source
@@ -37,6 +37,8 @@ from jaxmem.plan.oom import is_oom
 from jaxmem.precision import all_finite
 from jaxmem.pipeline import is_pipeline
 from jaxmem.program import TrainProgram, build_program
+from jaxmem.save_clock import SaveClock, stopped_line
+from jaxmem.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, StopRequest
 from jaxmem.telemetry import MemoryTelemetry, save_memory_profile
 from jaxmem.config import load_config
 
@@ -76,7 +78,11 @@ def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, 
             _note(_resume_mismatch(cfg, meta, latest, rows))
         return state, int(meta["step"]), int(meta["data_position"]), latest
     if cfg.checkpoint.init_from:
-        return init_from(prog, cfg.checkpoint.init_from), 0, None, None
+        state = init_from(prog, cfg.checkpoint.init_from)
+        count = sum(math.prod(x.shape) for x in jax.tree.leaves(prog.abstract_model_params()))
+        _note(f"loaded checkpoint.init_from {Path(cfg.checkpoint.init_from).absolute()}: {count:,} model "
+              "parameters (params only: the optimizer starts fresh at step 0)")
+        return state, 0, None, None
     return prog.init_state(), 0, None, None
 
 
@@ -195,10 +201,23 @@ def run(cfg: Config) -> dict:
     """Trains `cfg` (resuming from `<out_dir>/checkpoints` if it holds one); returns a summary dict.
 
     The summary has `records` (the metrics.jsonl records of this invocation),
-    `start_step`, `final_step`, `resumed_from`, `compile_time_s`, `checkpoint_steps` and
-    `memory_warnings` (name -> text; device-memory telemetry, see jaxmem.telemetry).
+    `start_step`, `final_step`, `resumed_from`, `compile_time_s`, `checkpoint_steps`,
+    `memory_warnings` (name -> text; device-memory telemetry, see jaxmem.telemetry) and `stopped_by`
+    (the signal that ended the run early after saving `final_step`, else None).
+    SIGTERM and a first Ctrl-C end the run after the current step with a checkpoint of it (jaxmem.signals);
+    out_dir is locked for the run (jaxmem.run_lock: RunLockError if another live run holds it).
     """
     distributed.initialize(cfg.distributed)  # before anything asks JAX for devices
+    peer_watch.start_for_run(cfg)  # a dead peer ends this process within seconds, in one line
+    multi = distributed.process_group()[1] > 1
+    try:  # the lock before anything is written into out_dir; the handlers before the data and the compile
+        with run_lock.owned(cfg.out_dir), StopRequest(multi_process=multi) as stop:
+            return _run_locked(cfg, stop)
+    finally:
+        peer_watch.finish_run()
+
+
+def _run_locked(cfg: Config, stop: StopRequest) -> dict:
     if cfg.train.tensorboard:
         summary_writer_class()  # a missing writer fails now, not after the compile
     if cfg.train.wandb:
@@ -213,19 +232,21 @@ def run(cfg: Config) -> dict:
             prog = build_pipeline(cfg)
         else:
             prog = build_program(cfg)
-        return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog))
+        return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog), stop)
     finally:
         if ckpts:
             ckpts.close()  # finishes saves already started; the state that failed is never among them
 
 
 def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: TokenSource,
-           evaluator: Evaluator | None = None) -> dict:
+           evaluator: Evaluator | None = None, stop: StopRequest | None = None) -> dict:
     total, every = cfg.train.steps, cfg.checkpoint.every
     state, start, position, resumed = initial_state(prog, ckpts)
     summary = {"out_dir": str(cfg.out_dir), "start_step": start, "final_step": start, "resumed_from": resumed,
-               "records": [], "compile_time_s": None, "checkpoint_steps": [], "memory_warnings": {}}
+               "records": [], "compile_time_s": None, "checkpoint_steps": [], "memory_warnings": {},
+               "stopped_by": None}
     outputs = _Outputs(cfg, start)
+    stop = stop or StopRequest(multi_process=jax.process_count() > 1)  # (no handlers: never stops early)
     try:
         if start >= total:
             _note(f"{cfg.out_dir} already holds step {start} >= train.steps={total}; nothing to train")
@@ -241,27 +262,32 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
         _note(parameter_counts(prog))
         pending, last_sync, last_saved = [], time.perf_counter(), resumed
+        clock = SaveClock(cfg.checkpoint.every_minutes if ckpts is not None else 0)
+        seen_per_step = data.per_step * cfg.train.seq_len  # batch positions fed per step, trained or not
         for done in range(start + 1, total + 1):
             if _STEP_SLEEP_S:
                 time.sleep(_STEP_SLEEP_S)
             state, metrics = step_fn(state, batch)
             pending.append((done, metrics))
-            if done < total:
+            stopping = stop.due(done)  # the same step on every process
+            if done < total and not stopping:
                 batch = next(data)  # built on the host while the devices run the step
             outputs.bar.advance(done)
             if done == cfg.train.memory_profile_at:
                 jax.block_until_ready(state)  # the profile shows the buffers live after the step
                 save_memory_profile(cfg.out_dir, done)
-            save_now = ckpts is not None and ((every and done % every == 0) or done == total)
-            eval_now = evaluator is not None and evaluator.due(done, total)
-            log_now = done % cfg.train.log_every == 0 or done == total or done == start + 1 or eval_now
+            eval_now = evaluator is not None and evaluator.due(done, total) and not stopping
+            log_now = (done % cfg.train.log_every == 0 or done == total or done == start + 1 or eval_now
+                       or stopping)
+            timed = clock.due(check=log_now)  # multi-process: process 0's clock, at log steps
+            save_now = ckpts is not None and ((every and done % every == 0) or done == total or stopping or timed)
             if not (save_now or log_now):
                 continue
             host = jax.device_get([m for _, m in pending])  # waits for the steps; surfaces NaN and OOM
             now = time.perf_counter()
             _check_finite(cfg, pending, host, ckpts)
             if log_now:
-                record = _record(done, host, now - last_sync, cfg.precision.loss_scale.enabled)
+                record = _record(done, host, now - last_sync, cfg.precision.loss_scale.enabled, seen_per_step)
                 record.update(memory.sample())  # between steps: the devices have finished `done`
                 if eval_now:
                     record.update(evaluator.run(state))
@@ -276,8 +302,12 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 if is_pipeline(prog):
                     meta["pp_layers"] = list(prog.counts)  # jaxmem.pipeline.checkpoints re-cuts other layouts
                 ckpts.save(done, state, meta)
+                clock.saved()
                 last_saved = done
-        summary["final_step"] = total
+            if stopping:
+                summary["stopped_by"] = stop.signal
+                break
+        summary["final_step"] = done
         if ckpts:
             ckpts.wait()
             summary["checkpoint_steps"] = ckpts.all_steps()
@@ -315,11 +345,14 @@ def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | N
                              "lower optimizer.lr or check the data")
 
 
-def _record(step: int, host: list, elapsed: float, scaled: bool) -> dict:
+def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: int) -> dict:
+    """tokens_per_sec counts trained tokens (those the loss is taken over); seen_tokens_per_sec every batch
+    position the model ran on (padding and untrained prompt tokens included)."""
     last = host[-1]
     tokens = sum(float(m["tokens"]) for m in host)
     record = {"step": step, "loss": float(last["loss"]), "grad_norm": float(last["grad_norm"]),
-              "lr": float(last["lr"]), "tokens_per_sec": tokens / elapsed, "step_time_s": elapsed / len(host),
+              "lr": float(last["lr"]), "tokens_per_sec": tokens / elapsed,
+              "seen_tokens_per_sec": seen_per_step * len(host) / elapsed, "step_time_s": elapsed / len(host),
               "tokens": int(last["tokens"])}
     if scaled:
         record.update(loss_scale=float(last["loss_scale"]), update_skipped=bool(last["update_skipped"]))
@@ -357,16 +390,25 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(path, overrides)
     from jaxmem.plan import allocator
 
-    allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (docs: README, allocator)
+    distributed.initialize(cfg.distributed)  # starts no backend; the lock needs the process index
     try:
-        summary = run(cfg)
+        with run_lock.owned(cfg.out_dir):  # before anything is written into out_dir
+            allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (README, allocator)
+            summary = run(cfg)
+    except run_lock.RunLockError as e:
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_LOCKED
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         from jaxmem.plan.explain import report_oom  # late: explain compiles in a subprocess, only on OOM
 
         report_oom(cfg, e)
-        return 1
+        return EXIT_ERROR
     records = summary["records"]
+    if summary.get("stopped_by"):
+        if jax.process_index() == 0:
+            print(f"jaxmem train: {stopped_line(summary, cfg.checkpoint.enabled)}", file=sys.stderr, flush=True)
+        return EXIT_SAVED
     if records and jax.process_index() == 0:
         print(f"jaxmem train: steps {summary['start_step']}->{summary['final_step']}, loss "
               f"{records[0]['loss']:.4f} -> {records[-1]['loss']:.4f}; outputs in {cfg.out_dir}")

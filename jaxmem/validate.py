@@ -157,6 +157,9 @@ def _lora(cfg: Config) -> None:
 def _checkpoint(cfg: Config) -> None:
     if cfg.checkpoint.every < 0 or cfg.checkpoint.keep < 1:
         raise ConfigError("checkpoint.every must be >= 0 and checkpoint.keep >= 1")
+    minutes = cfg.checkpoint.every_minutes
+    if not (isinstance(minutes, (int, float)) and minutes >= 0 and minutes != float("inf")):
+        raise ConfigError(f"checkpoint.every_minutes: must be a number >= 0 (0: off), got {minutes!r}")
 
 
 def check_distributed(d: DistributedConfig) -> None:

@@ -67,7 +67,11 @@ class ChatTemplate:
     """A chat template with its special tokens; `origin` names where it came from in errors."""
 
     def __init__(self, text: str, origin: str, bos_token: str | None = None, eos_token: str | None = None):
-        from jinja2.exceptions import TemplateSyntaxError
+        try:
+            from jinja2.exceptions import TemplateSyntaxError
+        except ImportError:
+            raise ConfigError(f"{origin}: chat templates need the jinja2 package; pip install 'jaxmem[data]' "
+                              "(tokenizers, jinja2, pyarrow)") from None
 
         self.text, self.origin, self.bos_token, self.eos_token = text, origin, bos_token, eos_token
         try:

@@ -47,7 +47,8 @@ def load_tokenizer(path: str):
     try:
         from tokenizers import Tokenizer
     except ImportError:
-        raise ConfigError("data.tokenizer: needs the `tokenizers` package (pip install jaxmem[tokenizers])") from None
+        raise ConfigError("data.tokenizer: needs the `tokenizers` package; pip install 'jaxmem[data]' "
+                          "(tokenizers, jinja2 for chat templates, pyarrow for parquet)") from None
     try:
         return Tokenizer.from_file(path)
     except Exception as e:  # the tokenizers library raises a bare Exception on bad files
@@ -130,6 +131,9 @@ def _check_turns(turns: list, what: str) -> None:
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
             raise ConfigError(f"{what} turn {i} is not a mapping with a 'role' (and 'content')")
+        if "content" in turn and turn["content"] is None:  # a template's `+` on None is a jinja traceback
+            raise ConfigError(f"{what} turn {i} ({turn['role']}) has content null; give a string (\"\" for "
+                              "an empty turn) or leave the turn out")
 
 
 class DocumentMaker:

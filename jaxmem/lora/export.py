@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmem.checkpoint import Checkpoints, restore_run
     from jaxmem.config import load_config
     from jaxmem.hf import save_hf
+    from jaxmem.hf_companions import write_companions
     from jaxmem.lora.adapters import hf_target_names
     from jaxmem.lora.peft_format import save_peft
     from jaxmem.program import build_program
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     ckpts.close()
     params = merged_params(prog, state)
     save_hf(nnx.merge(prog.graphdef, params), args.out, dtype=args.dtype)
-    print(f"jaxmem merge-lora: step {int(meta.get('step', 0))} of {cfg.out_dir} merged into {args.out}")
+    note = write_companions(cfg, args.out)  # tokenizer files, special ids, generation_config.json
+    print(f"jaxmem merge-lora: step {int(meta.get('step', 0))} of {cfg.out_dir} merged into {args.out}; {note}")
     if args.peft:
         lo = cfg.lora
         save_peft(jax.device_get(state["params"]), cfg.model, args.peft, rank=lo.rank, alpha=lo.alpha,
