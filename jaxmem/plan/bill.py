@@ -110,6 +110,15 @@ def _model_elems(layout: Layout, part: str) -> int:
     return _per_device(layout.model_abstract_params[part], layout.model_gathered_specs[part], layout.mesh_sizes)
 
 
+def _largest_frozen_linear(cfg: Config, layout: Layout) -> int:
+    """Per-device elements of a LoRA run's largest frozen linear of one layer as a matmul reads it: whole
+    (FSDP gathers it), split over tensor parallelism."""
+    from jaxmem.lora.adapters import target_weights
+
+    return max(w.in_features * w.out_features for name, w in target_weights(cfg.model).items()
+               if name in layout.lora.frozen) // layout.mesh_sizes["tp"]
+
+
 def _base_bytes(layout: Layout) -> int:
     """Per-device bytes of a LoRA run's frozen base in its stored form (0 for a full fine-tune)."""
     if layout.base_abstract is None:
@@ -174,17 +183,24 @@ def score_elems(cfg: Config, layout: Layout) -> int:
     return elems // layout.mesh_sizes["sp"]
 
 
-def no_checkpoint_residuals(per_name: dict[str, int], cd: int) -> dict[str, int]:
+def no_checkpoint_residuals(per_name: dict[str, int], cd: int, lora=None) -> dict[str, int]:
     """Per-layer bytes autodiff keeps without any checkpoint: more than the tagged names (fp32 norm inputs,
-    silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed."""
+    silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed.
+    LoRA (`lora`: its LoraSetup): a projection input that only a frozen weight's dW would read is not kept."""
     btd, btf = per_name[CN.LAYER_INPUT.value], per_name[CN.MLP_GATE.value]
     q, kv = per_name[CN.QUERY_PROJ.value], per_name[CN.KEY_PROJ.value]
-    return {
+    out = {
         "mlp_gate": btf * cd, "mlp_up": btf * cd, "mlp_act": btf * cd, "mlp_silu_internals": 3 * btf * cd,
         "norm_inputs_fp32": 4 * btd * 4, "attn_norm": btd * cd, "mlp_norm": btd * cd,
         "query_proj_roped": q * cd, "attn_context": q * cd,
         "key_proj": kv * cd, "key_proj_roped": kv * cd, "value_proj": kv * cd,
     }
+    if lora is not None:  # read by the adapters' dA only (the attention context is the flash backward's too)
+        for name, readers in (("mlp_act", ("w_down",)), ("attn_norm", ("wq", "wk", "wv")),
+                              ("mlp_norm", ("w_gate", "w_up"))):
+            if not set(readers) & set(lora.targets):
+                del out[name]
+    return out
 
 
 def logits_bytes(cfg: Config, layout: Layout) -> int:
@@ -219,7 +235,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if layout.checkpointed:
         saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
-        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd).items()}
+        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd, layout.lora).items()}
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
     scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)
@@ -254,16 +270,22 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     layer_full = _model_elems(layout, "layers") // m.n_layers
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
-    if layout.lora is not None:  # one layer rebuilt from the base (+ A B) and that weight's gradient
-        temporaries = 2 * layer_full * cd + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
+    if layout.lora is not None:
+        # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
+        # matmul reads it, forward or backward (jaxmem.lora.linear), two at a time at most (`jaxmem explain`,
+        # QLoRA Llama-3-8B seq 512, remat none: two [d_model x d_ff] bf16 at the peak).
+        temporaries = 2 * _largest_frozen_linear(cfg, layout) * cd \
+            + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
         notes.append(f"LoRA rank {layout.lora.rank} on {', '.join(layout.lora.targets)}: base stored as "
                      f"{layout.lora.base_dtype}, gradients and optimizer state for the adapters only")
     if cfg.optimizer.update_in_backward:  # the layer's gradient is in `grads`; its fp32 update temps here
         temporaries -= layer_full * _itemsize(prec.grad_reduce)
         if "opt" in layout.host_state:  # one layer's state streamed through the device, leaf by leaf
             temporaries += in_backward_stream_bytes(cfg, layout, prec, _device_memory(cfg, device_memory))
-    if layout.lora is None or not layout.lora.quantize_embeddings:  # a stored frozen head: no dW, never whole
-        logits += head_full * 4 + (head_full * cd if gathered else 0)
+    if layout.lora is None:  # the LM head's fp32 gradient (a LoRA head is frozen: no dW, whatever its dtype)
+        logits += head_full * 4
+    if gathered and (layout.lora is None or not layout.lora.quantize_embeddings):  # a stored head is never whole
+        logits += head_full * cd
     if accum > 1:
         temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator
     device = dict(params=params, base=_base_bytes(layout), params_for_grad=0, grads=grads, master=master,
