@@ -195,7 +195,12 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int, lora=None) -> dic
         "query_proj_roped": q * cd, "attn_context": q * cd,
         "key_proj": kv * cd, "key_proj_roped": kv * cd, "value_proj": kv * cd,
     }
-    if lora is not None:  # read by the adapters' dA only (the attention context is the flash backward's too)
+    if lora is not None:
+        # No dW: `jaxmem explain` of QLoRA Llama-3-8B widths (seq 512, micro-batch 2, remat none, 4 layers,
+        # all-linear and q,v) shows two fp32 norm inputs per layer, no k before RoPE, and a projection's input
+        # only where its adapters' dA reads it (the attention context stays: the flash backward reads it).
+        out["norm_inputs_fp32"] = 2 * btd * 4
+        del out["key_proj"]
         for name, readers in (("mlp_act", ("w_down",)), ("attn_norm", ("wq", "wk", "wv")),
                               ("mlp_norm", ("w_gate", "w_up"))):
             if not set(readers) & set(lora.targets):
@@ -272,9 +277,9 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
     if layout.lora is not None:
         # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
-        # matmul reads it, forward or backward (jaxmem.lora.linear), two at a time at most (`jaxmem explain`,
-        # QLoRA Llama-3-8B seq 512, remat none: two [d_model x d_ff] bf16 at the peak).
-        temporaries = 2 * _largest_frozen_linear(cfg, layout) * cd \
+        # matmul reads it, forward or backward (jaxmem.lora.linear), one at the peak (`jaxmem explain`, QLoRA
+        # Llama-3-8B widths, seq 512, remat none, 4 layers: one [d_model x d_ff] bf16 and its stored slice).
+        temporaries = _largest_frozen_linear(cfg, layout) * (cd + 1) \
             + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
         notes.append(f"LoRA rank {layout.lora.rank} on {', '.join(layout.lora.targets)}: base stored as "
                      f"{layout.lora.base_dtype}, gradients and optimizer state for the adapters only")
