@@ -245,21 +245,16 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
     platform = layout.platform
     fetch = offload.layer_fetch(cfg, prec.grad_reduce)
-    if layout.lora is not None:  # the scan carries (layer state, stored base + adapters) and rebuilds weights
-        from jaxmem.lora.frozen import layer_shapes, rebuild
+    if layout.lora is not None:  # the scan carries (layer state, stored base + adapters): jaxmem.lora.linear
+        from jaxmem.lora.frozen import fetch_fn, layer_shapes
 
-        if cfg.lora.dropout > 0:  # layers given keys (the train step's) keep the adapters apart for dropout
-            from jaxmem.lora import dropout
-
-            fetch = dropout.rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute, cfg.lora.dropout)
-        else:
-            fetch = rebuild(layout.lora, layer_shapes(cfg, layout.lora), prec.compute)
+        fetch = fetch_fn(layout.lora, layer_shapes(cfg, layout.lora), cfg.lora.dropout)
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
-    if layout.lora is not None and cfg.lora.dropout > 0:
-        from jaxmem.lora.dropout import project
+    if layout.lora is not None:
+        from jaxmem.lora.linear import project
 
         ctx = dataclasses.replace(ctx, project=project)
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
@@ -296,7 +291,7 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
 
     def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None):
         run_ctx = ctx
-        if setup is not None:  # params are the adapters: each layer is rebuilt from base + adapters in the scan
+        if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
             from jaxmem.lora import frozen
 
             pieces = frozen.lora_layers(setup, base, params)

@@ -208,14 +208,14 @@ class LoraConfig:
                             "rslora)")
     rslora: bool = _f(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank)")
     dropout: float = _f(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout), in [0, 1): the "
-                             "adapter path becomes scale * B A dropout(x) beside the base's x W; 0: the adapters "
-                             "merge into each layer's weights")
+                             "adapter path becomes scale * (dropout(x) A) B beside the base's x W; 0: no mask is "
+                             "drawn")
     targets: str = _f("all-linear", "projections that get adapters, by Hugging Face name, comma-separated (a YAML "
                                      "list works too): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
                                      "down_proj; or all-linear")
     base_dtype: Literal["bfloat16", "int8", "nf4"] = _f(
-        "bfloat16", "how the frozen targeted base weights are stored, one of bfloat16, int8 (per output channel "
-                    "absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
+        "bfloat16", "how every frozen linear of the base (adapted or not) is stored, one of bfloat16, int8 (per "
+                    "output channel absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
     double_quant: bool = _f(False, "with base_dtype=nf4, quantize the block scales too (int8 in blocks of 256)")
     quantize_embeddings: bool = _f(
         False, "store the frozen embedding table and LM head as base_dtype too (int8 or nf4, per vocab row): the "

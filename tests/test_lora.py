@@ -37,10 +37,10 @@ def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     base = jax.device_get(state["base"])
     toks = _tokens(2)
     got, n = jax.jit(loss_sum_fn(prog))(adapters, toks[:, :-1], toks[:, 1:], base=base)
-    # reference: dequantize every targeted weight, merge W + scale * A B, run the plain model, optax-free CE
+    # reference: dequantize every frozen linear, merge W + scale * A B, run the plain model, optax-free CE
     setup, shapes = prog.layout.lora, layer_shapes(prog.cfg, prog.layout.lora)
     params = dict(base, layers=dict(base["layers"]))
-    for name in setup.targets:
+    for name in setup.frozen:
         per_layer = [unstore(setup, jax.tree.map(lambda x: x[i], base["layers"][name]), shapes[name], jnp.float32)
                      for i in range(prog.cfg.model.n_layers)]
         params["layers"][name] = jnp.stack(per_layer)
@@ -265,8 +265,8 @@ def _reference_loss(prog, adapters, base, toks, p, step, micro):
     shapes = layer_shapes(cfg, setup)
     cd = prog.precision.compute
     model = nnx.merge(prog.graphdef, dict(base, layers={k: v for k, v in base["layers"].items()
-                                                       if k not in setup.targets} | {
-        k: jnp.zeros((cfg.model.n_layers,)) for k in setup.targets}))
+                                                       if k not in setup.frozen} | {
+        k: jnp.zeros((cfg.model.n_layers,)) for k in setup.frozen}))
     graphdef, stacked = nnx.split(model.layers)
     x, labels = toks[:, :-1], toks[:, 1:]
     positions = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape)
@@ -276,6 +276,8 @@ def _reference_loss(prog, adapters, base, toks, p, step, micro):
         def project(spec, xin, w, dtype, layer=layer):
             if not isinstance(w, _RefWeight):
                 return jnp.einsum(spec, xin, w.astype(dtype))
+            if w.name not in setup.targets:
+                return jnp.einsum(spec, xin, w.w.astype(dtype))
             keep = jax.random.bernoulli(_ref_key(cfg.train.seed, step, micro, layer, w.name), 1 - p, xin.shape)
             dropped = jnp.where(keep, xin / (1 - p), 0)
             first, second = LOW_RANK[w.name]
@@ -284,7 +286,7 @@ def _reference_loss(prog, adapters, base, toks, p, step, micro):
             return (jnp.einsum(spec, xin, w.w.astype(dtype)) + setup.scale * low).astype(dtype)
 
         state = jax.tree.map(lambda v: v[layer], nnx.to_pure_dict(stacked))
-        for name in setup.targets:
+        for name in setup.frozen:
             w = unstore(setup, jax.tree.map(lambda v: v[layer], base["layers"][name]), shapes[name], jnp.float32)
             state[name] = _RefWeight(name, w)
         block = nnx.merge(graphdef, state)
@@ -338,12 +340,12 @@ def test_the_step_draws_its_masks_from_step_and_micro_batch():
 
 @pytest.mark.parametrize("p", [0.1, 0.5])
 def test_dropout_drops_a_fraction_p_and_scales_the_rest(p):
-    from jaxmem.lora.dropout import AdaptedWeight, project
+    from jaxmem.lora.dropout import AdaptedWeight, FrozenWeight, project
 
     x = jnp.ones((8, 1024, 32), jnp.float32)  # 262,144 inputs: the fraction is within ~0.5% of p
     eye = jnp.eye(32)  # A = B = I, W = 0, scale 1: the projection returns drop(x) itself
-    out = np.asarray(project("BTD,DF->BTF", x, AdaptedWeight(jnp.zeros((32, 32)), eye, eye, jax.random.key(3),
-                                                               1.0, p), jnp.float32))
+    out = np.asarray(project("BTD,DF->BTF", x, AdaptedWeight(
+        FrozenWeight(jnp.zeros((32, 32)), (32, 32), "float32"), eye, eye, jax.random.key(3), 1.0, p), jnp.float32))
     dropped = np.mean(out == 0)
     assert abs(dropped - p) < 0.005, dropped
     np.testing.assert_allclose(out[out != 0], 1 / (1 - p), rtol=1e-6)

@@ -127,3 +127,9 @@ def merge(params: dict, adapters: dict, lora_scale: float) -> dict:
             raise ValueError(f"adapter for {param}: A B has shape {delta.shape}, the weight {w.shape}")
         layers[param] = (w.astype(jnp.float32) + lora_scale * delta).astype(w.dtype)
     return {**params, "layers": layers}
+
+
+def adapter_param_count(cfg: ModelConfig, targets: tuple[str, ...], rank: int) -> int:
+    """Elements of every A and B over all layers: rank * (in + out features) per adapted weight and layer."""
+    weights = target_weights(cfg)
+    return cfg.n_layers * rank * sum(weights[p].in_features + weights[p].out_features for p in targets)

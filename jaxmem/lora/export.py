@@ -1,5 +1,5 @@
 """`jaxmem merge-lora CONFIG [key=value ...] --out DIR [--peft DIR]`: a LoRA run's latest checkpoint as a merged
-Hugging Face checkpoint (each targeted weight dequantized and W + scale * A B folded in), and optionally
+Hugging Face checkpoint (each frozen linear dequantized and W + scale * A B folded into the adapted ones), and optionally
 its adapters in PEFT's format."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def merged_params(prog, state: dict) -> dict:
     shapes = layer_shapes(prog.cfg, setup)
     base, adapters = jax.device_get(state["base"]), jax.device_get(state["params"])
     params = dict(base, layers=dict(base["layers"]))
-    for name in setup.targets:  # one layer at a time: a quantized base is never dequantized whole on a device
+    for name in setup.frozen:  # one layer at a time: a quantized base is never dequantized whole on a device
         stored = base["layers"][name]
         n_layers = jax.tree.leaves(stored)[0].shape[0]
         params["layers"][name] = np.stack([np.asarray(unstore(setup, jax.tree.map(lambda x: x[i], stored),

@@ -1,12 +1,15 @@
-"""The frozen base of a LoRA run and how each layer's weights are rebuilt from it inside the layer scan.
+"""The frozen base of a LoRA run and how the layer scan hands its weights to the model.
 
 The train state keeps the adapters under "params" (the only trainable tree: gradients, optimizer state and
-master weights exist for it alone) and the base model under "base": every weight at the parameter dtype,
-except the targeted projections, stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by
-jaxmem.lora.quant) and never written. The model itself is built from the base with each targeted weight
-replaced by a [L] placeholder; the layer scan carries the stored weights and the adapters per layer and
-rebuilds one layer's weights at a time, W + scale * A B in the compute dtype, so the step never holds more
-than a layer or two of dequantized base (checked on the compiled figure in tests/test_lora.py).
+master weights exist for it alone) and the base model under "base", never written: every linear of every
+layer (all seven projections, adapted or not, as QLoRA defines it) stored as `lora.base_dtype` (bfloat16,
+or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and the embedding and LM head unless
+`lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
+linear replaced by a [L] placeholder; the layer scan carries the stored linears and the adapters per layer
+and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
+computes x W + scale * (x A) B with W dequantized under a custom VJP that keeps only the stored form for the
+backward. No merged weight, no weight-shaped gradient, no dequantized layer kept between forward and
+backward, under every remat preset (checked on the compiled figures in tests/test_lora_lean.py).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.lora.adapters import lora_delta, resolve_targets, scale as lora_scale, target_weights
+from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
 from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from jaxmem.schema import Config
 
@@ -28,12 +31,13 @@ NF4_BLOCK = 64
 
 @dataclasses.dataclass(frozen=True)
 class LoraSetup:
-    targets: tuple[str, ...]  # our layer param names
+    targets: tuple[str, ...]  # our layer param names of the adapted linears
     rank: int
     scale: float
     base_dtype: str
     double_quant: bool
     quantize_embeddings: bool = False  # the embedding table and LM head stored as base_dtype too (frozen_vocab)
+    frozen: tuple[str, ...] = tuple(TARGETS.values())  # the linears stored as base_dtype: all of them
 
     @classmethod
     def from_config(cls, cfg: Config) -> "LoraSetup | None":
@@ -50,7 +54,7 @@ def _in_dims(cfg: Config, name: str) -> tuple[int, ...]:
 
 
 def store(setup: LoraSetup, cfg: Config, name: str, w: jax.Array):
-    """A targeted [L, ...] weight in its stored form."""
+    """A frozen linear's [L, ...] weight in its stored form."""
     if setup.base_dtype == "int8":
         return quantize_int8(w, tuple(1 + d for d in _in_dims(cfg, name)))
     if setup.base_dtype == "nf4":
@@ -60,18 +64,22 @@ def store(setup: LoraSetup, cfg: Config, name: str, w: jax.Array):
 
 def unstore(setup: LoraSetup, stored, shape: tuple[int, ...], dtype):
     """One layer's weight of `shape` from its stored form (the layer's slice of every leaf)."""
-    if setup.base_dtype == "int8":
+    return dequantize(setup.base_dtype, stored, shape, dtype)
+
+
+def dequantize(base_dtype: str, stored, shape: tuple[int, ...], dtype):
+    if base_dtype == "int8":
         return dequantize_int8(stored, dtype)
-    if setup.base_dtype == "nf4":
+    if base_dtype == "nf4":
         return dequantize_nf4(stored, shape, dtype)
     return stored.astype(dtype)
 
 
 def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
-    """The frozen base: the model's params in param_dtype, targeted layer weights in their stored form."""
+    """The frozen base: the model's params in param_dtype, every linear of the layers in its stored form."""
     base = jax.tree.map(lambda x: x.astype(param_dtype), params)
     layers = dict(base["layers"])
-    for name in setup.targets:
+    for name in setup.frozen:
         layers[name] = store(setup, cfg, name, params["layers"][name])
     if setup.quantize_embeddings:  # stored per vocab row: [V, D], the LM head transposed (frozen_vocab)
         from jaxmem.lora.frozen_vocab import store_table
@@ -84,7 +92,7 @@ def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
 
 def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: dict,
                mesh_sizes: dict[str, int]) -> dict:
-    """Partition specs of the base: untargeted leaves as the model's params; int8 values as their weight and
+    """Partition specs of the base: norms (and tables) as the model's params; int8 values as their weight and
     scales without the input dims; nf4 leaves (flattened per layer) split on their last dim like the weight's
     first sharded dim where it divides (mesh_sizes: axis name -> size), else replicated (e.g. the [L, 1]
     offset of double-quantized scales)."""
@@ -93,7 +101,7 @@ def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: 
         return math.prod(mesh_sizes.get(a, 1) for a in (axes if isinstance(axes, tuple) else (axes,)))
 
     layers = dict(model_specs["layers"])
-    for name in setup.targets:
+    for name in setup.frozen:
         spec, stored = model_specs["layers"][name], abstract_base["layers"][name]
         if setup.base_dtype == "int8":
             ins = {1 + d for d in _in_dims(cfg, name)}
@@ -114,10 +122,10 @@ def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: 
 
 
 def model_params(setup: LoraSetup, base: dict) -> dict:
-    """What nnx.merge builds the model from: the base with each targeted weight a [L] placeholder (the layer
-    scan rebuilds the real one per layer)."""
+    """What nnx.merge builds the model from: the base with each frozen linear a [L] placeholder (the layer
+    scan hands the model its FrozenWeight / AdaptedWeight per layer)."""
     layers = dict(base["layers"])
-    for name in setup.targets:
+    for name in setup.frozen:
         n_layers = jax.tree.leaves(base["layers"][name])[0].shape[0]
         layers[name] = jnp.zeros((n_layers,), jnp.float32)
     vocab = {k: jnp.zeros((), jnp.float32) for k in ("embed", "lm_head") if isinstance(base.get(k), dict)}
@@ -125,37 +133,34 @@ def model_params(setup: LoraSetup, base: dict) -> dict:
 
 
 def lora_layers(setup: LoraSetup, base: dict, adapters: dict) -> dict:
-    """Per targeted weight, the stored base and the adapters, all stacked on the layer dim."""
-    return {name: {"stored": base["layers"][name], "a": adapters["layers"][name]["a"],
-                   "b": adapters["layers"][name]["b"]} for name in setup.targets}
+    """Per frozen linear, its stored form (and for an adapted one its adapters), all stacked on the layer dim."""
+    out = {name: {"stored": base["layers"][name]} for name in setup.frozen}
+    for name in setup.targets:
+        out[name].update(a=adapters["layers"][name]["a"], b=adapters["layers"][name]["b"])
+    return out
 
 
-def rebuild(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], dtype) -> Callable:
-    """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each targeted weight rebuilt."""
-
-    def merge(name, w, piece):
-        delta = lora_delta(piece["a"], piece["b"], n_out=piece["b"].ndim - 1)  # one layer: B is [r, *out]
-        return (w + setup.scale * delta).astype(dtype)
-
-    return rebuild_with(setup, shapes, merge)
-
-
-def rebuild_with(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], make: Callable) -> Callable:
-    """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each targeted weight replaced by
-    make(name, w, piece): w its base weight dequantized in fp32 (no gradient), piece its slice of the adapters."""
+def fetch_fn(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], p: float = 0.0) -> Callable:
+    """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each frozen linear a FrozenWeight
+    (no adapters) or an AdaptedWeight (jaxmem.lora.linear); `p`: the adapters' input dropout, applied where the
+    slice carries keys (the train step's)."""
+    from jaxmem.lora.linear import AdaptedWeight, FrozenWeight
 
     def fetch(sliced):
         layer_state, pieces = sliced
         out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)
         for name, piece in pieces.items():
-            w = unstore(setup, jax.lax.stop_gradient(piece["stored"]), shapes[name], jnp.float32)
-            out[name] = make(name, w, piece)
+            w = FrozenWeight(piece["stored"], shapes[name], setup.base_dtype)  # stop_gradient inside (linear)
+            if "a" in piece:
+                key = piece.get("key")
+                w = AdaptedWeight(w, piece["a"], piece["b"], key, setup.scale, p if key is not None else 0.0)
+            out[name] = w
         return out
 
     return fetch
 
 
 def layer_shapes(cfg: Config, setup: LoraSetup) -> dict[str, tuple[int, ...]]:
+    """Per-layer shape of each frozen linear."""
     weights = target_weights(cfg.model)
-    return {name: weights[name].in_shape + weights[name].out_shape for name in setup.targets}
-
+    return {name: weights[name].in_shape + weights[name].out_shape for name in setup.frozen}

@@ -52,7 +52,7 @@ def check_model(path: Path, cfg: Config) -> None:
 
 
 def store_layer(setup: LoraSetup, cfg: Config, name: str, w: np.ndarray):
-    """One layer of a targeted weight (numpy, the parameter dtype) in its stored form, as frozen.store."""
+    """One layer of a frozen linear (numpy, the parameter dtype) in its stored form, as frozen.store."""
     if setup.base_dtype == "int8":
         return quant_host.quantize_int8(w, tuple(range(len(target_weights(cfg.model)[name].in_shape))))
     if setup.base_dtype == "nf4":
@@ -185,7 +185,7 @@ def stream_base(prog, path: str | Path) -> dict:
         for pm in stacked:
             name = pm.path[1]
             w = source.layer(pm, layer, _get(abstract, pm.path).shape[1:]).astype(param_dtype)
-            stored = store_layer(setup, cfg, name, w) if name in setup.targets else w
+            stored = store_layer(setup, cfg, name, w) if name in setup.frozen else w
             del w
             buffers[name] = jax.tree.map(lambda put, buf, piece: put(buf, piece, layer), writers[name],
                                          buffers[name], stored)

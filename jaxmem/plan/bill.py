@@ -110,6 +110,15 @@ def _model_elems(layout: Layout, part: str) -> int:
     return _per_device(layout.model_abstract_params[part], layout.model_gathered_specs[part], layout.mesh_sizes)
 
 
+def _largest_frozen_linear(cfg: Config, layout: Layout) -> int:
+    """Per-device elements of a LoRA run's largest frozen linear of one layer as a matmul reads it: whole
+    (FSDP gathers it), split over tensor parallelism."""
+    from jaxmem.lora.adapters import target_weights
+
+    return max(w.in_features * w.out_features for name, w in target_weights(cfg.model).items()
+               if name in layout.lora.frozen) // layout.mesh_sizes["tp"]
+
+
 def _base_bytes(layout: Layout) -> int:
     """Per-device bytes of a LoRA run's frozen base in its stored form (0 for a full fine-tune)."""
     if layout.base_abstract is None:
@@ -174,11 +183,12 @@ def score_elems(cfg: Config, layout: Layout) -> int:
     return elems // layout.mesh_sizes["sp"]
 
 
-def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None) -> dict[str, int]:
+def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None, lora=None) -> dict[str, int]:
     """Per-layer bytes autodiff keeps without any checkpoint: more than the tagged names (fp32 norm inputs,
     silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed.
     With q/k norms (`model.qk_norm`) their outputs and fp32 inputs too; with post-norms two more fp32 norm
-    inputs and outputs (estimated by the same accounting, not fitted to a compile)."""
+    inputs and outputs (estimated by the same accounting, not fitted to a compile).
+    LoRA (`lora`: its LoraSetup): a projection input that only a frozen weight's dW would read is not kept."""
     btd, btf = per_name[CN.LAYER_INPUT.value], per_name[CN.MLP_GATE.value]
     q, kv = per_name[CN.QUERY_PROJ.value], per_name[CN.KEY_PROJ.value]
     out = {
@@ -191,6 +201,16 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None) -> di
         out.update(qk_norm_inputs_fp32=(q + kv) * 4, qk_normed=(q + kv) * cd)
     if model is not None and model.post_norms:
         out.update(post_norm_inputs_fp32=2 * btd * 4, post_normed=2 * btd * cd)
+    if lora is not None:
+        # No dW: `jaxmem explain` of QLoRA Llama-3-8B widths (seq 512, micro-batch 2, remat none, 4 layers,
+        # all-linear and q,v) shows two fp32 norm inputs per layer, no k before RoPE, and a projection's input
+        # only where its adapters' dA reads it (the attention context stays: the flash backward reads it).
+        out["norm_inputs_fp32"] = 2 * btd * 4
+        del out["key_proj"]
+        for name, readers in (("mlp_act", ("w_down",)), ("attn_norm", ("wq", "wk", "wv")),
+                              ("mlp_norm", ("w_gate", "w_up"))):
+            if not set(readers) & set(lora.targets):
+                del out[name]
     return out
 
 
@@ -226,7 +246,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if layout.checkpointed:
         saved_dev = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "device"}
     else:
-        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd, m).items()}
+        saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd, m, layout.lora).items()}
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
     scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)
@@ -261,16 +281,22 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     layer_full = _model_elems(layout, "layers") // m.n_layers
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
     temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
-    if layout.lora is not None:  # one layer rebuilt from the base (+ A B) and that weight's gradient
-        temporaries = 2 * layer_full * cd + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
+    if layout.lora is not None:
+        # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
+        # matmul reads it, forward or backward (jaxmem.lora.linear), one at the peak (`jaxmem explain`, QLoRA
+        # Llama-3-8B widths, seq 512, remat none, 4 layers: one [d_model x d_ff] bf16 and its stored slice).
+        temporaries = _largest_frozen_linear(cfg, layout) * (cd + 1) \
+            + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
         notes.append(f"LoRA rank {layout.lora.rank} on {', '.join(layout.lora.targets)}: base stored as "
                      f"{layout.lora.base_dtype}, gradients and optimizer state for the adapters only")
     if cfg.optimizer.update_in_backward:  # the layer's gradient is in `grads`; its fp32 update temps here
         temporaries -= layer_full * _itemsize(prec.grad_reduce)
         if "opt" in layout.host_state:  # one layer's state streamed through the device, leaf by leaf
             temporaries += in_backward_stream_bytes(cfg, layout, prec, _device_memory(cfg, device_memory))
-    if layout.lora is None or not layout.lora.quantize_embeddings:  # a stored frozen head: no dW, never whole
-        logits += head_full * 4 + (head_full * cd if gathered else 0)
+    if layout.lora is None:  # the LM head's fp32 gradient (a LoRA head is frozen: no dW, whatever its dtype)
+        logits += head_full * 4
+    if gathered and (layout.lora is None or not layout.lora.quantize_embeddings):  # a stored head is never whole
+        logits += head_full * cd
     if accum > 1:
         temporaries += _state_bytes(layout, layout.grad_specs, np.float32)  # fp32 accumulator
     device = dict(params=params, base=_base_bytes(layout), params_for_grad=0, grads=grads, master=master,

@@ -22,7 +22,8 @@ efficiencies come from the kernel timings alone (attention: geometric mean of th
 loss: T=8192 D=4096 V=128256); MATMUL_EFFICIENCY, HBM_EFFICIENCY and LAYER_OVERHEAD_SECONDS were then
 fitted to the seven non-offload H100 train steps, HOST_LINK_EFFICIENCY was checked (not fitted) on the
 4090-recipe row. Model FLOPs (and MFU) keep their convention: 6 x matmul params x tokens + attention
-counted unmasked; only the time uses what the kernels do.
+counted unmasked (LoRA: 4 x the frozen matmul params, forward and input gradient, + 6 x the adapter params);
+only the time uses what the kernels do.
 """
 from __future__ import annotations
 
@@ -98,7 +99,7 @@ _TILED_OPS = ["q_proj", "kv_proj", "kv_proj", "o_proj", "up_proj", "up_proj", "d
 @dataclasses.dataclass
 class Cost:
     params: int
-    model_flops: float  # 6 N T + attention (unmasked), per step, all devices
+    model_flops: float  # 6 N T (LoRA: 4 N T + 6 N_adapters T) + attention (unmasked), per step, all devices
     hardware_flops: float  # model FLOPs + recomputed forward FLOPs
     recompute_flops: float
     compute_seconds: float  # the device's serial work: matmuls + attention + loss + memory-bound + per layer
@@ -126,6 +127,15 @@ class Cost:
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
                             "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
+
+
+def lora_adapter_params(cfg: Config) -> int:
+    """Elements of a LoRA run's adapters (0 for a full fine-tune)."""
+    if cfg.lora.rank <= 0:
+        return 0
+    from jaxmem.lora.adapters import adapter_param_count, resolve_targets
+
+    return adapter_param_count(cfg.model, resolve_targets(cfg.lora.targets), cfg.lora.rank)
 
 
 def _local_layers(m) -> int:
@@ -265,7 +275,11 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     layer_matmul = sum(v for k, v in ops.items() if k.endswith("_proj"))
     layer_matmul += ops["up_proj"] + ops["kv_proj"]  # gate + up, key + value: two matmuls each
     recomputed = sum(ops[o] for o in rebuilt if o.endswith("_proj"))
-    matmul_flops = (3 * layer_matmul + recomputed) * m.n_layers
+    if cfg.lora.rank > 0:  # frozen weights: forward + dx only; the adapters' own matmuls (forward, dx, dA, dB)
+        adapter = 2.0 * tokens * lora_adapter_params(cfg) / m.n_layers
+        matmul_flops = (2 * layer_matmul + 3 * adapter + recomputed) * m.n_layers
+    else:
+        matmul_flops = (3 * layer_matmul + recomputed) * m.n_layers
     matmul_s = matmul_flops / (n_devices * peak * MATMUL_EFFICIENCY)
 
     # Attention as the kernel runs it.
@@ -349,7 +363,9 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     matmul_params = n_params - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)  # lookup is no matmul
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
-    model_flops = 6.0 * matmul_params * tokens + attention
+    # LoRA: the frozen weights get no gradient (forward + dx: 4 N T); the adapters train (6 per element and token)
+    weight_passes = 4.0 if cfg.lora.rank > 0 else 6.0
+    model_flops = weight_passes * matmul_params * tokens + 6.0 * lora_adapter_params(cfg) * tokens + attention
     n_tiles = tile_count(cfg.train.seq_len, bill.mesh.get("sp", 1), cfg.remat.seq_tile)
     recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved, bill.layout.kernels.get("attention"),
                                           n_tiles) * m.n_layers
