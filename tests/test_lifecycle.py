@@ -230,6 +230,21 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
     assert _logged(out) == list(range(1, saved[0] + 1))
 
 
+@pytest.mark.slow
+def test_a_two_process_run_on_a_live_out_dir_is_refused_on_both(tmp_path):
+    """One lock, on process 0; process 1 learns the refusal through the coordination service and stops too."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": 1.0}))
+    procs = _pair(out, sleep="0")
+    outputs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, e) in zip(procs, outputs):
+        assert p.returncode == EXIT_LOCKED, e[-3000:]
+        assert e.strip().splitlines()[-1].startswith(f"jaxmem train: out_dir {out} is in use by another run: "
+                                                     f"pid {os.getpid()} on host")
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written, the owner's lock kept
+
+
 def test_an_empty_override_value_is_a_one_line_error_naming_the_key():
     with pytest.raises(ConfigError, match=r"^train\.wandb: empty value in the override 'train\.wandb='"):
         load_config(TINY, ["train.wandb="])
