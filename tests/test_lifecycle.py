@@ -115,6 +115,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "second Ctrl-C: stopped at once" in err and "Traceback" not in err
+    assert not (out / LOCK_NAME).exists()
     assert not (out / "checkpoints").exists() or Checkpoints(out / "checkpoints").all_steps() == []
 
 
@@ -199,6 +200,7 @@ def test_a_killed_peer_ends_the_survivor_in_one_line_and_both_resume(tmp_path, k
     assert tail.startswith(f"jaxmem train: lost process {killed} {why}"), err[-3000:]
     assert f"the last saved checkpoint is step {last} in {out / 'checkpoints'}" in tail
     assert "Check failed" not in err and "Traceback" not in err and "*** " not in err
+    assert (out / LOCK_NAME).exists() == (killed == 0)  # process 0 holds it: killed (stale lock) or released it
 
     procs = _pair(out, sleep="0")
     outputs = [p.communicate(timeout=300) for p in procs]
