@@ -127,6 +127,9 @@ def exit_on_lost(checkpoint_dir: str | Path | None, code: int) -> Callable[[int,
                          "restart every process with the same command to resume\n")
         sys.stderr.flush()
         sys.stdout.flush()
+        from jaxmem.run_lock import release_all
+
+        release_all()
         os._exit(code)
 
     return on_lost

@@ -111,6 +111,13 @@ class RunLock:
                     pass
 
 
+def release_all() -> None:
+    """Releases every lock this process holds; for exits that skip `finally` blocks (os._exit)."""
+    for key, lock in list(_held.items()):
+        _held.pop(key, None)
+        lock.release()
+
+
 class hold:
     """Context manager: holds the out_dir's lock for the block (no-op when this process holds it already)."""
 

@@ -58,6 +58,9 @@ class StopRequest:
                 sys.stderr.write("\njaxmem train: second Ctrl-C: stopped at once, nothing saved since the last "
                                  "checkpoint\n")
                 sys.stderr.flush()
+                from jaxmem.run_lock import release_all
+
+                release_all()
                 os._exit(EXIT_ABORTED)
             return  # a repeated SIGTERM: the save is under way
         self.signal = name

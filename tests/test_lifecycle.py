@@ -115,6 +115,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
             proc.kill()
     assert proc.returncode == 130, err[-3000:]
     assert "second Ctrl-C: stopped at once" in err and "Traceback" not in err
+    assert not (out / LOCK_NAME).exists()
     assert not (out / "checkpoints").exists() or Checkpoints(out / "checkpoints").all_steps() == []
 
 
@@ -199,6 +200,7 @@ def test_a_killed_peer_ends_the_survivor_in_one_line_and_both_resume(tmp_path, k
     assert tail.startswith(f"jaxmem train: lost process {killed} {why}"), err[-3000:]
     assert f"the last saved checkpoint is step {last} in {out / 'checkpoints'}" in tail
     assert "Check failed" not in err and "Traceback" not in err and "*** " not in err
+    assert (out / LOCK_NAME).exists() == (killed == 0)  # process 0 holds it: killed (stale lock) or released it
 
     procs = _pair(out, sleep="0")
     outputs = [p.communicate(timeout=300) for p in procs]
@@ -228,6 +230,21 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(tmp_path):
     assert outputs[0][1].strip().splitlines()[-1] == (f"jaxmem train: SIGTERM: saved step {saved[0]} to "
                                                       f"{out / 'checkpoints'}; rerun the same command to resume")
     assert _logged(out) == list(range(1, saved[0] + 1))
+
+
+@pytest.mark.slow
+def test_a_two_process_run_on_a_live_out_dir_is_refused_on_both(tmp_path):
+    """One lock, on process 0; process 1 learns the refusal through the coordination service and stops too."""
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / LOCK_NAME).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "started": 1.0}))
+    procs = _pair(out, sleep="0")
+    outputs = [p.communicate(timeout=180) for p in procs]
+    for p, (_, e) in zip(procs, outputs):
+        assert p.returncode == EXIT_LOCKED, e[-3000:]
+        assert e.strip().splitlines()[-1].startswith(f"jaxmem train: out_dir {out} is in use by another run: "
+                                                     f"pid {os.getpid()} on host")
+    assert sorted(p.name for p in out.iterdir()) == [LOCK_NAME]  # nothing written, the owner's lock kept
 
 
 def test_an_empty_override_value_is_a_one_line_error_naming_the_key():
