@@ -62,3 +62,58 @@ def built_once(tmp_path_factory):
         return path
 
     return directory
+
+
+# ---------------------------------------------------------------- order: the slowest files start first
+#
+# tests/durations.json holds each test file's seconds (setup + call + teardown of its tests, summed) from a
+# recorded run (JAXMEM_RECORD_DURATIONS=<file> pytest ...; then scripts/test_durations.py writes the JSON).
+# Files are ordered by it, slowest first, each file's tests kept together and in their order (module
+# fixtures stay built once); with `--dist loadfile` a file runs on one worker, so the longest files start
+# first and the short ones fill in at the end. Files the record does not know (new ones) go last.
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    if not DURATIONS.is_file():
+        return
+    seconds = json.loads(DURATIONS.read_text())
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0.0), first_seen[item.path.name]))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("JAXMEM_RECORD_DURATIONS")
+    if path:
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "when": report.when, "seconds": report.duration}) + "\n")
+
+
+if os.environ.get("JAXMEM_PROFILE_COMPILES"):  # a profiling run: which compiles repeat, and what they cost
+    import hashlib
+    import json
+    import time
+
+    _compile = jax.stages.Lowered.compile
+
+    def _logged_compile(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = _compile(self, *args, **kwargs)
+        try:
+            device = out.input_shardings[0][0]._device_assignment[0] if out.input_shardings[0] else None
+        except Exception:  # noqa: BLE001 (profiling only)
+            device = None
+        kind = getattr(device, "device_kind", "?")
+        key = hashlib.sha256((self.as_text() + kind).encode()).hexdigest()[:16]
+        with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "key": key, "kind": kind,
+                                "seconds": round(time.perf_counter() - start, 2)}) + "\n")
+        return out
+
+    jax.stages.Lowered.compile = _logged_compile
