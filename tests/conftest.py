@@ -33,6 +33,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAXMEM_PLAN_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "plans"))
+# deviceless compiles' figures by lowered text + target + versions + flags (jaxmem.plan.figure_cache): the
+# persistent cache above cannot hold those executables, so a plan compiled by one test (or a sweep or tune
+# worker) is not compiled again by the next
+os.environ.setdefault("JAXMEM_FIGURE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "figures"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
