@@ -31,8 +31,6 @@ from jaxmem.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_
                                split_batch)
 
 
-
-
 @dataclasses.dataclass
 class TrainProgram:
     cfg: Config

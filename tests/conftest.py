@@ -68,22 +68,23 @@ def built_once(tmp_path_factory):
     return directory
 
 
-# ---------------------------------------------------------------- order: the slowest files start first
+# ---------------------------------------------------------------- scheduling: slow files first, fixtures once
 #
-# tests/durations.json holds each test file's seconds (setup + call + teardown of its tests, summed) from a
-# recorded run (JAXMEM_RECORD_DURATIONS=<file> pytest ...; then scripts/test_durations.py writes the JSON).
-# Files are ordered by it, slowest first, each file's tests kept together and in their order (module
-# fixtures stay built once); with `--dist loadfile` a file runs on one worker, so the longest files start
-# first and the short ones fill in at the end. Files the record does not know (new ones) go last.
+# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each file's tests run on one worker, so a
+# fixture of module scope is built once per run, not once per worker that gets one of the file's tests
+# (with worksteal it was built on both). Files start slowest first by tests/durations.json (each file's
+# seconds in a recorded run: JAXMEM_RECORD_DURATIONS=<file> records one, scripts/test_durations.py writes
+# the JSON), so the long files never start last and the short ones fill in the end. A file keeps its tests
+# in their order; files the record does not know (new ones) go last, in collection order.
+# (`--dist loadgroup` would let files without module fixtures spread per test, but its xdist_group marks
+# set `item._nodeid`, which pytest 9 no longer reads: the groups were silently ignored.)
 DURATIONS = Path(__file__).resolve().parent / "durations.json"
 
 
 def pytest_collection_modifyitems(config, items):
     import json
 
-    if not DURATIONS.is_file():
-        return
-    seconds = json.loads(DURATIONS.read_text())
+    seconds = json.loads(DURATIONS.read_text())["files"] if DURATIONS.is_file() else {}
     first_seen = {}
     for i, item in enumerate(items):
         first_seen.setdefault(item.path.name, i)
