@@ -8,7 +8,8 @@ device count), the target's description, the jax / jaxlib / CUDA-plugin versions
 jax settings of this process. Same key, same compile, same figures; any difference is a new entry.
 
 Off unless `JAXMEM_FIGURE_CACHE` names a directory (the test suite sets it, so that a figure is compiled
-once per run; sweep and tune workers inherit it). Entries are small JSON files, written atomically.
+once per run; sweep and tune workers inherit it). Entries are small JSON files, written atomically; each
+hit appends the seconds of the compile it saved to hits.log there.
 """
 from __future__ import annotations
 
@@ -59,9 +60,15 @@ def lookup(cache_key: str) -> dict | None:
         return None
     path = where / f"{cache_key}.json"
     try:
-        return json.loads(path.read_text())
+        hit = json.loads(path.read_text())
     except (OSError, ValueError):
         return None
+    try:  # what the cache saved: one line per hit, the compile it did not repeat (hits.log)
+        with open(where / "hits.log", "a") as f:
+            f.write(f"{cache_key[:16]} {hit['compile_seconds']}\n")
+    except OSError:
+        pass
+    return hit
 
 
 def store(cache_key: str, fields: dict[str, int], warnings: list[str], compile_seconds: float) -> None:
