@@ -19,8 +19,12 @@ MIN_SECONDS = 2.0
 def main(argv: list[str]) -> int:
     files: dict[str, float] = defaultdict(float)
     tests: dict[str, float] = defaultdict(float)
+    seen = set()
     for line in Path(argv[1]).read_text().splitlines():
         row = json.loads(line)
+        if (row["test"], row["when"]) in seen:  # recorded twice (xdist worker and controller, before the fix)
+            continue
+        seen.add((row["test"], row["when"]))
         path, _, name = row["test"].partition("::")
         file = path.rsplit("/", 1)[-1]
         files[file] += row["seconds"]

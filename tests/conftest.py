@@ -93,7 +93,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_runtest_logreport(report):
     path = os.environ.get("JAXMEM_RECORD_DURATIONS")
-    if path:
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
         import json
 
         with open(path, "a") as f:
