@@ -32,7 +32,7 @@ $(CUDNN_SITE)/.installed: | $(BIN)/python
 		&& touch $@ || echo "cuDNN wheel not installed: its deviceless compile tests will skip"
 
 test: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
-	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist worksteal --durations=15 tests
+	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
 
 # `make test-latest`: the compatibility subset on the newest jax pip resolves for Python 3.12 (jax 0.12 today),
 # in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.
@@ -56,7 +56,7 @@ test-latest:
 		echo "test-latest: could not install into $(LATEST) (no package index?); skipped"; \
 	else \
 		$(LATEST)/bin/python -c 'import jax; print("test-latest: jax", jax.__version__)' && \
-		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist worksteal $(LATEST_TESTS); \
+		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(LATEST_TESTS); \
 	fi
 
 clean:

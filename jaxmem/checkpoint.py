@@ -16,9 +16,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmem.schema import Config, ConfigError, config_hash
-from jaxmem.hf_config import read_json_object
 from jaxmem.optim import schedule_steps
-from jaxmem.plan.oom import is_oom
+from jaxmem.model_match import check_model_json  # noqa: F401 (re-exported)
+from jaxmem.oom_text import is_oom
 from jaxmem.pipeline import is_pipeline, stage_store
 from jaxmem.precision import all_finite
 
@@ -29,10 +29,6 @@ _STATE, _STAGES, _META = "state", "stages", "meta"  # a pipeline saves "stages" 
 _RUN_LOCAL = ("out_dir", "parallel", "distributed", "checkpoint", "target")
 _TRAIN_LOCAL = ("progress", "tensorboard", "log_every", "micro_batch", "grad_accum", "global_batch",
                 "memory_profile_at")
-
-# ModelConfig fields that must agree between an init_from checkpoint and the run.
-_MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-               "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
 RUN_META_KEYS = ("step", "data_position", "batch_rows")  # what `jaxmem train` reads back to resume
 
 
@@ -221,22 +217,6 @@ class Checkpoints:
 
 
 # ---------------------------------------------------------------- init_from
-
-
-def check_model_json(path: str | Path, cfg: Config) -> None:
-    """Raises a one-line ConfigError if `<path>/model.json` describes another model."""
-    model_json = Path(path) / "model.json"
-    if not model_json.is_file():
-        hf = ("; a Hugging Face directory is read directly by LoRA runs only: run `jaxmem import-hf` on it"
-              if (Path(path) / "config.json").is_file() else "")
-        raise ConfigError(f"checkpoint.init_from: {model_json} not found (expected a `jaxmem import-hf` output "
-                          f"dir{hf})")
-    saved = read_json_object(model_json)
-    mine = dataclasses.asdict(cfg.model)
-    for key in _MODEL_KEYS:
-        if key in saved and saved[key] != mine[key]:
-            raise ConfigError(f"checkpoint.init_from: {path} holds a model with {key}={saved[key]!r} but the run "
-                              f"has model.{key}={mine[key]!r}; make the model config match")
 
 
 def restore_params(path: str | Path, abstract_params: dict) -> dict:

@@ -71,6 +71,15 @@ def _cpu_scheduler_flag() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
 
 
+def version_text() -> str:
+    import jax
+    import jaxlib
+
+    from jaxmem import __version__  # the command line sits above the package root; nothing below imports it
+
+    return f"jaxmem {__version__} (jax {jax.__version__}, jaxlib {jaxlib.__version__})"
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
@@ -78,8 +87,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if argv[0] in ("-V", "--version"):
         with contextlib.nullcontext() if os.path.exists("/proc/driver/nvidia") else _quiet_native_stderr():
-            from jaxmem.reference import version_text
-
             print(version_text())
         return 0
     name, rest = argv[0], argv[1:]

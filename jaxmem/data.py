@@ -171,7 +171,7 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path") ->
     kind, seed, vocab = cfg.data.kind, cfg.train.seed, cfg.model.vocab_size
     if kind in RECORD_KINDS:
         from jaxmem.documents import build_rows
-        from jaxmem.program import batch_keys
+        from jaxmem.step_state import batch_keys
 
         log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,

@@ -18,24 +18,17 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem import aot, kernels, memory_kinds_shim, offload, remat, sharding, validate
-from jaxmem.validate import RECORD_KINDS, ConfigError
+from jaxmem.validate import ConfigError
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.axes import activation_rules
-from jaxmem.optim import (adam_count, init_opt_state, layerwise_update, make_optimizer, opt_state_specs,
-                          schedule)
-from jaxmem.precision import Precision, init_loss_scale, update_loss_scale
+from jaxmem.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
+from jaxmem.precision import Precision, update_loss_scale
 from jaxmem.seq_tiling import per_token_tiles
-
-
-# The jax.named_scope of the gradient computation (forward, backward, micro-batch accumulation) and of the
-# optimizer update in the step; they show up in the compiled HLO's op_name metadata.
-GRADS_SCOPE = "grads"
-UPDATE_SCOPE = "optimizer_update"
-
-
+from jaxmem.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_keys,  # noqa: F401 (re-exported)
+                               split_batch)
 
 
 @dataclasses.dataclass
@@ -185,36 +178,6 @@ class TrainProgram:
             return self.jit_step().lower(self.abstract_state, self.abstract_batch())
 
 
-def batch_keys(cfg: Config) -> tuple[str, ...]:
-    """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
-    masks), plus segment ids and positions when documents are packed (attention stays inside a document,
-    RoPE restarts). One document per row needs neither: right padding is never attended to."""
-    if cfg.data.kind not in RECORD_KINDS:
-        return ("tokens",)
-    return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
-
-
-def split_batch(batch: dict) -> tuple:
-    """(inputs, labels, segment_ids or None, positions or None), each [A, rows, T]."""
-    if "tokens" in batch:
-        tokens = batch["tokens"]
-        return tokens[..., :-1], tokens[..., 1:], None, None
-    return batch["inputs"], batch["labels"], batch.get("segment_ids"), batch.get("positions")
-
-
-def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
-    """The train state's layout, the one place that defines it."""
-    master = jax.tree.map(lambda x: x.astype(jnp.float32), params) if prec.master else None
-    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt": init_opt_state(opt, master or params)}
-    if master is not None:
-        state["master"] = master
-    if cfg.precision.loss_scale.enabled:
-        state["loss_scale"] = init_loss_scale(cfg.precision.loss_scale)
-    if cfg.optimizer.update_in_backward:
-        state["grad_norm"] = jnp.zeros((), jnp.float32)  # the previous step's, which clips this one
-    return state
-
-
 def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None
                   ) -> TrainProgram:
     """Everything needed to init, step, checkpoint and plan a run, without allocating weights.
@@ -333,7 +296,7 @@ def _make_step(prog: TrainProgram):
     if prog.cfg.optimizer.update_in_backward:
         from jaxmem.update_in_backward import make_step
 
-        return make_step(prog)
+        return make_step(prog, loss_sum_fn)
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
     token_loss = loss_sum_fn(prog)
     grad_shardings = sharding.named(mesh, prog.grad_specs)

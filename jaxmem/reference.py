@@ -1,6 +1,6 @@
 """The user's reference, generated from the code: `jaxmem config` (the resolved config as commented YAML),
-`jaxmem list` (model presets, remat presets and checkpoint names, GPU targets, kernel implementations),
-`jaxmem --version`, and docs/config.md.
+`jaxmem list` (model presets, remat presets and checkpoint names, GPU targets, kernel implementations)
+and docs/config.md.
 
 Every key's description lives once, next to its field in `jaxmem.schema` (`field_docs`); this module only
 renders it.
@@ -360,18 +360,6 @@ def list_main(argv: list[str] | None = None) -> int:
             ap.error(f"WHAT: {w!r} is not one of {', '.join(LISTS)}")
     print("\n\n".join(LISTS[w]() for w in (args.what or LISTS)))
     return 0
-
-
-# ---------------------------------------------------------------- jaxmem --version
-
-
-def version_text() -> str:
-    import jax
-    import jaxlib
-
-    from jaxmem import __version__
-
-    return f"jaxmem {__version__} (jax {jax.__version__}, jaxlib {jaxlib.__version__})"
 
 
 if __name__ == "__main__":  # python -m jaxmem.reference: regenerate docs/config.md

@@ -227,9 +227,10 @@ def _run_locked(cfg: Config, stop: StopRequest) -> dict:
     try:
         cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
         if cfg.parallel.pp > 1:
+            from jaxmem.pipeline.balance import stage_counts
             from jaxmem.pipeline.runtime import build_pipeline
 
-            prog = build_pipeline(cfg)
+            prog = build_pipeline(cfg, counts=stage_counts(cfg))
         else:
             prog = build_program(cfg)
         return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog), stop)

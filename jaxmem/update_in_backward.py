@@ -158,13 +158,14 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
     return scan_layers
 
 
-def make_step(prog):
-    """The train step of `prog` with the layer stack's update inside the backward (module docstring)."""
+def make_step(prog, loss_sum_fn):
+    """The train step of `prog` with the layer stack's update inside the backward (module docstring);
+    `loss_sum_fn(prog, ctx)` is the program's loss (jaxmem.program.loss_sum_fn), handed in by the program."""
     import dataclasses
 
     from jaxmem import offload, sharding
     from jaxmem.optim import adam_count, schedule
-    from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE, loss_sum_fn, split_batch
+    from jaxmem.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
     from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
     cfg, prec = prog.cfg, prog.precision

@@ -33,6 +33,10 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 os.environ.setdefault("JAX_DISABLE_MOST_OPTIMIZATIONS", "1")
 os.environ.setdefault("JAXMEM_PLAN_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "plans"))
+# deviceless compiles' figures by lowered text + target + versions + flags (jaxmem.plan.figure_cache): the
+# persistent cache above cannot hold those executables, so a plan compiled by one test (or a sweep or tune
+# worker) is not compiled again by the next
+os.environ.setdefault("JAXMEM_FIGURE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "figures"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -62,3 +66,59 @@ def built_once(tmp_path_factory):
         return path
 
     return directory
+
+
+# ---------------------------------------------------------------- scheduling: slow files first, fixtures once
+#
+# `make test` runs `-n 2 --dist loadfile --no-loadscope-reorder`: each file's tests run on one worker, so a
+# fixture of module scope is built once per run, not once per worker that gets one of the file's tests
+# (with worksteal it was built on both). Files start slowest first by tests/durations.json (each file's
+# seconds in a recorded run: JAXMEM_RECORD_DURATIONS=<file> records one, scripts/test_durations.py writes
+# the JSON), so the long files never start last and the short ones fill in the end. A file keeps its tests
+# in their order; files the record does not know (new ones) go last, in collection order.
+# (`--dist loadgroup` would let files without module fixtures spread per test, but its xdist_group marks
+# set `item._nodeid`, which pytest 9 no longer reads: the groups were silently ignored.)
+DURATIONS = Path(__file__).resolve().parent / "durations.json"
+
+
+def pytest_collection_modifyitems(config, items):
+    import json
+
+    seconds = json.loads(DURATIONS.read_text())["files"] if DURATIONS.is_file() else {}
+    first_seen = {}
+    for i, item in enumerate(items):
+        first_seen.setdefault(item.path.name, i)
+    items.sort(key=lambda item: (-seconds.get(item.path.name, 0.0), first_seen[item.path.name]))
+
+
+def pytest_runtest_logreport(report):
+    path = os.environ.get("JAXMEM_RECORD_DURATIONS")
+    if path and not os.environ.get("PYTEST_XDIST_WORKER"):  # the controller sees every worker's reports
+        import json
+
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": report.nodeid, "when": report.when, "seconds": report.duration}) + "\n")
+
+
+if os.environ.get("JAXMEM_PROFILE_COMPILES"):  # a profiling run: which compiles repeat, and what they cost
+    import hashlib
+    import json
+    import time
+
+    _compile = jax.stages.Lowered.compile
+
+    def _logged_compile(self, *args, **kwargs):
+        start = time.perf_counter()
+        out = _compile(self, *args, **kwargs)
+        try:
+            device = out.input_shardings[0][0]._device_assignment[0] if out.input_shardings[0] else None
+        except Exception:  # noqa: BLE001 (profiling only)
+            device = None
+        kind = getattr(device, "device_kind", "?")
+        key = hashlib.sha256((self.as_text() + kind).encode()).hexdigest()[:16]
+        with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", ""), "key": key, "kind": kind,
+                                "seconds": round(time.perf_counter() - start, 2)}) + "\n")
+        return out
+
+    jax.stages.Lowered.compile = _logged_compile

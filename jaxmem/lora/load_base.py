@@ -40,12 +40,12 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def check_model(path: Path, cfg: Config) -> None:
     """A one-line ConfigError naming config.json if it describes another model than the run's."""
-    from jaxmem.checkpoint import _MODEL_KEYS
+    from jaxmem.model_match import MODEL_KEYS
 
     config_file = path / "config.json"
     theirs = dataclasses.asdict(model_config_from_hf(read_json_object(config_file), where=str(config_file)))
     mine = dataclasses.asdict(cfg.model)
-    for key in _MODEL_KEYS:
+    for key in MODEL_KEYS:
         if theirs[key] != mine[key]:
             raise ConfigError(f"{KEY}: {config_file} describes a model with {key}={theirs[key]!r} but the run has "
                               f"model.{key}={mine[key]!r}; make the model config match")
@@ -109,7 +109,7 @@ class _ImportedSource:
     stores each param as a zarr array named by its dotted path inside the OCDBT database (orbax 0.11-0.12)."""
 
     def __init__(self, path: Path, cfg: Config, maps, abstract):
-        from jaxmem.checkpoint import check_model_json
+        from jaxmem.model_match import check_model_json
 
         check_model_json(path, cfg)
         self.params = (path / "params").absolute()

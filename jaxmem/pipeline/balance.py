@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem.pipeline import partition
-from jaxmem.pipeline.plan import StageFigures, stage_figures
+from jaxmem.pipeline.figures import StageFigures, stage_figures
 from jaxmem.schema import Config
 
 _LINEAR = ("state", "grads", "params_for_grad", "residuals", "residuals_host", "forward_peak", "backward_peak",
@@ -89,3 +89,10 @@ def balance(cfg: Config, devices=None) -> Balance:
         compiled[even] = stage_figures(build_pipeline(cfg, devices, counts=even))
     best = min(compiled, key=lambda c: (max(f.device_total for f in compiled[c]), c != even))
     return Balance(best, compiled[best], even, compiled[even], second_predicted if best == second else predicted)
+
+
+def stage_counts(cfg: Config, devices=None) -> tuple[int, ...]:
+    """Layers per stage for build_pipeline: parallel.pp_layers as written, or with `auto` the balancer's
+    choice (compiles every stage: see balance)."""
+    counts = partition.layer_counts(cfg)
+    return tuple(counts) if counts is not None else balance(cfg, devices).counts

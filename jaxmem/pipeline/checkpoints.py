@@ -16,7 +16,7 @@ from jaxmem.model import abstract_model
 from jaxmem.optim import make_optimizer
 from jaxmem.pipeline import partition
 from jaxmem.precision import Precision
-from jaxmem.program import assemble_state
+from jaxmem.step_state import assemble_state
 from jaxmem.schema import Config
 
 PP_META = "pp_layers"

@@ -24,7 +24,7 @@ from jaxmem.optim import adam_count, schedule as lr_schedule
 from jaxmem.pipeline import partition, schedule as schedules
 from jaxmem.pipeline.stage import Stage
 from jaxmem.pipeline.transfer import Link, leads, owns
-from jaxmem.program import assemble_state, batch_keys, split_batch
+from jaxmem.step_state import assemble_state, batch_keys, split_batch
 from jaxmem.schema import Config, ConfigError
 
 
@@ -169,15 +169,15 @@ class PipelineProgram:
 def build_pipeline(cfg: Config, devices: Sequence | None = None, counts: Sequence[int] | None = None,
                    *, check: bool = True) -> PipelineProgram:
     """The stages of `cfg` (parallel.pp > 1) on `devices` (default: all), with `counts` layers per stage
-    (default: parallel.pp_layers; `auto` runs the balancer). `check=False` lets the counts not sum to the
-    model's layers (the balancer's probes, which are compiled, never run)."""
+    (default: parallel.pp_layers; with `auto` the caller passes the balancer's counts,
+    jaxmem.pipeline.balance.stage_counts). `check=False` lets the counts not sum to the model's layers (the
+    balancer's probes, which are compiled, never run)."""
     meshes = sharding.stage_meshes(cfg.parallel, devices)
     if counts is None:
         counts = partition.layer_counts(cfg)
     if counts is None:
-        from jaxmem.pipeline.balance import balance
-
-        counts = balance(cfg, devices=list(devices) if devices is not None else None).counts
+        raise ConfigError("parallel.pp_layers=auto: build_pipeline needs the balancer's layer counts "
+                          "(counts=jaxmem.pipeline.balance.stage_counts(cfg, devices))")
     if check:
         partition.check_counts(counts, cfg.parallel.pp, cfg.model.n_layers)
     stages = [Stage(cfg, s, k, partition.stage_keys(cfg, s), mesh)

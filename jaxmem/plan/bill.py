@@ -436,7 +436,7 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
 def _batch_row_elems(cfg: Config) -> int:
     """int32 elements of one batch row: seq_len + 1 tokens, or seq_len per record array (inputs, labels,
     and with packing segment ids and positions)."""
-    from jaxmem.program import batch_keys
+    from jaxmem.step_state import batch_keys
 
     keys = batch_keys(cfg)
     return cfg.train.seq_len + 1 if keys == ("tokens",) else len(keys) * cfg.train.seq_len
@@ -446,7 +446,7 @@ def _counter_bytes(cfg: Config, layout: Layout) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
     program's own state layout so it follows jaxmem.program."""
     from jaxmem.optim import make_optimizer
-    from jaxmem.program import assemble_state
+    from jaxmem.step_state import assemble_state
 
     prec = Precision.from_config(cfg.precision)
     state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)

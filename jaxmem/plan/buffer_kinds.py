@@ -16,7 +16,7 @@ from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
                                      shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
-from jaxmem.program import GRADS_SCOPE, UPDATE_SCOPE
+from jaxmem.step_state import GRADS_SCOPE, UPDATE_SCOPE
 
 # The categories and what each holds: jaxmem.plan.categories (shared with the bill).
 CATEGORIES = EXPLAIN_CATEGORIES

@@ -103,17 +103,31 @@ def memory_warnings(lines: list[str]) -> list[str]:
 
 def compile_for_plan(cfg: Config, topo: Topology):
     """(compiled executable, figures) for the train step of `cfg` on `topo`: builds the program for the
-    topology's (compile-only) devices, compiles it and reads its memory analysis and XLA's memory warnings."""
+    topology's (compile-only) devices, compiles it and reads its memory analysis and XLA's memory warnings.
+    With the figure cache on (jaxmem.plan.figure_cache) a deviceless compile of the same lowered step for the
+    same target earlier gives the figures, and the executable is None."""
+    from jaxmem.plan import figure_cache
     from jaxmem.program import build_program
 
     start = time.perf_counter()
+    compiled = hit = cache_key = None
     with captured_stderr() as lines:
         prog = build_program(cfg, devices=list(topo.devices()))
-        compiled = prog.lower().compile()
-    seconds = time.perf_counter() - start
-    fields = read_fields(compiled)
+        lowered = prog.lower()
+        if topo.name and figure_cache.directory() is not None:
+            cache_key = figure_cache.key(lowered.as_text(), f"{topo.label}\n{topo.gpu.target_config_text()}")
+            hit = figure_cache.lookup(cache_key)
+        if hit is None:
+            compiled = lowered.compile()
+    if hit is None:
+        seconds = time.perf_counter() - start
+        fields, xla_warnings = read_fields(compiled), memory_warnings(lines)
+        if cache_key:
+            figure_cache.store(cache_key, fields, xla_warnings, seconds)
+    else:  # the figures of the same compile, made earlier
+        seconds, fields, xla_warnings = hit["compile_seconds"], hit["fields"], hit["warnings"]
     where = "(deviceless)" if topo.name else "(attached devices)"
-    warnings = memory_warnings(lines)
+    warnings = list(xla_warnings)
     if topo.name and prog.layout.kernels["attention"] == "cudnn":
         warnings.append(cudnn_workspace_warning(cfg, prog.layout))
     old_xla = offload_version_warning(jax.__version__, host_bytes(fields))

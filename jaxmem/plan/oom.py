@@ -25,16 +25,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
+from jaxmem.oom_text import is_oom  # noqa: F401 (the predicate lives below its users; re-exported)
 from jaxmem.schema import Config, ConfigError
-
-_MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "out of device memory")
-
-
-def is_oom(exc: BaseException) -> bool:
-    """The error is the devices (or the host) running out of memory, in any of the forms above."""
-    text = f"{type(exc).__name__} {exc}"
-    return any(s in text for s in _MARKERS)
-
 
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"(\d+(?:\.\d+)?)\s*(TiB|GiB|MiB|KiB|bytes|B)\b"

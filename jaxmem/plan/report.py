@@ -168,7 +168,7 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(k, _gib(c[k]), _gib(c[f"host_{k}"]))
         comp.add_row("total", _gib(c["device_total"]), _gib(c["host_total"]), style="bold")
         console.print(comp)
-    from jaxmem.pipeline.plan import render_pipeline
+    from jaxmem.pipeline.render import render_pipeline
 
     render_pipeline(plan, console)
     avc = plan.get("analytic_vs_compiled")
