@@ -68,11 +68,24 @@ def failure_settings() -> dict:
     return {k: v for k, v in wanted.items() if k in accepted}
 
 
+def runtime_client():
+    """jax's distributed runtime client (a private API, checked for jaxmem.compat.JAX_RANGE), or None (no process
+    group, or a jax outside that range: the watch is then off and jax's own heartbeat ends a lost run)."""
+    from jaxmem.compat import JAX_RANGE, in_range
+
+    if not in_range(jax.__version__, JAX_RANGE):
+        return None
+    try:
+        from jax._src import distributed
+
+        return distributed.global_state.client
+    except (ImportError, AttributeError):
+        return None
+
+
 def process_group() -> tuple[int, int]:
     """(this process's index, number of processes) without starting the backend (allocator settings may still
     have to be applied); (0, 1) outside a process group."""
-    from jaxmem.peer_watch import runtime_client
-
     if runtime_client() is None:  # a jax outside the checked range: ask the backend (it starts now)
         return (jax.process_index(), jax.process_count()) if jax.distributed.is_initialized() else (0, 1)
     try:
@@ -92,8 +105,6 @@ def decided_on_lead(key: str, decide: Callable[[], None], error: type[Exception]
     One process: `decide()` as is. Several: process 0 publishes "" or the message in the coordination
     service's key-value store and the others wait for it (so a refused lock stops every process at once).
     """
-    from jaxmem.peer_watch import runtime_client
-
     client = runtime_client()
     index, count = process_group()
     if client is None or count == 1:

@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from jaxmem.distributed import runtime_client
+
 STALE_S = 10.0  # a peer silent this long is lost; well under the 30 s a survivor may take to exit
 PERIOD_S = 1.0
 _PREFIX, _DONE = "jaxmem/alive/", "jaxmem/done/"
@@ -30,23 +32,6 @@ def last_saved_step(checkpoint_dir: str | Path) -> int | None:
     except OSError:
         return None
     return max(steps, default=None)
-
-
-def runtime_client():
-    """jax's distributed runtime client (a private API, checked for jaxmem.compat.JAX_RANGE), or None (no process
-    group, or a jax outside that range: the watch is then off and jax's own heartbeat ends a lost run)."""
-    import jax
-
-    from jaxmem.compat import JAX_RANGE, in_range
-
-    if not in_range(jax.__version__, JAX_RANGE):
-        return None
-    try:
-        from jax._src import distributed
-
-        return distributed.global_state.client
-    except (ImportError, AttributeError):
-        return None
 
 
 class PeerWatch:

@@ -23,7 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
-from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
 from jaxmem.schema import Config
 
 NF4_BLOCK = 64
@@ -65,14 +65,6 @@ def store(setup: LoraSetup, cfg: Config, name: str, w: jax.Array):
 def unstore(setup: LoraSetup, stored, shape: tuple[int, ...], dtype):
     """One layer's weight of `shape` from its stored form (the layer's slice of every leaf)."""
     return dequantize(setup.base_dtype, stored, shape, dtype)
-
-
-def dequantize(base_dtype: str, stored, shape: tuple[int, ...], dtype):
-    if base_dtype == "int8":
-        return dequantize_int8(stored, dtype)
-    if base_dtype == "nf4":
-        return dequantize_nf4(stored, shape, dtype)
-    return stored.astype(dtype)
 
 
 def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:

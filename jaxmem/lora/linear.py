@@ -23,7 +23,7 @@ import string
 import jax
 import jax.numpy as jnp
 
-from jaxmem.lora.frozen import dequantize
+from jaxmem.lora.quant import dequantize
 from jaxmem.model.layers import einsum_project
 
 

@@ -164,3 +164,12 @@ def quantized_bytes(shape: tuple[int, ...], base_dtype: str, double_quant: bool 
         channels = math.prod(s for i, s in enumerate(shape) if i not in in_axes)
         return math.prod(shape) + 4 * channels
     return math.prod(shape) * np.dtype(jnp.dtype(base_dtype)).itemsize
+
+
+def dequantize(base_dtype: str, stored, shape: tuple[int, ...], dtype):
+    """A weight of `shape` in `dtype` from its stored form (bf16 / fp32 array, or int8 / nf4 leaves)."""
+    if base_dtype == "int8":
+        return dequantize_int8(stored, dtype)
+    if base_dtype == "nf4":
+        return dequantize_nf4(stored, shape, dtype)
+    return stored.astype(dtype)
