@@ -65,7 +65,8 @@ def _recipe_record(p: dict) -> dict:
 def _recipe_md(name: str, before: str, goal: str, r: dict) -> str:
     total, bill = r["device_total"] / GIB, r["analytic"] / GIB
     verdict = "met" if total <= float(goal.split()[-1]) else "missed"
-    return (f"| {name} | {before} | **{total:.2f}** (argument {r['argument'] / GIB:.2f} + temp {r['temp'] / GIB:.2f}) | "
+    parts = f"argument {r['argument'] / GIB:.2f} + temp {r['temp'] / GIB:.2f}"
+    return (f"| {name} | {before} | **{total:.2f}** ({parts}) | "
             f"{bill:.2f} ({total / bill:.3f}) | {r['model_flops']:.3g} | {goal}: {verdict} |")
 
 
@@ -184,7 +185,8 @@ def main(argv: list[str]) -> int:
     from_json, recipes_only = "--from-json" in argv, "--recipes-only" in argv
     saved = OUT / "lora.json"
     record = json.loads(saved.read_text()) if from_json or recipes_only else {}
-    recipes = ["| recipe | before: device GiB, compiled deviceless, jax 0.10.2 | after: device GiB, compiled deviceless | "
+    recipes = ["| recipe | before: device GiB, compiled deviceless, jax 0.10.2 | "
+               "after: device GiB, compiled deviceless | "
                "analytic bill GiB, estimated (compiled / analytic) | model FLOPs per step, estimated (cost model) | "
                "goal (GiB) |", "|---|---:|---:|---:|---:|---|"]
     for name, config, before, goal in RECIPES:
