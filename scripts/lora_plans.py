@@ -174,7 +174,11 @@ per layer). With `remat.preset: none`, autodiff keeps per layer of 1,024 tokens:
 These are the model's own residuals (`jaxmem/model/layers.py` Block.mlp, the RMSNorm reference kernel), not
 LoRA's. A SiLU-times-up with a custom VJP that keeps only gate and up would drop 2.6 GiB. The argument side is
 the 5.31 GiB base (3.35 GiB of nf4 linears, 1.96 GiB of bf16 embedding and LM head) plus the adapters' state
-(all linears: 1.09 GiB with fp32 master and Adam moments; q,v: 0.18 GiB)."""
+(all linears: 1.09 GiB with fp32 master and Adam moments; q,v: 0.18 GiB). With `lora.quantize_embeddings: true`
+and `kernels.loss: chunked` the two tables are nf4 too, and the q,v recipe compiles to 10.67 GiB (bill 10.70,
+compiled deviceless with jax 0.10.2; `jaxmem plan configs/lora/llama3-8b-qlora-qv-seq512.yaml
+lora.quantize_embeddings=true kernels.loss=chunked`). That is still 0.67 GiB over: the SiLU internals above are
+what is left."""
 
 LONG_HEAD = ("Compiled before the change above (commit 2e38dd8: merged weights, only the targeted linears "
              "quantized; all these rows target all seven linears, so their base is the same); not recompiled "
