@@ -1,6 +1,6 @@
 """`jaxmem merge-lora CONFIG [key=value ...] --out DIR [--peft DIR]`: a LoRA run's latest checkpoint as a merged
-Hugging Face checkpoint (each frozen linear dequantized and W + scale * A B folded into the adapted ones), and optionally
-its adapters in PEFT's format."""
+Hugging Face checkpoint (each frozen linear dequantized and W + scale * A B folded into the adapted ones), and
+optionally its adapters in PEFT's format."""
 from __future__ import annotations
 
 import argparse

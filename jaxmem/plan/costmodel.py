@@ -295,7 +295,8 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
         attn_s = attn_flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm)
 
     # LM head + cross-entropy.
-    loss_flops = LOSS_PASSES.get(loss_kernel, 4) * 2.0 * tokens * m.d_model * m.vocab_size
+    loss_passes = LOSS_PASSES.get(loss_kernel, 4) - (1 if cfg.lora.rank > 0 else 0)  # a LoRA head is frozen: no dW
+    loss_flops = loss_passes * 2.0 * tokens * m.d_model * m.vocab_size
     loss_s = loss_flops / (n_devices * peak * loss_efficiency(cfg, loss_kernel, max(1, tokens // n_devices)))
 
     # Memory-bound: elementwise forward + backward (2 x) + the recomputed forward, and the update.
