@@ -9,7 +9,10 @@ from jaxmem.hf_config import read_json_object
 from jaxmem.schema import Config, ConfigError
 
 MODEL_KEYS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim", "d_ff",
-              "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps")
+              "qkv_bias", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
+              # Qwen3 / Gemma 3: same shapes, another function (docs/models.md)
+              "qk_norm", "post_norms", "activation", "embed_scale", "query_pre_attn_scalar", "sliding_window",
+              "global_every", "rope_local_theta")
 
 
 def check_model_json(path: str | Path, cfg: Config) -> None:

@@ -169,3 +169,20 @@ def test_init_from_with_another_model_is_a_config_error(tmp_path):
         init_from(build_program(other), tmp_path / "hf")
     with pytest.raises(ConfigError, match=r"checkpoint\.init_from: .*model\.json not found"):
         init_from(build_program(cfg), tmp_path / "missing")
+
+
+def test_init_from_refuses_another_layer_function(tmp_path):
+    """Qwen3 / Gemma 3 keys change what a layer computes with the same shapes: an init_from checkpoint whose
+    model.json differs in one of them is refused in one line naming the key."""
+    from jaxmem.config import load_config
+    from jaxmem.model_match import check_model_json
+    from jaxmem.schema import ConfigError
+
+    cfg = load_config("configs/tiny-gemma3.yaml")
+    saved = dataclasses.asdict(cfg.model)
+    (tmp_path / "model.json").write_text(json.dumps(saved))
+    check_model_json(tmp_path, cfg)  # the same model: accepted
+    saved["sliding_window"] = cfg.model.sliding_window + 1
+    (tmp_path / "model.json").write_text(json.dumps(saved))
+    with pytest.raises(ConfigError, match=r"^checkpoint.init_from: .* sliding_window=.*model.sliding_window="):
+        check_model_json(tmp_path, cfg)
