@@ -24,7 +24,7 @@ demo: $(VENV)/.base-installed
 	$(CPU_ENV) $(BIN)/jaxmem train configs/tiny.yaml out_dir=runs/demo
 
 # The cuDNN library in a side folder: the deviceless cuDNN-attention compile tests run in a subprocess that
-# sees it (tests/test_kernels_cudnn.py); the rest of the suite plans without it. No download, no such tests.
+# sees it (tests/integration/test_kernels_cudnn.py); the rest of the suite plans without it. No download, no such tests.
 CUDNN_SITE := .cache/cudnn-site
 
 $(CUDNN_SITE)/.installed: | $(BIN)/python
@@ -40,8 +40,8 @@ PYTHON_LATEST ?= python3.12
 LATEST := .venv-latest
 # test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another mesh) aborted twice in a
 # loaded two-worker run and never alone (docs in the closing note); it runs in `make test` on the tested jax.
-LATEST_TESTS := tests/test_compat.py tests/test_shim.py tests/test_offload.py tests/test_explain.py \
-	tests/test_update_in_backward.py tests/test_kernels_common.py tests/test_doctor.py
+LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
+	tests/integration/test_update_in_backward.py tests/integration/test_kernels_common.py tests/integration/test_doctor.py
 
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)

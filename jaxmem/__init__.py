@@ -12,15 +12,15 @@ __version__ = "0.1.0"
 
 
 def load_hf(path, dtype="float32", mesh=None, **kwargs):
-    """Loads a local Hugging Face checkpoint; see jaxmem.hf.load_hf."""
-    from jaxmem.hf import load_hf as _load
+    """Loads a local Hugging Face checkpoint; see jaxmem.io.hf.load_hf."""
+    from jaxmem.io.hf import load_hf as _load
 
     return _load(path, dtype=dtype, mesh=mesh, **kwargs)
 
 
 def save_hf(model, path, **kwargs):
-    """Writes a model in Hugging Face format; see jaxmem.hf.save_hf."""
-    from jaxmem.hf import save_hf as _save
+    """Writes a model in Hugging Face format; see jaxmem.io.hf.save_hf."""
+    from jaxmem.io.hf import save_hf as _save
 
     return _save(model, path, **kwargs)
 

@@ -28,13 +28,13 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem import offload, sharding
-from jaxmem.checkpoint import Checkpoints, run_meta
+from jaxmem.core import offload, sharding
+from jaxmem.io.checkpoint import Checkpoints, run_meta
 from jaxmem.config import load_config
-from jaxmem.data import batches
-from jaxmem.optim import make_optimizer
-from jaxmem.program import TrainProgram, build_program, loss_sum_fn
-from jaxmem.schema import Config
+from jaxmem.io.data import batches
+from jaxmem.core.optim import make_optimizer
+from jaxmem.core.program import TrainProgram, build_program, loss_sum_fn
+from jaxmem.config.schema import Config
 
 __all__ = ["Checkpoints", "TrainProgram", "batches", "build_program", "load_config", "loss_fn", "optimizer",
            "place_params", "place_tokens", "run_meta", "train_state", "train_step"]
@@ -101,7 +101,7 @@ def train_state(prog: TrainProgram, params: Any = None, seed: int | None = None)
 def train_step(prog: TrainProgram) -> Callable:
     """The framework's jitted train step: step(state, {"tokens": int32 [A, B, T+1]}) -> (state, metrics); for
     record data (data.kind jsonl / parquet / hf) the batch is {"inputs", "labels"[, "segment_ids",
-    "positions"]}, each int32 [A, B, T] (prog.batch_keys; jaxmem.data builds them, docs/data.md).
+    "positions"]}, each int32 [A, B, T] (prog.batch_keys; jaxmem.io.data builds them, docs/data.md).
 
     It accumulates gradients over the A = train.grad_accum micro-batches, clips, and applies jaxmem's
     optimizer layer by layer. metrics: loss (mean over the step's valid tokens), grad_norm, lr, tokens,

@@ -33,7 +33,7 @@ def estimate_case(case: dict):
     from jaxmem.config import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.costmodel import estimate
-    from jaxmem.targets import get_target
+    from jaxmem.config.targets import get_target
 
     cwd = os.getcwd()
     os.chdir(ROOT)  # config paths in the data file are relative to the repository root

@@ -27,8 +27,8 @@ from handwritten_step import make_step  # noqa: E402
 
 from jaxmem import api  # noqa: E402
 from jaxmem.config import load_config  # noqa: E402
-from jaxmem.optim import make_optimizer  # noqa: E402
-from jaxmem.program import build_program  # noqa: E402
+from jaxmem.core.optim import make_optimizer  # noqa: E402
+from jaxmem.core.program import build_program  # noqa: E402
 
 OVERRIDES = ["parallel.fsdp=1", "train.micro_batch=8", "train.seq_len=128", "optimizer.clip_norm=0",
              "optimizer.weight_decay=0"]

@@ -19,7 +19,7 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jaxmem.aot import compile_abstract, target_devices  # noqa: E402
+from jaxmem.runtime.aot import compile_abstract, target_devices  # noqa: E402
 from jaxmem.config import KernelConfig  # noqa: E402
 from jaxmem.kernels import loss_blocks  # noqa: E402
 from jaxmem.kernels.attention.pallas import attention_cost, flash_attention  # noqa: E402
@@ -131,7 +131,7 @@ STEP_CASES = {
 def train_step_memory() -> dict:
     """The whole jaxmem train step (llama3-8b, seq 8192, micro-batch 1/device, full remat, bf16) per kernel choice."""
     from jaxmem.config import load_config
-    from jaxmem.program import build_program
+    from jaxmem.core.program import build_program
 
     devices = target_devices("h100-80g", 8)
     out = {}

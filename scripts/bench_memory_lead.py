@@ -48,7 +48,7 @@ PEERS = [  # (what, GiB, how)
 
 
 def compiled_case(config: str, overrides: list[str]) -> dict:
-    from jaxmem.aot import resolve_topology
+    from jaxmem.runtime.aot import resolve_topology
     from jaxmem.config import load_config
     from jaxmem.plan import plan
 

@@ -254,7 +254,7 @@ def gpu_section() -> list[str]:
     """The plan against the GPU: the compiled figure on the device, the measured peak, the deviceless
     compile here with each jax version recorded, and the analytic bill of the same config (computed now)."""
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.targets import TARGETS
+    from jaxmem.config.targets import TARGETS
 
     cases = calibration_cases()
     deviceless = json.loads(GPU_DEVICELESS.read_text()) if GPU_DEVICELESS.exists() else {}

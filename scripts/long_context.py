@@ -58,7 +58,7 @@ def run_row(name: str, config: str, overrides: list[str]) -> dict:
 
 def _largest_device_buffers(config: str, overrides: list[str], top: int = 4) -> list[dict]:
     """The biggest device buffers live at the compiled peak (host-memory buffers left out)."""
-    from jaxmem.aot import resolve_topology
+    from jaxmem.runtime.aot import resolve_topology
     from jaxmem.config import load_config
     from jaxmem.plan.explain import explain
 

@@ -134,7 +134,7 @@ H100 the per-layer working set of [T, 4096] bf16 values while the base is fixed 
 each: the layer input, q, the attention output, the flash kernel's output and their cotangents; they double
 at 2,097,152).
 The sequence tiler writes its tiles into one buffer per output and the input cotangents over the output
-cotangents, with no zero buffer shared between loops (`jaxmem/seq_tiling.py`): at 1,048,576 tokens that
+cotangents, with no zero buffer shared between loops (`jaxmem/core/seq_tiling.py`): at 1,048,576 tokens that
 took Llama-3-8B QLoRA from 76.9 to 55.7 GiB. Llama-3-70B on a 48 GB GPU fits 8,192 tokens (Unsloth reports
 12,106); at 12,288 (41.7 GiB against 40.5 usable) the peak is the MLP of one layer's backward: the [T, d_ff]
 gate / up / activation values (672 MiB each; `remat.seq_tile` tiles them, but then the three rebuilt bf16

@@ -11,12 +11,12 @@ import sys
 import jax
 import numpy as np
 
-from jaxmem import distributed
-from jaxmem.checkpoint import Checkpoints, run_meta
+from jaxmem.runtime import distributed
+from jaxmem.io.checkpoint import Checkpoints, run_meta
 from jaxmem.config import load_config
-from jaxmem.data import batches
-from jaxmem.program import build_program
-from jaxmem.train import parse_args
+from jaxmem.io.data import batches
+from jaxmem.core.program import build_program
+from jaxmem.cli.train import parse_args
 
 
 def main(argv: list[str]) -> None:

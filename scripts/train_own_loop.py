@@ -6,8 +6,8 @@ config (train.grad_accum), periodic checkpoints that `jaxmem train` can also res
 import sys
 
 import jaxmem
-from jaxmem import distributed
-from jaxmem.train import parse_args
+from jaxmem.runtime import distributed
+from jaxmem.cli.train import parse_args
 
 
 def main(argv: list[str]) -> list[float]:

@@ -12,7 +12,7 @@ import optax
 
 import jaxmem
 from jaxmem.model import init_model
-from jaxmem.train import parse_args
+from jaxmem.cli.train import parse_args
 
 
 def main(argv: list[str]) -> list[float]:

@@ -10,7 +10,7 @@ import functools
 
 import jax
 
-from jaxmem.schema import ConfigError, KernelConfig
+from jaxmem.config.schema import ConfigError, KernelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
@@ -141,7 +141,7 @@ _POWER_OF_TWO_KEYS = ("attn_block_q", "attn_block_k", "fused_loss_block_t", "fus
 
 
 def check_block_sizes(cfg: KernelConfig) -> None:
-    """One-line ConfigError naming the key. Runs at load (jaxmem.validate.SECTION_VALIDATORS["kernels"]);
+    """One-line ConfigError naming the key. Runs at load (jaxmem.config.validate.SECTION_VALIDATORS["kernels"]);
     the dispatch below runs it again for a KernelConfig built in code, before anything is traced."""
     for name in ("loss_block_t", "loss_block_v"):
         if getattr(cfg, name) < 0:

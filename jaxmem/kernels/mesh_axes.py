@@ -10,7 +10,7 @@ import math
 
 from jax.sharding import Mesh
 
-from jaxmem.sharding import DATA_AXES, TOKEN_AXES, MeshAxis
+from jaxmem.core.sharding import DATA_AXES, TOKEN_AXES, MeshAxis
 
 
 def _split(mesh: Mesh, axes) -> tuple[str, ...] | None:

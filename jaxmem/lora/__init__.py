@@ -1,6 +1,6 @@
 """LoRA / QLoRA foundations: adapter trees and merge (adapters), quantized base weights (quant), the frozen base
 and the layer scan's view of it (frozen), the unmerged projections x W + s (x A) B (linear), PEFT files
-(peft_format). The merged export is `merge(params, adapters, scale)` followed by jaxmem.hf.save_hf.
+(peft_format). The merged export is `merge(params, adapters, scale)` followed by jaxmem.io.hf.save_hf.
 
 qwix (Google's JAX quantization and LoRA library) was evaluated: it rewrites Flax modules by patching their
 ops (dot_general, einsum) at call time and creates its quantized / LoRA params inside that traced call, it

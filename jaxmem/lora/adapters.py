@@ -14,7 +14,7 @@ import string
 import jax
 import jax.numpy as jnp
 
-from jaxmem.schema import ConfigError, ModelConfig
+from jaxmem.config.schema import ConfigError, ModelConfig
 
 # Hugging Face module name -> our layer param name, in HF checkpoint order.
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.schema import ConfigError
+from jaxmem.config.schema import ConfigError
 
 
 def merged_params(prog, state: dict) -> dict:
@@ -45,14 +45,14 @@ def merged_params(prog, state: dict) -> dict:
 def main(argv: list[str] | None = None) -> int:
     from flax import nnx
 
-    from jaxmem.checkpoint import Checkpoints, restore_run
+    from jaxmem.io.checkpoint import Checkpoints, restore_run
     from jaxmem.config import load_config
-    from jaxmem.hf import save_hf
-    from jaxmem.hf_companions import write_companions
+    from jaxmem.io.hf import save_hf
+    from jaxmem.io.hf_companions import write_companions
     from jaxmem.lora.adapters import hf_target_names
     from jaxmem.lora.peft_format import save_peft
-    from jaxmem.program import build_program
-    from jaxmem.reference import HelpFormatter
+    from jaxmem.core.program import build_program
+    from jaxmem.cli.config_cmd import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem merge-lora", formatter_class=HelpFormatter,

@@ -9,7 +9,7 @@ linear replaced by a [L] placeholder; the layer scan carries the stored linears 
 and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
 computes x W + scale * (x A) B with W dequantized under a custom VJP that keeps only the stored form for the
 backward. No merged weight, no weight-shaped gradient, no dequantized layer kept between forward and
-backward, under every remat preset (checked on the compiled figures in tests/test_lora_lean.py).
+backward, under every remat preset (checked on the compiled figures in tests/unit/test_lora_lean.py).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
 from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
-from jaxmem.schema import Config
+from jaxmem.config.schema import Config
 
 NF4_BLOCK = 64
 

@@ -7,7 +7,7 @@ time (one HF tensor in the parameter dtype, at most one layer's weight in fp32 w
 brought to its stored form on the host (jaxmem.lora.quant_host, bit-identical to jaxmem.lora.frozen.store)
 and written into its slot of the [L, ...] leaf, already in its target sharding, on the device. So neither
 the host nor the device ever holds the whole base in the parameter dtype: a 70B QLoRA run starts on one GPU.
-The embedding, final norm and LM head are read like jaxmem.hf.load_hf reads them (slices per device).
+The embedding, final norm and LM head are read like jaxmem.io.hf.load_hf reads them (slices per device).
 A `jaxmem import-hf` output is read the same way, a layer at a time, through tensorstore (_ImportedSource).
 """
 from __future__ import annotations
@@ -20,14 +20,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.hf import _callback, _check_tensors, _get, _set
-from jaxmem.hf_config import model_config_from_hf, read_json_object
-from jaxmem.hf_layout import param_maps, read_slice
-from jaxmem.hf_safetensors import CheckpointReader
+from jaxmem.io.hf import _callback, _check_tensors, _get, _set
+from jaxmem.io.hf_config import model_config_from_hf, read_json_object
+from jaxmem.io.hf_layout import param_maps, read_slice
+from jaxmem.io.hf_safetensors import CheckpointReader
 from jaxmem.lora import quant_host
 from jaxmem.lora.adapters import target_weights
 from jaxmem.lora.frozen import NF4_BLOCK, LoraSetup
-from jaxmem.schema import Config, ConfigError
+from jaxmem.config.schema import Config, ConfigError
 
 KEY = "checkpoint.init_from"
 
@@ -40,7 +40,7 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def check_model(path: Path, cfg: Config) -> None:
     """A one-line ConfigError naming config.json if it describes another model than the run's."""
-    from jaxmem.model_match import MODEL_KEYS
+    from jaxmem.io.model_match import MODEL_KEYS
 
     config_file = path / "config.json"
     theirs = dataclasses.asdict(model_config_from_hf(read_json_object(config_file), where=str(config_file)))
@@ -109,7 +109,7 @@ class _ImportedSource:
     stores each param as a zarr array named by its dotted path inside the OCDBT database (orbax 0.11-0.12)."""
 
     def __init__(self, path: Path, cfg: Config, maps, abstract):
-        from jaxmem.model_match import check_model_json
+        from jaxmem.io.model_match import check_model_json
 
         check_model_json(path, cfg)
         self.params = (path / "params").absolute()

@@ -2,7 +2,7 @@
 
 PEFT stores, per layer and target, lora_A [r, in_features] and lora_B [out_features, r] such that the
 HF weight [out, in] becomes W + scale * lora_B @ lora_A. Ours are A [*in_shape, r] and B [r, *out_shape]
-per layer; flattening the head dims row-major is the same order jaxmem.hf_layout uses for the base weights.
+per layer; flattening the head dims row-major is the same order jaxmem.io.hf_layout uses for the base weights.
 """
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import numpy as np
 from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
-from jaxmem.hf_config import read_json_object
+from jaxmem.io.hf_config import read_json_object
 from jaxmem.lora.adapters import ALL_LINEAR, TARGETS, hf_target_names, resolve_targets, scale, target_weights
-from jaxmem.schema import ConfigError, ModelConfig
+from jaxmem.config.schema import ConfigError, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"

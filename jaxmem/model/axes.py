@@ -1,4 +1,4 @@
-"""Logical-axis constraints on activations; the rules come from jaxmem.sharding."""
+"""Logical-axis constraints on activations; the rules come from jaxmem.core.sharding."""
 from __future__ import annotations
 
 import contextlib

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.schema import ModelConfig
+from jaxmem.config.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.mlp import MLP_KINDS, mlp_kind
@@ -52,7 +52,7 @@ class Block(nnx.Module):
     Options by config: q/k RMSNorm per head (Qwen3, Gemma 3), post-norms on the attention and MLP outputs
     (Gemma 3: four norms per layer), a custom attention scale, a sliding window on local layers, and the MLP
     kind (jaxmem.model.mlp). Norm weights multiply the normalized input (HF's (1 + w) norms are converted on
-    import, jaxmem.hf_families)."""
+    import, jaxmem.io.hf_families)."""
 
     def __init__(self, cfg: ModelConfig, dtype, rngs: nnx.Rngs):
         d, n, k, h = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim

@@ -13,7 +13,7 @@ from typing import Callable
 
 import jax
 
-from jaxmem.schema import ModelConfig
+from jaxmem.config.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.schema import ConfigError, ModelConfig
+from jaxmem.config.schema import ConfigError, ModelConfig
 
 _LLAMA3 = dict(vocab_size=128256, rope_theta=500000.0, norm_eps=1e-5, head_dim=128)
 _QWEN2 = dict(vocab_size=152064, rope_theta=1000000.0, norm_eps=1e-6, head_dim=128, qkv_bias=True)
@@ -86,7 +86,7 @@ def layer_param_count(m: ModelConfig) -> int:
 
 
 def check_model(m: ModelConfig) -> None:
-    """One-line ConfigErrors for the layer-kind keys (jaxmem.validate runs it at load)."""
+    """One-line ConfigErrors for the layer-kind keys (jaxmem.config.validate runs it at load)."""
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window: {m.sliding_window} must be >= 0 (0: no window)")
     if m.global_every < 0 or (m.global_every and not m.sliding_window):

@@ -8,13 +8,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jaxmem.schema import ModelConfig
+from jaxmem.config.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from jaxmem.model.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
-from jaxmem.seq_tiling import run_whole
+from jaxmem.core.seq_tiling import run_whole
 
 
 def _plain_scan(body, h, stacked_state):
@@ -30,7 +30,7 @@ def _identity_segment(name: str, fn: Callable) -> Callable:
 
 @dataclasses.dataclass(frozen=True)
 class ForwardContext:
-    """How the model's ops run; built from config by jaxmem.program.build_program, never by the model.
+    """How the model's ops run; built from config by jaxmem.core.program.build_program, never by the model.
 
     attention(q, k, v, segment_ids, *, window=None, scale=None) and norm(x, w, eps) pick kernels (a layer
     passes `window`, a static int, only when it is a sliding-window layer, and `scale` only when it is not

@@ -13,7 +13,7 @@ import dataclasses
 
 from jaxmem.pipeline import partition
 from jaxmem.pipeline.figures import StageFigures, stage_figures
-from jaxmem.schema import Config
+from jaxmem.config.schema import Config
 
 _LINEAR = ("state", "grads", "params_for_grad", "residuals", "residuals_host", "forward_peak", "backward_peak",
            "update_total", "state_host", "update_host")
@@ -63,7 +63,7 @@ def balance(cfg: Config, devices=None) -> Balance:
 
     pp, n_layers, g = cfg.parallel.pp, cfg.model.n_layers, _group(cfg)
     if n_layers % g or n_layers < g * pp:
-        from jaxmem.schema import ConfigError
+        from jaxmem.config.schema import ConfigError
 
         raise ConfigError(f"parallel.pp_layers: auto needs model.n_layers={n_layers} to be a multiple of the "
                           f"remat group {g} with at least one group per stage")

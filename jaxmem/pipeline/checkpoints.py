@@ -13,11 +13,11 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxmem.model import abstract_model
-from jaxmem.optim import make_optimizer
+from jaxmem.core.optim import make_optimizer
 from jaxmem.pipeline import partition
-from jaxmem.precision import Precision
-from jaxmem.step_state import assemble_state
-from jaxmem.schema import Config
+from jaxmem.core.precision import Precision
+from jaxmem.core.step_state import assemble_state
+from jaxmem.config.schema import Config
 
 PP_META = "pp_layers"
 

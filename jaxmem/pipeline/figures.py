@@ -22,7 +22,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jaxmem import memory_kinds_shim
+from jaxmem.runtime import memory_kinds_shim
 from jaxmem.plan.compiled import captured_stderr, memory_warnings, read_fields
 
 GIB = 2**30

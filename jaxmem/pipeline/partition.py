@@ -7,7 +7,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxmem.schema import Config, ConfigError
+from jaxmem.config.schema import Config, ConfigError
 
 
 def even_counts(n_layers: int, pp: int) -> tuple[int, ...]:

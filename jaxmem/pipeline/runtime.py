@@ -16,16 +16,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem import sharding
+from jaxmem.core import sharding
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.layout import Layout
+from jaxmem.core.layout import Layout
 from jaxmem.model import init_model
-from jaxmem.optim import adam_count, schedule as lr_schedule
+from jaxmem.core.optim import adam_count, schedule as lr_schedule
 from jaxmem.pipeline import partition, schedule as schedules
 from jaxmem.pipeline.stage import Stage
 from jaxmem.pipeline.transfer import Link, leads, owns
-from jaxmem.step_state import assemble_state, batch_keys, split_batch
-from jaxmem.schema import Config, ConfigError
+from jaxmem.core.step_state import assemble_state, batch_keys, split_batch
+from jaxmem.config.schema import Config, ConfigError
 
 
 @dataclasses.dataclass
@@ -80,7 +80,7 @@ class PipelineProgram:
         return {"stages": self.stage_templates()}
 
     def model(self, state: dict) -> nnx.Module:
-        """The whole model (host arrays) of a pipeline state: for jaxmem.hf.save_hf and inference."""
+        """The whole model (host arrays) of a pipeline state: for jaxmem.io.hf.save_hf and inference."""
         from jaxmem.model import abstract_model
 
         graphdef = nnx.split(abstract_model(self.cfg.model))[0]

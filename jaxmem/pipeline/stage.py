@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from jaxmem import offload, sharding
+from jaxmem.core import offload, sharding
 from jaxmem.model.layers import ACT_BTD
-from jaxmem.optim import layerwise_update
-from jaxmem.program import TrainProgram, build_program, stage_fn
-from jaxmem.schema import Config
+from jaxmem.core.optim import layerwise_update
+from jaxmem.core.program import TrainProgram, build_program, stage_fn
+from jaxmem.config.schema import Config
 
 
 def stage_config(cfg: Config, n_layers: int) -> Config:

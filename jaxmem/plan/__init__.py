@@ -1,8 +1,8 @@
 """Memory planner: the analytic bill, the compiled figures for a (deviceless) GPU target, and verdicts."""
 from __future__ import annotations
 
-from jaxmem.aot import Topology, resolve_topology
-from jaxmem.schema import Config
+from jaxmem.runtime.aot import Topology, resolve_topology
+from jaxmem.config.schema import Config
 
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:

@@ -107,7 +107,7 @@ def remember(plan: dict) -> None:
 def compiled_device_total(cfg, target: str, n_devices: int, run=subprocess.run) -> tuple[int, str] | None:
     """(compiled device bytes per device, how) for `cfg` on `n_devices` x `target`: from the cache, else a
     deviceless compile in a subprocess (`jaxmem plan --json`, cached); None when that fails."""
-    from jaxmem.schema import config_hash, dump_yaml
+    from jaxmem.config.schema import config_hash, dump_yaml
 
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, name=target, gpus_per_host=n_devices,
                                                               hosts=1))
@@ -142,8 +142,8 @@ def settings_for_run(cfg, environ: Mapping[str, str] | None = None) -> Allocator
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return None
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.targets import TARGETS, target_for_device_kind
-    from jaxmem.validate import fixed_mesh_size
+    from jaxmem.config.targets import TARGETS, target_for_device_kind
+    from jaxmem.config.validate import fixed_mesh_size
 
     attached = attached_gpus()
     target = TARGETS.get(cfg.target.name) or (attached and target_for_device_kind(attached[2]))

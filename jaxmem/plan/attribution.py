@@ -13,10 +13,10 @@ import jaxmem
 import jaxmem.kernels.attention
 import jaxmem.model.axes
 import jaxmem.model.layers
-import jaxmem.program
-import jaxmem.remat
-import jaxmem.sharding
-from jaxmem.schema import Config
+import jaxmem.core.program
+import jaxmem.core.remat
+import jaxmem.core.sharding
+from jaxmem.config.schema import Config
 from jaxmem.model.names import name_in_op
 from jaxmem.plan import hlo_dump
 
@@ -26,7 +26,7 @@ _ROOT = os.path.dirname(_PACKAGE_DIR)  # what module paths are relative to
 
 
 def module_path(module: ModuleType | str) -> str:
-    """The path rel_path gives a module's frames: "jaxmem/program.py" for jaxmem.program, "jaxmem/kernels/"
+    """The path rel_path gives a module's frames: "jaxmem/core/program.py" for jaxmem.core.program, "jaxmem/kernels/"
     for a package (every file under it). A module named by string is located without importing it (for
     modules that import this one); a missing one raises ModuleNotFoundError."""
     if isinstance(module, str):
@@ -43,7 +43,7 @@ def module_path(module: ModuleType | str) -> str:
 
 
 # Frames of step/scan plumbing: a buffer is attributed to the model code they call.
-PLUMBING = tuple(module_path(m) for m in (jaxmem.program, jaxmem.remat, jaxmem.sharding, jaxmem.model.axes,
+PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat, jaxmem.core.sharding, jaxmem.model.axes,
                                           "jaxmem.plan.explain"))  # (the dump compile's caller; imports us)
 # Helpers that only tag a value (their frame is the checkpoint_name call, not the op that made it).
 _TAG_HELPERS = (jaxmem.model.layers.tag.__qualname__,)

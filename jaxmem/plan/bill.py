@@ -10,14 +10,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem import kernels
-from jaxmem.schema import Config
-from jaxmem.layout import Layout, resolve, spec_leaves
+from jaxmem.config.schema import Config
+from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
-from jaxmem.optim import split_layers
+from jaxmem.core.optim import split_layers
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
-from jaxmem.precision import Precision
-from jaxmem.seq_tiling import INSIDE_TILES, tile_count
+from jaxmem.core.precision import Precision
+from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
 
 # Device-bill categories in display order (each named with its explain category in plan/categories.py);
 # `host` holds the host-resident counterparts.
@@ -353,7 +353,7 @@ SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP = 0.80, 0.95
 def _device_memory(cfg: Config, device_memory: int | None) -> int:
     if device_memory is not None:
         return device_memory
-    from jaxmem.targets import TARGETS
+    from jaxmem.config.targets import TARGETS
 
     target = TARGETS.get(cfg.target.name or "")
     return target.hbm_bytes if target else 0
@@ -436,7 +436,7 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
 def _batch_row_elems(cfg: Config) -> int:
     """int32 elements of one batch row: seq_len + 1 tokens, or seq_len per record array (inputs, labels,
     and with packing segment ids and positions)."""
-    from jaxmem.step_state import batch_keys
+    from jaxmem.core.step_state import batch_keys
 
     keys = batch_keys(cfg)
     return cfg.train.seq_len + 1 if keys == ("tokens",) else len(keys) * cfg.train.seq_len
@@ -444,9 +444,9 @@ def _batch_row_elems(cfg: Config) -> int:
 
 def _counter_bytes(cfg: Config, layout: Layout) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
-    program's own state layout so it follows jaxmem.program."""
-    from jaxmem.optim import make_optimizer
-    from jaxmem.step_state import assemble_state
+    program's own state layout so it follows jaxmem.core.program."""
+    from jaxmem.core.optim import make_optimizer
+    from jaxmem.core.step_state import assemble_state
 
     prec = Precision.from_config(cfg.precision)
     state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)

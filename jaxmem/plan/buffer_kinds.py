@@ -9,20 +9,20 @@ import jaxmem.kernels
 import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
-import jaxmem.optim
-from jaxmem.schema import Config, ConfigError
+import jaxmem.core.optim
+from jaxmem.config.schema import Config, ConfigError
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
                                      shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
-from jaxmem.step_state import GRADS_SCOPE, UPDATE_SCOPE
+from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 
 # The categories and what each holds: jaxmem.plan.categories (shared with the bill).
 CATEGORIES = EXPLAIN_CATEGORIES
 # Where per-layer values are computed (the scan call in transformer.py only owns the stacking).
 _LAYER_CODE = tuple(module_path(m) for m in (jaxmem.model.layers, jaxmem.model.rope, jaxmem.kernels))
-_OPTIM_CODE = (module_path(jaxmem.optim),)  # the optimizer update
+_OPTIM_CODE = (module_path(jaxmem.core.optim),)  # the optimizer update
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
 
 
@@ -122,7 +122,7 @@ def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> S
 
 def _groups(cfg: Config) -> set[int]:
     """Layers per remat group (every_k / nested); the scan then stacks [L/k, k, ...]."""
-    from jaxmem.remat import group_size
+    from jaxmem.core.remat import group_size
 
     try:
         k = group_size(cfg.remat, cfg.model.n_layers)

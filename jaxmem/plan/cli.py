@@ -8,8 +8,8 @@ from pathlib import Path
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.aot import add_target_args
-    from jaxmem.reference import HelpFormatter
+    from jaxmem.runtime.aot import add_target_args
+    from jaxmem.cli.config_cmd import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem plan", formatter_class=HelpFormatter,
@@ -33,7 +33,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    from jaxmem.schema import ConfigError
+    from jaxmem.config.schema import ConfigError
 
     configs = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]

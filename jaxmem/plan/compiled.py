@@ -12,9 +12,9 @@ import time
 
 import jax
 
-from jaxmem import compat
-from jaxmem.aot import Topology
-from jaxmem.schema import Config
+from jaxmem.runtime import compat
+from jaxmem.runtime.aot import Topology
+from jaxmem.config.schema import Config
 
 DEVICE_FIELDS = ("argument", "output", "alias", "temp", "generated_code")
 HOST_FIELDS = ("host_argument", "host_output", "host_alias", "host_temp", "host_generated_code")
@@ -107,7 +107,7 @@ def compile_for_plan(cfg: Config, topo: Topology):
     With the figure cache on (jaxmem.plan.figure_cache) a deviceless compile of the same lowered step for the
     same target earlier gives the figures, and the executable is None."""
     from jaxmem.plan import figure_cache
-    from jaxmem.program import build_program
+    from jaxmem.core.program import build_program
 
     start = time.perf_counter()
     compiled = hit = cache_key = None

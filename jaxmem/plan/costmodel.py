@@ -30,13 +30,13 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxmem import remat
-from jaxmem.schema import Config
+from jaxmem.core import remat
+from jaxmem.config.schema import Config
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.model.presets import param_count
 from jaxmem.plan.bill import Bill, name_shapes
-from jaxmem.seq_tiling import tile_count
-from jaxmem.targets import GpuTarget
+from jaxmem.core.seq_tiling import tile_count
+from jaxmem.config.targets import GpuTarget
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
 # work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
@@ -91,7 +91,7 @@ _NEEDED = (CN.ATTN_NORM, CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONT
 # keep them, so the forward kernel reruns in the backward (benchmarks/remat.md shows it for pallas; cudnn's
 # custom call residuals are unnamed the same way).
 _RERUN_KERNELS = ("pallas", "cudnn")
-# The matmuls inside the per-token parts of a layer (jaxmem.seq_tiling): q, k, v, the output projection,
+# The matmuls inside the per-token parts of a layer (jaxmem.core.seq_tiling): q, k, v, the output projection,
 # gate, up and down.
 _TILED_OPS = ["q_proj", "kv_proj", "kv_proj", "o_proj", "up_proj", "up_proj", "down_proj"]
 
@@ -212,7 +212,7 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
     """
     ops = _op_flops(cfg, tokens)
     rebuilt = _rebuilt_ops(cfg, saved, attention_kernel)
-    if n_tiles > 1:  # each sequence tile reruns its own forward inside the backward (jaxmem.seq_tiling)
+    if n_tiles > 1:  # each sequence tile reruns its own forward inside the backward (jaxmem.core.seq_tiling)
         rebuilt += _TILED_OPS
     return sum(ops[op] for op in rebuilt)
 

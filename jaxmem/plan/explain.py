@@ -14,7 +14,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from jaxmem.aot import Topology, add_target_args, resolve_topology
+from jaxmem.runtime.aot import Topology, add_target_args, resolve_topology
 from jaxmem.config import Config, ConfigError, from_dict, load_config, to_dict
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
@@ -26,7 +26,7 @@ from jaxmem.plan.buffer_kinds import classify, state_shapes
 def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
     from jaxmem.plan.compiled import memory_figures
-    from jaxmem.program import build_program
+    from jaxmem.core.program import build_program
 
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
@@ -119,7 +119,7 @@ def render(result: dict, console=None) -> None:
 def _attached_target() -> str:
     import jax
 
-    from jaxmem.targets import target_for_device_kind
+    from jaxmem.config.targets import target_for_device_kind
 
     target = target_for_device_kind(getattr(jax.devices()[0], "device_kind", ""))
     return target.name if target else ""
@@ -181,7 +181,7 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.reference import HelpFormatter
+    from jaxmem.cli.config_cmd import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem explain", formatter_class=HelpFormatter,

@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 import re
 
-from jaxmem.oom_text import is_oom  # noqa: F401 (the predicate lives below its users; re-exported)
-from jaxmem.schema import Config, ConfigError
+from jaxmem.runtime.oom_text import is_oom  # noqa: F401 (the predicate lives below its users; re-exported)
+from jaxmem.config.schema import Config, ConfigError
 
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"(\d+(?:\.\d+)?)\s*(TiB|GiB|MiB|KiB|bytes|B)\b"

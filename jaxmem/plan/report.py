@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import os
 
-from jaxmem import remat
-from jaxmem.aot import Topology
-from jaxmem.schema import Config, config_hash
+from jaxmem.core import remat
+from jaxmem.runtime.aot import Topology
+from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost

@@ -19,7 +19,7 @@ import re
 from pathlib import Path
 
 import jaxmem.kernels.cross_entropy
-import jaxmem.remat
+import jaxmem.core.remat
 from jaxmem.config import Config
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import in_files, module_path
@@ -34,7 +34,7 @@ assert set(EXPLAIN_CATEGORIES) <= set(CATEGORIES)
 _LOSS_OP = re.compile(r"\bloss")  # the loss kernels' name scopes (loss_chunked, ...)
 _SEQ_LINE = re.compile(r"^\s*(\d+):(\S+)\s*$")
 _HOST = ":S(5)"
-_SCAN_CODE = (module_path(jaxmem.remat),)
+_SCAN_CODE = (module_path(jaxmem.core.remat),)
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
 # Ops that name or regroup buffers without computing: they take the part of the op before them (a loop's
 # results are read out with get-tuple-element under the loop's name stack wherever the reader is).
@@ -116,7 +116,7 @@ def _is_host_transfer(module: hlo_dump.HloModuleText, name: str) -> bool:
 def _labels(module: hlo_dump.HloModuleText, names: list[str]) -> list[str]:
     """The part of the step each scheduled instruction belongs to: forward layers, loss, backward layers,
     update (and forward / backward for the rest of those passes, grad accumulation), from the op's name stack
-    (explain's phases), its source frames (the layer scan in jaxmem/remat.py, the loss kernels) and, for an op
+    (explain's phases), its source frames (the layer scan in jaxmem/core/remat.py, the loss kernels) and, for an op
     without metadata, the loop that runs its computation, else the instruction before it."""
     loop_of: dict[str, hlo_dump.Instr] = {}  # computation -> the while loop running it (innermost)
     for comp, callers in module.callers.items():

@@ -20,7 +20,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem import compat
+from jaxmem.runtime import compat
 
 # jax versions whose private cuDNN attention API (signature, offsets semantics, mask types) was read:
 # 0.10.2 (installed here), 0.11.0 and 0.11.2 (source); identical signature in all three.

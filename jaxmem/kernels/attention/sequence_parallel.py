@@ -9,7 +9,7 @@ are gathered whole (int32 [B, T]: small).
 Grouped-query attention with fewer kv heads than the head split (kv_heads % (tp * sp) != 0) repeats each
 kv head until they split evenly, as Ulysses does: the copies are per device [B, T, heads / (tp * sp), H].
 When the query heads themselves do not split over tp * sp, the sequence stays split and k / v are gathered
-whole instead (plain XLA attention only; `jaxmem.layout.check_sequence_parallel` refuses the fused
+whole instead (plain XLA attention only; `jaxmem.core.layout.check_sequence_parallel` refuses the fused
 kernels there before anything compiles).
 """
 from __future__ import annotations

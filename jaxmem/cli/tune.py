@@ -1,0 +1,377 @@
+"""`jaxmem tune CONFIG --target T`: the memory decision flow, automated.
+
+The flow practitioners run by hand, one OOM at a time: start in bf16 mixed precision; if it does not fit,
+recompute activations; then offload the optimizer state, then the activations, then the parameters; once
+it fits, raise the micro-batch as far as memory allows; then accumulate gradients up to the target global
+batch. Here every step is planned instead of run: each candidate's analytic bill prunes what clearly does
+not fit, the survivors are compiled for the target (deviceless, in worker processes, cached by config hash
+as `sweep` does) in the order of the cost model's step time, and only a compiled figure within the usable
+memory (and a host side within the node's RAM) counts as fitting. The winner is the fitting candidate with
+the most tokens per second (estimated), ties broken by headroom.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from jaxmem.config import ConfigError, load_config
+
+# How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill
+# was 0.8-1.25x the compiled figure across benchmarks/plan_accuracy.md and benchmarks/long_context.md).
+ANALYTIC_SLACK = 1.35
+
+LONG_SEQ = 32768
+# The flow: each stage adds the levers of the previous ones (every candidate starts in bf16 mixed precision).
+STAGES = (
+    ("bf16 mixed precision", [[]]),
+    ("activation recomputation", [["remat.preset=selective"], ["remat.preset=save_qkv_proj"],
+                                  ["remat.preset=selective", "remat.granularity=segments"], ["remat.preset=full"],
+                                  # per name: keep the attention output, so the flash kernel does not rerun
+                                  ["remat.preset=full", "remat.names.attn_context=device"]]),
+    ("optimizer state offloaded", [[r, "offload.optimizer=host", f"offload.optimizer_update={u}"]
+                                   for r in ("remat.preset=selective", "remat.preset=full")
+                                   for u in ("device", "host")]),
+    ("activations offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                                f"offload.optimizer_update={u}"] for u in ("device", "host")]),
+    ("parameters offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                               "offload.optimizer_update=device", "offload.params=host"]]),
+)
+BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",
+        "kernels.loss=chunked"]
+# The memory levers tune decides, reset in every candidate (the config's own choices do not carry over;
+# command-line overrides do, and win).
+RESET = ["remat.preset=none", "remat.granularity=layer", "remat.seq_tile=0", "remat.names={}",
+         "offload.optimizer=device", "offload.optimizer_update=host", "offload.params=device",
+         "optimizer.update_in_backward=false"]
+_UNLABELED = set(BF16 + RESET + ["train.global_batch=0"])
+
+
+@dataclasses.dataclass
+class Candidate:
+    overrides: list[str]  # levers on top of the user's config
+    stage: str
+    analytic: dict | None = None  # plan(compile=False) figures
+    row: dict | None = None  # the compiled plan's sweep row
+
+    @property
+    def label(self) -> str:
+        kept = [o.split("=", 1) for o in self.overrides if o not in _UNLABELED]
+        return " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in kept) or "(bf16 only)"
+
+    def fits(self) -> bool:
+        return bool(self.row and self.row.get("fits") is True and self.row.get("host_fits") is not False)
+
+    def tokens_per_second(self) -> float:
+        row = self.row or {}
+        step = row.get("step_seconds_estimated") or 0.0
+        return row.get("tokens_per_step", 0) / step if step else 0.0
+
+
+def mesh_options(cfg, n_devices: int) -> list[list[str]]:
+    """The splits to try when the config leaves the mesh free (an axis at -1): all-fsdp with ZeRO-3, 2 and 1;
+    fsdp x tp with tp = 2, 4, 8 dividing the devices and the kv heads; for sequences of 32K tokens and more,
+    sequence parallelism over every device. Else the config's own mesh."""
+    par, m = cfg.parallel, cfg.model
+    if -1 not in (par.dp, par.fsdp, par.sp, par.tp):
+        return [[]]
+    one = ["parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.rules=fsdp"]
+    out = [one + [f"parallel.fsdp={n_devices}", f"parallel.zero_stage={z}"] for z in (3, 2, 1)]
+    for tp in (2, 4, 8):
+        if n_devices % tp == 0 and tp < n_devices and m.n_kv_heads % tp == 0:
+            out.append(["parallel.dp=1", f"parallel.fsdp={n_devices // tp}", "parallel.sp=1", f"parallel.tp={tp}",
+                        "parallel.rules=fsdp_tp", "parallel.zero_stage=3"])
+    if n_devices > 1 and cfg.train.seq_len >= LONG_SEQ and m.n_heads % n_devices == 0:
+        out.append(["parallel.dp=1", "parallel.fsdp=1", f"parallel.sp={n_devices}", "parallel.tp=1",
+                    "parallel.rules=fsdp", "parallel.zero_stage=3"])
+    return out
+
+
+def long_sequence_levers(cfg, levers: list[list[str]]) -> list[list[str]]:
+    """For sequences of 32K tokens and more, each recomputing lever also with sequence tiling."""
+    seq = cfg.train.seq_len
+    if seq < LONG_SEQ:
+        return levers
+    tile = next(t for t in (16384, 8192, 4096, 2048, 1024) if seq % t == 0 or t == 1024)
+    return levers + [lever + [f"remat.seq_tile={tile}"] for lever in levers if lever]
+
+
+def batch_overrides(micro_batch: int, data_ways: int, global_batch: int) -> list[str] | None:
+    """micro_batch and grad_accum reaching `global_batch` sequences per step, or None if they cannot."""
+    rows = micro_batch * data_ways
+    if global_batch % rows:
+        return None
+    return [f"train.micro_batch={micro_batch}", f"train.grad_accum={global_batch // rows}", "train.global_batch=0"]
+
+
+class Tuner:
+    def __init__(self, config: str, overrides: list[str], target: dict, global_batch: int | None,
+                 budget_s: float, cache_dir: Path, workers: int):
+        from jaxmem.plan import resolve_topology
+
+        self.config, self.user, self.target = config, list(overrides), target
+        self.budget_end = time.monotonic() + budget_s
+        self.cache_dir, self.workers = cache_dir, workers
+        base = load_config(config, overrides)
+        self.topo = resolve_topology(base, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
+        if not self.topo.name:
+            raise ConfigError("jaxmem tune: needs a GPU target (--target or target.name): it plans for the GPU")
+        self.n = self.topo.n_devices
+        self.global_batch = global_batch or base.train.global_batch or (
+            base.train.micro_batch * _data_ways(base, self.n) * max(base.train.grad_accum, 1))
+        self.meshes = mesh_options(base, self.n)
+        self.candidates: list[Candidate] = []
+        self.path: list[str] = []
+
+    # ------------------------------------------------------------ planning
+    def _load(self, overrides: list[str]):
+        return load_config(self.config, overrides + self.user)
+
+    def analytic(self, cand: Candidate) -> bool:
+        """Plans `cand` without compiling; False when it is not a valid config or clearly does not fit."""
+        from jaxmem.plan import plan
+
+        try:
+            p = plan(self._load(cand.overrides), self.topo, compile=False)
+        except ConfigError as e:
+            cand.analytic = {"error": str(e)}
+            return False
+        usable = p["usable_device_bytes"]
+        cand.analytic = {"device_total": p["analytic"]["device_total"], "usable": usable,
+                         "step_seconds": p["cost"]["step_seconds"], "tokens_per_step": p["cost"]["tokens_per_step"]}
+        return p["analytic"]["device_total"] <= ANALYTIC_SLACK * usable
+
+    def compile(self, cands: list[Candidate]) -> None:
+        """Compiles `cands` for the target (worker processes, cached), while the budget lasts."""
+        from jaxmem.cli.sweep import plan_points
+
+        todo = [c for c in cands if c.row is None]
+        while todo and time.monotonic() < self.budget_end:
+            chunk, todo = todo[:max(1, self.workers)], todo[max(1, self.workers):]
+            rows = plan_points(self.config, [c.overrides + self.user for c in chunk], [], self.target, self.cache_dir,
+                               self.workers, compile=True)
+            for c, row in zip(chunk, rows, strict=True):
+                c.row = row
+
+    def stage_candidates(self, name: str, levers: list[list[str]]) -> list[Candidate]:
+        out = []
+        for lever in long_sequence_levers(self._load([]), levers):
+            for mesh in self.meshes:
+                ways = _data_ways(self._load(mesh) if mesh else self._load([]), self.n)
+                # params on the host take the whole global batch in one micro-batch (no accumulation there)
+                micro = self.global_batch // ways if "offload.params=host" in lever else 1
+                batch = batch_overrides(max(micro, 1), ways, self.global_batch)
+                if batch is not None:
+                    out.append(Candidate(BF16 + RESET + lever + mesh + batch, name))
+        return out
+
+    # ------------------------------------------------------------ the flow
+    def run(self) -> Candidate | None:
+        """Escalates stage by stage until a candidate fits, then looks one stage further (more recomputation
+        with a better mesh or a larger micro-batch can be faster than less with a worse one)."""
+        fitting: list[Candidate] = []
+        first_fit = None
+        for index, (name, levers) in enumerate(STAGES):
+            if first_fit is not None and index > first_fit + 1:
+                break
+            cands = self.stage_candidates(name, levers)
+            self.candidates += cands
+            alive = sorted((c for c in cands if self.analytic(c)), key=lambda c: c.analytic["step_seconds"])
+            width = max(1, self.workers)
+            for i in range(0, len(alive), width):  # fastest first, `width` at a time: the first that fits wins
+                self.compile(alive[i:i + width])
+                hit = next((c for c in alive[i:i + width] if c.fits()), None)
+                if hit is not None:
+                    fitting.append(hit)
+                    break
+            found = [c for c in cands if c.fits()]
+            compiled = sum(c.row is not None for c in cands)
+            self.path.append(f"{name}: " + (f"fits ({found[0].label})" if found else
+                                            f"no candidate fits ({len(cands)} planned, {compiled} compiled)"))
+            if found and first_fit is None:
+                first_fit = index
+            if time.monotonic() >= self.budget_end:
+                self.path.append("budget spent")
+                break
+        if not fitting:
+            return None
+        for c in list(fitting):  # raise the micro-batch as far as memory allows
+            fitting += self.raise_micro_batch(c)
+        best = max(fitting, key=lambda c: (c.tokens_per_second(), -c.row["device_bytes"]))
+        self.path.append(f"best: {best.label} at {best.tokens_per_second():,.0f} tokens/s (estimated)")
+        return best
+
+    def raise_micro_batch(self, cand: Candidate) -> list[Candidate]:
+        out, micro = [], 1
+        ways = _data_ways(self._load(cand.overrides), self.n)
+        while time.monotonic() < self.budget_end:
+            micro *= 2
+            batch = batch_overrides(micro, ways, self.global_batch)
+            if batch is None:
+                break
+            bigger = Candidate([o for o in cand.overrides if not o.startswith("train.")] + batch,
+                               cand.stage + " + larger micro-batch")
+            self.candidates.append(bigger)
+            if not self.analytic(bigger):
+                self.path.append(f"micro-batch {micro} with {cand.label}: does not fit (analytic)")
+                break
+            self.compile([bigger])
+            if not bigger.fits():
+                self.path.append(f"micro-batch {micro} with {cand.label}: does not fit (compiled)")
+                break
+            out.append(bigger)
+            self.path.append(f"micro-batch {micro}: fits ({bigger.row['device_bytes'] / 2**30:.2f} GiB compiled)")
+        return out
+
+    def closest(self) -> Candidate | None:
+        """The candidate nearest to fitting, by compiled bytes where compiled, else analytic."""
+        def need(c):
+            if c.row and c.row.get("device_bytes"):
+                return c.row["device_bytes"] / c.row["usable_device_bytes"]
+            return c.analytic["device_total"] / c.analytic["usable"] if c.analytic and "usable" in c.analytic \
+                else float("inf")
+        ranked = sorted(self.candidates, key=need)
+        return ranked[0] if ranked else None
+
+
+def _data_ways(cfg, n_devices: int) -> int:
+    from jaxmem.core.sharding import mesh_shape
+
+    sizes = mesh_shape(cfg.parallel, n_devices)
+    return sizes["dp"] * sizes["fsdp"]
+
+
+# ---------------------------------------------------------------- outputs and the command
+
+def _gib(x) -> str:
+    return f"{x / 2**30:,.2f}" if x is not None else "-"
+
+
+def table(tuner: Tuner) -> list[str]:
+    """One line per compiled candidate: levers, device and host bytes (compiled), fits, tokens/s (estimated)."""
+    lines = [f"{'levers':<100} {'device GiB':>10} {'host GiB':>9} {'fits':>5} {'tok/s (est.)':>13}"]
+    for c in tuner.candidates:
+        if c.row is None or c.row.get("status") == "failed":
+            continue
+        lines.append(f"{c.label:<100} {_gib(c.row['device_bytes']):>10} {_gib(c.row['host_bytes']):>9} "
+                     f"{'yes' if c.fits() else 'no':>5} {c.tokens_per_second():>13,.0f}")
+    return lines
+
+
+def to_json(tuner: Tuner, best: Candidate | None) -> dict:
+    return {"config": tuner.config, "overrides": tuner.user, "target": tuner.topo.label,
+            "global_batch": tuner.global_batch, "path": tuner.path,
+            "best": None if best is None else {"overrides": best.overrides, "row": best.row,
+                                               "tokens_per_second_estimated": best.tokens_per_second()},
+            "candidates": [{"overrides": c.overrides, "stage": c.stage, "analytic": c.analytic, "compiled": c.row,
+                            "fits": c.fits()} for c in tuner.candidates],
+            "labels": {"device_bytes": "compiled for target (deviceless)", "analytic": "estimated (analytic)",
+                       "tokens_per_second": "estimated (cost model)"}}
+
+
+def write_yaml(tuner: Tuner, best: Candidate, path: Path) -> None:
+    import yaml
+
+    from jaxmem.config.schema import to_dict
+
+    cfg = tuner._load(best.overrides)
+    head = [f"# written by jaxmem tune from {tuner.config} for {tuner.topo.label}",
+            f"# levers: {best.label}",
+            f"# device {_gib(best.row['device_bytes'])} GiB per GPU, host {_gib(best.row['host_bytes'])} GiB per GPU "
+            "(compiled for target, deviceless); "
+            f"{best.tokens_per_second():,.0f} tokens/s (estimated by the cost model)"]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(head) + "\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+
+def plot(tuner: Tuner, best: Candidate | None, path: Path) -> None:
+    from jaxmem.cli.sweep import plot_pareto
+
+    rows = []
+    for c in tuner.candidates:
+        if c.row is not None and c.row.get("status") != "failed":
+            rows.append({**c.row, "point": c.label, "best": c is best,
+                         "fits": c.fits() if c.row["fits"] is not None else None})
+    if rows:
+        plot_pareto(rows, path)
+
+
+def verify(tuner: Tuner, best: Candidate, steps: int = 6) -> dict:
+    """`jaxmem bench` on the attached devices with the winner: planned vs measured."""
+    from jaxmem.cli.bench import bench
+
+    r = bench(tuner._load(best.overrides), steps=steps, warmup=2, source=tuner.config,
+              overrides=tuple(tuner.user + best.overrides))
+    mem, st = r["memory"], r["step_time"]
+    return {"planned_device_bytes": best.row["device_bytes"], "planned_label": "compiled for target (deviceless)",
+            "compiled_here_bytes": mem["planned_device_bytes"]["value"],
+            "measured_peak_bytes": mem["measured_peak_bytes"]["value"], "measured_label": mem["measured_peak_bytes"]["label"],
+            "estimated_step_seconds": best.row["step_seconds_estimated"],
+            "measured_step_seconds": st["measured_seconds"]["value"]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+    import sys
+
+    from jaxmem.runtime.aot import add_target_args
+    from jaxmem.cli.config_cmd import HelpFormatter
+
+    ap = argparse.ArgumentParser(
+        prog="jaxmem tune", formatter_class=HelpFormatter,
+        description="Walk the memory decision flow for a config on a GPU target you may not have: bf16 mixed "
+                    "precision, then activation recomputation, then offloading the optimizer state, the "
+                    "activations and the parameters, then the largest micro-batch that fits, then gradient "
+                    "accumulation up to the global batch. Analytic bills prune, deviceless compiles (cached, in "
+                    "worker processes) confirm, the cost model ranks; writes the fastest config that fits as "
+                    "YAML (`jaxmem train` loads it as is).",
+        epilog="examples:\n"
+               "  jaxmem tune configs/llama3-8b-8xh100.yaml --target h100-80g --gpus-per-host 8 --global-batch 64\n"
+               "  jaxmem tune configs/tiny.yaml --target rtx4090-24g --gpus-per-host 1 --out tuned.yaml --json t.json")
+    ap.add_argument("config", help="a config YAML file")
+    ap.add_argument("overrides", nargs="*", help="dotted key=value overrides (kept in every candidate)")
+    add_target_args(ap)
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per optimizer step (default: the "
+                                                                   "config's)")
+    ap.add_argument("--budget-s", type=float, default=900.0, help="stop compiling after this many seconds "
+                                                                 "(default: 900)")
+    ap.add_argument("--out", default="tuned.yaml", help="where to write the chosen config (default: tuned.yaml)")
+    ap.add_argument("--json", dest="json_path", default=None, help="also write every candidate as JSON")
+    ap.add_argument("--plot", default=None, help="Pareto plot of the compiled candidates (PNG)")
+    ap.add_argument("--cache", default=".cache/jaxmem-tune", help="plan cache folder (default: .cache/jaxmem-tune)")
+    ap.add_argument("--workers", type=int, default=2, help="compile worker processes; 0: in this process")
+    ap.add_argument("--verify", action="store_true", help="run `jaxmem bench` on the winner on the attached "
+                                                          "devices and print planned vs measured")
+    args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    if not Path(args.config).is_file():
+        raise ConfigError(f"{args.config}: config file not found")
+    if args.global_batch is not None and args.global_batch < 1:
+        raise ConfigError(f"--global-batch: must be >= 1, got {args.global_batch}")
+    target = {k: v for k, v in (("name", args.target), ("gpus_per_host", args.gpus_per_host),
+                                ("hosts", args.hosts)) if v is not None}
+    tuner = Tuner(args.config, args.overrides, target, args.global_batch, args.budget_s, Path(args.cache),
+                  args.workers)
+    best = tuner.run()
+    print("\n".join(table(tuner)))
+    print("path: " + " -> ".join(tuner.path))
+    if args.json_path:
+        Path(args.json_path).write_text(json.dumps(to_json(tuner, best), indent=2, default=str))
+    if args.plot:
+        plot(tuner, best, Path(args.plot))
+    if best is None:
+        near = tuner.closest()
+        print(f"nothing fits on {tuner.topo.label} within the budget; closest: "
+              f"{near.label if near else '-'}" + (f" at {_gib(near.row['device_bytes'])} GiB compiled"
+                                                    if near and near.row else ""))
+        return 1
+    write_yaml(tuner, best, Path(args.out))
+    print(f"chose {best.label}: {_gib(best.row['device_bytes'])} GiB per GPU (compiled for target), "
+          f"{best.tokens_per_second():,.0f} tokens/s (estimated); wrote {args.out}")
+    if args.verify:
+        v = verify(tuner, best)
+        print(f"verify: planned {_gib(v['planned_device_bytes'])} GiB ({v['planned_label']}), compiled here "
+              f"{_gib(v['compiled_here_bytes'])} GiB, measured peak {_gib(v['measured_peak_bytes'])} GiB "
+              f"({v['measured_label']}); step {v['measured_step_seconds']:.3f} s measured vs "
+              f"{v['estimated_step_seconds']:.3f} s estimated")
+    return 0

@@ -1,0 +1,550 @@
+"""The run configuration's schema: typed, frozen dataclasses, ConfigError, YAML reading and dotted
+`key=value` overrides.
+
+It imports no other jaxmem module, so every module that owns a vocabulary (model presets, remat, kernels,
+targets, offload) imports its types from here, and `jaxmem.config.validate` and `jaxmem.config` (the loader users
+call) sit above them: imports go one way.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import types
+import typing
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; the message is one line and names the key."""
+
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+def _f(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its one-line description (`metadata["help"]`): the single source of the config
+    reference (`jaxmem config`, docs/config.md; see `field_docs`)."""
+    if factory is not None:
+        return dataclasses.field(default_factory=factory, metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+_FROM_PRESET = "; from model.preset unless set"
+_FILL = "; -1: fill the remaining devices (at most one axis)"
+_POW2 = " (a power of two >= 16)"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    preset: str = _f("tiny", "model shape preset (`jaxmem list presets`), or custom to give every shape key; "
+                             "it fills each model.* key the config does not set")
+    vocab_size: int = _f(0, "vocabulary size in tokens" + _FROM_PRESET)
+    d_model: int = _f(0, "hidden width of the residual stream" + _FROM_PRESET)
+    n_layers: int = _f(0, "number of decoder layers" + _FROM_PRESET)
+    n_heads: int = _f(0, "number of attention (query) heads" + _FROM_PRESET)
+    n_kv_heads: int = _f(0, "number of key/value heads (grouped-query attention; must divide n_heads)"
+                         + _FROM_PRESET)
+    head_dim: int = _f(0, "width of one attention head" + _FROM_PRESET)
+    d_ff: int = _f(0, "hidden width of the gated (SwiGLU) MLP" + _FROM_PRESET)
+    rope_theta: float = _f(10000.0, "RoPE base frequency (theta)" + _FROM_PRESET)
+    rope_scaling: dict | None = _f(None, "RoPE frequency scaling of the global layers: Llama-3 style, a "
+                                         "mapping of factor, low_freq_factor, high_freq_factor, "
+                                         "original_max_position_embeddings; or {rope_type: linear, factor: f} "
+                                         "(positions divided by f, Gemma 3); null: plain theta" + _FROM_PRESET)
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon" + _FROM_PRESET)
+    qkv_bias: bool = _f(False, "biases on the query/key/value projections (Qwen2)" + _FROM_PRESET)
+    qk_norm: bool = _f(False, "RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)"
+                       + _FROM_PRESET)
+    post_norms: bool = _f(False, "RMSNorm on the attention and MLP outputs before each residual add, four norms "
+                                 "per layer (Gemma 3)" + _FROM_PRESET)
+    activation: Literal["silu", "gelu_tanh"] = _f(
+        "silu", "gated MLP activation, one of silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)" + _FROM_PRESET)
+    embed_scale: bool = _f(False, "multiply the token embeddings by sqrt(d_model) (Gemma)" + _FROM_PRESET)
+    query_pre_attn_scalar: float = _f(0.0, "attention scores are scaled by query_pre_attn_scalar ** -0.5; "
+                                           "0: head_dim ** -0.5" + _FROM_PRESET)
+    sliding_window: int = _f(0, "local attention layers see the last sliding_window keys (their own included); "
+                                "0: every layer attends to the whole causal prefix" + _FROM_PRESET)
+    global_every: int = _f(0, "with sliding_window: every global_every-th layer (the 6th, 12th, ... for 6) "
+                              "attends globally, the others locally; 0: every layer is local" + _FROM_PRESET)
+    rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers; 0: rope_theta"
+                                 + _FROM_PRESET)
+    tie_embeddings: bool = _f(False, "the LM head reuses the input embedding matrix" + _FROM_PRESET)
+    max_seq_len: int = _f(8192, "longest sequence the model takes, in tokens (train.seq_len must not exceed it)"
+                          + _FROM_PRESET)
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    dp: int = _f(1, "data-parallel mesh axis: batch split, weights replicated" + _FILL)
+    fsdp: int = _f(-1, "FSDP mesh axis: batch split, state sharded per zero_stage" + _FILL)
+    tp: int = _f(1, "tensor-parallel mesh axis: heads, MLP and vocab split (with rules fsdp_tp or dp)" + _FILL)
+    sp: int = _f(1, "sequence-parallel mesh axis (Ulysses): every activation split along the sequence, "
+                    "attention split along the heads (an all-to-all each way); weights sharded over it like "
+                    "fsdp with rules fsdp" + _FILL)
+    rules: Literal["fsdp", "fsdp_tp", "dp"] = _f(
+        "fsdp", "sharding rules, one of fsdp (every weight sharded over fsdp), fsdp_tp (Megatron-style tp "
+                "inside, fsdp across), dp (weights replicated; tp still applies)")
+    zero_stage: Literal[1, 2, 3] = _f(3, "ZeRO stage over the fsdp axis, one of 1 (shard the optimizer state), "
+                                         "2 (also the gradients), 3 (also the parameters)")
+    pp: int = _f(1, "pipeline-parallel stages: the decoder layers split into pp consecutive stages, each a program "
+                    "of its own on devices/pp devices (dp x fsdp x sp x tp inside each stage); the micro-batches "
+                    "are train.grad_accum's")
+    pp_schedule: Literal["gpipe", "1f1b"] = _f(
+        "1f1b", "pipeline schedule, one of gpipe (every forward, then every backward: each stage holds all "
+                "micro-batches' activations) or 1f1b (stage s holds at most pp - s micro-batches)")
+    pp_layers: str = _f("even", "decoder layers per stage: even, auto (the counts that minimize the largest "
+                                "stage's compiled peak), or one count per stage, comma-separated (a YAML list "
+                                "works too), e.g. 19,21,21,19")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossScaleConfig:
+    enabled: bool = _f(False, "dynamic loss scaling, for precision.compute_dtype=float16 only; steps whose "
+                              "gradients overflow are skipped")
+    init_scale: float = _f(2.0**15, "loss scale at the first step")
+    growth_interval: int = _f(2000, "grow the scale after this many consecutive steps without overflow")
+    growth_factor: float = _f(2.0, "factor the scale grows by after growth_interval good steps")
+    backoff_factor: float = _f(0.5, "factor the scale shrinks by on a step that overflows")
+    min_scale: float = _f(1.0, "the scale never backs off below this")
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionConfig:
+    param_dtype: Dtype = _f("float32", "dtype the parameters are stored in, one of float32, bfloat16, float16")
+    compute_dtype: Dtype = _f("float32", "dtype of the matmuls and activations, one of float32, bfloat16, "
+                                         "float16")
+    master_weights: bool = _f(False, "the optimizer holds an fp32 master copy of the parameters (only when "
+                                     "param_dtype is not float32)")
+    grad_reduce_dtype: Dtype = _f("float32", "dtype the gradients are reduced across devices and held in until "
+                                             "the update, one of float32, bfloat16, float16")
+    moment_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of AdamW's moments m and v, one of "
+                                                                 "float32, bfloat16")
+    loss_scale: LossScaleConfig = _f(LossScaleConfig(), "fp16 dynamic loss scaling")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup")
+    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr")
+    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps; 0: train.steps "
+                             "(a resume keeps the length saved in the checkpoint)")
+    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
+    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment)")
+    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment)")
+    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator)")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed)")
+    clip_norm: float = _f(1.0, "clip the gradients to this global L2 norm; <= 0: no clipping")
+    update_in_backward: bool = _f(
+        False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
+               "the whole-model gradient never exists; clips by the previous step's global norm; needs "
+               "remat.preset=full (or offload_layer_inputs: the layer inputs in pinned host memory) at layer "
+               "granularity, one micro-batch per step, params on the device and no fp16 loss scaling; with offload.optimizer=host needs offload.optimizer_update=device (each "
+               "layer's state is streamed from pinned host memory to the device and back)")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    steps: int = _f(100, "optimizer steps of the run (a resumed run continues up to this step)")
+    micro_batch: int = _f(1, "sequences per micro-batch per data-parallel way (dp x fsdp)")
+    seq_len: int = _f(128, "tokens per training sequence (at most model.max_seq_len)")
+    global_batch: int = _f(0, "sequences per optimizer step; 0: micro_batch x data ways x grad_accum")
+    grad_accum: int = _f(0, "micro-batches accumulated per optimizer step; 0: derived from global_batch, or 1")
+    log_every: int = _f(10, "write a metrics record every this many steps (and at the first and last step)")
+    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
+    progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
+    tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
+    wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
+                        "local); empty: off")
+    memory_profile_at: int = _f(0, "after this step, save a device memory profile (pprof) to "
+                                   "out_dir/memory_profile_step<N>.prof; 0: off")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    kind: Literal["synthetic", "text", "bin", "jsonl", "parquet", "hf"] = _f(
+        "synthetic", "token source, one of synthetic (a built-in learnable Markov chain), text (a text file, "
+                     "tokenized), bin (a flat file of token ids), jsonl, parquet (records: a file, or a directory "
+                     "of such files), hf (a directory written by datasets' save_to_disk); records are read "
+                     "locally, never downloaded")
+    path: str = _f("", "input file or directory, required for every kind but synthetic")
+    bin_dtype: Literal["uint16", "uint32"] = _f("uint16", "integer type of the token ids in a kind=bin file, "
+                                                          "one of uint16, uint32")
+    tokenizer: str = _f("", "tokenizer.json (needs the tokenizers package); its directory's tokenizer_config.json "
+                            "gives the chat template and the bos / eos tokens; required for record kinds; "
+                            "empty with kind=text: one token per byte")
+    format: Literal["text", "prompt_completion", "messages"] = _f(
+        "text", "what a record holds, one of text (one document), prompt_completion (a prompt and its completion), "
+                "messages (a chat: role / content turns, rendered with the chat template)")
+    text_field: str = _f("text", "record field holding the document for format=text")
+    prompt_field: str = _f("prompt", "record field holding the prompt for format=prompt_completion")
+    completion_field: str = _f("completion", "record field holding the completion for format=prompt_completion")
+    messages_field: str = _f("messages", "record field holding the turns for format=messages")
+    chat_template: str = _f("", "a Jinja chat template file used instead of tokenizer_config.json's "
+                                "chat_template")
+    train_on: Literal["assistant", "all"] = _f(
+        "assistant", "which tokens the loss trains on, one of assistant (every assistant turn with its end-of-turn "
+                     "token; for prompt_completion the completion), all (every token of the document)")
+    packing: Literal["none", "greedy", "first_fit"] = _f(
+        "greedy", "how documents fill rows of train.seq_len tokens, one of none (one document per row, padded), "
+                  "greedy (in order, a new row when the next does not fit), first_fit (longest first, each "
+                  "into the first row with room); attention never crosses documents and positions restart")
+    overlong: Literal["split", "drop"] = _f(
+        "split", "a document longer than a row, in every packing mode, one of split (cut into row-sized pieces), "
+                 "drop (left out and counted in the log)")
+    cache_dir: str = _f("", "where tokenized and packed records are cached, keyed by a hash of the files and "
+                            "settings; empty: ~/.cache/jaxmem/data")
+    workers: int = _f(0, "processes that tokenize records; 0: one per CPU core, at most 8")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoraConfig:
+    rank: int = _f(0, "LoRA rank: adapters on the targeted projections are trained, the base is frozen (no "
+                      "gradients, no optimizer state); 0: full fine-tune")
+    alpha: float = _f(16.0, "LoRA alpha: the adapters' product is scaled by alpha / rank (alpha / sqrt(rank) with "
+                            "rslora)")
+    rslora: bool = _f(False, "rank-stabilized LoRA: scale by alpha / sqrt(rank)")
+    dropout: float = _f(0.0, "dropout on the adapters' input in training (PEFT's lora_dropout), in [0, 1): the "
+                             "adapter path becomes scale * (dropout(x) A) B beside the base's x W; 0: no mask is "
+                             "drawn")
+    targets: str = _f("all-linear", "projections that get adapters, by Hugging Face name, comma-separated (a YAML "
+                                     "list works too): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+                                     "down_proj; or all-linear")
+    base_dtype: Literal["bfloat16", "int8", "nf4"] = _f(
+        "bfloat16", "how every frozen linear of the base (adapted or not) is stored, one of bfloat16, int8 (per "
+                    "output channel absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
+    double_quant: bool = _f(False, "with base_dtype=nf4, quantize the block scales too (int8 in blocks of 256)")
+    quantize_embeddings: bool = _f(
+        False, "store the frozen embedding table and LM head as base_dtype too (int8 or nf4, per vocab row): the "
+               "embedding dequantizes the rows it gathers, the chunked loss a vocab chunk at a time; needs "
+               "kernels.loss=chunked on one device")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+    path: str = _f("", "held-out records of the same data.kind and data.format; empty: no evaluation")
+    every: int = _f(0, "evaluate every this many steps and at the end; 0: only at the end")
+    batches: int = _f(8, "global batches (train.micro_batch x data ways rows each) per evaluation")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = _f(0, "save every this many steps; 0: only at the end (and by every_minutes)")
+    every_minutes: float = _f(30.0, "also save when this many minutes have passed since the last save (bounds "
+                                    "the work a crash loses; multi-process runs check it at log steps); 0: off. "
+                                    "SIGTERM / Ctrl-C and the final step always save")
+    keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
+    async_save: bool = _f(True, "write checkpoints in the background while training goes on")
+    enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
+    init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); a "
+                            "LoRA run may name a Hugging Face directory (config.json + *.safetensors) instead: "
+                            "its base is read and quantized a layer at a time; a checkpoint in out_dir to resume "
+                            "from wins")
+
+
+@dataclasses.dataclass(frozen=True)
+class DistributedConfig:
+    coordinator: str = _f("", "HOST:PORT of process 0 for a multi-process run; empty: one process, or SLURM "
+                              "when auto is true")
+    num_processes: int = _f(0, "number of processes (required with coordinator)")
+    process_id: int = _f(-1, "this process's id in [0, num_processes) (required with coordinator)")
+    auto: bool = _f(True, "join the process group from the SLURM variables when no coordinator is given")
+
+
+@dataclasses.dataclass(frozen=True)
+class RematConfig:
+    preset: str = _f("none", "activation checkpointing preset (`jaxmem list remat` says what each keeps), one "
+                             "of none, full, selective, dots, dots_no_batch, save_qkv_proj, save_attn_out, "
+                             "offload_layer_inputs, offload_selective")
+    granularity: Literal["layer", "segments", "every_k", "nested"] = _f(
+        "layer", "what one checkpoint wraps, one of layer (each decoder layer), segments (the attention and "
+                 "MLP parts of each layer), every_k (groups of every_k layers), nested (groups of the largest "
+                 "divisor of n_layers up to sqrt(n_layers) layers: a group keeps only its input, each layer "
+                 "inside is checkpointed with the preset)")
+    every_k: int = _f(1, "layers per checkpointed group with granularity=every_k (must divide model.n_layers)")
+    seq_tile: int = _f(0, "sequence tiling: the per-token parts of each layer (norms, q/k/v projections and "
+                          "RoPE, the output projection, the MLP) and the final norm run over tiles of this many "
+                          "tokens per device, each tile recomputed in the backward, so no [seq, d_ff] "
+                          "intermediate exists at once; must divide seq_len / sp; 0: off")
+    names: dict = _f(None, "per checkpoint name (`jaxmem list remat`), one of remat (recompute), device (keep), "
+                           "offload (keep on the host); each entry overrides the preset for that name and the "
+                           "other names keep the preset's choice (with preset none, any entry turns "
+                           "checkpointing on and the unlisted names are recomputed)", factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class OffloadConfig:
+    optimizer: Literal["device", "host"] = _f("device", "where the optimizer state (AdamW moments, master "
+                                                        "weights) lives between steps, one of device, host "
+                                                        "(pinned host memory)")
+    optimizer_update: Literal["host", "device"] = _f(
+        "host", "with optimizer=host, where the AdamW update runs, one of host (XLA host compute), device "
+                "(the state is streamed in and out)")
+    params: Literal["device", "host"] = _f(
+        "device", "where the parameters live, one of device, host (each layer's weights are fetched inside "
+                  "the layer scan; needs a remat preset other than none, remat.granularity=layer and "
+                  "grad_accum 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    loss: Literal["auto", "naive", "chunked", "pallas"] = _f(
+        "auto", "LM head + cross-entropy implementation, one of auto (chunked), naive (full logits), chunked, "
+                "pallas (Pallas logsumexp forward, chunked backward)")
+    attention: Literal["auto", "xla", "pallas", "cudnn"] = _f(
+        "auto", "attention implementation, one of auto (pallas on GPU, xla on CPU), xla (plain, keeps the "
+                "S x S scores), pallas (flash attention), cudnn (GPU only)")
+    norm: Literal["auto", "xla", "pallas"] = _f("auto", "RMSNorm implementation, one of auto (xla), xla, pallas")
+    loss_block_t: int = _f(0, "chunked loss: tokens per tile; 0: by shape (all local tokens, up to "
+                              "8192 x 2048 / loss_block_v)")
+    loss_block_v: int = _f(0, "chunked loss: vocab columns per tile; 0: by shape (2048)")
+    fused_loss_block_t: int = _f(256, "pallas loss: tokens per tile" + _POW2)
+    fused_loss_block_v: int = _f(128, "pallas loss: vocab columns per tile" + _POW2)
+    fused_loss_block_d: int = _f(64, "pallas loss: hidden columns per inner matmul step" + _POW2)
+    attn_block_q: int = _f(64, "pallas flash attention: query rows per block" + _POW2)
+    attn_block_k: int = _f(64, "pallas flash attention: key rows per block" + _POW2)
+    z_loss: float = _f(0.0, "z-loss coefficient: adds z_loss x logsumexp^2 per token to the loss; 0: off")
+
+
+@dataclasses.dataclass(frozen=True)
+class TargetConfig:
+    name: str = _f("", "GPU that plan, explain and sweep compile for deviceless (`jaxmem list targets`); "
+                       "empty: the attached devices")
+    gpus_per_host: int = _f(0, "GPUs per host; 0: the mesh size / hosts")
+    hosts: int = _f(1, "number of hosts (nodes)")
+    headroom: float = _f(0.10, "fraction of device memory held back: a plan fits under capacity x "
+                               "(1 - headroom), in [0, 1)")
+    host_ram_gb: float = _f(0.0, "host RAM per node in GiB, for the host-offload fit; 0: the target's "
+                                 "default")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    out_dir: str = _f("runs/default", "run folder: config.yaml, metrics.jsonl, checkpoints/ (a run there resumes)")
+    model: ModelConfig = _f(ModelConfig(), "model shape")
+    parallel: ParallelConfig = _f(ParallelConfig(), "device mesh and sharding")
+    precision: PrecisionConfig = _f(PrecisionConfig(), "dtypes and fp16 loss scaling")
+    optimizer: OptimizerConfig = _f(OptimizerConfig(), "AdamW with warmup and cosine decay")
+    train: TrainConfig = _f(TrainConfig(), "steps, batch and logging")
+    data: DataConfig = _f(DataConfig(), "token source")
+    eval: EvalConfig = _f(EvalConfig(), "held-out loss and perplexity during training")
+    lora: LoraConfig = _f(LoraConfig(), "LoRA / QLoRA adapters on a frozen (optionally quantized) base")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
+    distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
+    remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")
+    offload: OffloadConfig = _f(OffloadConfig(), "host memory for optimizer state and parameters")
+    kernels: KernelConfig = _f(KernelConfig(), "fused kernel choices and tile sizes")
+    target: TargetConfig = _f(TargetConfig(), "the GPU target a plan compiles for and its fit rule")
+
+
+def field_docs(cls: type = None, prefix: str = ""):
+    """(dotted key, dataclasses.Field, description) for every config key, in declaration order; a section
+    (a nested dataclass such as `precision.loss_scale`) comes before its keys."""
+    cls = Config if cls is None else cls
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = prefix + f.name
+        yield key, f, f.metadata.get("help", "")
+        if dataclasses.is_dataclass(hints[f.name]):
+            yield from field_docs(hints[f.name], key + ".")
+
+
+
+# ---------------------------------------------------------------- building
+
+
+def _allowed(tp) -> str:
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    return getattr(tp, "__name__", str(tp))
+
+
+def _number(value: Any, tp: type, key: str):
+    """An int (whole floats and digit strings accepted) or a float (ints and numeric strings accepted)."""
+    what = "an int" if tp is int else "a number"
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: {value!r} is not {what}")
+    if isinstance(value, int) or (isinstance(value, float) and (tp is float or value.is_integer())):
+        return tp(value)
+    if isinstance(value, str):
+        try:
+            return tp(value)
+        except ValueError:
+            pass
+    raise ConfigError(f"{key}: {value!r} is not {what}")
+
+
+def _coerce(value: Any, tp: Any, key: str) -> Any:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        choices = typing.get_args(tp)
+        for c in choices:
+            if value == c and type(value) is type(c):
+                return c
+            if isinstance(c, int) and isinstance(value, str) and value.lstrip("-").isdigit() and int(value) == c:
+                return c
+        raise ConfigError(f"{key}: {value!r} is not allowed; use {_allowed(tp)}")
+    if origin in (types.UnionType, typing.Union):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None or value == "null":
+            return None
+        return _coerce(value, args[0], key)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{key}: {value!r} is not a bool; use true or false")
+    if tp in (int, float):
+        return _number(value, tp, key)
+    if tp is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+        if isinstance(value, list) and all(isinstance(v, str) for v in value):  # a YAML list of names
+            return ",".join(value)
+        raise ConfigError(f"{key}: {value!r} is not a string")
+    if tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+        raise ConfigError(f"{key}: {value!r} is not a mapping")
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key}: expected a mapping of {', '.join(f.name for f in dataclasses.fields(tp))}")
+        return _build(tp, value, key + ".")
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls, raw: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for k in raw:
+        if k not in names:
+            raise ConfigError(f"{prefix}{k}: unknown key; allowed keys are {', '.join(sorted(names))}")
+    kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def _to_raw(obj) -> Any:
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_raw(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, dict):
+        return {k: _to_raw(v) for k, v in obj.items()}
+    return obj
+
+
+def to_dict(cfg: Config) -> dict:
+    return _to_raw(cfg)
+
+
+def _parse_scalar(text: str) -> Any:
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+
+
+def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = raw
+    for p in parts[:-1]:
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        if not isinstance(child, dict):
+            raise ConfigError(f"{dotted}: {p} is not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
+        key, text = item.split("=", 1)
+        if not text.strip():
+            raise ConfigError(f"{key.strip()}: empty value in the override {item!r}; give a value "
+                              f"({key.strip()}=VALUE), or quote an empty string ({key.strip()}='')")
+        _set_dotted(raw, key.strip(), _parse_scalar(text))
+    return raw
+
+
+class _ConfigLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a repeated key: YAML keeps the last one, silently dropping a whole section."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                continue
+            if key_node.value in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"key {key_node.value!r} appears twice",
+                                                        key_node.start_mark)
+            seen.add(key_node.value)
+        return super().construct_mapping(node, deep)
+
+
+def parse_yaml_file(path: Path) -> Any:
+    """A YAML file's content; bad bytes or syntax are a one-line ConfigError naming the file."""
+    try:
+        return yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # bytes: YAML detects UTF-8/UTF-16 itself
+    except yaml.reader.ReaderError as e:
+        raise ConfigError(f"{path}: binary content ({e.reason} at byte {e.position}); "
+                          "a config is a UTF-8 YAML file") from None
+    except yaml.MarkedYAMLError as e:
+        where = f"line {e.problem_mark.line + 1}: " if e.problem_mark else ""
+        raise ConfigError(f"{path}: not valid YAML ({where}{e.problem or e.context})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+
+
+def read_yaml(path: str | Path, _chain: tuple[Path, ...] = ()) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path}: config file not found")
+    raw = parse_yaml_file(path)
+    if raw is None:  # an empty file (or only comments) is more likely a mistake than a wish for the defaults
+        raise ConfigError(f"{path}: empty config; expected a mapping of sections such as model: and train:")
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: top level must be a mapping of sections")
+    base = raw.pop("base", None)
+    if base is not None:  # a config may extend another one, relative to itself
+        raw = _merge(_read_base(path, base, _chain), raw)
+    return raw
+
+
+def _read_base(path: Path, base: Any, chain: tuple[Path, ...]) -> dict:
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{path}: base must be the path of another config file, got {base!r}")
+    parent = path.parent / base
+    if not parent.is_file():
+        raise ConfigError(f"{path}: base {base} not found (looked for {parent})")
+    chain = (*chain, path.resolve())
+    if parent.resolve() in chain:
+        raise ConfigError(f"{path}: base {base} leads back to {parent} (a cycle of base: files)")
+    return read_yaml(parent, chain)
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def parse_raw(raw: dict) -> Config:
+    """The typed Config of a raw mapping: unknown keys and wrong types are refused here; `model.*` is not yet
+    filled from its preset and no cross-key rule has run (jaxmem.config.validate.from_dict does both)."""
+    return _build(Config, raw)
+
+
+def config_hash(cfg: Config, extra: str = "") -> str:
+    text = json.dumps(to_dict(cfg), sort_keys=True) + extra
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def dump_yaml(cfg: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

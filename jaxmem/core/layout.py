@@ -1,0 +1,163 @@
+"""Every decision a run makes from its config and its device count, resolved once.
+
+`jaxmem.core.program.build_program` builds the train step from a `Layout`, and the analytic bill
+(`jaxmem.plan.bill`) reads the same `Layout`, so what the plan counts is what the step does: the mesh
+sizes, the parameter / gradient / optimizer-state partition specs of the ZeRO stage, the kernels that
+`auto` picks on the platform, what the remat policy keeps across the backward, which train-state
+entries live in host memory, the batch layout, and the per-layer parameter count.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from typing import Any
+
+import jax
+from flax import nnx
+
+from jaxmem import kernels
+from jaxmem.core import offload, remat, sharding
+from jaxmem.config.schema import Config
+from jaxmem.model import abstract_model
+from jaxmem.model.presets import layer_param_count
+from jaxmem.core.precision import Precision
+from jaxmem.lora.frozen import LoraSetup
+from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
+from jaxmem.config.validate import batch_layout, check_sequence_layout
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    mesh_sizes: dict[str, int]  # dp, fsdp, sp, tp
+    platform: str  # "gpu" for deviceless targets and GPUs, else the devices' platform
+    kernels: dict[str, str]  # attention, loss, norm: `auto` decided for the platform
+    graphdef: Any  # the model's structure (flax nnx)
+    abstract_params: dict  # ShapeDtypeStructs in the param dtype
+    param_specs: dict  # PartitionSpec trees shaped like the params, per ZeRO stage
+    grad_specs: dict
+    opt_specs: dict
+    gathered_specs: dict  # a weight as the step uses it: all-gathered over the data axes, still split over tp
+    grad_accum: int
+    rows: int  # global rows per micro-batch
+    checkpointed: bool  # the layer scan runs under jax.checkpoint (a remat policy applies)
+    saved: dict[str, str]  # checkpoint name -> where its per-layer value lives across the backward
+    keeps_scores: bool  # plain attention's S x S scores saved across the backward
+    host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
+    layer_param_elems: int  # parameters of one decoder layer
+    rules: tuple  # the logical-axis rule table (parallel.rules) that shards weights and activations
+    # The model's own parameters (with LoRA the trainable tree above is the adapters, and these are the
+    # frozen base's shapes before quantization).
+    model_abstract_params: dict = None
+    model_gathered_specs: dict = None
+    model_param_specs: dict = None
+    lora: Any = None  # jaxmem.lora.frozen.LoraSetup, or None for a full fine-tune
+    base_abstract: dict | None = None  # the frozen base in its stored form (quantized leaves)
+    base_specs: dict | None = None
+
+    def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
+        """Elements per device of a value with these logical axis names and global shape, sharded exactly as
+        sharding.logical_to_spec shards it in the step (a dim the mesh axes do not divide is replicated)."""
+        spec = sharding.logical_to_spec(names, self.rules, _shape_only_mesh(self.mesh_sizes), shape)
+        ways = math.prod(self.mesh_sizes[str(a)] for axes in spec if axes is not None
+                         for a in (axes if isinstance(axes, tuple) else (axes,)))
+        return math.prod(shape) // ways
+
+    def keeping(self, keys: tuple[str, ...]) -> "Layout":
+        """This layout with the trainable trees cut to the top-level params `keys` (a pipeline stage's)."""
+        cut = lambda tree: {k: v for k, v in tree.items() if k in keys}  # noqa: E731
+        names = ("abstract_params", "param_specs", "grad_specs", "opt_specs", "gathered_specs")
+        return dataclasses.replace(self, **{n: cut(getattr(self, n)) for n in names})
+
+    @property
+    def data_ways(self) -> int:
+        return self.mesh_sizes["dp"] * self.mesh_sizes["fsdp"]
+
+    @property
+    def fused_attention(self) -> bool:
+        return self.kernels["attention"] != "xla"
+
+
+def _shape_only_mesh(sizes: dict[str, int]):
+    # partition specs only read mesh.shape, so the same specs serve real meshes and plans without devices
+    return types.SimpleNamespace(shape=dict(sizes))
+
+
+def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> tuple[dict, dict, dict, dict]:
+    """(param, grad, optimizer-state, gathered) specs: ZeRO-1 shards the optimizer state, 2 also the
+    gradients, 3 also the parameters; what is not sharded is replicated over the data axes (tp still
+    applies), which is also how FSDP all-gathers a weight for use (`gathered`)."""
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    mesh = _shape_only_mesh(sizes)
+    sharded = sharding.param_specs(params_state, rules, mesh)
+    replicated = sharding.param_specs(params_state, sharding.without_data_axes(rules), mesh)
+    stage = cfg.parallel.zero_stage
+    return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded, replicated
+
+
+def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None) -> Layout:
+    """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...); `mesh_sizes` when the
+    caller already holds a mesh (else from `parallel.*`)."""
+    sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
+    sizes.setdefault("sp", 1)
+    graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
+        cfg.precision).param))
+    param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
+    chosen = kernels.resolve(cfg.kernels, platform)
+    check_sequence_layout(cfg, sizes, chosen["attention"])
+    fused_attention = chosen["attention"] != "xla"
+    saved = remat.saved_across_backward(cfg.remat, fused_attention)
+    if tile_count(cfg.train.seq_len, sizes["sp"], cfg.remat.seq_tile) > 1:
+        saved = {n: "remat" if n in INSIDE_TILES else where for n, where in saved.items()}
+    grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
+    model_abstract = nnx.to_pure_dict(params_state)
+    trainable = dict(abstract_params=model_abstract, param_specs=param_specs, grad_specs=grad_specs,
+                     opt_specs=opt_specs, gathered_specs=gathered_specs)
+    lora_fields = {}
+    setup = LoraSetup.from_config(cfg)
+    if setup is not None:
+        trainable, lora_fields = _lora_layout(cfg, setup, sizes, model_abstract, param_specs)
+    return Layout(
+        mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef, **trainable,
+        grad_accum=grad_accum, rows=rows, model_abstract_params=model_abstract,
+        model_gathered_specs=gathered_specs, model_param_specs=param_specs, **lora_fields,
+        checkpointed=remat.uses_checkpoint(cfg.remat),
+        saved=saved,
+        keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
+        host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model),
+        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
+
+
+def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict, model_specs: dict):
+    """(trainable specs of the adapters per ZeRO stage, the frozen base's abstract form and specs)."""
+    from jaxmem.lora import frozen
+    from jaxmem.lora.adapters import adapter_axes, init_adapters
+
+    prec = Precision.from_config(cfg.precision)
+    adapters = jax.eval_shape(lambda: init_adapters(cfg.model, setup.targets, setup.rank, jax.random.key(0),
+                                                    prec.param))
+    base = jax.eval_shape(lambda p: frozen.make_base(setup, cfg, p, prec.param), model_abstract)
+    rules = sharding.RULE_TABLES[cfg.parallel.rules]
+    mesh = _shape_only_mesh(sizes)
+    axes = adapter_axes(setup.targets)
+
+    def specs(table):
+        return jax.tree.map(lambda names, x: sharding.logical_to_spec(names, table, mesh, x.shape), axes, adapters,
+                            is_leaf=lambda x: isinstance(x, tuple))
+
+    sharded, replicated = specs(rules), specs(sharding.without_data_axes(rules))
+    stage = cfg.parallel.zero_stage
+    trainable = dict(abstract_params=adapters, param_specs=sharded if stage == 3 else replicated,
+                     grad_specs=sharded if stage >= 2 else replicated, opt_specs=sharded, gathered_specs=replicated)
+    model_specs_base = frozen.base_specs(setup, cfg, model_specs, base, sizes)
+    return trainable, dict(lora=setup, base_abstract=base, base_specs=model_specs_base)
+
+
+def platform_of(devices) -> str:
+    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform."""
+    platform = kernels.platform_of(devices)
+    return "gpu" if platform in kernels.GPU_PLATFORMS else platform
+
+
+def spec_leaves(tree) -> list:
+    return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

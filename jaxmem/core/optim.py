@@ -1,0 +1,199 @@
+"""AdamW with warmup + cosine decay (optax), its layer-wise state, and the layer-by-layer update.
+
+Clipping and the global norm sit outside the optax chain, in `layerwise_update`,
+so the same code runs on the device and, under XLA host compute (`compat.host_compute`), on
+the host: optax's norm builds device-space zeros for the imaginary part, which a
+host computation cannot mix with host values.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmem.config.schema import Config
+from jaxmem.core.precision import Precision
+
+
+def schedule_steps(cfg: Config) -> tuple[int, int]:
+    """(warmup, decay) steps of the LR schedule: optimizer.decay_steps=0 means train.steps."""
+    o = cfg.optimizer
+    decay = o.decay_steps or cfg.train.steps
+    return min(o.warmup_steps, max(decay - 1, 0)), decay
+
+
+def schedule(cfg: Config) -> optax.Schedule:
+    o = cfg.optimizer
+    warmup, decay = schedule_steps(cfg)
+    return optax.warmup_cosine_decay_schedule(
+        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=max(decay, warmup + 1),
+        end_value=o.lr * o.min_lr_ratio)
+
+
+def make_optimizer(cfg: Config) -> optax.GradientTransformation:
+    """AdamW; m is kept in precision.moment_dtype, v too (see `_moments_in`)."""
+    o = cfg.optimizer
+    prec = Precision.from_config(cfg.precision)
+    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
+                        mu_dtype=prec.moment, mask=_decay_mask)
+    return _moments_in(adamw, prec.moment)
+
+
+def clip_by_global_norm(tree, norm: jax.Array, max_norm: float):
+    """optax.clip_by_global_norm's rule given the norm: unchanged below max_norm, else rescaled to it."""
+    if max_norm <= 0:
+        return tree
+    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), tree)
+
+
+def _decay_mask(params):
+    """No weight decay on norms and biases (1-D per layer)."""
+
+    def keep(path, x):
+        last = str(getattr(path[-1], "key", path[-1]))
+        return not (last.endswith("norm") or last in ("bq", "bk", "bv"))
+
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def _moments_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
+    """Keeps Adam's second moment in `dtype` too (optax's mu_dtype only covers the first)."""
+    if jnp.dtype(dtype) == jnp.float32:
+        return inner
+
+    def cast(state):
+        def fix(s):
+            if isinstance(s, optax.ScaleByAdamState):
+                return s._replace(nu=jax.tree.map(lambda v: v.astype(dtype), s.nu))
+            return s
+
+        return jax.tree.map(fix, state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
+
+    def init(params):
+        return cast(inner.init(params))
+
+    def update(updates, state, params=None):
+        new_updates, new_state = inner.update(updates, state, params)
+        return new_updates, cast(new_state)
+
+    return optax.GradientTransformation(init, update)
+
+
+# ---------------------------------------------------------------- layer-wise state and update
+# The optimizer state is {"rest": state of the non-layer params, "layers": the per-layer states stacked
+# along the layer axis}. The update then walks the layers one at a time (lax.map), so its fp32
+# temporaries are one layer's worth wherever it runs, and a host-resident state can be streamed through
+# the device a layer at a time.
+
+
+def init_opt_state(opt: optax.GradientTransformation, weights: dict) -> dict:
+    rest = {k: v for k, v in weights.items() if k != "layers"}
+    return {"rest": opt.init(rest), "layers": jax.vmap(opt.init)(weights["layers"])}
+
+
+def opt_state_specs(opt: optax.GradientTransformation, abstract_opt: dict, weight_specs: dict, non_param_spec):
+    """Partition specs of the layer-wise state: param-shaped leaves follow the weights' specs."""
+    rest_specs = {k: v for k, v in weight_specs.items() if k != "layers"}
+
+    def specs(state, tree):
+        return optax.tree_utils.tree_map_params(opt, lambda _, spec: spec, state, tree,
+                                                transform_non_params=lambda _: non_param_spec,
+                                                is_leaf=lambda x: isinstance(x, type(non_param_spec)))
+
+    return {"rest": specs(abstract_opt["rest"], rest_specs), "layers": specs(abstract_opt["layers"],
+                                                                             weight_specs["layers"])}
+
+
+def adam_count(opt_state: dict) -> jax.Array:
+    for leaf in jax.tree.leaves(opt_state["rest"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
+        if isinstance(leaf, optax.ScaleByAdamState):
+            return leaf.count
+    return jnp.int32(0)
+
+
+def apply_update(opt, g, s, w, param_dtype):
+    """One AdamW step of the (clipped, fp32) gradient g on weights w with state s:
+    (new params in param_dtype, new state, new weights)."""
+    updates, new_s = opt.update(g, s, w)
+    new_w = optax.apply_updates(w, updates)
+    return jax.tree.map(lambda x: x.astype(param_dtype), new_w), new_s, new_w
+
+
+def _same_space(x, like):
+    """x in like's memory space (optax builds some scalars, e.g. Adam's count, from device constants)."""
+    space = jax.typeof(like).memory_space
+    return x if jax.typeof(x).memory_space == space else jax.device_put(x, space)
+
+
+def split_layers(tree):
+    """(everything but the layer stack, the layer stack) of a params-shaped tree."""
+    return {k: v for k, v in tree.items() if k != "layers"}, tree["layers"]
+
+
+def take_layer(stacked, i):
+    """Layer i of a stacked (leading layer axis) tree."""
+    return jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, i, keepdims=False), stacked)
+
+
+def put_layer(stacked, new, i):
+    """`stacked` with layer i replaced by `new`, in the stack's dtype and memory space (in place in a loop
+    carry)."""
+    return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, _same_space(n.astype(a.dtype), a), i, 0),
+                        stacked, new)
+
+
+def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
+                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None):
+    """AdamW over the non-layer params, then layer by layer.
+
+    grads are unscaled by `scale`, clipped by their global norm (optax's rule), and with
+    `skip_nonfinite` an inf/nan anywhere keeps every old value. `fetch(tree)` brings a slice to where the
+    math runs; `homes[part]` = (params, opt, weights) functions put the results of part "rest" or "layers"
+    back where that state lives. `norm`: the global gradient norm when these grads are one part of the model's
+    (a pipeline stage's), else it is computed here.
+    Returns (new_params, new_opt_state, new_weights, (grad_norm, finite)).
+    """
+    same = (lambda t: t,) * 3
+    homes = homes or {"rest": same, "layers": same}
+    g_rest, g_layers = split_layers(grads)
+
+    def sums(g):
+        g = jax.tree.map(lambda x: x.astype(jnp.float32) / scale, fetch(g))
+        leaves = jax.tree.leaves(g)
+        if not leaves:  # LoRA: no trainable weights outside the layers
+            return jnp.float32(0.0), jnp.bool_(True)
+        return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
+
+    if norm is None:
+        sq_rest, ok_rest = sums(g_rest)
+        sq_layers, ok_layers = jax.lax.map(sums, g_layers)
+        norm = jnp.sqrt(sq_rest + jnp.sum(sq_layers))
+        finite = jnp.logical_and(ok_rest, jnp.all(ok_layers)) if skip_nonfinite else jnp.bool_(True)
+    elif skip_nonfinite:
+        raise ValueError("layerwise_update: skip_nonfinite needs the norm computed here")
+    else:
+        finite = jnp.bool_(True)
+
+    def one(g, s, w, p_old, home):
+        g, s, w, p_old = fetch((g, s, w, p_old))
+        g = clip_by_global_norm(jax.tree.map(lambda x: x.astype(jnp.float32) / scale, g), norm, clip_norm)
+        new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype)
+        if skip_nonfinite:
+            keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
+            new_p, new_s, new_w = keep(new_p, p_old), keep(new_s, s), keep(new_w, w)
+        return home[0](new_p), home[1](new_s), home[2](new_w)
+
+    w_rest, w_layers = split_layers(weights)
+    p_rest, p_layers = split_layers(old_params) if old_params is not None else (None, None)
+    new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
+
+    # State and weights are the loop carry, updated in place (they are donated); new params are the
+    # scan's stacked output, a param-dtype copy.
+    def layer(carry, _):
+        i, s_all, w_all = carry
+        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_layers)), homes["layers"])
+        return (i + 1, put_layer(s_all, s, i), put_layer(w_all, w, i)), p
+
+    n_layers = jax.tree.leaves(w_layers)[0].shape[0]
+    (_, ls, lw), lp = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers), None, length=n_layers)
+    return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

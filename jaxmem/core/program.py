@@ -1,0 +1,367 @@
+"""The train program: sharded train state, its shardings, and the jitted step.
+
+`jaxmem train`, `jaxmem plan` and user scripts all build their step here, so the
+step that is planned is the step that runs.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmem.runtime import aot, memory_kinds_shim
+from jaxmem import kernels
+from jaxmem.core import offload, remat, sharding
+from jaxmem.config import validate
+from jaxmem.config.validate import ConfigError
+from jaxmem.config.schema import Config
+from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
+from jaxmem.model import ForwardContext, init_model
+from jaxmem.model.axes import activation_rules
+from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
+from jaxmem.core.precision import Precision, update_loss_scale
+from jaxmem.core.seq_tiling import per_token_tiles
+from jaxmem.core.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_keys,  # noqa: F401 (re-exported)
+                               split_batch)
+
+
+@dataclasses.dataclass
+class TrainProgram:
+    cfg: Config
+    mesh: Mesh
+    precision: Precision
+    optimizer: optax.GradientTransformation
+    state_shardings: dict
+    abstract_state: dict  # ShapeDtypeStructs carrying shardings
+    ctx: ForwardContext
+    layout: Layout  # every decision the step is built from, as the planner reads them
+
+    # ------------------------------------------------------------ from the layout
+    @property
+    def graphdef(self) -> Any:
+        return self.layout.graphdef
+
+    @property
+    def grad_specs(self) -> dict:
+        return self.layout.grad_specs
+
+    @property
+    def grad_accum(self) -> int:
+        return self.layout.grad_accum
+
+    @property
+    def rows(self) -> int:
+        """Global rows per micro-batch."""
+        return self.layout.rows
+
+    # ------------------------------------------------------------ batches
+    @property
+    def batch_keys(self) -> tuple[str, ...]:
+        return batch_keys(self.cfg)
+
+    @property
+    def batch_shape(self) -> tuple[int, int, int]:
+        """[A, rows, T + 1] tokens (labels are the inputs shifted by one), or [A, rows, T] for each array of a
+        record batch (jaxmem.io.data: inputs, labels, and with packing segment ids and positions)."""
+        extra = 1 if self.batch_keys == ("tokens",) else 0
+        return (self.grad_accum, self.rows, self.cfg.train.seq_len + extra)
+
+    @property
+    def batch_sharding(self) -> NamedSharding:
+        data = sharding.batch_spec(self.mesh)[0]
+        return NamedSharding(self.mesh, P(None, data, None))
+
+    def abstract_batch(self) -> dict:
+        array = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
+        return {key: array for key in self.batch_keys}
+
+    def shard_batch(self, local) -> dict:
+        """Builds the global batch from this process's rows: [A, rows/processes, T+1] tokens, or a dict of such
+        arrays under batch_keys."""
+        local = local if isinstance(local, dict) else {"tokens": local}
+        if set(local) != set(self.batch_keys):
+            raise ValueError(f"batch has {sorted(local)}, the step takes {list(self.batch_keys)}")
+        return {key: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(local[key], np.int32),
+                                                            self.batch_shape) for key in self.batch_keys}
+
+    # ------------------------------------------------------------ state
+    def init_state(self, seed: int | None = None) -> dict:
+        seed = self.cfg.train.seed if seed is None else seed
+        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
+
+    def _fresh_params(self, seed: int) -> dict:
+        model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
+        return nnx.to_pure_dict(nnx.split(model)[1])
+
+    def _fresh_state(self, seed: int) -> dict:
+        return self.state_from_params(self._fresh_params(seed), seed)
+
+    def state_from_params(self, params, seed: int | None = None) -> dict:
+        """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; with
+        LoRA the params become the frozen base and fresh adapters are trained."""
+        setup = self.layout.lora
+        if setup is None:
+            return assemble_state(self.cfg, self.precision, self.optimizer, params)
+        from jaxmem.lora.frozen import make_base
+
+        state = self.adapter_state(seed)
+        state["base"] = make_base(setup, self.cfg, params, self.precision.param)
+        return state
+
+    def adapter_state(self, seed: int | None = None) -> dict:
+        """A LoRA run's step-0 state without its base: fresh adapters, their optimizer state and master."""
+        from jaxmem.lora.adapters import init_adapters
+
+        setup = self.layout.lora
+        seed = self.cfg.train.seed if seed is None else seed
+        adapters = init_adapters(self.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),
+                                 self.precision.param)
+        return assemble_state(self.cfg, self.precision, self.optimizer, adapters)
+
+    def abstract_model_params(self) -> dict:
+        """The model's params (ShapeDtypeStructs with their shardings): what init_from restores."""
+        specs = self.layout.model_param_specs
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, self.precision.param,
+                                                              sharding=NamedSharding(self.mesh, s)),
+                            self.layout.model_abstract_params, specs)
+
+    def frozen_base(self) -> dict:
+        """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face
+        directory or an import-hf output is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
+        from jaxmem.io.checkpoint import model_params_from
+        from jaxmem.lora.frozen import make_base
+        from jaxmem.lora.load_base import stream_base, streams
+
+        cfg, setup, out = self.cfg, self.layout.lora, self.state_shardings["base"]
+        if cfg.checkpoint.init_from and streams(cfg.checkpoint.init_from):
+            return stream_base(self, cfg.checkpoint.init_from)
+        make = lambda p: make_base(setup, cfg, p, self.precision.param)  # noqa: E731
+        if cfg.checkpoint.init_from:
+            return jax.jit(make, out_shardings=out)(model_params_from(self, cfg.checkpoint.init_from))
+        return jax.jit(lambda: make(self._fresh_params(cfg.train.seed)), out_shardings=out)()
+
+    def model(self, params) -> nnx.Module:
+        return nnx.merge(self.graphdef, params)
+
+    # ------------------------------------------------------------ step
+    def step_fn(self):
+        return _make_step(self)
+
+    def jit_step(self):
+        batch = {key: self.batch_sharding for key in self.batch_keys}
+        return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, batch),
+                       out_shardings=(self.state_shardings, None), donate_argnums=(0,))
+
+    @contextlib.contextmanager
+    def lowering(self):
+        """The context every lowering of this program's functions runs in: its target device is the
+        default (aot.lowering_target), and jax's lowering caches are cleared around a shim host placement
+        (memory_kinds_shim.clear_lowering_caches says why)."""
+        shim = memory_kinds_shim.uses_shim(self.state_shardings)
+        with aot.lowering_target(self.mesh.devices.flat[0]):
+            if shim:
+                memory_kinds_shim.clear_lowering_caches()
+            try:
+                yield
+            finally:
+                if shim:
+                    memory_kinds_shim.clear_lowering_caches()
+
+    def lower(self):
+        with self.lowering():
+            return self.jit_step().lower(self.abstract_state, self.abstract_batch())
+
+
+def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None
+                  ) -> TrainProgram:
+    """Everything needed to init, step, checkpoint and plan a run, without allocating weights.
+
+    `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
+    mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
+    layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
+                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in sharding.MESH_AXES})
+    if keep is not None:
+        layout = layout.keeping(keep)
+    prec = Precision.from_config(cfg.precision)
+    opt = make_optimizer(cfg)
+
+    abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
+    specs = {"step": P(), "params": layout.param_specs}
+    specs["opt"] = opt_state_specs(opt, abstract["opt"], layout.opt_specs, P())
+    if "master" in abstract:
+        specs["master"] = layout.opt_specs
+    if "loss_scale" in abstract:
+        specs["loss_scale"] = {"scale": P(), "good_steps": P()}
+    if "grad_norm" in abstract:
+        specs["grad_norm"] = P()
+    if layout.lora is not None:
+        abstract["base"], specs["base"] = layout.base_abstract, layout.base_specs
+    shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
+    abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+
+    validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
+    platform = layout.platform
+    fetch = offload.layer_fetch(cfg, prec.grad_reduce)
+    if layout.lora is not None:  # the scan carries (layer state, stored base + adapters): jaxmem.lora.linear
+        from jaxmem.lora.frozen import fetch_fn, layer_shapes
+
+        fetch = fetch_fn(layout.lora, layer_shapes(cfg, layout.lora), cfg.lora.dropout)
+    scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
+    ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
+                         norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
+                         segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
+    if layout.lora is not None:
+        from jaxmem.lora.linear import project
+
+        ctx = dataclasses.replace(ctx, project=project)
+    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
+
+
+def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
+    """fn(params, inputs_bt, labels_bt, segment_ids_bt=None, positions_bt=None) -> (loss_sum, n_valid): the
+    summed next-token cross-entropy over the labels that are not IGNORE_INDEX, and their count, with the
+    kernels, precision and activation sharding constraints the config selects (segment ids keep attention
+    inside each packed document; positions restart RoPE per document). The train step differentiates this
+    function (jaxmem.api.loss_fn too).
+    `ctx` replaces the program's forward context (the update-in-backward step swaps its layer scan)."""
+    return stage_fn(prog, ctx)
+
+
+# Top-level params a pipeline stage may lack (jaxmem.pipeline.partition.stage_keys decides which it holds).
+END_PARAMS = ("embed", "final_norm", "lm_head")
+
+
+def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True):
+    """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
+    model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
+    `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
+    With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
+    `dropout_key` (LoRA with lora.dropout > 0, the train step only) turns the adapters' input dropout on."""
+    ctx = ctx or prog.ctx
+    cfg, mesh = prog.cfg, prog.mesh
+    constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
+    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh) if last else None
+
+    setup = prog.layout.lora
+    if setup is not None and setup.quantize_embeddings and mesh.size > 1:
+        raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
+
+    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None):
+        run_ctx = ctx
+        if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
+            from jaxmem.lora import frozen
+
+            pieces = frozen.lora_layers(setup, base, params)
+            if dropout_key is not None:
+                from jaxmem.lora.dropout import with_keys
+
+                pieces = with_keys(pieces, dropout_key, cfg.model.n_layers)
+            run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
+                body, h, (stacked, pieces)))
+            params = frozen.model_params(setup, base)
+        # a stage's module holds placeholders for the end params it does not own (never read)
+        params = dict(params, **{k: jnp.zeros((), jnp.float32) for k in END_PARAMS
+                                 if k not in params and (k != "lm_head" or not cfg.model.tie_embeddings)})
+        model = nnx.merge(prog.graphdef, params)
+        with activation_rules(constrainer):
+            if first and setup is not None and setup.quantize_embeddings:
+                from jaxmem.lora.frozen_vocab import embed_tokens
+
+                h_btd = embed_tokens(base["embed"], x, cfg.model.d_model, run_ctx.compute_dtype)
+            else:
+                h_btd = model.embed_tokens(x, run_ctx) if first else x
+            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            if not last:
+                return h_btd
+            h_btd = model.final_hidden(h_btd, run_ctx)
+        if setup is not None and setup.quantize_embeddings:  # a vocab chunk dequantized at a time in the loss
+            from jaxmem.lora.frozen_vocab import QuantizedHead
+
+            w_dv = QuantizedHead(base["embed" if cfg.model.tie_embeddings else "lm_head"], cfg.model.d_model,
+                                 prog.precision.compute)
+        else:
+            w_dv = model.lm_head_weight().astype(prog.precision.compute)
+        return loss_impl(h_btd, w_dv, labels_bt)
+
+    return run
+
+
+def _make_step(prog: TrainProgram):
+    if prog.cfg.optimizer.update_in_backward:
+        from jaxmem.core.update_in_backward import make_step
+
+        return make_step(prog, loss_sum_fn)
+    cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
+    token_loss = loss_sum_fn(prog)
+    grad_shardings = sharding.named(mesh, prog.grad_specs)
+    param_shardings = prog.state_shardings["params"]
+    lr_at = schedule(cfg)
+    scaling = cfg.precision.loss_scale
+    dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
+
+    def micro_loss(params, micro, denom, base, dropout_key):
+        loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
+        return loss_sum / denom, loss_sum
+
+    grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
+
+    def step(state, batch):
+        state = offload.mark_host_entries(cfg, state)
+        micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
+        # the mean over every valid label of the global step (all micro-batches, all data ways)
+        n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
+        scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
+        params = state["params"]
+        p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
+
+        def one(micro, index=None):
+            key = None
+            if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
+                from jaxmem.lora.dropout import step_key
+
+                key = step_key(cfg.train.seed, state["step"], 0 if index is None else index)
+            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get("base"), key)
+            return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
+
+        # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
+        # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
+        with jax.named_scope(GRADS_SCOPE):
+            if prog.grad_accum == 1:
+                grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
+            else:
+                def acc(carry, micro):
+                    g, l = one(*micro) if dropout_on else one(micro)
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+
+                zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
+                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+                xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
+                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+        weights = state["master"] if "master" in state else params
+        update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
+                                   param_dtype=prec.param, skip_nonfinite=scaling.enabled)
+        with jax.named_scope(UPDATE_SCOPE):
+            new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
+                cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
+        new_params = offload.constrain_device_part(cfg, new_params, param_shardings)
+
+        new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
+        if "master" in state:
+            new_state["master"] = new_weights
+        if "loss_scale" in state:  # fp16: the skipped step backs the scale off
+            new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
+        count = offload.to_device(adam_count(new_opt))
+        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
+                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
+        return new_state, metrics
+
+    return step

@@ -1,0 +1,166 @@
+"""Mesh axes, logical-to-mesh rule tables, and the shardings of params and activations.
+
+The only module that knows mesh axis names. Rules are ordered (logical, mesh axes)
+pairs; a logical dim takes the first rule whose mesh axes are still free in that
+tensor's spec and have size > 1 (so one table serves any mesh shape).
+"""
+from __future__ import annotations
+
+import enum
+import math
+from typing import Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmem.config.schema import ConfigError, ParallelConfig
+
+
+class MeshAxis(enum.StrEnum):
+    DP = "dp"
+    FSDP = "fsdp"
+    SP = "sp"
+    TP = "tp"
+
+
+MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP, MeshAxis.TP)
+DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP)
+# Axes whose devices hold different tokens: gradients are summed over them, and ZeRO shards state over them
+# (a sequence-parallel group holds one sequence's tokens, so it shards weights like fsdp does).
+TOKEN_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP)
+_STATE = (MeshAxis.FSDP, MeshAxis.SP)
+
+_ACTIVATIONS = [
+    ("act_batch", DATA_AXES),
+    ("act_seq", (MeshAxis.SP,)),
+    ("act_heads", (MeshAxis.TP,)),
+    ("act_kv_heads", (MeshAxis.TP,)),
+    ("act_mlp", (MeshAxis.TP,)),
+    ("act_vocab", (MeshAxis.TP,)),
+]
+
+RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
+    # ZeRO-3 / FSDP: every weight sharded over fsdp along its embed (or vocab) dim.
+    "fsdp": [("embed", _STATE), ("vocab", _STATE), ("mlp", _STATE)] + _ACTIVATIONS,
+    # Megatron-style TP inside, FSDP across.
+    "fsdp_tp": [
+        ("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
+        ("vocab", (MeshAxis.TP,)), ("embed", _STATE), ("vocab", _STATE),
+    ] + _ACTIVATIONS,
+    # Pure data parallel: weights replicated (TP still applies if tp > 1).
+    "dp": [("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
+           ("vocab", (MeshAxis.TP,))] + _ACTIVATIONS,
+}
+
+
+def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
+    """dp, fsdp, sp, tp sizes of one pipeline stage's mesh (the whole mesh when parallel.pp = 1)."""
+    if n_devices % par.pp:
+        raise ConfigError(f"parallel.pp: {par.pp} stages do not divide the {n_devices} devices")
+    n_devices //= par.pp
+    sizes = {"dp": par.dp, "fsdp": par.fsdp, "sp": par.sp, "tp": par.tp}
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if n_devices % known:
+        raise ConfigError(f"parallel: dp*fsdp*sp*tp={known} does not divide the {n_devices} devices")
+    for k, v in sizes.items():
+        if v == -1:
+            sizes[k] = n_devices // known
+    if math.prod(sizes.values()) != n_devices:
+        raise ConfigError(f"parallel: dp*fsdp*sp*tp={math.prod(sizes.values())} != {n_devices} devices; "
+                          "set one axis to -1 to fill")
+    return sizes
+
+
+def make_mesh(par: ParallelConfig, devices: Sequence | None = None) -> Mesh:
+    if par.pp > 1:
+        raise ConfigError("parallel.pp: a pipeline runs one program per stage; `jaxmem train` and `jaxmem plan` "
+                          "take it (jaxmem.pipeline), this command does not yet: set parallel.pp=1")
+    return stage_meshes(par, devices)[0]
+
+
+def stage_meshes(par: ParallelConfig, devices: Sequence | None = None) -> list[Mesh]:
+    """One mesh per pipeline stage over consecutive devices (so with one stage per process, or per node, the
+    stage boundaries are the process boundaries); the same dp/fsdp/sp/tp shape in each."""
+    devices = list(jax.devices() if devices is None else devices)
+    shape = mesh_shape(par, len(devices))
+    per = len(devices) // par.pp
+    names = tuple(a.value for a in MESH_AXES)
+    return [Mesh(np.array(devices[s * per:(s + 1) * per], dtype=object).reshape(tuple(shape[a] for a in MESH_AXES)),
+                 names, axis_types=(AxisType.Auto,) * len(MESH_AXES)) for s in range(par.pp)]
+
+
+def data_ways(mesh: Mesh) -> int:
+    return math.prod(mesh.shape[a] for a in DATA_AXES)
+
+
+def logical_to_spec(names: Sequence[str | None], rules, mesh: Mesh, shape: Sequence[int] | None = None) -> P:
+    used: set[str] = set()
+    out = []
+    for i, name in enumerate(names):
+        chosen = None
+        for logical, axes in rules:
+            if logical != name:
+                continue
+            axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)
+            if not axes or used.intersection(axes):
+                continue
+            size = math.prod(mesh.shape[a] for a in axes)
+            if shape is not None and shape[i] % size:
+                continue  # not divisible: try the next rule, else replicate
+            chosen = axes
+            break
+        if chosen:
+            used.update(chosen)
+            out.append(chosen[0] if len(chosen) == 1 else chosen)
+        else:
+            out.append(None)
+    return P(*out)
+
+
+def without_data_axes(rules):
+    """The same table with weights replicated over the token axes dp/fsdp/sp (ZeRO-1/2 parameters)."""
+    out = []
+    for logical, axes in rules:
+        if logical.startswith("act_"):
+            out.append((logical, axes))
+        else:
+            out.append((logical, tuple(a for a in axes if a not in TOKEN_AXES)))
+    return out
+
+
+def _is_var(x):
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state: nnx.State) -> dict:
+    """Pure-dict tree of each parameter's logical axis names."""
+    return nnx.to_pure_dict(jax.tree.map(lambda v: tuple(v.get_metadata()["out_sharding"]), state, is_leaf=_is_var))
+
+
+def param_specs(state: nnx.State, rules, mesh: Mesh) -> dict:
+    axes = logical_axes(state)
+    shapes = nnx.to_pure_dict(state)
+    return jax.tree.map(lambda names, x: logical_to_spec(names, rules, mesh, x.shape), axes, shapes,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def named(mesh: Mesh, specs, memory_kind: str | None = None):
+    return jax.tree.map(lambda s: NamedSharding(mesh, s, memory_kind=memory_kind), specs,
+                        is_leaf=lambda x: isinstance(x, P))
+
+
+def activation_constrainer(rules, mesh: Mesh):
+    """The function jaxmem.model.axes.activation_rules installs while tracing the step."""
+
+    def constrain(x, names):
+        spec = logical_to_spec(names, rules, mesh, x.shape)
+        return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+    return constrain
+
+
+def batch_spec(mesh: Mesh) -> P:
+    axes = tuple(a.value for a in DATA_AXES if mesh.shape[a] > 1)
+    return P(axes if axes else None, None)

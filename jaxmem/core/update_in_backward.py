@@ -1,0 +1,241 @@
+"""Optimizer-in-backward: each decoder layer's AdamW update runs inside the backward pass, right after
+that layer's gradient exists, so the whole-stack gradient never does (`optimizer.update_in_backward`).
+
+How. The layer scan is a `jax.custom_vjp` whose primal inputs include the layers' weights (fp32 master or
+the params), their optimizer state, the clip factor and a scalar that collects squared gradient norms. Its
+forward keeps each layer's input (full recompute at layer granularity); its backward walks the layers in
+reverse, rebuilds one layer from its input, takes that layer's gradient, updates its weights and moments
+in place (the stacked state is the loop carry), and hands the *new* values back where autodiff expects
+the cotangents of those inputs. The train step reads them out of `jax.grad`'s result. Nothing outside the
+step sees this: the primal inputs are used once, so no cotangent is summed or scaled on the way out.
+
+Clipping. The global norm is known only after the last layer's gradient, when every layer has already
+been updated, so the layers (and the embedding, final norm and LM head, for one rule) are clipped by the
+*previous* step's global norm, kept in the train state as `grad_norm`; the first step is not clipped.
+This is the trade-off: a loss spike is clipped one step late. The norm of this step's full gradient is
+still computed exactly (each layer adds its squared norm) and reported.
+
+Layer inputs. They are the only residuals (the backward rebuilds each layer from its input); with
+`remat.preset=offload_layer_inputs` they are kept in pinned host memory instead of on the device.
+
+Host offload. With `offload.optimizer=host` (and `offload.optimizer_update=device`) the fp32 master
+weights and Adam's m and v stay in pinned host memory: the stacked host arrays are the backward's loop
+carry, each layer's slice is fetched to the device, updated there and written back into the host stack in
+place (`put_layer`: a dynamic update slice on the host array), so the device holds one layer's state at a
+time. The embedding, final norm and LM head are streamed the same way after the backward. Adam's per-layer
+step counts ([L] integers) ride on the device. The update computed on the host
+(`offload.optimizer_update=host`) and `offload.params=host` are refused (jaxmem.config.validate).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jaxmem.core.optim import apply_update, put_layer, split_layers, take_layer
+
+
+def clip_factor(prev_norm, clip_norm: float):
+    """Scale for this step's gradients from the previous step's global norm (0: the first step, no clip)."""
+    if clip_norm <= 0:
+        return jnp.float32(1.0)
+    return jnp.where(prev_norm > clip_norm, clip_norm / jnp.maximum(prev_norm, 1e-30), 1.0).astype(jnp.float32)
+
+
+class _Static:
+    """A hashable holder for a static pytree of abstract values (one layer's optimizer state layout)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+
+def _restructure(tree, like):
+    """tree's leaves in like's structure (an nnx.State and the dict of the same keys flatten alike);
+    the leaf shapes are checked so a different order cannot pass silently."""
+    leaves, like_leaves = jax.tree.leaves(tree), jax.tree.leaves(like)
+    if [x.shape for x in leaves] != [x.shape for x in like_leaves]:
+        raise ValueError("update_in_backward: a layer's parameters and its optimizer weights differ in layout")
+    return jax.tree.unflatten(jax.tree.structure(like), leaves)
+
+
+def _zero_cotangent(x):
+    x = jnp.asarray(x)
+    if jnp.issubdtype(x.dtype, jnp.floating):
+        return jnp.zeros_like(x)
+    return jnp.zeros(x.shape, jax.dtypes.float0)
+
+
+def layer_specs(stacked_specs):
+    """Per-layer partition specs: the stacked ones without their leading layer axis."""
+    return jax.tree.map(lambda s: P(*tuple(s)[1:]), stacked_specs, is_leaf=lambda s: isinstance(s, P))
+
+
+def ints_as_floats(tree):
+    """Integer leaves (Adam's step counts) as fp32: a cotangent of an integer input cannot carry a value."""
+    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+
+
+def floats_as_ints(tree, like):
+    return jax.tree.map(lambda x, t: x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x, tree, like)
+
+
+def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch=lambda t: t,
+              offload_inputs=False):
+    """scan_layers(body, h, stacked_params, state) -> h, with the update in the backward.
+
+    state = (weights or None, opt_state with `ints_as_floats`, clip_factor, squared_norm_seed); weights None
+    means the params are the weights (no fp32 master). Each layer sees its params in `grad_dtype`, as the
+    plain step's layers do. `constrain_grad(g)` places one layer's gradient (its reduce-scatter).
+    `fetch(tree)` brings one layer's slice of weights and optimizer state to the device (host-resident
+    stacks); the updated slice goes back into the stack's own memory space (`put_layer`). With
+    `offload_inputs` (remat.preset=offload_layer_inputs) each layer's input is written to pinned host memory
+    as the forward makes it and fetched back when the backward rebuilds that layer."""
+    from jaxmem.core.offload import DEVICE, HOST
+
+    def update(dp, p, w, s, factor, like):
+        """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
+        (the model hands the layer as an nnx.State)."""
+        w_like, s_like = like
+        w, s = fetch((w, s))
+        g = constrain_grad(jax.tree.map(lambda x: x.astype(jnp.float32), dp))
+        sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
+        g = jax.tree.map(lambda x: x * factor, _restructure(g, w_like))
+        weights = _restructure(p, w_like) if w is None else w
+        new_p, new_s, new_w = apply_update(opt, g, floats_as_ints(s, s_like), weights, param_dtype)
+        return _restructure(new_p, p), (None if w is None else new_w), ints_as_floats(new_s), sq
+
+    cast = lambda p: jax.tree.map(lambda x: x.astype(grad_dtype), p)  # noqa: E731
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+    def stack(body, opt_like, h, params, state, consts):
+        return _forward(body, h, params, consts)[0]
+
+    def _forward(body, h, params, consts):
+        def step(carry, p):
+            return body(carry, cast(p), *consts), jax.device_put(carry, HOST) if offload_inputs else carry
+
+        return jax.lax.scan(step, h, params)
+
+    def stack_fwd(body, opt_like, h, params, state, consts):
+        y, inputs = _forward(body, h, params, consts)
+        return y, (inputs, params, state, consts)
+
+    def stack_bwd(body, opt_like, res, dy):
+        inputs, params, (weights, opt_state, factor, _), consts = res
+        n = jax.tree.leaves(params)[0].shape[0]
+
+        def layer(carry, i):
+            dh, params_all, weights_all, opt_all, sq = carry
+            p = take_layer(params_all, i)
+            x = take_layer(inputs, i)
+            x = jax.device_put(x, DEVICE) if offload_inputs else x
+            _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), x, cast(p))
+            dx, dp = vjp(dh)
+            w = None if weights_all is None else take_layer(weights_all, i)
+            new_p, new_w, new_s, sq_i = update(dp, p, w, take_layer(opt_all, i), factor, opt_like.value)
+            weights_all = None if weights_all is None else put_layer(weights_all, new_w, i)
+            return (dx, put_layer(params_all, new_p, i), weights_all, put_layer(opt_all, new_s, i), sq + sq_i), None
+
+        init = (dy, params, weights, opt_state, jnp.float32(0.0))
+        (dx, new_params, new_weights, new_opt, sq), _ = jax.lax.scan(layer, init, jnp.arange(n - 1, -1, -1))
+        state_ct = (new_weights, new_opt, jnp.zeros_like(factor), sq)
+        return dx, new_params, state_ct, jax.tree.map(_zero_cotangent, consts)
+
+    stack.defvjp(stack_fwd, stack_bwd)
+
+    def scan_layers(body, h, stacked, state, opt_like):
+        closed, consts = jax.closure_convert(body, h, cast(take_layer(stacked, 0)))
+        return stack(closed, _Static(opt_like), h, stacked, state, tuple(consts))
+
+    return scan_layers
+
+
+def make_step(prog, loss_sum_fn):
+    """The train step of `prog` with the layer stack's update inside the backward (module docstring);
+    `loss_sum_fn(prog, ctx)` is the program's loss (jaxmem.core.program.loss_sum_fn), handed in by the program."""
+    import dataclasses
+
+    from jaxmem.core import offload, sharding
+    from jaxmem.core.optim import adam_count, schedule
+    from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
+    from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+
+    cfg, prec = prog.cfg, prog.precision
+    grad_shardings = sharding.named(prog.mesh, prog.grad_specs)
+    rest_shardings, _ = split_layers(grad_shardings)
+    layer_shardings = sharding.named(prog.mesh, layer_specs(prog.grad_specs["layers"]))
+    def constrain_grad(g):  # g is one layer's nnx.State; the shardings are a dict of the same keys
+        leaves = jax.tree.leaves(layer_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
+        return jax.lax.with_sharding_constraint(g, jax.tree.unflatten(jax.tree.structure(g), leaves))
+
+    # offload.optimizer=host (validated: with offload.optimizer_update=device): master, m and v stay in pinned
+    # host memory, the loop carry of the backward; each layer's slice is fetched, updated on the device and
+    # written back in place. Adam's per-layer step counts ([L] integers) ride on the device as fp32.
+    on_host = cfg.offload.optimizer == "host"
+    fetch = offload.to_device if on_host else (lambda t: t)
+    scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
+                     constrain_grad=constrain_grad, fetch=fetch,
+                     offload_inputs=cfg.remat.preset == "offload_layer_inputs")
+    lr_at = schedule(cfg)
+
+    def counts_to_device(tree):
+        return jax.tree.map(lambda x: offload.to_device(x) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+
+    def home(tree, like):  # tree's leaves in the memory spaces of like's (host-resident state stays there)
+        return jax.tree.map(lambda x, h: jax.device_put(x, jax.typeof(h).memory_space), tree, like)
+
+    def step(state, batch):
+        state = offload.mark_host_entries(cfg, state)  # host avals on compile-only devices too
+        # one micro-batch (validated): inputs, labels, segment ids, positions [rows, T] (or None)
+        micro = jax.tree.map(lambda x: x[0], split_batch(batch))
+        labels = micro[1]
+        n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+        params, master = state["params"], state.get("master")
+        factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
+        opt_like = jax.eval_shape(lambda: (take_layer((master or params)["layers"], 0),
+                                           take_layer(state["opt"]["layers"], 0)))
+
+        def loss(rest, layers, layer_weights, layer_opt, sq_seed):
+            layer_state = (layer_weights, layer_opt, factor, sq_seed)
+            ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
+                body, h, stacked, layer_state, opt_like))
+            loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro)
+            return loss_sum / n_valid, loss_sum
+
+        rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])
+        with jax.named_scope(GRADS_SCOPE):
+            grads, loss_sum = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+                rest, params["layers"], None if master is None else master["layers"],
+                ints_as_floats(counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
+        g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
+        with jax.named_scope(UPDATE_SCOPE):
+            g_rest = jax.lax.with_sharding_constraint(
+                jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
+            sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
+            w_rest, _ = split_layers(master or params)
+            s_rest = state["opt"]["rest"]
+            new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest),
+                                               fetch(s_rest), fetch(w_rest), prec.param)
+            new_s, new_w = home(new_s, s_rest), home(new_w, w_rest)
+        grad_norm = jnp.sqrt(sq_rest + sq_layers)
+        layer_opt = state["opt"]["layers"]
+        new_opt = {"rest": new_s, "layers": home(floats_as_ints(new_layer_opt, layer_opt), layer_opt)}
+        new_params = jax.lax.with_sharding_constraint(dict(new_p, layers=new_layer_params),
+                                                      prog.state_shardings["params"])
+        new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt, grad_norm=grad_norm)
+        if master is not None:
+            new_state["master"] = dict(new_w, layers=home(new_layer_weights, master["layers"]))
+        count = adam_count(new_opt)
+        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
+                   "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0)}
+        return new_state, metrics
+
+    return step

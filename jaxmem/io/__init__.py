@@ -1,0 +1,1 @@
+"""What a run reads and writes: checkpoints, training data and documents, Hugging Face weights, metrics and telemetry."""

@@ -1,0 +1,301 @@
+"""Orbax checkpoints of a run (train state + JSON metadata) and params-only `init_from` loading.
+
+Only finalized steps count: orbax writes each step into a temporary directory and
+renames it when complete, so `latest_step()` never names a half-written checkpoint.
+Restores go onto the *current* program's shardings, so a run may resume on a
+different mesh or parallel layout than the one that saved it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxmem.config.schema import Config, ConfigError, config_hash
+from jaxmem.core.optim import schedule_steps
+from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
+from jaxmem.runtime.oom_text import is_oom
+from jaxmem.pipeline import is_pipeline, stage_store
+from jaxmem.core.precision import all_finite
+
+_STATE, _STAGES, _META = "state", "stages", "meta"  # a pipeline saves "stages" (stage_store) in place of "state"
+
+# Keys that may change between a save and a resume without changing the math of a
+# step (mesh, bookkeeping, how the global batch is split); the rest enters the hash.
+_RUN_LOCAL = ("out_dir", "parallel", "distributed", "checkpoint", "target")
+_TRAIN_LOCAL = ("progress", "tensorboard", "log_every", "micro_batch", "grad_accum", "global_batch",
+                "memory_profile_at")
+RUN_META_KEYS = ("step", "data_position", "batch_rows")  # what `jaxmem train` reads back to resume
+
+
+def _reason(e: BaseException) -> str:
+    """One line on why orbax failed: its innermost cause, without tensorstore's JSON spec."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    lines = str(e).strip().splitlines()
+    text = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
+    text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)  # the step directory, named already
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+def _shapes(tree) -> dict[str, tuple]:
+    """'opt.layers.0.mu.wq' -> shape for every leaf of a state, abstract state or orbax tree metadata."""
+    return {stage_store.leaf_name(path): tuple(getattr(leaf, "shape", ()))
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _saved_shapes(item_dir: Path) -> dict[str, tuple]:
+    """Leaf shapes of the orbax item at `item_dir`, from its metadata files only (no array is read)."""
+    tree = ocp.StandardCheckpointHandler().metadata(item_dir)  # raises on a missing or unreadable _METADATA
+    if tree is None:
+        raise FileNotFoundError(f"no tree metadata in {item_dir}")
+    return _shapes(tree)
+
+
+def _mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
+    """What differs between a saved tree and the one a restore needs; None if they fit (dtypes may differ)."""
+    for key, shape in sorted(wanted.items(), key=lambda kv: not kv[0].startswith("params.")):  # params first
+        if key not in saved:
+            return f"it has no {key}"
+        if saved[key] != shape:
+            return f"{key} has shape {list(saved[key])}, this run's has {list(shape)}"
+    extra = sorted(set(saved) - set(wanted))
+    return f"it has {extra[0]}, which this run's state lacks" if extra else None
+
+
+def math_hash(cfg: Config) -> str:
+    """Hash of the settings that determine the losses (mesh and bookkeeping left out).
+
+    train.steps enters only through the LR schedule's decay length, so extending a run
+    whose optimizer.decay_steps is fixed keeps the hash (`jaxmem train` fixes it on resume
+    to the decay length saved in the checkpoint's meta).
+    """
+    defaults = Config()
+    blank = {k: getattr(defaults, k) for k in _RUN_LOCAL}
+    train = dataclasses.replace(cfg.train, steps=0, **{k: getattr(defaults.train, k) for k in _TRAIN_LOCAL})
+    optimizer = dataclasses.replace(cfg.optimizer, decay_steps=cfg.optimizer.decay_steps or cfg.train.steps)
+    return config_hash(dataclasses.replace(cfg, train=train, optimizer=optimizer, **blank))
+
+
+def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dict:
+    """The JSON item saved beside the state: where the data and the RNG stand, and the LR schedule.
+
+    `decay_steps` and `warmup_steps` are the schedule as resolved (optimizer.decay_steps=0
+    means train.steps), so a resume that raises train.steps can keep it.
+    """
+    warmup, decay = schedule_steps(cfg)
+    meta = {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
+            "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
+            "decay_steps": int(decay), "warmup_steps": int(warmup)}
+    if cfg.lora.rank > 0:
+        meta["lora_base"] = lora_base_identity(cfg)
+    return meta
+
+
+def lora_base_identity(cfg: Config) -> str:
+    """Which frozen base a LoRA run's adapters belong to: where the weights come from and how they are stored
+    (a LoRA checkpoint holds the adapters and their optimizer state only)."""
+    origin = f"init_from {Path(cfg.checkpoint.init_from).absolute()}" if cfg.checkpoint.init_from \
+        else f"seed {cfg.train.seed}"
+    lo = cfg.lora
+    return f"{cfg.model.preset} {origin}, {lo.base_dtype}{' double-quantized' if lo.double_quant else ''}"
+
+
+class Checkpoints:
+    """Saves and restores a run's train state under `<out_dir>/checkpoints/`."""
+
+    def __init__(self, directory: str | Path, *, keep: int = 3, async_save: bool = True):
+        self.directory = Path(directory).absolute()
+        if self.directory.exists() and not self.directory.is_dir():  # else the first save fails, after training
+            raise ConfigError(f"{self.directory}: is a file, not a checkpoint directory; move it or use a new out_dir")
+        # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
+        options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
+                                               create=False)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _STAGES, _META))
+
+    @classmethod
+    def for_run(cls, cfg: Config) -> "Checkpoints":
+        return cls(Path(cfg.out_dir) / "checkpoints", keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+
+    def latest_step(self) -> int | None:
+        """Latest finalized step (incomplete, temporary ones are ignored)."""
+        self._manager.reload()
+        return self._manager.latest_step()
+
+    def all_steps(self) -> list[int]:
+        self._manager.reload()
+        return sorted(self._manager.all_steps())
+
+    def save(self, step: int, state: dict, meta: dict) -> None:
+        """Starts a save; with async saving, returns once the arrays are copied off the devices.
+
+        The copy is taken before returning, so the state may be donated to the next step
+        right away.
+        """
+        state = {k: v for k, v in state.items() if k != "base"}  # a LoRA base is rebuilt, never saved
+        if _STAGES in state:  # a pipeline's: each process writes the stages it drives
+            item = {_STAGES: stage_store.StagesSave(state[_STAGES])}
+        else:
+            item = {_STATE: ocp.args.StandardSave(state)}
+        self._manager.save(step, args=ocp.args.Composite(**item, **{_META: ocp.args.JsonSave(meta)}), force=True)
+
+    def restore(self, abstract_state: dict, step: int | None = None,
+                required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings; a LoRA
+        state comes back without its frozen base (`restore_run` rebuilds it).
+
+        `required_meta` names integer fields the meta item must hold (a resume needs RUN_META_KEYS).
+        A step directory that is damaged, or holds another model's state, is a one-line ConfigError
+        that says what to do; shapes are compared before any array is read.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
+        meta = self._restore_meta(step, required_meta)
+        abstract_state = {k: v for k, v in abstract_state.items() if k != "base"}
+        staged = _STAGES in abstract_state
+        try:
+            saved = (stage_store.saved_shapes(self.directory / str(step) / _STAGES) if staged
+                     else _saved_shapes(self.directory / str(step) / _STATE))
+        except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
+            raise self._damaged(step, f"{_STAGES if staged else _STATE} metadata: {_reason(e)}") from None
+        problem = _mismatch(saved, _shapes(abstract_state))
+        if problem:
+            raise ConfigError(f"{self.directory / str(step)}: holds a train state that does not fit this run "
+                              f"({problem}); resume with the config that saved it, or use a new out_dir")
+        try:
+            if staged:
+                state = {_STAGES: self._manager.restore(step, args=ocp.args.Composite(
+                    **{_STAGES: stage_store.StagesRestore(abstract_state[_STAGES])}))[_STAGES]}
+            else:
+                state = self._manager.restore(step, args=ocp.args.Composite(
+                    **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
+        except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
+            if is_oom(e):
+                raise
+            raise self._damaged(step, _reason(e)) from None
+        # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
+        parts = [p for p in state[_STAGES] if p is not None] if staged else [state]  # one program per stage mesh
+        if not all(bool(jax.jit(all_finite)(p)) for p in parts):
+            raise self._damaged(step, "it holds inf/NaN values")
+        return state, meta
+
+    def meta(self, step: int | None = None) -> dict | None:
+        """The meta item of `step` (default: the latest), without the state; None if no step is saved.
+
+        A damaged meta item is the same one-line ConfigError `restore` raises.
+        """
+        step = self.latest_step() if step is None else step
+        return None if step is None else self._restore_meta(step, ())
+
+    def _restore_meta(self, step: int, required: tuple[str, ...]) -> dict:
+        try:
+            meta = self._manager.restore(step, args=ocp.args.Composite(**{_META: ocp.args.JsonRestore()}))[_META]
+        except Exception as e:  # missing item, garbage or cut-short JSON
+            raise self._damaged(step, f"{_META}: {_reason(e)}") from None
+        if not isinstance(meta, dict) or not all(isinstance(meta.get(k), int) for k in required):
+            raise self._damaged(step, f"{_META} lacks {', '.join(required)}")
+        return meta
+
+    def _damaged(self, step: int, reason: str) -> ConfigError:
+        earlier = [s for s in self.all_steps() if s < step]
+        then = f"resume from step {earlier[-1]}" if earlier else "start from scratch"
+        return ConfigError(f"{self.directory / str(step)}: checkpoint is incomplete or damaged ({reason}); "
+                           f"delete this directory to {then}")
+
+    def wait(self) -> None:
+        """Blocks until every started save is finalized."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.wait_until_finished()
+        self._manager.close()
+
+
+# ---------------------------------------------------------------- init_from
+
+
+def restore_params(path: str | Path, abstract_params: dict) -> dict:
+    """Params-only checkpoint `<path>/params` restored onto `abstract_params`' shapes, dtypes, shardings."""
+    params_dir = Path(path).absolute() / "params"
+    if not params_dir.is_dir():
+        raise ConfigError(f"checkpoint.init_from: {params_dir} not found (expected a `jaxmem import-hf` output dir)")
+    with ocp.StandardCheckpointer() as ckptr:
+        try:
+            saved = _saved_shapes(params_dir)
+        except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
+            raise _damaged_params(params_dir, _reason(e)) from None
+        problem = _mismatch(saved, _shapes(abstract_params))
+        if problem:
+            raise ConfigError(f"checkpoint.init_from: {params_dir} does not match the model's params ({problem})")
+        try:
+            params = ckptr.restore(params_dir, abstract_params)
+        except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
+            if is_oom(e):
+                raise
+            raise _damaged_params(params_dir, _reason(e)) from None
+    if not bool(jax.jit(all_finite)(params)):
+        raise _damaged_params(params_dir, "it holds inf/NaN values")
+    return params
+
+
+def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_meta: tuple[str, ...] = ()):
+    """(state, meta) of a run's checkpoint; for LoRA the frozen base is rebuilt from where the config says
+    (checkpoint.init_from, or the seed) after checking it is the base the adapters were trained on.
+    Pipeline checkpoints and pipeline runs are re-cut between layouts (jaxmem.pipeline.checkpoints)."""
+    from jaxmem.pipeline import checkpoints as pipeline_ckpts
+
+    step = ckpts.latest_step() if step is None else step
+    if is_pipeline(prog):
+        return pipeline_ckpts.restore_pipeline(prog, ckpts, step, required_meta)
+    meta = ckpts.meta(step) if step is not None else None
+    if meta and meta.get(pipeline_ckpts.PP_META):
+        return pipeline_ckpts.restore_from_pipeline(prog, ckpts, step, meta, required_meta), meta
+    state, meta = ckpts.restore(prog.abstract_state, step, required_meta)
+    if prog.layout.lora is None:
+        return state, meta
+    want, saved = lora_base_identity(prog.cfg), meta.get("lora_base")
+    if saved != want:
+        raise ConfigError(f"{ckpts.directory}: these adapters belong to the base '{saved}', this run's base is "
+                          f"'{want}' (checkpoint.init_from, train.seed, lora.base_dtype); use the same base or a "
+                          "new out_dir")
+    return dict(state, base=prog.frozen_base()), meta
+
+
+def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
+    return ConfigError(f"checkpoint.init_from: {params_dir} is incomplete or damaged ({reason}); "
+                       "run `jaxmem import-hf` again")
+
+
+def model_params_from(prog, path: str | Path) -> dict:
+    """The model's params from a params-only checkpoint (`jaxmem import-hf`), checked against the config's
+    model and laid out with the program's shardings."""
+    check_model_json(path, prog.cfg)
+    return restore_params(path, prog.abstract_model_params())
+
+
+def init_from(prog, path: str | Path) -> dict:
+    """A fresh train state (step 0, new optimizer state) whose params come from `path`.
+
+    With master weights on, the master copy is the fp32 cast of the loaded params.
+    """
+    if is_pipeline(prog):  # read on the host, cut per stage
+        from jaxmem.pipeline.checkpoints import on_cpu_host
+
+        check_model_json(path, prog.cfg)
+        params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
+        return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
+    if prog.layout.lora is not None:
+        from jaxmem.lora.load_base import lora_state, streams
+
+        if streams(path):  # an HF directory or import-hf output: the base streamed and quantized a layer at a time
+            return lora_state(prog, path)
+    params = model_params_from(prog, path)
+    # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
+    donate = () if prog.layout.lora is not None else (0,)
+    assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=donate)
+    return assemble(params)

@@ -1,0 +1,240 @@
+"""Hugging Face interop: stream a local checkpoint into sharded params, write one back, `jaxmem import-hf`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import yaml
+from flax import nnx
+from jax.sharding import Mesh, SingleDeviceSharding
+
+from jaxmem.core import sharding
+from jaxmem.config.schema import ConfigError, ParallelConfig
+from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
+from jaxmem.io.hf_layout import ParamMap, hf_shape, param_maps, read_slice, to_hf
+from jaxmem.io.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
+from jaxmem.model.transformer import Transformer, abstract_model
+
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+DEFAULT_SHARD_BYTES = 2 * 10**9
+
+
+def _dtype_name(dtype) -> str:
+    for name, np_dtype in DTYPES.items():
+        if np.dtype(np_dtype) == np.dtype(dtype):
+            return name
+    raise ConfigError(f"dtype: {dtype} is not supported; use one of {', '.join(DTYPES)}")
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _target_shardings(abstract_state, mesh: Mesh | None, parallel: ParallelConfig | None) -> dict:
+    if mesh is None:
+        one = SingleDeviceSharding(jax.local_devices()[0])
+        return jax.tree.map(lambda _: one, nnx.to_pure_dict(abstract_state))
+    parallel = parallel or ParallelConfig()
+    rules = sharding.RULE_TABLES[parallel.rules]
+    if parallel.zero_stage < 3:  # same parameter placement as jaxmem.core.program for ZeRO-1/2
+        rules = sharding.without_data_axes(rules)
+    return sharding.named(mesh, sharding.param_specs(abstract_state, rules, mesh))
+
+
+def _check_tensors(reader: CheckpointReader, maps: list[ParamMap], abstract: dict, n_layers: int, where: Path):
+    """Every tensor present with the expected shape, before anything is read."""
+    for pm in maps:
+        shape = _get(abstract, pm.path).shape
+        expected = hf_shape(pm.kind, shape[1:] if pm.stacked else shape)
+        for name in pm.hf_names(n_layers):
+            if name not in reader:
+                raise ConfigError(f"{where}: tensor {name} is missing from the safetensors shards")
+            if reader.shape(name) != expected:
+                raise ConfigError(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
+                                  f"config.json implies {list(expected)}")
+            if reader.dtype(name) not in FLOAT_DTYPES:
+                raise ConfigError(f"{reader.file_of(name)}: tensor {name} has dtype {reader.dtype(name)}; "
+                                  f"weights must be one of {', '.join(FLOAT_DTYPES)}")
+
+
+def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np_dtype):
+    """cb(index) for make_array_from_callback: builds only the requested slice, layer by layer."""
+
+    def one(name: str, index: tuple, layer_shape: tuple[int, ...]) -> np.ndarray:
+        block = read_slice(pm.kind, lambda hf_index: reader.read(name, hf_index), index, layer_shape)
+        if not np.isfinite(block).all():  # no checksums in safetensors: garbage bytes often decode to inf/NaN
+            raise ConfigError(f"{reader.file_of(name)}: tensor {name} holds inf/NaN values; the file is damaged")
+        return block
+
+    def cb(index):
+        if not pm.stacked:
+            return one(pm.hf_name, index, shape).astype(np_dtype)
+        layers = range(*index[0].indices(shape[0]))
+        parts = [one(pm.hf_name.format(layer=i), index[1:], shape[1:]).astype(np_dtype) for i in layers]
+        return np.stack(parts)
+
+    return cb
+
+
+def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
+            parallel: ParallelConfig | None = None) -> Transformer:
+    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into a jaxmem Transformer.
+
+    Args:
+      path: directory with config.json and *.safetensors shards (with or without the index file).
+      dtype: parameter dtype, one of float32, bfloat16, float16.
+      mesh: place params with jaxmem.core.sharding.param_specs and the rules of `parallel`
+        (default: fsdp rules, ZeRO-3); None puts them on one local device.
+    Returns:
+      The model; `model(tokens_bt)` gives fp32 logits [B, T, V]. Each parameter is built
+      directly in its target sharding from the slices each device needs.
+    """
+    path = Path(path)
+    if dtype not in DTYPES:
+        raise ConfigError(f"dtype: {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+    config_file = path / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file}: not found; expected a Hugging Face checkpoint directory")
+    hf_cfg = read_json_object(config_file)
+    cfg = model_config_from_hf(hf_cfg, where=str(config_file))
+    graphdef, state = nnx.split(abstract_model(cfg, param_dtype=jnp.dtype(DTYPES[dtype])))
+    abstract = nnx.to_pure_dict(state)
+    shardings = _target_shardings(state, mesh, parallel)
+    reader = CheckpointReader(path)
+    maps = param_maps(cfg, hf_cfg["architectures"][0])
+    _check_tensors(reader, maps, abstract, cfg.n_layers, path)
+    values: dict = {}
+    for pm in maps:
+        shape = _get(abstract, pm.path).shape
+        cb = _callback(reader, pm, shape, DTYPES[dtype])
+        _set(values, pm.path, jax.make_array_from_callback(shape, _get(shardings, pm.path), cb))
+    nnx.replace_by_pure_dict(state, values)
+    return nnx.merge(graphdef, state)
+
+
+def _gather(x: jax.Array | np.ndarray) -> np.ndarray:
+    if isinstance(x, np.ndarray) or x.is_fully_addressable:  # host arrays: a pipeline's merged model
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype: str | None = None,
+            max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> list[Path]:
+    """Writes config.json and safetensors shards that transformers loads.
+
+    Args:
+      architecture: one of jaxmem.io.hf_families.FAMILIES; default: the family whose options the model has
+        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM).
+      dtype: tensor dtype in the files (default: the params' dtype).
+      max_shard_bytes: shard size; more than one shard adds model.safetensors.index.json.
+    Returns the shard paths. Gathers one HF tensor (one layer of a stacked param) at a time.
+    """
+    cfg = model.cfg
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    out_dtype = np.dtype(DTYPES[dtype] if dtype else _get(params, ("embed",)).dtype)
+    hf_cfg = hf_config_from_model(cfg, _dtype_name(out_dtype), architecture)  # refuses a family that lacks cfg
+    maps = param_maps(cfg, hf_cfg["architectures"][0])
+    # Tensor order as transformers writes it: embedding, layer by layer, final norm, head.
+    order = [(pm, None) for pm in maps if not pm.stacked and pm.path != ("final_norm",) and pm.path != ("lm_head",)]
+    order += [(pm, i) for i in range(cfg.n_layers) for pm in maps if pm.stacked]
+    order += [(pm, None) for pm in maps if pm.path in (("final_norm",), ("lm_head",))]
+    source = {}
+    entries = []
+    for pm, layer in order:
+        shape = _get(params, pm.path).shape
+        name = pm.hf_name.format(layer=layer) if pm.stacked else pm.hf_name
+        source[name] = (pm, layer)
+        entries.append((name, hf_shape(pm.kind, shape[1:] if pm.stacked else shape), out_dtype))
+
+    def produce(name: str) -> np.ndarray:
+        pm, layer = source[name]
+        x = _get(params, pm.path)
+        return to_hf(pm.kind, _gather(x[layer] if pm.stacked else x))
+
+    path = Path(path)
+    writer = jax.process_index() == 0
+    if writer:
+        path.mkdir(parents=True, exist_ok=True)
+    shards = plan_shards(entries, max_shard_bytes)
+    names = (["model.safetensors"] if len(shards) == 1
+             else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for file_name, shard in zip(names, shards):
+        write_shard(path / file_name if writer else None, shard, produce)
+    if writer:
+        if len(shards) > 1:
+            weight_map = {name: file_name for file_name, shard in zip(names, shards) for name, _, _ in shard}
+            total = sum(nbytes(shape, dt) for _, shape, dt in entries)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (path / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        (path / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    return [path / n for n in names]
+
+
+def _parse(argv):
+    from jaxmem.cli.config_cmd import HelpFormatter
+
+    parser = argparse.ArgumentParser(
+        prog="jaxmem import-hf", formatter_class=HelpFormatter,
+        description="Convert a local Hugging Face checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into an "
+                    "orbax params "
+                    "checkpoint that `checkpoint.init_from` starts training from. The safetensors shards are "
+                    "streamed into parameters sharded over the local devices; the config snippet to use it is "
+                    "printed at the end.",
+        epilog="examples:\n"
+               "  jaxmem import-hf /path/to/Meta-Llama-3-8B out/llama3-8b\n"
+               "  jaxmem import-hf /path/to/Qwen2.5-7B out/qwen --dtype bfloat16\n"
+               "  jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/llama3-8b   # then train")
+    parser.add_argument("hf_dir", help="directory with config.json and *.safetensors")
+    parser.add_argument("out_dir", help="writes OUT_DIR/params (orbax) and OUT_DIR/model.json")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="parameter dtype to store")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    import orbax.checkpoint as ocp
+
+    out = Path(args.out_dir).resolve()
+    params_dir = out / "params"
+    if params_dir.exists():
+        raise ConfigError(f"{params_dir}: already exists; choose a new OUT_DIR")
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"{out}: is a file; OUT_DIR must be a directory (it is created if missing)")
+    # Spread the params over every local device (FSDP) so no single device holds the model.
+    mesh = sharding.make_mesh(ParallelConfig())
+    model = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh)
+    params = nnx.to_pure_dict(nnx.split(model)[1])
+    out.mkdir(parents=True, exist_ok=True)
+    checkpointer = ocp.StandardCheckpointer()
+    checkpointer.save(params_dir, params)
+    checkpointer.wait_until_finished()
+    model_fields = dataclasses.asdict(model.cfg)
+    if jax.process_index() == 0:
+        (out / "model.json").write_text(json.dumps(model_fields, indent=2) + "\n")
+    snippet = {"model": model_fields, "checkpoint": {"init_from": str(out)}}
+    if args.dtype != "float32":
+        snippet["precision"] = {"param_dtype": args.dtype}
+    print(f"wrote {params_dir} (orbax params, {args.dtype}) and {out / 'model.json'}")
+    print("# to start training from it, put this in your config:")
+    print(yaml.safe_dump(snippet, sort_keys=False).rstrip())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,135 @@
+"""Where a run's metrics go: `metrics.jsonl`, a rich progress bar, optional TensorBoard."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from jaxmem.config.schema import ConfigError
+
+# Every record of metrics.jsonl has these keys (times are wall-clock, measured on the
+# host the run ran on, over the steps since the previous record).
+REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time_s")
+
+
+class JsonlWriter:
+    """Appends one JSON object per logged step; a resumed run keeps appending to the same file."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = self.path.open("a")
+
+    def write(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+
+
+def summary_writer_class():
+    """tensorboardX's SummaryWriter, else torch's (needs the tensorboard package); ConfigError if neither."""
+    try:
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("train.tensorboard: no TensorBoard writer is installed; pip install "
+                              "jaxmem[tensorboard] (tensorboardX) or set train.tensorboard=false") from None
+    return SummaryWriter
+
+
+class TensorBoardWriter:
+    """Scalars to TensorBoard event files under `log_dir`."""
+
+    def __init__(self, log_dir: str | Path):
+        self._writer = summary_writer_class()(str(log_dir))
+
+    def write(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                group, name = ("eval", key[len("eval_"):]) if key.startswith("eval_") else ("train", key)
+                self._writer.add_scalar(f"{group}/{name}", value, record["step"])
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+def wandb_available():
+    """The wandb module; ConfigError naming train.wandb if it is not installed."""
+    try:
+        import wandb
+    except ImportError:
+        raise ConfigError("train.wandb: the wandb package is not installed; pip install jaxmem[wandb] or "
+                          "set train.wandb to empty") from None
+    return wandb
+
+
+class WandbWriter:
+    """Scalars to a Weights & Biases run in `project` (WANDB_MODE=offline writes under out_dir/wandb only)."""
+
+    def __init__(self, project: str, out_dir: str | Path, config: dict):
+        wandb = wandb_available()
+        self._run = wandb.init(project=project, dir=str(out_dir), config=config, resume="allow")
+
+    def write(self, record: dict) -> None:
+        scalars = {k: v for k, v in record.items()
+                   if k != "step" and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        self._run.log(scalars, step=record["step"])
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class ProgressBar:
+    """A rich progress bar with loss, tokens/s and step time; `enabled=False` prints nothing."""
+
+    def __init__(self, total: int, start: int, enabled: bool = True):
+        self._progress = None
+        if not enabled:
+            return
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self._progress = Progress(
+            TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+            TextColumn("loss {task.fields[loss]}  {task.fields[tps]} trained tok/s  {task.fields[step_time]} s/step"))
+        self._task = self._progress.add_task("train", total=total, completed=start, loss="-", tps="-", step_time="-")
+        self._progress.start()
+
+    def advance(self, completed: int) -> None:
+        if self._progress:
+            self._progress.update(self._task, completed=completed)
+
+    def show(self, record: dict) -> None:
+        """Updates the bar's fields and prints the record's line above the bar."""
+        if self._progress:
+            self._progress.console.print(log_line(record), highlight=False)
+            self._progress.update(self._task, loss=_fmt(record["loss"], 4), tps=_fmt(record["tokens_per_sec"], 0),
+                                  step_time=_fmt(record["step_time_s"], 3))
+
+    def close(self) -> None:
+        if self._progress:
+            self._progress.stop()
+
+
+def _fmt(value: float, digits: int) -> str:
+    return f"{value:,.{digits}f}" if math.isfinite(value) else str(value)
+
+
+def log_line(record: dict) -> str:
+    """The plain one-line form of a record, for logs without a progress bar."""
+    line = (f"step {record['step']}  loss {record['loss']:.4f}  grad_norm {record['grad_norm']:.3f}  "
+            f"lr {record['lr']:.2e}  {record['tokens_per_sec']:,.0f} trained tok/s")
+    if "seen_tokens_per_sec" in record:  # every batch position, padding and untrained prompt tokens included
+        line += f" ({record['seen_tokens_per_sec']:,.0f} seen)"
+    line += f"  {record['step_time_s']:.3f} s/step"
+    if "eval_loss" in record:
+        line += f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_ppl']:.2f}"
+    return line

@@ -1,0 +1,42 @@
+"""Shared helpers of the kernel tests: per-dtype tolerances and a relative max-error check."""
+import jax.numpy as jnp
+import numpy as np
+
+# (forward rtol, gradient tolerance as max |err| / max |ref|): bf16 inputs vs the fp32 reference
+TOLERANCES = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 3e-2)}
+
+
+def assert_close(actual, expected, tol, what):
+    actual = np.asarray(jnp.asarray(actual, jnp.float32))
+    expected = np.asarray(jnp.asarray(expected, jnp.float32))
+    assert actual.shape == expected.shape, (what, actual.shape, expected.shape)
+    scale = max(float(np.max(np.abs(expected))), 1e-6)
+    err = float(np.max(np.abs(actual - expected)))
+    assert err <= tol * scale, f"{what}: max |err| {err:.3g} > {tol} x max |ref| {scale:.3g}"
+
+
+LLAMA3_LOSS_SHAPE = (8192, 4096, 128256)  # tokens, hidden, vocab
+
+
+def compile_loss_for_h100(linear_cross_entropy, shape=LLAMA3_LOSS_SHAPE):
+    """Deviceless sm_90 compile of loss + grads of h and W in bf16; returns XLA's memory analysis."""
+    import jax
+
+    from jaxmem.runtime.aot import compile_abstract, target_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
+    t, d, v = shape
+    args = (jax.ShapeDtypeStruct((t, d), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((d, v), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((t,), jnp.int32, sharding=sharding))
+    step = lambda h, w, l: jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, l)[0], (0, 1))(h, w)
+    return compile_abstract(step, *args).memory_analysis()
+
+
+def test_assert_close_rejects_a_wrong_value():
+    assert_close(jnp.ones(3), jnp.ones(3), 1e-6, "same")
+    try:
+        assert_close(jnp.array([1.0, 1.1]), jnp.ones(2), 1e-3, "off")
+    except AssertionError:
+        return
+    raise AssertionError("assert_close accepted a 10% error")

@@ -1,0 +1,74 @@
+"""`jaxmem tune`: the decision flow escalates until a compiled plan fits, never proposes what does not, writes a
+config `jaxmem train` loads, says plainly when nothing fits, and verifies the winner with `jaxmem bench`."""
+import json
+from pathlib import Path
+
+import pytest
+
+from jaxmem import cli
+from jaxmem.config import load_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _tune(tmp_path, *args, workers=1):
+    out = tmp_path / "tuned.yaml"
+    code = cli.main(["tune", *args, "--out", str(out), "--json", str(tmp_path / "tune.json"),
+                     "--cache", str(tmp_path / "cache"), "--workers", str(workers)])
+    result = json.loads((tmp_path / "tune.json").read_text())
+    return code, out, result
+
+
+@pytest.mark.slow
+def test_flow_escalates_to_offload_on_a_24gb_gpu(tmp_path, capsys):
+    pytest.importorskip("jax_cuda12_plugin")
+    code, out, result = _tune(tmp_path, str(ROOT / "configs/llama3-8b-1x4090.yaml"), "--target", "rtx4090-24g",
+                              "--gpus-per-host", "1", "--plot", str(tmp_path / "pareto.png"))
+    assert code == 0
+    path = " -> ".join(result["path"])
+    assert path.startswith("bf16 mixed precision: no candidate fits") and "activation recomputation: no" in path
+    best = result["best"]
+    assert "offload.params=host" in best["overrides"]  # 8B weights + AdamW do not fit 24 GB otherwise
+    row = best["row"]
+    assert row["fits"] is True and row["device_bytes"] <= row["usable_device_bytes"]
+    assert row["device_bytes_basis"] == "compiled"
+    for cand in result["candidates"]:  # nothing that does not fit its own compiled figure was proposed
+        if cand["compiled"] and cand["fits"]:
+            assert cand["compiled"]["device_bytes"] <= cand["compiled"]["usable_device_bytes"]
+    cfg = load_config(out)  # the written config is a full config `jaxmem train` loads as is
+    assert cfg.offload.params == "host" and cfg.remat.preset == "offload_layer_inputs"
+    assert cfg.precision.param_dtype == "bfloat16" and cfg.precision.master_weights
+    assert (tmp_path / "pareto.png").stat().st_size > 0
+    assert "chose " in capsys.readouterr().out
+
+
+def test_nothing_fits_says_so_and_names_the_closest(tmp_path, capsys):
+    pytest.importorskip("jax_cuda12_plugin")
+    code, out, result = _tune(tmp_path, str(ROOT / "configs/tiny.yaml"), "model.preset=llama3-70b",
+                              "train.seq_len=2048", "parallel.fsdp=1", "--target", "rtx4090-24g",
+                              "--gpus-per-host", "1", "--budget-s", "60")
+    assert code == 1 and not out.exists() and result["best"] is None
+    text = capsys.readouterr().out
+    assert "nothing fits on 1 x rtx4090-24g" in text and "closest: " in text
+    assert "params=host" in text.split("closest: ")[1]  # the lever that came closest
+
+
+def test_verify_runs_bench_on_the_winner(tmp_path, capsys):
+    pytest.importorskip("jax_cuda12_plugin")
+    # the mesh is pinned (fsdp=8): one layout per lever keeps the flow short
+    code, out, result = _tune(tmp_path, str(ROOT / "configs/tiny.yaml"), "train.seq_len=64", "parallel.fsdp=8",
+                              "--target", "h100-80g", "--gpus-per-host", "8", "--global-batch", "16", "--verify",
+                              workers=0)
+    assert code == 0
+    path = result["path"]
+    assert path[0].startswith("bf16 mixed precision: fits")  # a tiny model fits without any lever
+    assert any(p.startswith("micro-batch") for p in path)  # then the micro-batch is raised
+    text = capsys.readouterr().out
+    assert "verify: planned" in text and "measured on CPU" in text
+
+
+def test_bad_input_is_refused_by_name(tmp_path, capsys):
+    assert cli.main(["tune", str(ROOT / "configs/tiny.yaml"), "--global-batch", "0"]) == 2
+    assert "--global-batch: must be >= 1" in capsys.readouterr().err
+    assert cli.main(["tune", str(ROOT / "configs/tiny.yaml")]) == 2  # no target: tune plans for a GPU
+    assert "needs a GPU target" in capsys.readouterr().err
