@@ -147,6 +147,7 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     out = {n.value: btd for n in _BTD}
     out.update({n.value: btf for n in _BTF})
     out.update({CN.QUERY_PROJ.value: q, CN.ATTN_CONTEXT.value: q, CN.KEY_PROJ.value: kv, CN.VALUE_PROJ.value: kv})
+    out[CN.FLASH_RESIDUALS.value] = q + 2 * q // m.head_dim  # the output, and an fp32 logsumexp per row and head
     return out
 
 
