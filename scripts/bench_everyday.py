@@ -178,6 +178,17 @@ def plan_row(recipe: Recipe, explain_top: int = 6) -> dict:
     return row
 
 
+def bill_gib(recipe: Recipe) -> float:
+    """The analytic device total per GPU of a recipe (no compile)."""
+    from jaxmem.config import load_config
+    from jaxmem.plan.bill import compute_bill
+    from jaxmem.plan import resolve_topology
+
+    cfg = load_config(None, recipe.overrides())
+    topo = resolve_topology(cfg)
+    return compute_bill(cfg, topo.n_devices, gpu=True, device_memory=topo.gpu.hbm_bytes).device_total / GIB
+
+
 def misses(row: dict) -> list[str]:
     """The goals a row misses: the bill within 10% of the compiled figure; at most 0.8x the peer's peak."""
     out = []
@@ -267,6 +278,8 @@ def main() -> None:
     ap.add_argument("--lock", default="/work/wt/heavy.lock" if Path("/work/wt").is_dir() else "",
                     help="run each compile under `flock LOCK` (empty: no lock)")
     ap.add_argument("--explain-top", type=int, default=6, help="buffers named per row (jaxmem explain)")
+    ap.add_argument("--bill-only", action="store_true",
+                    help="recompute only the analytic figures of the rows in the JSON (no compile), then the md")
     ap.add_argument("--list", action="store_true", help="print the recipe names")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one recipe, JSON on stdout
     args = ap.parse_args()
@@ -281,6 +294,11 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--only: unknown recipe {unknown[0]!r}; `--list` prints the names")
     old = {r["recipe"]: r for r in json.loads(OUT_JSON.read_text())} if OUT_JSON.exists() else {}
+    if args.bill_only:
+        for name, row in old.items():
+            if name in by_name and "error" not in row:
+                row.update(analytic_gib=bill_gib(by_name[name]), analytic_revision=revision())
+        OUT_JSON.write_text(json.dumps([old[n] for n in by_name if n in old], indent=1) + "\n")
     if not args.from_json:
         for name in args.only or list(by_name):
             old[name] = row = _run_child(name, args.lock or None, args.explain_top)
