@@ -23,6 +23,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 OUT_JSON, OUT_MD = ROOT / "benchmarks/everyday.json", ROOT / "benchmarks/everyday.md"
+# The params-on-host row compiled with each jax version (`--jax-version-row NAME`, run once per version's venv)
+OUT_VERSIONS = ROOT / "benchmarks/everyday_jax_versions.json"
+HOST_ROW = "qwen2.5-7b-full-host-s8192-full-80g"
 GIB, GB = 2**30, 1e9
 TOLERANCE, PEER_GOAL = 0.10, 0.8
 GPU = {24: "rtx4090-24g", 48: "l40s-48g", 80: "h100-80g"}
@@ -178,6 +181,24 @@ def plan_row(recipe: Recipe, explain_top: int = 6) -> dict:
     return row
 
 
+def compile_with_this_jax(recipe: Recipe) -> None:
+    """Compiles one recipe deviceless with the running jax and records its figures under that version."""
+    import jax
+
+    from jaxmem.config import load_config
+    from jaxmem.plan import resolve_topology
+    from jaxmem.plan.compiled import compile_for_plan
+
+    cfg = load_config(None, recipe.overrides())
+    f = compile_for_plan(cfg, resolve_topology(cfg))[1]
+    done = json.loads(OUT_VERSIONS.read_text()) if OUT_VERSIONS.exists() else {}
+    done.setdefault(recipe.name, {})[jax.__version__] = {
+        "device_gib": f.device_total / GIB, "host_gib": f.host_total / GIB, "fields": f.fields,
+        "how": f"compiled deviceless for {recipe.gpus} x {GPU[recipe.gpu_gb]} (jax {jax.__version__})",
+        "revision": revision()}
+    OUT_VERSIONS.write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
+
+
 def bill_gib(recipe: Recipe) -> float:
     """The analytic device total per GPU of a recipe (no compile)."""
     from jaxmem.config import load_config
@@ -262,8 +283,34 @@ def render_md(rows: list[dict]) -> str:
             name = f" ({b['checkpoint_name']})" if b.get("checkpoint_name") else ""
             lines.append(f"  - {b['bytes'] / GIB:.2f} GiB {b['dtype']}{b['shape']} {b['category']}{name}: "
                          f"{b.get('why') or ''} [{b['source']}]")
+    lines += host_section(rows)
     lines += ["", NOTES, ""]
     return "\n".join(lines)
+
+
+def host_section(rows: list[dict]) -> list[str]:
+    """Issue 27 item 5: the params-on-host row, compiled with every jax version recorded."""
+    row = next((r for r in rows if r["recipe"] == HOST_ROW and "error" not in r), None)
+    versions = json.loads(OUT_VERSIONS.read_text()).get(HOST_ROW, {}) if OUT_VERSIONS.exists() else {}
+    if row is None:
+        return []
+    cells = "; ".join(f"jax {v}: {x['device_gib']:.2f} GiB device, {x['host_gib']:.1f} GiB host"
+                      for v, x in sorted(versions.items()))
+    return ["", "## The params-on-host row: which figure was wrong", "", HOST_NOTE.format(
+        row=HOST_ROW, compiled=row["compiled_gib"], host=row["compiled_host_gib"], analytic=row["analytic_gib"],
+        versions=cells or "not recorded")]
+
+
+HOST_NOTE = """`{row}` (Qwen2.5-7B, 1 x H100, seq 8192, full remat, `offload.optimizer=host`, `offload.params=host`,
+the update on the host): the bill said 35.57 GiB on the device, the compile 5.2. Compiled deviceless with
+three XLAs ({versions}; `--jax-version-row`, benchmarks/everyday_jax_versions.json; the 0.11.2 and 0.12.0.1
+venvs are Python 3.12 side venvs): within 1.1% of each other, so the compile is not an artifact of jax
+0.10.2's memory-kinds shim. The bill was wrong: it kept every fp32 gradient (28.4 GiB) and two fp32 layers of
+temporaries on the device, while the layers' gradients land in host memory next to the host weights (the
+fetch's transpose; `jaxmem/offload.py`), each layer's gradient exists on the device only in the weights' bf16
+before it goes, and the LM head's stays in the compute dtype. Fixed in `jaxmem/plan/bill.py` (params-on-host
+part): now {analytic:.2f} GiB against {compiled:.2f} compiled ({host:.1f} GiB host);
+`tests/test_plan_params_host.py` compiles a 2-layer model of the same widths and failed before the fix (4.9x)."""
 
 
 NOTES = """Reading it: rows are compiled one at a time in a fresh process each (`--only NAME` recompiles a
@@ -280,12 +327,17 @@ def main() -> None:
     ap.add_argument("--explain-top", type=int, default=6, help="buffers named per row (jaxmem explain)")
     ap.add_argument("--bill-only", action="store_true",
                     help="recompute only the analytic figures of the rows in the JSON (no compile), then the md")
+    ap.add_argument("--jax-version-row", default=None,
+                    help="compile this recipe with the running jax into benchmarks/everyday_jax_versions.json")
     ap.add_argument("--list", action="store_true", help="print the recipe names")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # one recipe, JSON on stdout
     args = ap.parse_args()
     by_name = {r.name: r for r in RECIPES}
     if args.list:
         print("\n".join(by_name))
+        return
+    if args.jax_version_row:
+        compile_with_this_jax(by_name[args.jax_version_row])
         return
     if args.row:
         print(json.dumps(plan_row(by_name[args.row], args.explain_top)))
