@@ -166,6 +166,7 @@ def plan_row(recipe: Recipe, explain_top: int = 6) -> dict:
            "gpus": recipe.gpus, "target": GPU[recipe.gpu_gb], "overrides": recipe.overrides(),
            "compiled_gib": figures["device"] / GIB, "analytic_gib": a["device_total"] / GIB,
            "compiled_host_gib": figures["host"] / GIB, "analytic_host_gib": a["host_total"] / GIB,
+           "analytic_base_gib": a["base"] / GIB,
            "compiled_how": f"compiled deviceless for {recipe.gpus} x {GPU[recipe.gpu_gb]} (jax {jax.__version__})",
            "analytic_how": "estimated (analytic bill, jaxmem/plan/bill.py)", "revision": revision(),
            "step_seconds_estimated": p["cost"]["step_seconds"]}
@@ -199,15 +200,16 @@ def compile_with_this_jax(recipe: Recipe) -> None:
     OUT_VERSIONS.write_text(json.dumps(done, indent=1, sort_keys=True) + "\n")
 
 
-def bill_gib(recipe: Recipe) -> float:
-    """The analytic device total per GPU of a recipe (no compile)."""
+def bill_gib(recipe: Recipe, part: str = "device_total") -> float:
+    """The analytic device total per GPU of a recipe, or one category of its bill (no compile)."""
     from jaxmem.config import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan import resolve_topology
 
     cfg = load_config(None, recipe.overrides())
     topo = resolve_topology(cfg)
-    return compute_bill(cfg, topo.n_devices, gpu=True, device_memory=topo.gpu.hbm_bytes).device_total / GIB
+    bill = compute_bill(cfg, topo.n_devices, gpu=True, device_memory=topo.gpu.hbm_bytes)
+    return (bill.device_total if part == "device_total" else bill.device[part]) / GIB
 
 
 def misses(row: dict) -> list[str]:
@@ -270,8 +272,11 @@ def render_md(rows: list[dict]) -> str:
                      f"| {_gib(r.get('peer_gib'))} | {ratio} | {same} | {', '.join(misses(r)) or 'none'} |")
     lines += ["", "## Peers and class", ""]
     for r in peered:
+        base = r.get("analytic_base_gib") or 0
+        floor = (f" The frozen base alone is {base:.2f} GiB here (bill), {base / r['peer_gib']:.2f}x the peer's peak."
+                 if base else "")
         lines.append(f"- **{r['recipe']}**: {r['peer']}: {r['peer_figure']} ({r['peer_gib']:.2f} GiB). "
-                     f"{'Same class' if r['same_class'] else 'Other class'}: {r['class_note']}.")
+                     f"{'Same class' if r['same_class'] else 'Other class'}: {r['class_note']}.{floor}")
     explained = [r for r in ok if r.get("explain") and misses(r)]
     if explained:
         lines += ["", "## Where a row misses: the biggest buffers live at its compiled peak (`jaxmem explain`)", ""]
@@ -314,8 +319,18 @@ part): now {analytic:.2f} GiB against {compiled:.2f} compiled ({host:.1f} GiB ho
 
 
 NOTES = """Reading it: rows are compiled one at a time in a fresh process each (`--only NAME` recompiles a
-few; `--from-json` rewrites this file). A row whose compile or bill was made at another code revision says so
-in the JSON (`revision`). Nothing here is measured on a GPU by jaxmem; the peers' figures are theirs."""
+few; `--from-json` rewrites this file; `--bill-only` recomputes just the analytic figures, in seconds). Each
+row records the code revision its compile ran at (`revision` in the JSON; `-dirty`: uncommitted edits, which
+for these rows were bill edits only). Nothing here is measured on a GPU by jaxmem; the peers' figures are
+theirs. The 24 GB rows are compiled for an RTX 4090 (24 GB; jaxmem has no A10G target); the peer ran on an
+A10G (24 GB).
+
+Known causes of the misses at the revisions above (`jaxmem explain` buffers listed per row): on the LoRA /
+QLoRA rows each targeted projection is rebuilt as the merged weight W + s A B, whose [32, ...] copy the layer
+scan keeps for the backward, and QLoRA quantizes only the targeted projections, so with adapters on q and v
+the MLP, o and k weights stay bf16 (3.5 GiB each for the MLP's three). Issue #27 item 1 (branch `lora-lean`)
+removes both; rerun these rows on the merged tree. A bf16-base LoRA row cannot reach 0.8x LitGPT's peak
+whatever the activations: its frozen base alone is more than that (see the peers list)."""
 
 
 def main() -> None:
@@ -349,7 +364,8 @@ def main() -> None:
     if args.bill_only:
         for name, row in old.items():
             if name in by_name and "error" not in row:
-                row.update(analytic_gib=bill_gib(by_name[name]), analytic_revision=revision())
+                row.update(analytic_gib=bill_gib(by_name[name]), analytic_base_gib=bill_gib(by_name[name], "base"),
+                           analytic_revision=revision())
         OUT_JSON.write_text(json.dumps([old[n] for n in by_name if n in old], indent=1) + "\n")
     if not args.from_json:
         for name in args.only or list(by_name):
