@@ -118,7 +118,7 @@ RECIPES = [
            peer=Peer("torchtitan", TITAN, 82.4, "GiB", False, TITAN_OTHER.format(
                what="jaxmem's selective keeps every matmul output and reruns the flash forward"))),
     Recipe("llama3-8b-full-fsdp8-s8192-mb2-alt-80g", "Llama-3-8B", "full", "alternate_matmuls", 8192, 2, 8, 80,
-           ("kernels.attention=pallas",), Peer("torchtitan", TITAN, 82.4, "GiB", True, TITAN_SAME)),
+           extra=("kernels.attention=pallas",), peer=Peer("torchtitan", TITAN, 82.4, "GiB", True, TITAN_SAME)),
     Recipe("llama3-8b-full-fsdp8-s8192-mb2-full-80g", "Llama-3-8B", "full", "full", 8192, 2, 8, 80,
            peer=Peer("torchtitan", TITAN, 82.4, "GiB", False, TITAN_OTHER.format(
                what="full remat recomputes the whole layer"))),
