@@ -142,7 +142,7 @@ RECIPES = [
 def revision() -> str:
     def git(*args):
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
-    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return git("rev-parse", "HEAD") + ("-dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks") else "")
 
 
 def plan_row(recipe: Recipe, explain_top: int = 6) -> dict:
@@ -320,8 +320,8 @@ part): now {analytic:.2f} GiB against {compiled:.2f} compiled ({host:.1f} GiB ho
 
 NOTES = """Reading it: rows are compiled one at a time in a fresh process each (`--only NAME` recompiles a
 few; `--from-json` rewrites this file; `--bill-only` recomputes just the analytic figures, in seconds). Each
-row records the code revision its compile ran at (`revision` in the JSON; `-dirty`: uncommitted edits, which
-for these rows were bill edits only). Nothing here is measured on a GPU by jaxmem; the peers' figures are
+row records the code revision its compile ran at (`revision` in the JSON; `-dirty`: uncommitted edits; in
+the rows of 2026-11-25 the bill's params-on-host fix before its commit and these output files themselves). Nothing here is measured on a GPU by jaxmem; the peers' figures are
 theirs. The 24 GB rows are compiled for an RTX 4090 (24 GB; jaxmem has no A10G target); the peer ran on an
 A10G (24 GB).
 
@@ -330,7 +330,12 @@ QLoRA rows each targeted projection is rebuilt as the merged weight W + s A B, w
 scan keeps for the backward, and QLoRA quantizes only the targeted projections, so with adapters on q and v
 the MLP, o and k weights stay bf16 (3.5 GiB each for the MLP's three). Issue #27 item 1 (branch `lora-lean`)
 removes both; rerun these rows on the merged tree. A bf16-base LoRA row cannot reach 0.8x LitGPT's peak
-whatever the activations: its frozen base alone is more than that (see the peers list)."""
+whatever the activations: its frozen base alone is more than that (see the peers list). The bill's LoRA
+misses (`analytic`, remat none above all) are the same merged weight, which the bill does not count; the bill's
+LoRA part is rewritten with item 1. On the HF + PyTorch rows (full fine-tunes, 1 GPU) the peak is the default
+AdamW step's whole-model fp32 gradients and fp32 copy of the layers (the weight-shaped f32 buffers in the explain lists): issue #27 item 2
+(branch `lean-update`). torchtitan's row in its own class (`alternate_matmuls`) is under 0.6x; the `selective`
+row is another class (benchmarks/memory_lead.md)."""
 
 
 def main() -> None:
@@ -367,6 +372,7 @@ def main() -> None:
                 row.update(analytic_gib=bill_gib(by_name[name]), analytic_base_gib=bill_gib(by_name[name], "base"),
                            analytic_revision=revision())
         OUT_JSON.write_text(json.dumps([old[n] for n in by_name if n in old], indent=1) + "\n")
+        args.from_json = True  # no compile
     if not args.from_json:
         for name in args.only or list(by_name):
             old[name] = row = _run_child(name, args.lock or None, args.explain_top)
