@@ -255,7 +255,8 @@ def render_md(rows: list[dict]) -> str:
         "fp32 master and fp32 AdamW; LoRA / QLoRA rank 32, alpha 16 (QLoRA: nf4). Goals: analytic within "
         f"+-{TOLERANCE:.0%} of compiled; compiled <= {PEER_GOAL}x the peer where one publishes the same recipe.", "",
         f"**Analytic within +-{TOLERANCE:.0%}: {bill_ok} of {len(ok)} rows. Compiled <= {PEER_GOAL}x peer: "
-        f"{peer_ok} of {len(peered)} rows with a peer.**"
+        f"{peer_ok} of {len(peered)} rows with a peer ({sum(r['same_class'] and 'peer' not in misses(r) for r in peered)}"
+        f" of {sum(r['same_class'] for r in peered)} in the peer's class).**"
         + (f" {len(rows) - len(ok)} rows failed to compile." if len(ok) < len(rows) else ""), "",
         "| recipe | GPUs | compiled GiB | analytic GiB | bill error | host GiB (compiled) | peer GiB | x peer "
         "| same class | misses |",
