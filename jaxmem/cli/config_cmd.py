@@ -31,6 +31,7 @@ CHECKPOINT_NAME_HELP = {
     "key_proj": "key projection output",
     "value_proj": "value projection output",
     "attn_context": "attention output, before the output projection",
+    "flash_residuals": "the Pallas flash kernel's output and logsumexp (kept: its forward does not rerun)",
     "attn_out": "attention output projection",
     "mlp_norm": "RMSNorm output feeding the MLP",
     "mlp_gate": "MLP gate projection output",

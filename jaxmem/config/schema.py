@@ -258,7 +258,7 @@ class DistributedConfig:
 class RematConfig:
     preset: str = _f("none", "activation checkpointing preset (`jaxmem list remat` says what each keeps), one "
                              "of none, full, selective, dots, dots_no_batch, save_qkv_proj, save_attn_out, "
-                             "offload_layer_inputs, offload_selective")
+                             "offload_layer_inputs, offload_selective, alternate_matmuls")
     granularity: Literal["layer", "segments", "every_k", "nested"] = _f(
         "layer", "what one checkpoint wraps, one of layer (each decoder layer), segments (the attention and "
                  "MLP parts of each layer), every_k (groups of every_k layers), nested (groups of the largest "

@@ -20,6 +20,9 @@ CHOICES = ("remat", "device", "offload")
 _MATMULS = (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT, CN.ATTN_OUT, CN.MLP_GATE, CN.MLP_UP,
             CN.MLP_OUT)
 
+# Every other matmul of a layer in forward order (the 1st, 3rd, 5th and 7th), plus the attention output.
+_ALTERNATE = (CN.QUERY_PROJ, CN.VALUE_PROJ, CN.FLASH_RESIDUALS, CN.MLP_GATE, CN.MLP_OUT)
+
 
 def _only(names, choice="device") -> dict:
     return {n.value: choice for n in names}
@@ -31,6 +34,9 @@ PRESETS: dict[str, dict] = {
     "none": {"checkpoint": False, "names": {}},
     "full": {"names": {}},
     "selective": {"names": _only(_MATMULS)},
+    # torchtitan's op-level selective AC: every matmul output kept except every second one in forward order
+    # (q kept, k recomputed, v kept, output projection recomputed, gate kept, up recomputed, down kept)
+    "alternate_matmuls": {"names": _only(_ALTERNATE)},
     "dots": {"names": {}, "base": "dots_saveable"},
     "dots_no_batch": {"names": {}, "base": "dots_with_no_batch_dims_saveable"},
     "save_qkv_proj": {"names": _only((CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ))},
@@ -180,6 +186,8 @@ def saved_across_backward(cfg: RematConfig, fused_attention: bool) -> dict[str, 
         if n == CN.ATTN_CONTEXT and fused_attention:
             continue  # a fused attention kernel's output is no dot
         out[n.value] = "device" if out[n.value] == "remat" else out[n.value]
+    if not fused_attention:
+        out[CN.FLASH_RESIDUALS.value] = "remat"  # plain attention has no kernel residuals
     # The layer's output is never read by its own backward (the next layer keeps its input): whatever the
     # policy says (device or offload), autodiff drops it (deviceless compiles agree).
     out[CN.MLP_OUT.value] = "remat"

@@ -18,6 +18,7 @@ class CheckpointName(enum.StrEnum):
     KEY_PROJ = "key_proj"
     VALUE_PROJ = "value_proj"
     ATTN_CONTEXT = "attn_context"  # attention output before the output projection
+    FLASH_RESIDUALS = "flash_residuals"  # a flash kernel's output and per-row logsumexp, its backward's residuals
     ATTN_OUT = "attn_out"  # after the output projection
     MLP_NORM = "mlp_norm"  # MLP input: RMSNorm output
     MLP_GATE = "mlp_gate"

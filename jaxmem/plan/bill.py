@@ -156,6 +156,7 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     out = {n.value: btd for n in _BTD}
     out.update({n.value: btf for n in _BTF})
     out.update({CN.QUERY_PROJ.value: q, CN.ATTN_CONTEXT.value: q, CN.KEY_PROJ.value: kv, CN.VALUE_PROJ.value: kv})
+    out[CN.FLASH_RESIDUALS.value] = q + 2 * q // m.head_dim  # the output, and an fp32 logsumexp per row and head
     return out
 
 
@@ -323,12 +324,21 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
     streamed = "opt" in layout.host_state and cfg.offload.optimizer_update == "device" \
         and not cfg.optimizer.update_in_backward
-    if streamed and "params" in layout.host_state:
-        # The decoder layers' gradients go straight to the host with their weights (compiled llama3-8b
-        # 1 x 4090 recipe: the bf16 [L, ...] layer gradient buffers are in host memory); only the
-        # embedding / final norm / LM head gradients are device buffers. (Read off that recipe only, with
-        # the update streamed; optimizer_update=host keeps the full count until a compile shows otherwise.)
+    if "params" in layout.host_state:
+        # The decoder layers' gradients go straight to the host with their weights, whatever runs the update
+        # (compiled llama3-8b 1 x 4090 recipe, update streamed, and qwen2.5-7b 1 x H100, update on the host,
+        # with jax 0.10.2, 0.11.2 and 0.12.0.1: the [L, ...] layer gradient buffers are host memory); only the
+        # embedding / final norm / LM head gradients are device buffers.
         device["grads"] -= _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
+        if "opt" in layout.host_state and cfg.offload.optimizer_update == "host":
+            # the rest go to the host update too; the compiled totals of both cases match without them
+            # (explain: the LM head's bf16 gradient is live at the layer peak, the donated embedding is not)
+            device["grads"] = 0
+            if layout.lora is None:  # and the LM head's gradient stays in the compute dtype (explain: bf16)
+                device["logits"] -= head_full * (4 - cd)
+        device["temporaries"] = host_params_layer_bytes(cfg, layout, prec)
+        # the layer's weight gradients complete after the MLP's gate / up input gradients are dead
+        device["working_set"] -= 2 * per_name[CN.MLP_GATE.value] * cd
     host["activations"] = sum(saved_host.values())
     update_phase = 0
     memory = _device_memory(cfg, device_memory)
@@ -338,11 +348,19 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if streamed and "params" not in layout.host_state:
         device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, memory)
     absent_in_loss = 0
-    if "opt" in layout.host_state and not (streamed and "params" in layout.host_state) \
+    if "opt" in layout.host_state and "params" not in layout.host_state \
             and not cfg.optimizer.update_in_backward:
         absent_in_loss = _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
     return Bill(device, host, saved_dev, saved_host, sizes, notes, layout, attention_scratch=scores_working,
                 absent_in_loss=absent_in_loss, update_phase=update_phase)
+
+
+def host_params_layer_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:
+    """One layer's temporaries in the backward with its weights fetched from the host (offload.params=host):
+    its gradient, in the weights' dtype (the fetch's cast to the gradient dtype transposes back to it)
+    before it goes to the host; no rebuilt full-width layer is held with it (`jaxmem explain` of qwen2.5-7b
+    widths, 1 x h100-80g: the layer's bf16 gradients and the MLP's [T, d_ff] values at the peak)."""
+    return _state_bytes(layout, layout.param_specs, prec.param, part="layers") // cfg.model.n_layers
 
 
 # XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): 80% of the device memory,

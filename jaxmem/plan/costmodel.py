@@ -179,7 +179,8 @@ def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: st
     if not remat.uses_checkpoint(cfg.remat):
         return []
     where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
-    done: set = set()
+    kept = attention_kernel == "pallas" and where[CN.FLASH_RESIDUALS.value] == "device"  # cuDNN's are unnamed
+    done: set = {CN.ATTN_CONTEXT} if kept else set()  # the kept kernel output is the context
     ops: list[str] = []
 
     def rebuild(value) -> None:

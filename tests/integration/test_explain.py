@@ -154,7 +154,8 @@ def test_checkpoint_names_come_from_the_ops_name_scopes(cfg, module, report):
     from jaxmem.core import remat
 
     scoped = {n for ins in module.instrs.values() for n in ALL_NAMES if scope_name(n) + "/" in ins.op_name}
-    assert scoped == set(ALL_NAMES) - {CheckpointName.LAYER_INPUT.value}, scoped
+    # flash_residuals names a Pallas flash kernel's outputs (this program's attention is plain XLA)
+    assert scoped == set(ALL_NAMES) - {CheckpointName.LAYER_INPUT.value, CheckpointName.FLASH_RESIDUALS.value}, scoped
     stacked = [b["checkpoint_name"] for b in report["buffers"]
                if b["category"] == "activation" and b["shape"][0] == L and b["checkpoint_name"]]
     saved = {n for n, c in remat.name_choices(cfg.remat).items() if c == "device"} - {CheckpointName.MLP_OUT.value}

@@ -20,10 +20,12 @@ import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.kernels.attention.config import AttentionBlocks, fit_shared_memory
 from jaxmem.kernels.mesh_axes import data_axes, head_axes, is_sharded
+from jaxmem.model.names import CheckpointName as CN
 
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
 LOG2E = math.log2(math.e)
@@ -248,6 +250,8 @@ def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, m
                                 interpret=interpret)
     o, lse = _sharded(lambda *a: tuple(forward(*a)), mesh, k.shape[2], seg is not None, "xxxs", "xr")(
         q, k, v, seg)
+    # Named, so that a remat policy can keep the kernel's residuals instead of rerunning it in the backward.
+    o, lse = checkpoint_name((o, lse), CN.FLASH_RESIDUALS.value)
     return o, (q, k, v, seg, o, lse)
 
 
