@@ -313,10 +313,10 @@ three XLAs ({versions}; `--jax-version-row`, benchmarks/everyday_jax_versions.js
 venvs are Python 3.12 side venvs): within 1.1% of each other, so the compile is not an artifact of jax
 0.10.2's memory-kinds shim. The bill was wrong: it kept every fp32 gradient (28.4 GiB) and two fp32 layers of
 temporaries on the device, while the layers' gradients land in host memory next to the host weights (the
-fetch's transpose; `jaxmem/offload.py`), each layer's gradient exists on the device only in the weights' bf16
+fetch's transpose; `jaxmem/core/offload.py`), each layer's gradient exists on the device only in the weights' bf16
 before it goes, and the LM head's stays in the compute dtype. Fixed in `jaxmem/plan/bill.py` (params-on-host
 part): now {analytic:.2f} GiB against {compiled:.2f} compiled ({host:.1f} GiB host);
-`tests/test_plan_params_host.py` compiles a 2-layer model of the same widths and failed before the fix (4.9x)."""
+`tests/integration/test_plan_params_host.py` compiles a 2-layer model of the same widths and failed before the fix (4.9x)."""
 
 
 NOTES = """Reading it: rows are compiled one at a time in a fresh process each (`--only NAME` recompiles a

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_everyday", ROOT / "scripts/bench_everyday.py")
 ev = sys.modules["bench_everyday"] = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(ev)

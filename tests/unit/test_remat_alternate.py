@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem import remat
+from jaxmem.core import remat
 from jaxmem.config import RematConfig, load_config
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.plan.costmodel import recompute_flops_per_layer
