@@ -187,13 +187,19 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     p_rest, p_layers = split_layers(old_params) if old_params is not None else (None, None)
     new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
 
-    # State and weights are the loop carry, updated in place (they are donated); new params are the
-    # scan's stacked output, a param-dtype copy.
+    # State, weights and (given) params are the loop carry, updated in place one layer at a time (they are
+    # donated), so the update's temporaries are one layer's; without old params the new ones are the scan's
+    # stacked output.
     def layer(carry, _):
-        i, s_all, w_all = carry
-        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_layers)), homes["layers"])
-        return (i + 1, put_layer(s_all, s, i), put_layer(w_all, w, i)), p
+        i, s_all, w_all, p_all = carry
+        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_all)), homes["layers"])
+        s_all, w_all = put_layer(s_all, s, i), put_layer(w_all, w, i)
+        if p_all is None:
+            return (i + 1, s_all, w_all, None), p
+        return (i + 1, s_all, w_all, put_layer(p_all, p, i)), None
 
     n_layers = jax.tree.leaves(w_layers)[0].shape[0]
-    (_, ls, lw), lp = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers), None, length=n_layers)
+    (_, ls, lw, lp), stacked = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers, p_layers), None,
+                                            length=n_layers)
+    lp = stacked if p_layers is None else lp
     return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import aot, kernels, memory_kinds_shim, offload, remat, sharding, validate
+from jaxmem import aot, grad_dtype, kernels, memory_kinds_shim, offload, remat, sharding, validate
 from jaxmem.validate import RECORD_KINDS, ConfigError
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -353,6 +353,18 @@ def _make_step(prog: TrainProgram):
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
 
+    def grad_params(params, micro_batches, denom, base):
+        """The params as they are differentiated: at grad_reduce_dtype, except the leaves whose gradient is a
+        widened param-dtype value anyway (jaxmem.grad_dtype): those stay as stored, so neither an fp32 copy of
+        them nor an fp32 gradient exists. Same gradient values either way."""
+        cast = offload.cast_for_grad(cfg, params, prec.grad_reduce)
+        if prog.layout.lora is not None or cfg.offload.params == "host":
+            return cast
+        micro = jax.tree.map(lambda x: x[0], micro_batches)
+        probe = lambda p, m, d: grad_fn(p, m, d, base, None)[0]  # noqa: E731
+        exact = grad_dtype.exact_dtypes(probe, *grad_dtype.abstract((cast, micro, denom)))
+        return grad_dtype.grad_inputs(params, exact, prec.grad_reduce)
+
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
         micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
@@ -360,7 +372,7 @@ def _make_step(prog: TrainProgram):
         n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
         params = state["params"]
-        p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
+        p_grad = grad_params(params, micro_batches, n_valid / scale, state.get("base"))
 
         def one(micro, index=None):
             key = None
@@ -388,9 +400,13 @@ def _make_step(prog: TrainProgram):
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)
+        # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
+        # makes its own, and reads the old ones only to skip a non-finite fp16 step)
+        host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
+        old_params = params if scaling.enabled or not host_update else None
         with jax.named_scope(UPDATE_SCOPE):
             new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
-                cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
+                cfg, update, grads, state["opt"], weights, old_params, scale)
         new_params = offload.constrain_device_part(cfg, new_params, param_shardings)
 
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
