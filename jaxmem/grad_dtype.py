@@ -86,3 +86,17 @@ def grad_inputs(params: dict, exact: dict, grad_dtype) -> dict:
 
 def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
+
+
+# The analytic mirror of `exact_dtypes` for the planner (jaxmem.plan.bill), which reads no jaxpr: the weights
+# the model uses only through `w.astype(compute)` in a projection (jaxmem.model.layers.einsum_project and the
+# LM head). tests/test_lean_update.py checks it against `exact_dtypes` on the model.
+PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+
+
+def planned_dtype(name: str, cfg, prec):
+    """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation)."""
+    narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
+        jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize
+    lean = cfg.lora.rank == 0 and cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
+    return prec.param if lean and narrow and name in PROJECTIONS else prec.grad_reduce

@@ -17,7 +17,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem import aot, grad_dtype, kernels, memory_kinds_shim, offload, remat, sharding, validate
+from jaxmem import aot, embed_grad, grad_dtype, kernels, memory_kinds_shim, offload, remat, sharding, validate
 from jaxmem.validate import RECORD_KINDS, ConfigError
 from jaxmem.schema import Config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -352,6 +352,7 @@ def _make_step(prog: TrainProgram):
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
+    rows_grad_fn = embed_grad.grad_fn(prog)
 
     def grad_params(params, micro_batches, denom, base):
         """The params as they are differentiated: at grad_reduce_dtype, except the leaves whose gradient is a
@@ -374,7 +375,15 @@ def _make_step(prog: TrainProgram):
         params = state["params"]
         p_grad = grad_params(params, micro_batches, n_valid / scale, state.get("base"))
 
+        rows_mode = embed_grad.applies(prog)  # the embedding's gradient kept as its touched rows
+        if rows_mode:
+            embed, p_grad = p_grad["embed"], {k: v for k, v in p_grad.items() if k != "embed"}
+            rest_shardings = {k: v for k, v in grad_shardings.items() if k != "embed"}
+
         def one(micro, index=None):
+            if rows_mode:
+                (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
+                return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), loss_sum
             key = None
             if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
                 from jaxmem.lora.dropout import step_key
@@ -388,15 +397,21 @@ def _make_step(prog: TrainProgram):
         with jax.named_scope(GRADS_SCOPE):
             if prog.grad_accum == 1:
                 grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
+                d_rows = None
+                if rows_mode:
+                    (grads, d_rows) = grads
             else:
                 def acc(carry, micro):
                     g, l = one(*micro) if dropout_on else one(micro)
-                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+                    g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), d_rows
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
-                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+                zeros = jax.lax.with_sharding_constraint(zeros, rest_shardings if rows_mode else grad_shardings)
                 xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
-                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+                (grads, loss_sum), d_rows = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+            if rows_mode:
+                grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)

@@ -14,6 +14,7 @@ from jaxmem.schema import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
+from jaxmem.grad_dtype import planned_dtype
 from jaxmem.optim import split_layers
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.precision import Precision
@@ -137,6 +138,17 @@ def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
     return (_state_elems(layout, layout.grad_specs, "layers") // cfg.model.n_layers + largest) * _itemsize(dtype)
 
 
+def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:
+    """Gradient bytes per device of the default step: the projection weights' at the params' dtype where
+    their gradient is a widened one (jaxmem.grad_dtype), every other leaf's at grad_reduce_dtype."""
+    flat = jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]
+    total = 0
+    for (path, x), spec in zip(flat, spec_leaves(layout.grad_specs), strict=True):
+        name = str(getattr(path[-1], "key", path[-1]))
+        total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
+    return total
+
+
 def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     """Elements per device of each checkpointed tensor, for one layer, sharded by the activation rules."""
     m, rows, seq = cfg.model, layout.rows, cfg.train.seq_len
@@ -206,7 +218,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     prec = Precision.from_config(cfg.precision)
     m = cfg.model
     params = _state_bytes(layout, layout.param_specs, prec.param)
-    grads = _state_bytes(layout, layout.grad_specs, prec.grad_reduce)  # cast to fp32 on use
+    grads = _plain_grad_bytes(cfg, layout, prec)  # cast to fp32 on use
     if cfg.optimizer.update_in_backward:
         grads = _in_backward_grads(cfg, layout, prec.grad_reduce)
     master = _state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0
@@ -253,7 +265,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
     layer_full = _model_elems(layout, "layers") // m.n_layers
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
-    temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
+    layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.grad_dtype)
+    temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)
     if layout.lora is not None:  # one layer rebuilt from the base (+ A B) and that weight's gradient
         temporaries = 2 * layer_full * cd + (2 * _base_bytes(layout) // m.n_layers if gathered else 0)
         notes.append(f"LoRA rank {layout.lora.rank} on {', '.join(layout.lora.targets)}: base stored as "
@@ -280,7 +293,9 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         host["params"] = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
         device["params"] -= host["params"]
     elif _itemsize(prec.grad_reduce) > _itemsize(prec.param) and layout.lora is None \
-            and not cfg.optimizer.update_in_backward:
+            and not cfg.optimizer.update_in_backward and planned_dtype("wq", cfg, prec) != prec.param:
+        # (Where the projections' gradients are kept at the params' dtype, jaxmem.grad_dtype, only the norm
+        # scales are cast: nothing to count.)
         # offload.cast_for_grad casts the whole decoder stack to the gradient dtype before the forward (its
         # gradient comes out in that dtype); from then on the donated bf16 layers are dead and XLA reuses
         # their bytes, so through the backward the layers are held at the gradient's width (`jaxmem explain`
