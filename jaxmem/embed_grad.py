@@ -36,12 +36,16 @@ def is_rows(x) -> bool:
     return isinstance(x, RowGrad)
 
 
-def applies(prog) -> bool:
-    cfg, prec = prog.cfg, prog.precision
-    if prog.layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings:
+def applies(cfg, layout, prec) -> bool:
+    """Whether the default step (its config, jaxmem.layout.Layout and precision) keeps the rows."""
+    if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
+            or cfg.optimizer.update_in_backward:
         return False
-    tokens = prog.grad_accum * prog.rows * cfg.train.seq_len
-    return tokens * (np.dtype(prec.compute).itemsize + 4) < cfg.model.vocab_size * 4
+    return tokens_per_step(cfg, layout) * (np.dtype(prec.compute).itemsize + 4) < cfg.model.vocab_size * 4
+
+
+def tokens_per_step(cfg, layout) -> int:
+    return layout.grad_accum * layout.rows * cfg.train.seq_len
 
 
 def lookup(prog, embed, inputs):

@@ -375,7 +375,7 @@ def _make_step(prog: TrainProgram):
         params = state["params"]
         p_grad = grad_params(params, micro_batches, n_valid / scale, state.get("base"))
 
-        rows_mode = embed_grad.applies(prog)  # the embedding's gradient kept as its touched rows
+        rows_mode = embed_grad.applies(cfg, prog.layout, prec)  # the embedding's gradient kept as its touched rows
         if rows_mode:
             embed, p_grad = p_grad["embed"], {k: v for k, v in p_grad.items() if k != "embed"}
             rest_shardings = {k: v for k, v in grad_shardings.items() if k != "embed"}

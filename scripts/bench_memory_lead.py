@@ -25,8 +25,8 @@ WIDTH_8B_X8 = ["model.preset=llama3-8b", "model.n_layers=8", "remat.preset=full"
                "precision.compute_dtype=bfloat16", "precision.master_weights=true", "target.name=h100-80g",
                "target.gpus_per_host=1"]
 CASES = {  # name: (config, overrides, GPU-measured bench JSON or None)
-    "8B widths x 8 layers, seq 8192, full remat, 1 x H100: plain step": (
-        "configs/tiny.yaml", WIDTH_8B_X8, "bench_8bx8_s8k_full_auto.json"),
+    "8B widths x 8 layers, seq 8192, full remat, 1 x H100: default step (lean update)": (
+        "configs/tiny.yaml", WIDTH_8B_X8, None),
     "same, optimizer.update_in_backward": (
         "configs/tiny.yaml", WIDTH_8B_X8 + ["optimizer.update_in_backward=true"],
         "bench_8bx8_s8k_full_update_in_backward.json"),
@@ -38,6 +38,13 @@ CASES = {  # name: (config, overrides, GPU-measured bench JSON or None)
     "same, selective + MLP gate / up in pinned host memory (configs/llama3-8b-8xh100-selective-lean.yaml)": (
         "configs/llama3-8b-8xh100-selective-lean.yaml", [], None),
 }
+# The same case before the lean default update (jaxmem at commit 2e38dd8: the layers cast to an fp32 copy
+# before the forward, every gradient fp32, the embedding's a [vocab, d_model] table), as this script wrote it
+# then: compiled deviceless with jax 0.10.2, and that step measured on an H100 (bench_8bx8_s8k_full_auto.json).
+BEFORE = ("same case before the lean default update (commit 2e38dd8)", {
+    "compiled": {"device_gib": 54.53, "temp_gib": 18.08, "host_gib": 0.0, "step_seconds": 0.36,
+                 "how": "compiled for 1 x h100-80g (deviceless), jax 0.10.2, at commit 2e38dd8"},
+    "measured": "bench_8bx8_s8k_full_auto.json"})
 PEERS = [  # (what, GiB, how)
     ("8B widths x 8 layers, seq 8192: Hugging Face transformers + PyTorch, gradient checkpointing, fp32 "
      "weights + bf16 autocast + fused AdamW", 48.7,
@@ -100,6 +107,10 @@ def markdown(rows: dict) -> str:
 def main():
     rows = {name: {"config": cfg, "overrides": over, "compiled": compiled_case(cfg, over),
                    "measured": measured_case(bench)} for name, (cfg, over, bench) in CASES.items()}
+    first, rest = list(rows.items())[:1], list(rows.items())[1:]
+    before = {"config": "configs/tiny.yaml", "overrides": WIDTH_8B_X8, "compiled": BEFORE[1]["compiled"],
+              "measured": measured_case(BEFORE[1]["measured"])}
+    rows = dict(first + [(BEFORE[0], before)] + rest)
     for name, r in rows.items():
         print(f"{name}: compiled {r['compiled']['device_gib']:.2f} GiB", flush=True)
     result = {"rows": rows, "peers": [{"what": w, "gib": g, "how": h} for w, g, h in PEERS]}
@@ -111,7 +122,16 @@ def main():
 NOTES = """
 ## Reading it
 
-- **The 8B-width x 8-layer step (the issue's measured case)**: the plain step's temporaries were 18 GiB,
+- **The default step (issue #27 item 2)**: the step before it held 18.08 GiB of temporaries: an fp32 copy
+  of the layer stack made before the forward (6.6 GiB), every gradient in fp32 (10.4 GiB: the layers 6.5,
+  the embedding table 2.0, the LM head 2.0) and the new params' buffer. The default step now
+  differentiates the matmul weights and the LM head at bf16 (their fp32 gradient was a bf16 value widened:
+  `jaxmem/grad_dtype.py` reads it off the jaxpr, so the values are the same), keeps the embedding's
+  gradient as the rows the step touched (`jaxmem/embed_grad.py`), computes the exact global norm, then
+  updates the state in place a layer at a time, the embedding / final norm / LM head after the layers.
+  Same loss, master and moments as the optax whole-model update (`tests/test_lean_update.py`). See the
+  first two rows; nothing of the new row was measured on a GPU.
+- **The update in the backward**: the old plain step's temporaries were 18 GiB,
   mostly the whole model's fp32 gradient (the layers' 1.75 B parameters alone are 6.5 GiB). With
   `optimizer.update_in_backward` each layer's gradient exists only while that layer is updated, inside
   the backward: temporaries 3.4 GiB (goal <= 6), device total 39.9 GiB compiled and **40.19 GiB measured

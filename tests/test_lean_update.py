@@ -135,7 +135,7 @@ ROWS = {("one_device", "accum1"): True, ("one_device", "accum2"): True, ("fsdp8"
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_the_whole_model_update(layout, accum):
     prog, *run = _run(LAYOUTS[layout] + ACCUM[accum], _devices(layout))[:4]
-    assert embed_grad.applies(prog) == ROWS[layout, accum]
+    assert embed_grad.applies(prog.cfg, prog.layout, prog.precision) == ROWS[layout, accum]
     _check(prog, *run)
 
 
@@ -163,6 +163,11 @@ def test_gradients_kept_at_their_exact_dtype():
     assert exact["lm_head"] == jnp.bfloat16
     assert layers["attn_norm"] is None and layers["mlp_norm"] is None
     assert exact["embed"] is None and exact["final_norm"] is None
+    # the planner's rule (jaxmem.plan.bill reads no jaxpr) says the same for every leaf
+    flat = jax.tree_util.tree_flatten_with_path(exact, is_leaf=lambda x: x is None)[0]
+    for path, found in flat:
+        name = str(path[-1].key)
+        assert grad_dtype.planned_dtype(name, cfg, prog.precision) == (found or jnp.float32), name
     # with fp32 compute nothing is narrower than fp32
     cfg32 = load_config(TINY, BASE + LAYOUTS["one_device"] + ["precision.compute_dtype=float32"])
     loss32 = loss_sum_fn(build_program(cfg32, devices=_devices("one_device")))

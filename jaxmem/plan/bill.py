@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem import kernels
+from jaxmem import embed_grad, kernels
 from jaxmem.schema import Config
 from jaxmem.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
@@ -145,6 +145,11 @@ def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:
     total = 0
     for (path, x), spec in zip(flat, spec_leaves(layout.grad_specs), strict=True):
         name = str(getattr(path[-1], "key", path[-1]))
+        if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
+            # its touched rows (jaxmem.embed_grad): fp32 sums per distinct token, the rows' gradient
+            n, d = embed_grad.tokens_per_step(cfg, layout), cfg.model.d_model
+            total += n * d * 4 + n // layout.data_ways * d * _itemsize(prec.compute)
+            continue
         total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
     return total
 
