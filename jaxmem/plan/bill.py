@@ -138,13 +138,16 @@ def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
     return (_state_elems(layout, layout.grad_specs, "layers") // cfg.model.n_layers + largest) * _itemsize(dtype)
 
 
-def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:
+def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only: bool = False) -> int:
     """Gradient bytes per device of the default step: the projection weights' at the params' dtype where
-    their gradient is a widened one (jaxmem.grad_dtype), every other leaf's at grad_reduce_dtype."""
+    their gradient is a widened one (jaxmem.grad_dtype), every other leaf's at grad_reduce_dtype
+    (`rest_only`: the embedding, final norm and LM head only)."""
     flat = jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]
     total = 0
     for (path, x), spec in zip(flat, spec_leaves(layout.grad_specs), strict=True):
         name = str(getattr(path[-1], "key", path[-1]))
+        if rest_only and str(getattr(path[0], "key", path[0])) == "layers":
+            continue
         if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
             # its touched rows (jaxmem.embed_grad): fp32 sums per distinct token, the rows' gradient
             n, d = embed_grad.tokens_per_step(cfg, layout), cfg.model.d_model
@@ -324,6 +327,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         update_phase = update_phase_bytes(cfg, layout, prec, device, memory)
     if streamed and "params" not in layout.host_state:
         device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, memory)
+    if not layout.host_state and not cfg.optimizer.update_in_backward:
+        update_phase = plain_update_phase_bytes(cfg, layout, prec, device)
     absent_in_loss = 0
     if "opt" in layout.host_state and not (streamed and "params" in layout.host_state) \
             and not cfg.optimizer.update_in_backward:
@@ -384,6 +389,21 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
             break
         peak += copy
     return peak
+
+
+def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int]) -> int:
+    """Device bytes at the peak of the default update, state on the device (jaxmem.optim.layerwise_update):
+    the layers are updated in place one at a time (one layer's fp32 temporaries, under the backward's peak),
+    then the embedding, final norm and LM head, once the layers' gradients are dead: at the largest leaf's
+    update the device holds the resident state, the non-layer gradients, that leaf's gradient widened to
+    fp32 (the embedding's rows made a table: jaxmem.embed_grad) and its new weight (`jaxmem explain` of a
+    4-layer d_model 1024 Llama-3 at seq 8192 on one H100, deviceless: the fp32 embedding gradient, the new
+    bf16 embedding and the LM head's bf16 gradient at the peak)."""
+    resident = sum(device[k] for k in ("params", "base", "master", "opt_m", "opt_v", "inputs"))
+    largest = next(iter(_rest_leaf_elems(layout)), 0)
+    widened = largest * 4 if embed_grad.applies(cfg, layout, prec) else 0
+    return resident + _plain_grad_bytes(cfg, layout, prec, rest_only=True) + widened \
+        + largest * _itemsize(prec.param)
 
 
 def _rest_leaf_elems(layout: Layout) -> list[int]:
