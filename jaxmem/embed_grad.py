@@ -8,8 +8,8 @@ distinct token ids and, per id, the sum of its rows' gradients, added in token o
 does (the same fp32 values). The global norm reads the sums; the optimizer widens them into the table's
 shape only for the update of that one leaf, after the layers' update, when their gradients are dead.
 
-Used where it is smaller than the table (tokens per step x (compute bytes + 4) < vocab x 4), the
-embedding is not tied to the LM head, and the step is the plain one (no LoRA, layers on the device).
+Used where it takes fewer bytes per device than the table's gradient shard (`applies`), the embedding is
+not tied to the LM head, and the step is the plain one (no LoRA, layers on the device).
 """
 from __future__ import annotations
 
@@ -37,11 +37,27 @@ def is_rows(x) -> bool:
 
 
 def applies(cfg, layout, prec) -> bool:
-    """Whether the default step (its config, jaxmem.layout.Layout and precision) keeps the rows."""
+    """Whether the default step (its config, jaxmem.layout.Layout and precision) keeps the rows: where they
+    take fewer bytes per device than the table's gradient shard (the sums counted whole on every device)."""
     if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
-            or cfg.optimizer.update_in_backward:
+            or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
         return False
-    return tokens_per_step(cfg, layout) * (np.dtype(prec.compute).itemsize + 4) < cfg.model.vocab_size * 4
+    return rows_bytes(cfg, layout, prec) < table_bytes(cfg, layout, prec)
+
+
+def rows_bytes(cfg, layout, prec) -> int:
+    """Per device: the fp32 sums (whole) and this device's share of the rows' gradient (compute dtype)."""
+    n, d = tokens_per_step(cfg, layout), cfg.model.d_model
+    return n * d * 4 + n // layout.data_ways * d * np.dtype(prec.compute).itemsize
+
+
+def table_bytes(cfg, layout, prec) -> int:
+    """Per device: the table's gradient shard at grad_reduce_dtype."""
+    shards = 1
+    for axes in layout.grad_specs["embed"]:
+        for a in (axes if isinstance(axes, tuple) else (axes,)):
+            shards *= layout.mesh_sizes[str(a)] if a is not None else 1
+    return cfg.model.vocab_size * cfg.model.d_model * np.dtype(prec.grad_reduce).itemsize // shards
 
 
 def tokens_per_step(cfg, layout) -> int:

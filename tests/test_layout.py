@@ -125,7 +125,7 @@ def test_state_specs_and_bytes_match(program_and_bill):
         sizes = [n * np.dtype(planned_dtype(name, prog.cfg, prec)).itemsize
                  for name, n in zip(paths, shard_elems(state["params"], prog.grad_specs), strict=True)]
         if embed_grad.applies(prog.cfg, lay, prec):
-            tokens, d = embed_grad.tokens_per_step(prog.cfg, lay), prog.cfg.model.d_model
+            tokens, d = embed_grad.tokens_per_step(prog.cfg, lay), prog.cfg.model.d_model  # sums + rows' grads
             sizes[paths.index("embed")] = tokens * d * 4 + tokens // lay.data_ways * d * np.dtype(prec.compute).itemsize
         assert device["grads"] == sum(sizes)
 

@@ -150,8 +150,7 @@ def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only
             continue
         if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
             # its touched rows (jaxmem.embed_grad): fp32 sums per distinct token, the rows' gradient
-            n, d = embed_grad.tokens_per_step(cfg, layout), cfg.model.d_model
-            total += n * d * 4 + n // layout.data_ways * d * _itemsize(prec.compute)
+            total += embed_grad.rows_bytes(cfg, layout, prec)
             continue
         total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
     return total
