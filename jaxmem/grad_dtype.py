@@ -84,6 +84,22 @@ def grad_inputs(params: dict, exact: dict, grad_dtype) -> dict:
     return jax.tree.map(pick, params, exact, is_leaf=lambda x: x is None)
 
 
+def step_params(prog, grad_fn, params, micro_batches, denom, base):
+    """The params as the train step differentiates them: at grad_reduce_dtype, except the leaves whose
+    gradient is a widened param-dtype value anyway: those stay as stored, so neither an fp32 copy of them nor
+    an fp32 gradient exists. Same gradient values either way. `grad_fn(params, micro, denom, base, key)` is
+    the step's (gradients, loss) function; `micro_batches` [A, ...] as the step splits them."""
+    from jaxmem import offload
+
+    cfg, grad_reduce = prog.cfg, prog.precision.grad_reduce
+    cast = offload.cast_for_grad(cfg, params, grad_reduce)
+    if prog.layout.lora is not None or cfg.offload.params == "host":
+        return cast
+    micro = jax.tree.map(lambda x: x[0], micro_batches)
+    probe = lambda p, m, d: grad_fn(p, m, d, base, None)[0]  # noqa: E731
+    return grad_inputs(params, exact_dtypes(probe, *abstract((cast, micro, denom))), grad_reduce)
+
+
 def abstract(tree):
     return jax.tree.map(lambda x: jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x)), tree)
 

@@ -354,18 +354,6 @@ def _make_step(prog: TrainProgram):
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
     rows_grad_fn = embed_grad.grad_fn(prog)
 
-    def grad_params(params, micro_batches, denom, base):
-        """The params as they are differentiated: at grad_reduce_dtype, except the leaves whose gradient is a
-        widened param-dtype value anyway (jaxmem.grad_dtype): those stay as stored, so neither an fp32 copy of
-        them nor an fp32 gradient exists. Same gradient values either way."""
-        cast = offload.cast_for_grad(cfg, params, prec.grad_reduce)
-        if prog.layout.lora is not None or cfg.offload.params == "host":
-            return cast
-        micro = jax.tree.map(lambda x: x[0], micro_batches)
-        probe = lambda p, m, d: grad_fn(p, m, d, base, None)[0]  # noqa: E731
-        exact = grad_dtype.exact_dtypes(probe, *grad_dtype.abstract((cast, micro, denom)))
-        return grad_dtype.grad_inputs(params, exact, prec.grad_reduce)
-
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
         micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
@@ -373,7 +361,7 @@ def _make_step(prog: TrainProgram):
         n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
         params = state["params"]
-        p_grad = grad_params(params, micro_batches, n_valid / scale, state.get("base"))
+        p_grad = grad_dtype.step_params(prog, grad_fn, params, micro_batches, n_valid / scale, state.get("base"))
 
         rows_mode = embed_grad.applies(cfg, prog.layout, prec)  # the embedding's gradient kept as its touched rows
         if rows_mode:
