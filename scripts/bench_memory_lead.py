@@ -141,6 +141,11 @@ NOTES = """
   already the plain step's, and the estimated step time drops 0.357 -> 0.351 s (cost model: the gradients
   read by the norm and the update are half as wide). The in-place new params (written into the donated old
   ones instead of a stacked scan output) also lower the Llama-3-8B FSDP rows below by 0.4-1.5 GiB per GPU.
+  The analytic bill against the deviceless compile with the lean step (jax 0.10.2, rechecked by hand, not
+  regenerated in benchmarks/plan_accuracy.md, whose GPU section compares with peaks measured on the old
+  step): 8B widths x 8 layers seq 8192 full remat 43.74 vs 41.16 GiB (+6.3%), selective 48.99 vs 46.54
+  (+5.3%); plan_accuracy's llama3.2-1b full-remat 9.94 vs 9.81 (+1.3%) and llama3-8b full-remat 23.70 vs
+  23.50 (+0.9%; compiled 24.89 before).
 - **The update in the backward**: the old plain step's temporaries were 18 GiB,
   mostly the whole model's fp32 gradient (the layers' 1.75 B parameters alone are 6.5 GiB). With
   `optimizer.update_in_backward` each layer's gradient exists only while that layer is updated, inside
