@@ -25,8 +25,8 @@ WIDTH_8B_X8 = ["model.preset=llama3-8b", "model.n_layers=8", "remat.preset=full"
                "precision.compute_dtype=bfloat16", "precision.master_weights=true", "target.name=h100-80g",
                "target.gpus_per_host=1"]
 CASES = {  # name: (config, overrides, GPU-measured bench JSON or None)
-    "8B widths x 8 layers, seq 8192, full remat, 1 x H100: plain step": (
-        "configs/tiny.yaml", WIDTH_8B_X8, "bench_8bx8_s8k_full_auto.json"),
+    "8B widths x 8 layers, seq 8192, full remat, 1 x H100: default step (lean update)": (
+        "configs/tiny.yaml", WIDTH_8B_X8, None),
     "same, optimizer.update_in_backward": (
         "configs/tiny.yaml", WIDTH_8B_X8 + ["optimizer.update_in_backward=true"],
         "bench_8bx8_s8k_full_update_in_backward.json"),
@@ -38,6 +38,13 @@ CASES = {  # name: (config, overrides, GPU-measured bench JSON or None)
     "same, selective + MLP gate / up in pinned host memory (configs/llama3-8b-8xh100-selective-lean.yaml)": (
         "configs/llama3-8b-8xh100-selective-lean.yaml", [], None),
 }
+# The same case before the lean default update (jaxmem at commit 2e38dd8: the layers cast to an fp32 copy
+# before the forward, every gradient fp32, the embedding's a [vocab, d_model] table), as this script wrote it
+# then: compiled deviceless with jax 0.10.2, and that step measured on an H100 (bench_8bx8_s8k_full_auto.json).
+BEFORE = ("same case before the lean default update (commit 2e38dd8)", {
+    "compiled": {"device_gib": 54.53, "temp_gib": 18.08, "host_gib": 0.0, "step_seconds": 0.36,
+                 "how": "compiled for 1 x h100-80g (deviceless), jax 0.10.2, at commit 2e38dd8"},
+    "measured": "bench_8bx8_s8k_full_auto.json"})
 PEERS = [  # (what, GiB, how)
     ("8B widths x 8 layers, seq 8192: Hugging Face transformers + PyTorch, gradient checkpointing, fp32 "
      "weights + bf16 autocast + fused AdamW", 48.7,
@@ -98,8 +105,16 @@ def markdown(rows: dict) -> str:
 
 
 def main():
+    if "--from-json" in sys.argv:  # rewrite the markdown from benchmarks/memory_lead.json, no compile
+        rows = json.loads((OUT / "memory_lead.json").read_text())["rows"]
+        (OUT / "memory_lead.md").write_text(markdown(rows) + NOTES)
+        return
     rows = {name: {"config": cfg, "overrides": over, "compiled": compiled_case(cfg, over),
                    "measured": measured_case(bench)} for name, (cfg, over, bench) in CASES.items()}
+    first, rest = list(rows.items())[:1], list(rows.items())[1:]
+    before = {"config": "configs/tiny.yaml", "overrides": WIDTH_8B_X8, "compiled": BEFORE[1]["compiled"],
+              "measured": measured_case(BEFORE[1]["measured"])}
+    rows = dict(first + [(BEFORE[0], before)] + rest)
     for name, r in rows.items():
         print(f"{name}: compiled {r['compiled']['device_gib']:.2f} GiB", flush=True)
     result = {"rows": rows, "peers": [{"what": w, "gib": g, "how": h} for w, g, h in PEERS]}
@@ -111,7 +126,27 @@ def main():
 NOTES = """
 ## Reading it
 
-- **The 8B-width x 8-layer step (the issue's measured case)**: the plain step's temporaries were 18 GiB,
+- **The default step (issue #27 item 2)**: the step before it held 18.08 GiB of temporaries: an fp32 copy
+  of the layer stack made before the forward (6.6 GiB), every gradient in fp32 (10.4 GiB: the layers 6.5,
+  the embedding table 2.0, the LM head 2.0) and the new params' buffer. The default step now
+  differentiates the matmul weights and the LM head at bf16 (their fp32 gradient was a bf16 value widened:
+  `jaxmem/grad_dtype.py` reads it off the jaxpr, so the values are the same), keeps the embedding's
+  gradient as the rows the step touched (`jaxmem/embed_grad.py`), computes the exact global norm, then
+  updates the state in place a layer at a time, the embedding / final norm / LM head after the layers.
+  Same loss, master and moments as the optax whole-model update (`tests/test_lean_update.py`). See the
+  first two rows: temporaries 18.08 -> 4.71 GiB (goal <= 6), device total 54.53 -> 41.16 GiB, compiled
+  deviceless with jax 0.10.2. Nothing of the new row was measured on a GPU; before, this case's compiled
+  figure was within 1% of its measured peak (54.53 vs 55.02 GiB), and PyTorch's 48.7 GiB was measured. The
+  analytic bill says 43.74 GiB (+6.3%). No whole-model update is kept: the layer-at-a-time update was
+  already the plain step's, and the estimated step time drops 0.357 -> 0.351 s (cost model: the gradients
+  read by the norm and the update are half as wide). The in-place new params (written into the donated old
+  ones instead of a stacked scan output) also lower the Llama-3-8B FSDP rows below by 0.4-1.5 GiB per GPU.
+  The analytic bill against the deviceless compile with the lean step (jax 0.10.2, rechecked by hand, not
+  regenerated in benchmarks/plan_accuracy.md, whose GPU section compares with peaks measured on the old
+  step): 8B widths x 8 layers seq 8192 full remat 43.74 vs 41.16 GiB (+6.3%), selective 48.99 vs 46.54
+  (+5.3%); plan_accuracy's llama3.2-1b full-remat 9.94 vs 9.81 (+1.3%) and llama3-8b full-remat 23.70 vs
+  23.50 (+0.9%; compiled 24.89 before).
+- **The update in the backward**: the old plain step's temporaries were 18 GiB,
   mostly the whole model's fp32 gradient (the layers' 1.75 B parameters alone are 6.5 GiB). With
   `optimizer.update_in_backward` each layer's gradient exists only while that layer is updated, inside
   the backward: temporaries 3.4 GiB (goal <= 6), device total 39.9 GiB compiled and **40.19 GiB measured
@@ -120,7 +155,7 @@ NOTES = """
 - The price: gradients are clipped by the previous step's global norm (the current one is known only
   after every layer was updated), and the backward rebuilds each layer from its input (`remat.preset=full`
   at layer granularity), one micro-batch per step, state on the device.
-- **Llama-3-8B FSDP x 8, micro-batch 2**: the plain selective-remat config keeps 65 GiB on each GPU (0.79x
+- **Llama-3-8B FSDP x 8, micro-batch 2**: the plain selective-remat config keeps 64 GiB on each GPU (0.78x
   torchtitan's 82.4 GiB; goal <= 0.6x = 49.4 GiB), 46 GiB of it the saved matmul outputs of the 32 layers
   (MLP gate and up alone 14 GiB each). With full remat and the update in the backward the same run is far
   below it, but that is another recompute class than torchtitan's selective AC (+33% FLOPs for the
@@ -129,15 +164,16 @@ NOTES = """
   `remat.names.mlp_gate=offload`, `remat.names.mlp_up=offload`): the same tensors are saved as by the
   selective preset and nothing more is recomputed (+7.4% recompute FLOPs in both); only gate and up
   (448 MiB per layer each) live in pinned host memory between the forward and the backward. Compiled for
-  8 x H100 (deviceless): **38.10 GiB per GPU, 0.46x torchtitan's 82.4 GiB** (goal <= 0.6x reached in the
+  8 x H100 (deviceless): **36.62 GiB per GPU, 0.44x torchtitan's 82.4 GiB** (goal <= 0.6x reached in the
   selective class), with 28 GiB of host memory per GPU (224 GiB per node). The state (bf16 params, fp32
   master, fp32 Adam) stays on the GPUs, unchanged. Estimated step time (cost model) 1.83 s, the same as the
   plain selective config: the 56 GiB per step over PCIe (~1.09 s at 55 GB/s) is assumed to overlap with
   compute; fully serial it would be ~2.9 s. **Nothing of this row was measured on a GPU**: the deviceless
   plan has under-stated a host-offload recipe by 17% on a real H100 (`benchmarks/plan_accuracy.md`), which
-  is why this config offloads 28 GiB rather than the 18 GiB (mlp_up + attn_out: 47.87 GiB compiled) that
+  is why this config offloads 28 GiB rather than the 18 GiB (mlp_up + attn_out: 47.87 GiB compiled before the lean default update) that
   would just pass; 8 GPUs moving ~30 GB/s each to and from host memory at once has not been tried either.
-  Other levers compiled for the same run (deviceless, GiB per GPU device / host, estimated step): optimizer
+  Other levers compiled for the same run before the lean default update (deviceless, commit 2e38dd8; GiB
+  per GPU device / host, estimated step): optimizer
   state on the host with the streamed device update 55.60 / 11.22, 2.27 s (the state's 24 GB round trip
   after the backward does not overlap); mlp_up on host + bf16 Adam moments 48.28 / 14.00, 1.83 s (changes
   the optimizer's precision); every saved matmul output on host (`remat.preset=offload_selective`) 23.96 /

@@ -13,6 +13,7 @@ import optax
 
 from jaxmem.config.schema import Config
 from jaxmem.core.precision import Precision
+from jaxmem import embed_grad
 
 
 def schedule_steps(cfg: Config) -> tuple[int, int]:
@@ -43,7 +44,8 @@ def clip_by_global_norm(tree, norm: jax.Array, max_norm: float):
     """optax.clip_by_global_norm's rule given the norm: unchanged below max_norm, else rescaled to it."""
     if max_norm <= 0:
         return tree
-    return jax.tree.map(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm), tree)
+    return embed_grad.map_values(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm),
+                                 tree)
 
 
 def _decay_mask(params):
@@ -157,9 +159,12 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     homes = homes or {"rest": same, "layers": same}
     g_rest, g_layers = split_layers(grads)
 
+    def unscaled(g):  # fp32 values over the loss scale; an embedding's RowGrad keeps its form
+        return embed_grad.map_values(lambda x: x.astype(jnp.float32) / scale, g)
+
     def sums(g):
-        g = jax.tree.map(lambda x: x.astype(jnp.float32) / scale, fetch(g))
-        leaves = jax.tree.leaves(g)
+        g = unscaled(fetch(g))
+        leaves = [x.sums if embed_grad.is_rows(x) else x for x in jax.tree.leaves(g, is_leaf=embed_grad.is_rows)]
         if not leaves:  # LoRA: no trainable weights outside the layers
             return jnp.float32(0.0), jnp.bool_(True)
         return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
@@ -176,7 +181,7 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
 
     def one(g, s, w, p_old, home):
         g, s, w, p_old = fetch((g, s, w, p_old))
-        g = clip_by_global_norm(jax.tree.map(lambda x: x.astype(jnp.float32) / scale, g), norm, clip_norm)
+        g = embed_grad.densify(clip_by_global_norm(unscaled(g), norm, clip_norm))
         new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
@@ -185,15 +190,24 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
 
     w_rest, w_layers = split_layers(weights)
     p_rest, p_layers = split_layers(old_params) if old_params is not None else (None, None)
-    new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
 
-    # State and weights are the loop carry, updated in place (they are donated); new params are the
-    # scan's stacked output, a param-dtype copy.
+    # State, weights and (given) params are the loop carry, updated in place one layer at a time (they are
+    # donated), so the update's temporaries are one layer's; without old params the new ones are the scan's
+    # stacked output.
     def layer(carry, _):
-        i, s_all, w_all = carry
-        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_layers)), homes["layers"])
-        return (i + 1, put_layer(s_all, s, i), put_layer(w_all, w, i)), p
+        i, s_all, w_all, p_all = carry
+        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_all)), homes["layers"])
+        s_all, w_all = put_layer(s_all, s, i), put_layer(w_all, w, i)
+        if p_all is None:
+            return (i + 1, s_all, w_all, None), p
+        return (i + 1, s_all, w_all, put_layer(p_all, p, i)), None
 
     n_layers = jax.tree.leaves(w_layers)[0].shape[0]
-    (_, ls, lw), lp = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers), None, length=n_layers)
+    (done, ls, lw, lp), stacked = jax.lax.scan(layer, (jnp.int32(0), opt_state["layers"], w_layers, p_layers),
+                                               None, length=n_layers)
+    lp = stacked if p_layers is None else lp
+    # Then the embedding, final norm and LM head, once the layers' gradients are dead (the barrier orders it):
+    # the largest of them is widened to its full fp32 shape only here.
+    _, g_rest = jax.lax.optimization_barrier((done, g_rest))
+    new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
     return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

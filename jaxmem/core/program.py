@@ -23,6 +23,7 @@ from jaxmem.core import offload, remat, sharding
 from jaxmem.config import validate
 from jaxmem.config.validate import ConfigError
 from jaxmem.config.schema import Config
+from jaxmem import embed_grad, grad_dtype
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -313,6 +314,7 @@ def _make_step(prog: TrainProgram):
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
+    rows_grad_fn = embed_grad.grad_fn(prog)
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
@@ -321,9 +323,17 @@ def _make_step(prog: TrainProgram):
         n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
         params = state["params"]
-        p_grad = offload.cast_for_grad(cfg, params, prec.grad_reduce)
+        p_grad = grad_dtype.step_params(prog, grad_fn, params, micro_batches, n_valid / scale, state.get("base"))
+
+        rows_mode = embed_grad.applies(cfg, prog.layout, prec)  # the embedding's gradient kept as its touched rows
+        if rows_mode:
+            embed, p_grad = p_grad["embed"], {k: v for k, v in p_grad.items() if k != "embed"}
+            rest_shardings = {k: v for k, v in grad_shardings.items() if k != "embed"}
 
         def one(micro, index=None):
+            if rows_mode:
+                (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
+                return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), loss_sum
             key = None
             if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
                 from jaxmem.lora.dropout import step_key
@@ -337,21 +347,31 @@ def _make_step(prog: TrainProgram):
         with jax.named_scope(GRADS_SCOPE):
             if prog.grad_accum == 1:
                 grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
+                d_rows = None
+                if rows_mode:
+                    (grads, d_rows) = grads
             else:
                 def acc(carry, micro):
                     g, l = one(*micro) if dropout_on else one(micro)
-                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+                    g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), d_rows
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
-                zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+                zeros = jax.lax.with_sharding_constraint(zeros, rest_shardings if rows_mode else grad_shardings)
                 xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
-                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+                (grads, loss_sum), d_rows = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+            if rows_mode:
+                grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)
+        # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
+        # makes its own, and reads the old ones only to skip a non-finite fp16 step)
+        host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
+        old_params = params if scaling.enabled or not host_update else None
         with jax.named_scope(UPDATE_SCOPE):
             new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
-                cfg, update, grads, state["opt"], weights, params if scaling.enabled else None, scale)
+                cfg, update, grads, state["opt"], weights, old_params, scale)
         new_params = offload.constrain_device_part(cfg, new_params, param_shardings)
 
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)

@@ -15,6 +15,8 @@ from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.core.optim import split_layers
+from jaxmem import embed_grad
+from jaxmem.grad_dtype import planned_dtype
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.core.precision import Precision
 from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
@@ -146,6 +148,24 @@ def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
     return (_state_elems(layout, layout.grad_specs, "layers") // cfg.model.n_layers + largest) * _itemsize(dtype)
 
 
+def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only: bool = False) -> int:
+    """Gradient bytes per device of the default step: the projection weights' at the params' dtype where
+    their gradient is a widened one (jaxmem.grad_dtype), every other leaf's at grad_reduce_dtype
+    (`rest_only`: the embedding, final norm and LM head only)."""
+    flat = jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]
+    total = 0
+    for (path, x), spec in zip(flat, spec_leaves(layout.grad_specs), strict=True):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if rest_only and str(getattr(path[0], "key", path[0])) == "layers":
+            continue
+        if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
+            # its touched rows (jaxmem.embed_grad): fp32 sums per distinct token, the rows' gradient
+            total += embed_grad.rows_bytes(cfg, layout, prec)
+            continue
+        total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
+    return total
+
+
 def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     """Elements per device of each checkpointed tensor, for one layer, sharded by the activation rules."""
     m, rows, seq = cfg.model, layout.rows, cfg.train.seq_len
@@ -234,7 +254,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     prec = Precision.from_config(cfg.precision)
     m = cfg.model
     params = _state_bytes(layout, layout.param_specs, prec.param)
-    grads = _state_bytes(layout, layout.grad_specs, prec.grad_reduce)  # cast to fp32 on use
+    grads = _plain_grad_bytes(cfg, layout, prec)  # cast to fp32 on use
     if cfg.optimizer.update_in_backward:
         grads = _in_backward_grads(cfg, layout, prec.grad_reduce)
     master = _state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0
@@ -281,7 +301,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
     layer_full = _model_elems(layout, "layers") // m.n_layers
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
-    temporaries = 2 * layer_full * _itemsize(prec.grad_reduce) + (2 * layer_full * cd if gathered else 0)
+    layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.grad_dtype)
+    temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)
     if layout.lora is not None:
         # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
         # matmul reads it, forward or backward (jaxmem.lora.linear), one at the peak (`jaxmem explain`, QLoRA
@@ -314,7 +335,9 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         host["params"] = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
         device["params"] -= host["params"]
     elif _itemsize(prec.grad_reduce) > _itemsize(prec.param) and layout.lora is None \
-            and not cfg.optimizer.update_in_backward:
+            and not cfg.optimizer.update_in_backward and planned_dtype("wq", cfg, prec) != prec.param:
+        # (Where the projections' gradients are kept at the params' dtype, jaxmem.grad_dtype, only the norm
+        # scales are cast: nothing to count.)
         # offload.cast_for_grad casts the whole decoder stack to the gradient dtype before the forward (its
         # gradient comes out in that dtype); from then on the donated bf16 layers are dead and XLA reuses
         # their bytes, so through the backward the layers are held at the gradient's width (`jaxmem explain`
@@ -347,6 +370,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         update_phase = update_phase_bytes(cfg, layout, prec, device, memory)
     if streamed and "params" not in layout.host_state:
         device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, memory)
+    if not layout.host_state and not cfg.optimizer.update_in_backward:
+        update_phase = plain_update_phase_bytes(cfg, layout, prec, device)
     absent_in_loss = 0
     if "opt" in layout.host_state and "params" not in layout.host_state \
             and not cfg.optimizer.update_in_backward:
@@ -415,6 +440,21 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
             break
         peak += copy
     return peak
+
+
+def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int]) -> int:
+    """Device bytes at the peak of the default update, state on the device (jaxmem.optim.layerwise_update):
+    the layers are updated in place one at a time (one layer's fp32 temporaries, under the backward's peak),
+    then the embedding, final norm and LM head, once the layers' gradients are dead: at the largest leaf's
+    update the device holds the resident state, the non-layer gradients, that leaf's gradient widened to
+    fp32 (the embedding's rows made a table: jaxmem.embed_grad) and its new weight (`jaxmem explain` of a
+    4-layer d_model 1024 Llama-3 at seq 8192 on one H100, deviceless: the fp32 embedding gradient, the new
+    bf16 embedding and the LM head's bf16 gradient at the peak)."""
+    resident = sum(device[k] for k in ("params", "base", "master", "opt_m", "opt_v", "inputs"))
+    largest = next(iter(_rest_leaf_elems(layout)), 0)
+    widened = largest * 4 if embed_grad.applies(cfg, layout, prec) else 0
+    return resident + _plain_grad_bytes(cfg, layout, prec, rest_only=True) + widened \
+        + largest * _itemsize(prec.param)
 
 
 def _rest_leaf_elems(layout: Layout) -> list[int]:

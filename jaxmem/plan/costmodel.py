@@ -307,8 +307,11 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
     moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
     master_b = 4 if p.master_weights else 0
-    # grads read twice (global norm, update), old params read, master / m / v read + written, params written
-    update_bytes = opt_elems * (2 * grad_b + 2 * param_b + 2 * master_b + 4 * moment_b)
+    # grads read twice (global norm, update), old params read, master / m / v read + written, params written.
+    # The default step holds most gradients at the params' dtype (jaxmem.grad_dtype): the bill's bytes.
+    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and cfg.offload.params != "host"
+    grad_read = bill.device["grads"] if plain else opt_elems * grad_b
+    update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)
     on_host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
     memory_s = (elementwise_bytes + (0 if on_host_update else update_bytes)) / hbm
     layer_s = LAYER_OVERHEAD_SECONDS * m.n_layers * grad_accum

@@ -119,8 +119,17 @@ def test_state_specs_and_bytes_match(program_and_bill):
         rest = {k: v for k, v in state["params"].items() if k != "layers"}
         rest_specs = {k: v for k, v in prog.grad_specs.items() if k != "layers"}
         assert device["grads"] == sum(shard_elems(rest, rest_specs)) * itemsize
-    else:
-        assert device["grads"] == sum(shard_elems(state["params"], prog.grad_specs)) * itemsize
+    else:  # the default step: projections at their exact dtype, the embedding as its rows (test_lean_update.py)
+        from jaxmem import embed_grad
+        from jaxmem.grad_dtype import planned_dtype
+
+        paths = [str(getattr(p[-1], "key", p[-1])) for p, _ in jax.tree_util.tree_flatten_with_path(state["params"])[0]]
+        sizes = [n * np.dtype(planned_dtype(name, prog.cfg, prec)).itemsize
+                 for name, n in zip(paths, shard_elems(state["params"], prog.grad_specs), strict=True)]
+        if embed_grad.applies(prog.cfg, lay, prec):
+            tokens, d = embed_grad.tokens_per_step(prog.cfg, lay), prog.cfg.model.d_model  # sums + rows' grads
+            sizes[paths.index("embed")] = tokens * d * 4 + tokens // lay.data_ways * d * np.dtype(prec.compute).itemsize
+        assert device["grads"] == sum(sizes)
 
 
 def test_host_placement_is_the_layout_host_state(program_and_bill):

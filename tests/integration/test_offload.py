@@ -111,8 +111,12 @@ def test_deviceless_optimizer_and_params_on_host():
     par_prog, par = _compile(["offload.optimizer=host", "offload.params=host"])
     layers = _bytes(par_prog.abstract_state["params"]["layers"])
     assert par["host_argument"] == moved + layers
-    # the layer weights leave the device, and so do their gradients (bf16, produced per layer)
-    assert par["device"] <= opt["device"] - layers, (opt, par, layers)
+    # the layer weights leave the device, and so do their gradients (bf16, produced per layer). The default
+    # step with the weights on the device no longer makes an fp32 copy of the layers nor fp32 projection
+    # gradients (jaxmem.grad_dtype), which the weights-on-host step never made either, so what is left of the
+    # difference is less than the layers' bytes (this 2-layer model: 0.19 of 0.81 GiB)
+    assert par["device"] < opt["device"] and par["device"] - par["temp"] <= opt["device"] - opt["temp"] - layers, \
+        (opt, par, layers)
 
 
 def test_layerwise_update_matches_plain_optax():

@@ -332,13 +332,18 @@ def test_bill_optimizer_on_host_moves_exactly_the_state_and_the_phase_terms():
     assert dev.attention_scratch == host.attention_scratch == 32 * S * S * 10
     # with the optimizer on the host the layer gradients do not exist yet while the loss runs
     assert dev.absent_in_loss == 0 and host.absent_in_loss == 2 * LAYER * 2
-    assert dev.update_phase == host.update_phase == 0  # the update runs on the host (the default)
+    assert host.update_phase == 0  # the update runs on the host (the default)
+    # on the device, the update's own peak (plain_update_phase_bytes): the resident state, the non-layer
+    # gradients, and the largest non-layer leaf (the embedding) as an fp32 gradient and a new weight
+    d = dev.device
+    resident = d["params"] + d["master"] + d["opt_m"] + d["opt_v"] + d["inputs"]
+    assert resident + V * D * (4 + 2) < dev.update_phase < resident + V * D * (4 + 2) + d["grads"]
     for b in (dev, host):
         d = b.device
         steady = sum(v for k, v in d.items() if k not in ("working_set", "logits", "temporaries"))
         layer = max(d["working_set"], d["working_set"] - b.attention_scratch + d["temporaries"])
         assert b.layer_phase == layer
-        assert b.device_total == steady + max(layer, d["logits"] - b.absent_in_loss)
+        assert b.device_total == max(steady + max(layer, d["logits"] - b.absent_in_loss), b.update_phase)
 
 
 def test_bill_streamed_update_phase_and_the_scheduler_prefetch():

@@ -1,0 +1,124 @@
+"""The embedding table's gradient as the rows a step touched, not a [vocab, d_model] fp32 table.
+
+The plain step differentiates the loss with respect to the whole table: the transpose of the lookup
+scatter-adds each token's fp32 row gradient into zeros the table's size (2 GiB at Llama-3's vocabulary),
+and that buffer lives from the end of the backward to the end of the update. The default step instead
+differentiates with respect to the looked-up rows (the layer stack's input) and keeps `RowGrad`: the step's
+distinct token ids and, per id, the sum of its rows' gradients, added in token order as the scatter-add
+does (the same fp32 values). The global norm reads the sums; the optimizer widens them into the table's
+shape only for the update of that one leaf, after the layers' update, when their gradients are dead.
+
+Used where it takes fewer bytes per device than the table's gradient shard (`applies`), the embedding is
+not tied to the LM head, and the step is the plain one (no LoRA, layers on the device).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+from types import SimpleNamespace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "sums"], meta_fields=["vocab"])
+@dataclasses.dataclass(frozen=True)
+class RowGrad:
+    """Gradient of a [vocab, d] table: `sums[i]` is the summed gradient of row `ids[i]`; unused slots have the
+    id `vocab` (out of range) and zero sums."""
+    ids: jax.Array  # [n] int32, distinct
+    sums: jax.Array  # [n, d] fp32
+    vocab: int
+
+
+def is_rows(x) -> bool:
+    return isinstance(x, RowGrad)
+
+
+def applies(cfg, layout, prec) -> bool:
+    """Whether the default step (its config, jaxmem.layout.Layout and precision) keeps the rows: where they
+    take fewer bytes per device than the table's gradient shard (the sums counted whole on every device)."""
+    if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
+            or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
+        return False
+    return rows_bytes(cfg, layout, prec) < table_bytes(cfg, layout, prec)
+
+
+def rows_bytes(cfg, layout, prec) -> int:
+    """Per device: the fp32 sums (whole) and this device's share of the rows' gradient (compute dtype)."""
+    n, d = tokens_per_step(cfg, layout), cfg.model.d_model
+    return n * d * 4 + n // layout.data_ways * d * np.dtype(prec.compute).itemsize
+
+
+def table_bytes(cfg, layout, prec) -> int:
+    """Per device: the table's gradient shard at grad_reduce_dtype."""
+    shards = 1
+    for axes in layout.grad_specs["embed"]:
+        for a in (axes if isinstance(axes, tuple) else (axes,)):
+            shards *= layout.mesh_sizes[str(a)] if a is not None else 1
+    return cfg.model.vocab_size * cfg.model.d_model * np.dtype(prec.grad_reduce).itemsize // shards
+
+
+def tokens_per_step(cfg, layout) -> int:
+    return layout.grad_accum * layout.rows * cfg.train.seq_len
+
+
+def lookup(prog, embed, inputs):
+    """The model's own embedding of `inputs` by the table `embed` (Transformer.embed_tokens, under the
+    program's activation rules)."""
+    from jaxmem import sharding
+    from jaxmem.model.axes import activation_rules
+    from jaxmem.model.transformer import Transformer
+
+    constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[prog.cfg.parallel.rules], prog.mesh)
+    with activation_rules(constrainer):
+        return Transformer.embed_tokens(SimpleNamespace(embed=embed), inputs, prog.ctx)
+
+
+def from_rows(tokens, row_grads, vocab: int) -> RowGrad:
+    """RowGrad of the lookup of `tokens` [...] whose outputs got the gradients `row_grads` [..., d]."""
+    ids = tokens.reshape(-1)
+    rows = row_grads.reshape(ids.shape[0], -1).astype(jnp.float32)
+    uniq, inverse = jnp.unique(ids, size=ids.shape[0], fill_value=vocab, return_inverse=True)
+    sums = jax.ops.segment_sum(rows, inverse.reshape(-1), num_segments=ids.shape[0])
+    return RowGrad(uniq.astype(jnp.int32), sums, vocab)
+
+
+def dense(g: RowGrad, sharding=None) -> jax.Array:
+    zeros = jnp.zeros((g.vocab, g.sums.shape[-1]), g.sums.dtype)
+    space = jax.typeof(g.sums).memory_space  # the host, inside an update on the host
+    if jax.typeof(zeros).memory_space != space:
+        zeros = jax.device_put(zeros, space)
+    if sharding is not None:
+        zeros = jax.lax.with_sharding_constraint(zeros, sharding)
+    return zeros.at[g.ids].add(g.sums, mode="drop")
+
+
+def map_values(fn, tree):
+    """fn over the values of a gradient tree: a RowGrad's sums, every other leaf."""
+    return jax.tree.map(lambda x: dataclasses.replace(x, sums=fn(x.sums)) if is_rows(x) else fn(x), tree, is_leaf=is_rows)
+
+
+def densify(tree):
+    return jax.tree.map(lambda x: dense(x) if is_rows(x) else x, tree, is_leaf=is_rows)
+
+
+def grad_fn(prog):
+    """fn(params without the embedding, embedding table, micro-batch, denominator) -> ((their gradients, the
+    gradient of the looked-up rows), summed loss): the step's loss / denominator differentiated with respect
+    to the params and the embedded rows, the table itself held constant."""
+    from jaxmem.program import stage_fn
+
+    after_embed = stage_fn(prog, first=False)
+
+    def loss(params, rows, micro, denom, embed):
+        loss_sum, _ = after_embed(dict(params, embed=embed), rows, *micro[1:])
+        return loss_sum / denom, loss_sum
+
+    grad = jax.grad(loss, argnums=(0, 1), has_aux=True)
+
+    def fn(params, embed, micro, denom):
+        return grad(params, lookup(prog, embed, micro[0]), micro, denom, embed)
+
+    return fn
