@@ -13,7 +13,7 @@ import optax
 
 from jaxmem.config.schema import Config
 from jaxmem.core.precision import Precision
-from jaxmem import embed_grad
+from jaxmem.core import embed_grad
 
 
 def schedule_steps(cfg: Config) -> tuple[int, int]:

@@ -23,7 +23,7 @@ from jaxmem.core import offload, remat, sharding
 from jaxmem.config import validate
 from jaxmem.config.validate import ConfigError
 from jaxmem.config.schema import Config
-from jaxmem import embed_grad, grad_dtype
+from jaxmem.core import embed_grad, grad_dtype
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -314,7 +314,7 @@ def _make_step(prog: TrainProgram):
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
-    rows_grad_fn = embed_grad.grad_fn(prog)
+    rows_grad_fn = embed_grad.grad_fn(stage_fn(prog, first=False))
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)

@@ -15,8 +15,8 @@ from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.core.optim import split_layers
-from jaxmem import embed_grad
-from jaxmem.grad_dtype import planned_dtype
+from jaxmem.core import embed_grad
+from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.core.precision import Precision
 from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
@@ -150,7 +150,7 @@ def _in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
 
 def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only: bool = False) -> int:
     """Gradient bytes per device of the default step: the projection weights' at the params' dtype where
-    their gradient is a widened one (jaxmem.grad_dtype), every other leaf's at grad_reduce_dtype
+    their gradient is a widened one (jaxmem.core.grad_dtype), every other leaf's at grad_reduce_dtype
     (`rest_only`: the embedding, final norm and LM head only)."""
     flat = jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]
     total = 0
@@ -159,7 +159,7 @@ def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only
         if rest_only and str(getattr(path[0], "key", path[0])) == "layers":
             continue
         if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
-            # its touched rows (jaxmem.embed_grad): fp32 sums per distinct token, the rows' gradient
+            # its touched rows (jaxmem.core.embed_grad): fp32 sums per distinct token, the rows' gradient
             total += embed_grad.rows_bytes(cfg, layout, prec)
             continue
         total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
@@ -301,7 +301,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
     layer_full = _model_elems(layout, "layers") // m.n_layers
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
-    layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.grad_dtype)
+    layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.core.grad_dtype)
     temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)
     if layout.lora is not None:
         # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
@@ -336,7 +336,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         device["params"] -= host["params"]
     elif _itemsize(prec.grad_reduce) > _itemsize(prec.param) and layout.lora is None \
             and not cfg.optimizer.update_in_backward and planned_dtype("wq", cfg, prec) != prec.param:
-        # (Where the projections' gradients are kept at the params' dtype, jaxmem.grad_dtype, only the norm
+        # (Where the projections' gradients are kept at the params' dtype, jaxmem.core.grad_dtype, only the norm
         # scales are cast: nothing to count.)
         # offload.cast_for_grad casts the whole decoder stack to the gradient dtype before the forward (its
         # gradient comes out in that dtype); from then on the donated bf16 layers are dead and XLA reuses
@@ -443,11 +443,11 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
 
 
 def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int]) -> int:
-    """Device bytes at the peak of the default update, state on the device (jaxmem.optim.layerwise_update):
+    """Device bytes at the peak of the default update, state on the device (jaxmem.core.optim.layerwise_update):
     the layers are updated in place one at a time (one layer's fp32 temporaries, under the backward's peak),
     then the embedding, final norm and LM head, once the layers' gradients are dead: at the largest leaf's
     update the device holds the resident state, the non-layer gradients, that leaf's gradient widened to
-    fp32 (the embedding's rows made a table: jaxmem.embed_grad) and its new weight (`jaxmem explain` of a
+    fp32 (the embedding's rows made a table: jaxmem.core.embed_grad) and its new weight (`jaxmem explain` of a
     4-layer d_model 1024 Llama-3 at seq 8192 on one H100, deviceless: the fp32 embedding gradient, the new
     bf16 embedding and the LM head's bf16 gradient at the peak)."""
     resident = sum(device[k] for k in ("params", "base", "master", "opt_m", "opt_v", "inputs"))

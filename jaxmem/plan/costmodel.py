@@ -308,7 +308,7 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
     master_b = 4 if p.master_weights else 0
     # grads read twice (global norm, update), old params read, master / m / v read + written, params written.
-    # The default step holds most gradients at the params' dtype (jaxmem.grad_dtype): the bill's bytes.
+    # The default step holds most gradients at the params' dtype (jaxmem.core.grad_dtype): the bill's bytes.
     plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and cfg.offload.params != "host"
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)

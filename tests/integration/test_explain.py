@@ -110,7 +110,7 @@ def test_the_peak_holds_each_kind_and_each_is_named_for_what_it_is(report):
     grads = [b for b in by_cat["grad"] if _is(b, (L, D // FSDP, F)) or _is(b, (L, F // FSDP, D))]
     assert grads, [(b["shape"], b["category"], b["why"]) for b in bufs]
     assert all("grads/" in b["op"] and not _argument(b) for b in grads)
-    # the embedding's (sharded over the vocab; its shard is smaller than the step's rows: jaxmem.embed_grad)
+    # the embedding's (sharded over the vocab; its shard is smaller than the step's rows: jaxmem.core.embed_grad)
     assert any(_is(b, (V // FSDP, D)) for b in by_cat["grad"])
     assert any(_is(b, (D // FSDP, V)) for b in by_cat["grad"])  # the LM head's (sharded over d_model)
 
@@ -118,7 +118,7 @@ def test_the_peak_holds_each_kind_and_each_is_named_for_what_it_is(report):
     temps = [b for b in by_cat["optimizer"] if not _argument(b)]
     assert all(b["suggestion"] == SUGGESTIONS["optimizer_temp"] and "optimizer update" in b["why"]
                          for b in temps), [(b["shape"], b["why"]) for b in temps]
-    # the update writes the new state in place a layer at a time (jaxmem.optim.layerwise_update): no stacked
+    # the update writes the new state in place a layer at a time (jaxmem.core.optim.layerwise_update): no stacked
     # weight-shaped update buffer is live at the peak
     assert not any(_is(b, (L, D // FSDP, F)) or _is(b, (L, F // FSDP, D)) for b in temps)
     for b in temps:

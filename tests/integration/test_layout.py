@@ -120,8 +120,8 @@ def test_state_specs_and_bytes_match(program_and_bill):
         rest_specs = {k: v for k, v in prog.grad_specs.items() if k != "layers"}
         assert device["grads"] == sum(shard_elems(rest, rest_specs)) * itemsize
     else:  # the default step: projections at their exact dtype, the embedding as its rows (test_lean_update.py)
-        from jaxmem import embed_grad
-        from jaxmem.grad_dtype import planned_dtype
+        from jaxmem.core import embed_grad
+        from jaxmem.core.grad_dtype import planned_dtype
 
         paths = [str(getattr(p[-1], "key", p[-1])) for p, _ in jax.tree_util.tree_flatten_with_path(state["params"])[0]]
         sizes = [n * np.dtype(planned_dtype(name, prog.cfg, prec)).itemsize

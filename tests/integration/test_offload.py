@@ -113,7 +113,7 @@ def test_deviceless_optimizer_and_params_on_host():
     assert par["host_argument"] == moved + layers
     # the layer weights leave the device, and so do their gradients (bf16, produced per layer). The default
     # step with the weights on the device no longer makes an fp32 copy of the layers nor fp32 projection
-    # gradients (jaxmem.grad_dtype), which the weights-on-host step never made either, so what is left of the
+    # gradients (jaxmem.core.grad_dtype), which the weights-on-host step never made either, so what is left of the
     # difference is less than the layers' bytes (this 2-layer model: 0.19 of 0.81 GiB)
     assert par["device"] < opt["device"] and par["device"] - par["temp"] <= opt["device"] - opt["temp"] - layers, \
         (opt, par, layers)

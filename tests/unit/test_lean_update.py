@@ -9,9 +9,9 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem import embed_grad, grad_dtype
+from jaxmem.core import embed_grad, grad_dtype
 from jaxmem.config import load_config
-from jaxmem.program import build_program, loss_sum_fn, split_batch
+from jaxmem.core.program import build_program, loss_sum_fn, split_batch
 
 TINY = "configs/tiny.yaml"
 # clip_norm 0.5 is below the tiny model's gradient norms (~1.4): every step is clipped
@@ -126,7 +126,7 @@ def _max_diff(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
-# Where the embedding's gradient is kept as its rows (jaxmem.embed_grad.applies: fewer bytes than the table's
+# Where the embedding's gradient is kept as its rows (jaxmem.core.embed_grad.applies: fewer bytes than the table's
 # gradient shard): 128 tokens per step on one device, not 256; on fsdp=8 both
 ROWS = {("one_device", "accum1"): True, ("one_device", "accum2"): False, ("fsdp8", "accum1"): True,
         ("fsdp8", "accum2"): True}

@@ -37,7 +37,7 @@ def is_rows(x) -> bool:
 
 
 def applies(cfg, layout, prec) -> bool:
-    """Whether the default step (its config, jaxmem.layout.Layout and precision) keeps the rows: where they
+    """Whether the default step (its config, jaxmem.core.layout.Layout and precision) keeps the rows: where they
     take fewer bytes per device than the table's gradient shard (the sums counted whole on every device)."""
     if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
             or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
@@ -67,7 +67,7 @@ def tokens_per_step(cfg, layout) -> int:
 def lookup(prog, embed, inputs):
     """The model's own embedding of `inputs` by the table `embed` (Transformer.embed_tokens, under the
     program's activation rules)."""
-    from jaxmem import sharding
+    from jaxmem.core import sharding
     from jaxmem.model.axes import activation_rules
     from jaxmem.model.transformer import Transformer
 
@@ -104,13 +104,11 @@ def densify(tree):
     return jax.tree.map(lambda x: dense(x) if is_rows(x) else x, tree, is_leaf=is_rows)
 
 
-def grad_fn(prog):
+def grad_fn(after_embed):
     """fn(params without the embedding, embedding table, micro-batch, denominator) -> ((their gradients, the
     gradient of the looked-up rows), summed loss): the step's loss / denominator differentiated with respect
-    to the params and the embedded rows, the table itself held constant."""
-    from jaxmem.program import stage_fn
-
-    after_embed = stage_fn(prog, first=False)
+    to the params and the embedded rows, the table itself held constant. `after_embed`: the program's step
+    from the embedded rows on (jaxmem.core.program.stage_fn(prog, first=False))."""
 
     def loss(params, rows, micro, denom, embed):
         loss_sum, _ = after_embed(dict(params, embed=embed), rows, *micro[1:])

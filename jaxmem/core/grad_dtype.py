@@ -89,7 +89,7 @@ def step_params(prog, grad_fn, params, micro_batches, denom, base):
     gradient is a widened param-dtype value anyway: those stay as stored, so neither an fp32 copy of them nor
     an fp32 gradient exists. Same gradient values either way. `grad_fn(params, micro, denom, base, key)` is
     the step's (gradients, loss) function; `micro_batches` [A, ...] as the step splits them."""
-    from jaxmem import offload
+    from jaxmem.core import offload
 
     cfg, grad_reduce = prog.cfg, prog.precision.grad_reduce
     cast = offload.cast_for_grad(cfg, params, grad_reduce)
@@ -106,7 +106,7 @@ def abstract(tree):
 
 # The analytic mirror of `exact_dtypes` for the planner (jaxmem.plan.bill), which reads no jaxpr: the weights
 # the model uses only through `w.astype(compute)` in a projection (jaxmem.model.layers.einsum_project and the
-# LM head). tests/test_lean_update.py checks it against `exact_dtypes` on the model.
+# LM head). tests/unit/test_lean_update.py checks it against `exact_dtypes` on the model.
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
 
 
