@@ -39,8 +39,9 @@ def is_rows(x) -> bool:
 def applies(cfg, layout, prec) -> bool:
     """Whether the default step (its config, jaxmem.core.layout.Layout and precision) keeps the rows: where they
     take fewer bytes per device than the table's gradient shard (the sums counted whole on every device)."""
+    # model.embed_scale (Gemma) multiplies the looked-up rows, so a row's gradient is not the table's: left out
     if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
-            or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
+            or cfg.model.embed_scale or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
         return False
     return rows_bytes(cfg, layout, prec) < table_bytes(cfg, layout, prec)
 
@@ -73,7 +74,7 @@ def lookup(prog, embed, inputs):
 
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[prog.cfg.parallel.rules], prog.mesh)
     with activation_rules(constrainer):
-        return Transformer.embed_tokens(SimpleNamespace(embed=embed), inputs, prog.ctx)
+        return Transformer.embed_tokens(SimpleNamespace(embed=embed, cfg=prog.cfg.model), inputs, prog.ctx)
 
 
 def from_rows(tokens, row_grads, vocab: int) -> RowGrad:
@@ -104,7 +105,7 @@ def densify(tree):
     return jax.tree.map(lambda x: dense(x) if is_rows(x) else x, tree, is_leaf=is_rows)
 
 
-def grad_fn(after_embed):
+def grad_fn(prog, after_embed):
     """fn(params without the embedding, embedding table, micro-batch, denominator) -> ((their gradients, the
     gradient of the looked-up rows), summed loss): the step's loss / denominator differentiated with respect
     to the params and the embedded rows, the table itself held constant. `after_embed`: the program's step

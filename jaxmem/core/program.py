@@ -314,7 +314,7 @@ def _make_step(prog: TrainProgram):
         return loss_sum / denom, loss_sum
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
-    rows_grad_fn = embed_grad.grad_fn(stage_fn(prog, first=False))
+    rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)
