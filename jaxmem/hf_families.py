@@ -138,9 +138,11 @@ class LlamaFamily:
     model_type: str = "llama"
     options: tuple = tuple(_LLAMA_OPTIONS.items())
 
+    moe: bool = False  # a mixture-of-experts family (jaxmem.hf_families_moe)
+
     def expresses(self, cfg: ModelConfig) -> bool:
         """Whether this family's checkpoints can hold `cfg` (its options are the family's)."""
-        return all(getattr(cfg, k) == v for k, v in self.options)
+        return all(getattr(cfg, k) == v for k, v in self.options) and bool(cfg.n_experts) == self.moe
 
     def param_maps(self, cfg: ModelConfig) -> list[ParamMap]:
         """Every parameter of the Transformer for `cfg`, in HF checkpoint order."""
@@ -155,9 +157,7 @@ class LlamaFamily:
         maps += [ParamMap(("layers", "wo"), layer + "self_attn.o_proj.weight", "out_heads"),
                  *self.extra_layer_maps(cfg),
                  ParamMap(("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", "same"),
-                 ParamMap(("layers", "w_gate"), layer + "mlp.gate_proj.weight", "transpose"),
-                 ParamMap(("layers", "w_up"), layer + "mlp.up_proj.weight", "transpose"),
-                 ParamMap(("layers", "w_down"), layer + "mlp.down_proj.weight", "transpose"),
+                 *self.mlp_maps(cfg),
                  ParamMap(("final_norm",), "model.norm.weight", "same")]
         if not cfg.tie_embeddings:
             maps.append(ParamMap(("lm_head",), "lm_head.weight", "transpose"))
@@ -165,6 +165,11 @@ class LlamaFamily:
 
     def extra_layer_maps(self, cfg: ModelConfig) -> list[ParamMap]:
         return []
+
+    def mlp_maps(self, cfg: ModelConfig) -> list[ParamMap]:
+        return [ParamMap(("layers", "w_gate"), _LAYER + "mlp.gate_proj.weight", "transpose"),
+                ParamMap(("layers", "w_up"), _LAYER + "mlp.up_proj.weight", "transpose"),
+                ParamMap(("layers", "w_down"), _LAYER + "mlp.down_proj.weight", "transpose")]
 
     def to_model(self, hf: dict, where: str) -> ModelConfig:
         """config.json -> ModelConfig(preset="custom"); a one-line ConfigError naming the key otherwise."""
@@ -360,6 +365,11 @@ def register(family) -> None:
 
 
 for _family in (LlamaFamily(), MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma3Family()):
+    register(_family)
+
+from jaxmem.hf_families_moe import MOE_FAMILIES  # noqa: E402  (they extend the classes above)
+
+for _family in MOE_FAMILIES:
     register(_family)
 
 

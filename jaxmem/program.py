@@ -289,7 +289,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     if setup is not None and setup.quantize_embeddings and mesh.size > 1:
         raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
 
-    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None):
+    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
+            router_losses=False):
         run_ctx = ctx
         if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
             from jaxmem.lora import frozen
@@ -313,7 +314,10 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                 h_btd = embed_tokens(base["embed"], x, cfg.model.d_model, run_ctx.compute_dtype)
             else:
                 h_btd = model.embed_tokens(x, run_ctx) if first else x
-            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
+                                     router_losses=router_losses)
+            if router_losses:  # a mixture of experts: ((loss_sum, n_valid), {"moe_aux_loss", "moe_z_loss"})
+                h_btd, router = h_btd
             if not last:
                 return h_btd
             h_btd = model.final_hidden(h_btd, run_ctx)
@@ -324,7 +328,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                                  prog.precision.compute)
         else:
             w_dv = model.lm_head_weight().astype(prog.precision.compute)
-        return loss_impl(h_btd, w_dv, labels_bt)
+        out = loss_impl(h_btd, w_dv, labels_bt)
+        return (out, router) if router_losses else out
 
     return run
 
@@ -342,9 +347,19 @@ def _make_step(prog: TrainProgram):
     scaling = cfg.precision.loss_scale
     dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
 
+    moe = cfg.model.n_experts > 0
+    router_zero = {"moe_aux_loss": jnp.float32(0), "moe_z_loss": jnp.float32(0)} if moe else {}
+
     def micro_loss(params, micro, denom, base, dropout_key):
-        loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
-        return loss_sum / denom, loss_sum
+        if not moe:
+            loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
+            return loss_sum / denom, (loss_sum, {})
+        # a mixture of experts: the router losses, weighted by their coefficients and the micro-batch's tokens
+        (loss_sum, n_micro), router = token_loss(params, *micro, base=base, dropout_key=dropout_key,
+                                                 router_losses=True)
+        extra = (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
+                 + cfg.model.router_z_loss_coef * router["moe_z_loss"])
+        return (loss_sum + n_micro.astype(jnp.float32) * extra) / denom, (loss_sum, router)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
 
@@ -370,16 +385,18 @@ def _make_step(prog: TrainProgram):
         # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
         with jax.named_scope(GRADS_SCOPE):
             if prog.grad_accum == 1:
-                grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
+                grads, (loss_sum, router) = one(jax.tree.map(lambda x: x[0], micro_batches))
             else:
                 def acc(carry, micro):
                     g, l = one(*micro) if dropout_on else one(micro)
-                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), None
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g),
+                            jax.tree.map(jnp.add, carry[1], l)), None
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
                 zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
                 xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
-                (grads, loss_sum), _ = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+                (grads, (loss_sum, router)), _ = jax.lax.scan(acc, (zeros, (jnp.float32(0.0), router_zero)), xs)
+                router = {k: v / prog.grad_accum for k, v in router.items()}  # the micro-batches' mean
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
                                    param_dtype=prec.param, skip_nonfinite=scaling.enabled)
@@ -395,7 +412,7 @@ def _make_step(prog: TrainProgram):
             new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
         count = offload.to_device(adam_count(new_opt))
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
-                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
+                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale, **router}
         return new_state, metrics
 
     return step

@@ -23,7 +23,13 @@ class CheckpointName(enum.StrEnum):
     MLP_GATE = "mlp_gate"
     MLP_UP = "mlp_up"
     MLP_ACT = "mlp_act"  # silu(gate) * up
-    MLP_OUT = "mlp_out"
+    MLP_OUT = "mlp_out"  # the MLP output (a mixture of experts: the weighted combine of its experts)
+    ROUTER_LOGITS = "router_logits"  # mixture of experts: [tokens, experts] router logits (fp32)
+    MOE_DISPATCH = "moe_dispatch"  # the token rows sorted by expert, [tokens * experts_per_token, D]
+    EXPERT_GATE = "expert_gate"  # the experts' gate projections over the dispatched rows
+    EXPERT_UP = "expert_up"
+    EXPERT_ACT = "expert_act"  # act(gate) * up of the dispatched rows
+    EXPERT_OUT = "expert_out"  # the experts' down projections, before the weighted combine
 
 
 ALL_NAMES = tuple(n.value for n in CheckpointName)

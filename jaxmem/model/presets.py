@@ -76,6 +76,8 @@ def layer_param_count(m: ModelConfig) -> int:
     norms), gated MLP."""
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     per_layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    if m.n_experts:  # a router and n_experts gated MLPs instead of the dense MLP
+        per_layer += d * m.n_experts + 3 * d * (m.expert_d_ff or f) * m.n_experts - 3 * d * f
     if m.qkv_bias:
         per_layer += n * h + 2 * k * h
     if m.qk_norm:
@@ -87,6 +89,7 @@ def layer_param_count(m: ModelConfig) -> int:
 
 def check_model(m: ModelConfig) -> None:
     """One-line ConfigErrors for the layer-kind keys (jaxmem.validate runs it at load)."""
+    _check_experts(m)
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window: {m.sliding_window} must be >= 0 (0: no window)")
     if m.global_every < 0 or (m.global_every and not m.sliding_window):
@@ -100,7 +103,27 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.rope_scaling.factor: {scaling.get('factor')!r} must be a positive number")
 
 
+def _check_experts(m: ModelConfig) -> None:
+    if m.n_experts < 0 or m.experts_per_token < 0 or m.expert_d_ff < 0:
+        raise ConfigError("model.n_experts / model.experts_per_token / model.expert_d_ff: must be >= 0")
+    if m.experts_per_token and not m.n_experts:
+        raise ConfigError(f"model.experts_per_token: {m.experts_per_token} needs model.n_experts > 0 (a mixture of "
+                          "experts); 0 for a dense MLP")
+    if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.experts_per_token: {m.experts_per_token} must be between 1 and model.n_experts="
+                          f"{m.n_experts}")
+    if m.router_aux_loss_coef < 0 or m.router_z_loss_coef < 0:
+        raise ConfigError("model.router_aux_loss_coef / model.router_z_loss_coef: must be >= 0")
+
+
 def param_count(m: ModelConfig) -> int:
     """Exact parameter count of the decoder described by `m`."""
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     return embed + m.d_model + m.n_layers * layer_param_count(m)
+
+
+def active_param_count(m: ModelConfig) -> int:
+    """Parameters one token uses: with a mixture of experts, experts_per_token of the n_experts MLPs (the
+    router and every other weight count whole); equal to param_count for a dense model."""
+    idle = m.n_experts - m.experts_per_token if m.n_experts else 0
+    return param_count(m) - m.n_layers * idle * 3 * m.d_model * (m.expert_d_ff or m.d_ff)
