@@ -42,6 +42,17 @@ PRESETS: dict[str, dict] = {
                        query_pre_attn_scalar=256.0),
     "gemma3-27b": dict(_GEMMA3, d_model=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, d_ff=21504,
                        query_pre_attn_scalar=168.0),
+    # Mixtures of experts: every layer's MLP is n_experts gated MLPs of width expert_d_ff (0: d_ff) and a router.
+    # Qwen3-30B-A3B (HF Qwen3MoeForCausalLM config.json): 128 experts of width 768, top 8, renormalized.
+    "qwen3-30b-a3b": dict(_QWEN3, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, d_ff=6144, n_experts=128,
+                          experts_per_token=8, expert_d_ff=768, router_norm_topk=True),
+    # Mixtral-8x7B (HF MixtralForCausalLM config.json): Mistral attention, 8 experts of width 14336, top 2.
+    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         d_ff=14336, rope_theta=1000000.0, norm_eps=1e-5, max_seq_len=32768, n_experts=8,
+                         experts_per_token=2),
+    "tiny-moe": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
+                     rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=2048, n_experts=8,
+                     experts_per_token=2, expert_d_ff=96),
     "mistral-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        d_ff=14336, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=32768),
 }
@@ -56,7 +67,11 @@ PUBLISHED_PARAM_COUNTS = {
     "mistral-7b": 7_241_732_096,
     "qwen3-8b": 8_190_735_360,  # Qwen/Qwen3-8B safetensors index total_size 16381470720 bytes, bf16
     "qwen3-32b": 32_762_123_264,  # Qwen/Qwen3-32B total_size 65524246528 bytes, bf16
+    "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B total_size 61064245248 bytes, bf16 (30.5B, 3.3B active)
+    "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1 (46.7B, 12.9B active)
 }
+# Parameters one token uses (jaxmem.model.presets.active_param_count), as the model cards round them.
+PUBLISHED_ACTIVE_PARAMS_B = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}
 # The Gemma 3 checkpoints are multimodal (Gemma3ForConditionalGeneration): their published totals include the
 # SigLIP vision tower, so the text decoder's count is computed from the text_config sizes instead.
 TEXT_DECODER_PARAM_COUNTS = {"gemma3-12b": 11_766_034_176, "gemma3-27b": 27_009_346_304}
