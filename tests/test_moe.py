@@ -261,3 +261,16 @@ def test_unsupported_qwen3_moe_options_are_one_line_errors(change, key):
     with pytest.raises(ConfigError, match=key) as e:
         model_config_from_hf(hf)
     assert "\n" not in str(e.value)
+
+
+def test_active_parameters_count_the_routed_experts_only():
+    """Against the initialized arrays: every array whole, but of the expert arrays k / n_experts."""
+    cfg = resolve_model(ModelConfig(preset="tiny-moe"), {})
+    pure = nnx.to_pure_dict(nnx.state(init_model(cfg)))
+    flat = jax.tree_util.tree_flatten_with_path(pure)[0]
+    total = sum(x.size for _, x in flat)
+    experts = sum(x.size for path, x in flat if "expert_" in jax.tree_util.keystr(path))
+    assert param_count(cfg) == total
+    assert active_param_count(cfg) == total - experts * (cfg.n_experts - cfg.experts_per_token) // cfg.n_experts
+    dense = resolve_model(ModelConfig(preset="tiny"), {})
+    assert active_param_count(dense) == param_count(dense)
