@@ -274,3 +274,14 @@ def test_active_parameters_count_the_routed_experts_only():
     assert active_param_count(cfg) == total - experts * (cfg.n_experts - cfg.experts_per_token) // cfg.n_experts
     dense = resolve_model(ModelConfig(preset="tiny"), {})
     assert active_param_count(dense) == param_count(dense)
+
+
+def test_moe_checkpoint_names_are_tagged_in_the_layer():
+    from jaxmem.model.names import MOE_NAMES
+
+    model = init_model(resolve_model(ModelConfig(preset="tiny-moe"), {}))
+    jaxpr = str(jax.make_jaxpr(lambda t: model(t))(np.zeros((1, 8), np.int32)))
+    for name in MOE_NAMES + ("mlp_norm", "mlp_out", "layer_input"):
+        assert f"name={name}" in jaxpr, name
+    for name in ("mlp_gate", "mlp_up", "mlp_act"):  # the dense MLP's names are not used
+        assert f"name={name}" not in jaxpr, name

@@ -33,6 +33,10 @@ class CheckpointName(enum.StrEnum):
 
 
 ALL_NAMES = tuple(n.value for n in CheckpointName)
+# Tagged only by a mixture-of-experts MLP (jaxmem.model.moe); a dense layer tags the rest.
+MOE_NAMES = tuple(n.value for n in (CheckpointName.ROUTER_LOGITS, CheckpointName.MOE_DISPATCH,
+                                    CheckpointName.EXPERT_GATE, CheckpointName.EXPERT_UP, CheckpointName.EXPERT_ACT,
+                                    CheckpointName.EXPERT_OUT))
 
 SCOPE_PREFIX = "ckpt."  # name-stack component of a tagged computation: "ckpt.<checkpoint name>"
 _IN_OP = re.compile(re.escape(SCOPE_PREFIX) + r"(" + "|".join(sorted(ALL_NAMES, key=len, reverse=True)) + r")(?!\w)")
