@@ -285,3 +285,14 @@ def test_moe_checkpoint_names_are_tagged_in_the_layer():
         assert f"name={name}" in jaxpr, name
     for name in ("mlp_gate", "mlp_up", "mlp_act"):  # the dense MLP's names are not used
         assert f"name={name}" not in jaxpr, name
+
+
+@pytest.mark.parametrize("overrides,mesh", [
+    (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=selective", "remat.granularity=segments"], 1),
+    (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=full", "remat.seq_tile=16"], 1),
+    (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8),
+])
+def test_moe_levers_keep_the_losses(overrides, mesh):
+    """Remat (segments, sequence tiles: the MoE MLP runs untiled) and fsdp x tp: the plain step's metrics."""
+    plain = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1], steps=2)
+    np.testing.assert_allclose(_train(overrides, jax.devices()[:mesh], steps=2), plain, rtol=2e-5)
