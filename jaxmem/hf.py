@@ -95,7 +95,8 @@ def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np
 
 def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
             parallel: ParallelConfig | None = None) -> Transformer:
-    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into a jaxmem Transformer.
+    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text, Qwen3-MoE, Mixtral) into a jaxmem
+    Transformer.
 
     Args:
       path: directory with config.json and *.safetensors shards (with or without the index file).
@@ -143,7 +144,8 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
 
     Args:
       architecture: one of jaxmem.hf_families.FAMILIES; default: the family whose options the model has
-        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM).
+        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM,
+        MixtralForCausalLM / Qwen3MoeForCausalLM with model.n_experts).
       dtype: tensor dtype in the files (default: the params' dtype).
       max_shard_bytes: shard size; more than one shard adds model.safetensors.index.json.
     Returns the shard paths. Gathers one HF tensor (one layer of a stacked param) at a time.

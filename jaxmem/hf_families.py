@@ -1,5 +1,5 @@
 """One adapter per Hugging Face model family: its tensor names, its config.json translation and its weight
-transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
+transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text; Mixtral and Qwen3-MoE in jaxmem.hf_families_moe).
 
 An adapter says which jaxmem parameter each HF tensor holds (`param_maps`), reads a config.json into a
 ModelConfig (`to_model`) and writes one back (`to_hf`). `FAMILIES` is the registry, by architecture name;
@@ -125,7 +125,7 @@ def _hf_common(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dict
 
 # The ModelConfig options beyond the Llama shape, and what each family sets them to.
 _OPTIONS = ("qkv_bias", "qk_norm", "post_norms", "activation", "embed_scale", "query_pre_attn_scalar",
-            "sliding_window", "global_every", "rope_local_theta")
+            "sliding_window", "global_every", "rope_local_theta", "n_experts", "router_norm_topk")
 _LLAMA_OPTIONS = dict(qkv_bias=False, qk_norm=False, post_norms=False, activation="silu", embed_scale=False,
                       query_pre_attn_scalar=0.0, sliding_window=0, global_every=0, rope_local_theta=0.0)
 
