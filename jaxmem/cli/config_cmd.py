@@ -38,6 +38,12 @@ CHECKPOINT_NAME_HELP = {
     "mlp_up": "MLP up projection output",
     "mlp_act": "silu(gate) * up",
     "mlp_out": "MLP down projection output (the layer's output)",
+    "router_logits": "mixture of experts: router logits [tokens, experts], fp32",
+    "moe_dispatch": "mixture of experts: token rows sorted by expert [tokens x top-k, d_model]",
+    "expert_gate": "mixture of experts: gate projections of the dispatched rows",
+    "expert_up": "mixture of experts: up projections of the dispatched rows",
+    "expert_act": "mixture of experts: act(gate) * up of the dispatched rows",
+    "expert_out": "mixture of experts: down projections of the dispatched rows, before the combine",
 }
 
 # What each kernel implementation is, for `jaxmem list kernels`.

@@ -347,6 +347,9 @@ def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | N
                              "lower optimizer.lr or check the data")
 
 
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss")  # jaxmem.model.moe.router_losses
+
+
 def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: int) -> dict:
     """tokens_per_sec counts trained tokens (those the loss is taken over); seen_tokens_per_sec every batch
     position the model ran on (padding and untrained prompt tokens included)."""
@@ -358,6 +361,7 @@ def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: 
               "tokens": int(last["tokens"])}
     if scaled:
         record.update(loss_scale=float(last["loss_scale"]), update_skipped=bool(last["update_skipped"]))
+    record.update({k: float(last[k]) for k in ROUTER_METRICS if k in last})  # a mixture of experts
     return record
 
 

@@ -73,6 +73,18 @@ class ModelConfig:
     rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers; 0: rope_theta"
                                  + _FROM_PRESET)
     tie_embeddings: bool = _f(False, "the LM head reuses the input embedding matrix" + _FROM_PRESET)
+    n_experts: int = _f(0, "mixture of experts: routed experts per layer (Qwen3-MoE, Mixtral); 0: a dense MLP"
+                        + _FROM_PRESET)
+    experts_per_token: int = _f(0, "mixture of experts: experts each token is routed to (top-k); needs "
+                                   "n_experts" + _FROM_PRESET)
+    expert_d_ff: int = _f(0, "mixture of experts: hidden width of each expert's gated MLP; 0: d_ff"
+                          + _FROM_PRESET)
+    router_norm_topk: bool = _f(True, "mixture of experts: renormalize the top-k routing probabilities to sum to "
+                                      "1 (Mixtral always; Qwen3-MoE norm_topk_prob)" + _FROM_PRESET)
+    router_aux_loss_coef: float = _f(0.001, "mixture of experts: weight of the load-balancing loss (Switch / "
+                                            "Mixtral style) added to the training loss")
+    router_z_loss_coef: float = _f(0.0, "mixture of experts: weight of the router z-loss (mean squared "
+                                        "logsumexp of the router logits) added to the training loss")
     max_seq_len: int = _f(8192, "longest sequence the model takes, in tokens (train.seq_len must not exceed it)"
                           + _FROM_PRESET)
 
@@ -85,6 +97,8 @@ class ParallelConfig:
     sp: int = _f(1, "sequence-parallel mesh axis (Ulysses): every activation split along the sequence, "
                     "attention split along the heads (an all-to-all each way); weights sharded over it like "
                     "fsdp with rules fsdp" + _FILL)
+    ep: int = _f(1, "expert-parallel mesh axis for a mixture of experts: not implemented yet, must be 1 (the "
+                    "experts' weights are sharded like every other weight, by rules)")
     rules: Literal["fsdp", "fsdp_tp", "dp"] = _f(
         "fsdp", "sharding rules, one of fsdp (every weight sharded over fsdp), fsdp_tp (Megatron-style tp "
                 "inside, fsdp across), dp (weights replicated; tp still applies)")

@@ -68,9 +68,33 @@ def _model(cfg: Config) -> None:
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
     check_model(m)
+    _moe_levers(cfg)
     if m.embed_scale and cfg.lora.rank and cfg.lora.quantize_embeddings:
         raise ConfigError("lora.quantize_embeddings: not with model.embed_scale (Gemma) yet: the quantized "
                           "embedding lookup does not scale by sqrt(d_model); set it to false")
+
+
+class NotYetSupported(ConfigError, NotImplementedError):
+    """A lever that is not implemented yet (one line, naming the key)."""
+
+
+def _moe_levers(cfg: Config) -> None:
+    """Mixture of experts: the levers it does not take yet, by name."""
+    if cfg.parallel.ep != 1:
+        if cfg.parallel.ep < 1:
+            raise ConfigError(f"parallel.ep: must be >= 1, got {cfg.parallel.ep}")
+        if not cfg.model.n_experts:
+            raise ConfigError(f"parallel.ep: {cfg.parallel.ep} needs a mixture of experts (model.n_experts > 0); "
+                              "use 1 for a dense model")
+        raise NotYetSupported(f"parallel.ep: expert parallelism is not implemented yet (got {cfg.parallel.ep}); "
+                              "use 1 (the expert weights shard over fsdp like the other weights)")
+    if not cfg.model.n_experts:
+        return
+    refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
+               "parallel.pp": cfg.parallel.pp > 1}
+    for key, on in refused.items():
+        if on:
+            raise NotYetSupported(f"{key}: not supported with a mixture of experts (model.n_experts) yet")
 
 
 def _train(cfg: Config) -> None:

@@ -256,7 +256,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     if setup is not None and setup.quantize_embeddings and mesh.size > 1:
         raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
 
-    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None):
+    def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
+            router_losses=False):
         run_ctx = ctx
         if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
             from jaxmem.lora import frozen
@@ -280,7 +281,10 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                 h_btd = embed_tokens(base["embed"], x, cfg.model.d_model, run_ctx.compute_dtype)
             else:
                 h_btd = model.embed_tokens(x, run_ctx) if first else x
-            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt)
+            h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
+                                     router_losses=router_losses)
+            if router_losses:  # a mixture of experts: ((loss_sum, n_valid), {"moe_aux_loss", "moe_z_loss"})
+                h_btd, router = h_btd
             if not last:
                 return h_btd
             h_btd = model.final_hidden(h_btd, run_ctx)
@@ -291,7 +295,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                                  prog.precision.compute)
         else:
             w_dv = model.lm_head_weight().astype(prog.precision.compute)
-        return loss_impl(h_btd, w_dv, labels_bt)
+        out = loss_impl(h_btd, w_dv, labels_bt)
+        return (out, router) if router_losses else out
 
     return run
 
@@ -309,9 +314,19 @@ def _make_step(prog: TrainProgram):
     scaling = cfg.precision.loss_scale
     dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
 
+    moe = cfg.model.n_experts > 0
+    router_zero = {"moe_aux_loss": jnp.float32(0), "moe_z_loss": jnp.float32(0)} if moe else {}
+
     def micro_loss(params, micro, denom, base, dropout_key):
-        loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
-        return loss_sum / denom, loss_sum
+        if not moe:
+            loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
+            return loss_sum / denom, (loss_sum, {})
+        # a mixture of experts: the router losses, weighted by their coefficients and the micro-batch's tokens
+        (loss_sum, n_micro), router = token_loss(params, *micro, base=base, dropout_key=dropout_key,
+                                                 router_losses=True)
+        extra = (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
+                 + cfg.model.router_z_loss_coef * router["moe_z_loss"])
+        return (loss_sum + n_micro.astype(jnp.float32) * extra) / denom, (loss_sum, router)
 
     grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
     rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))
@@ -333,7 +348,7 @@ def _make_step(prog: TrainProgram):
         def one(micro, index=None):
             if rows_mode:
                 (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
-                return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), loss_sum
+                return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), (loss_sum, {})
             key = None
             if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
                 from jaxmem.lora.dropout import step_key
@@ -346,7 +361,7 @@ def _make_step(prog: TrainProgram):
         # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
         with jax.named_scope(GRADS_SCOPE):
             if prog.grad_accum == 1:
-                grads, loss_sum = one(jax.tree.map(lambda x: x[0], micro_batches))
+                grads, (loss_sum, router) = one(jax.tree.map(lambda x: x[0], micro_batches))
                 d_rows = None
                 if rows_mode:
                     (grads, d_rows) = grads
@@ -354,12 +369,14 @@ def _make_step(prog: TrainProgram):
                 def acc(carry, micro):
                     g, l = one(*micro) if dropout_on else one(micro)
                     g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
-                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g), carry[1] + l), d_rows
+                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g),
+                            jax.tree.map(jnp.add, carry[1], l)), d_rows
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
                 zeros = jax.lax.with_sharding_constraint(zeros, rest_shardings if rows_mode else grad_shardings)
                 xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
-                (grads, loss_sum), d_rows = jax.lax.scan(acc, (zeros, jnp.float32(0.0)), xs)
+                (grads, (loss_sum, router)), d_rows = jax.lax.scan(acc, (zeros, (jnp.float32(0.0), router_zero)), xs)
+                router = {k: v / prog.grad_accum for k, v in router.items()}  # the micro-batches' mean
             if rows_mode:
                 grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
         weights = state["master"] if "master" in state else params
@@ -381,7 +398,7 @@ def _make_step(prog: TrainProgram):
             new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
         count = offload.to_device(adam_count(new_opt))
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
-                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale}
+                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale, **router}
         return new_state, metrics
 
     return step

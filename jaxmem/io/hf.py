@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 from pathlib import Path
 
@@ -59,8 +60,8 @@ def _check_tensors(reader: CheckpointReader, maps: list[ParamMap], abstract: dic
     """Every tensor present with the expected shape, before anything is read."""
     for pm in maps:
         shape = _get(abstract, pm.path).shape
-        expected = hf_shape(pm.kind, shape[1:] if pm.stacked else shape)
-        for name in pm.hf_names(n_layers):
+        expected = hf_shape(pm.kind, shape[pm.lead:])
+        for name in map(pm.name_at, pm.keys(shape)):
             if name not in reader:
                 raise ConfigError(f"{where}: tensor {name} is missing from the safetensors shards")
             if reader.shape(name) != expected:
@@ -81,18 +82,21 @@ def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np
         return block
 
     def cb(index):
-        if not pm.stacked:
+        lead = pm.lead
+        if not lead:
             return one(pm.hf_name, index, shape).astype(np_dtype)
-        layers = range(*index[0].indices(shape[0]))
-        parts = [one(pm.hf_name.format(layer=i), index[1:], shape[1:]).astype(np_dtype) for i in layers]
-        return np.stack(parts)
+        ranges = [range(*index[i].indices(shape[i])) for i in range(lead)]  # layers (, experts)
+        parts = [one(pm.name_at(key), index[lead:], shape[lead:]).astype(np_dtype)
+                 for key in itertools.product(*ranges)]
+        return np.stack(parts).reshape(tuple(map(len, ranges)) + parts[0].shape)
 
     return cb
 
 
 def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
             parallel: ParallelConfig | None = None) -> Transformer:
-    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text) into a jaxmem Transformer.
+    """Reads a local HF checkpoint (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text, Qwen3-MoE, Mixtral) into a jaxmem
+    Transformer.
 
     Args:
       path: directory with config.json and *.safetensors shards (with or without the index file).
@@ -139,8 +143,9 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     """Writes config.json and safetensors shards that transformers loads.
 
     Args:
-      architecture: one of jaxmem.io.hf_families.FAMILIES; default: the family whose options the model has
-        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM).
+      architecture: one of jaxmem.hf_families.FAMILIES; default: the family whose options the model has
+        (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM,
+        MixtralForCausalLM / Qwen3MoeForCausalLM with model.n_experts).
       dtype: tensor dtype in the files (default: the params' dtype).
       max_shard_bytes: shard size; more than one shard adds model.safetensors.index.json.
     Returns the shard paths. Gathers one HF tensor (one layer of a stacked param) at a time.
@@ -151,21 +156,22 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     hf_cfg = hf_config_from_model(cfg, _dtype_name(out_dtype), architecture)  # refuses a family that lacks cfg
     maps = param_maps(cfg, hf_cfg["architectures"][0])
     # Tensor order as transformers writes it: embedding, layer by layer, final norm, head.
-    order = [(pm, None) for pm in maps if not pm.stacked and pm.path != ("final_norm",) and pm.path != ("lm_head",)]
-    order += [(pm, i) for i in range(cfg.n_layers) for pm in maps if pm.stacked]
-    order += [(pm, None) for pm in maps if pm.path in (("final_norm",), ("lm_head",))]
+    order = [(pm, ()) for pm in maps if not pm.stacked and pm.path != ("final_norm",) and pm.path != ("lm_head",)]
+    order += [(pm, key) for i in range(cfg.n_layers) for pm in maps if pm.stacked
+              for key in pm.keys(_get(params, pm.path).shape) if key[0] == i]  # (layer,) or (layer, expert)
+    order += [(pm, ()) for pm in maps if pm.path in (("final_norm",), ("lm_head",))]
     source = {}
     entries = []
-    for pm, layer in order:
+    for pm, key in order:
         shape = _get(params, pm.path).shape
-        name = pm.hf_name.format(layer=layer) if pm.stacked else pm.hf_name
-        source[name] = (pm, layer)
-        entries.append((name, hf_shape(pm.kind, shape[1:] if pm.stacked else shape), out_dtype))
+        name = pm.name_at(key)
+        source[name] = (pm, key)
+        entries.append((name, hf_shape(pm.kind, shape[pm.lead:]), out_dtype))
 
     def produce(name: str) -> np.ndarray:
-        pm, layer = source[name]
+        pm, key = source[name]
         x = _get(params, pm.path)
-        return to_hf(pm.kind, _gather(x[layer] if pm.stacked else x))
+        return to_hf(pm.kind, _gather(x[key] if key else x))
 
     path = Path(path)
     writer = jax.process_index() == 0

@@ -1,5 +1,5 @@
 """One adapter per Hugging Face model family: its tensor names, its config.json translation and its weight
-transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text).
+transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text; Mixtral and Qwen3-MoE in jaxmem.hf_families_moe).
 
 An adapter says which jaxmem parameter each HF tensor holds (`param_maps`), reads a config.json into a
 ModelConfig (`to_model`) and writes one back (`to_hf`). `FAMILIES` is the registry, by architecture name;
@@ -125,7 +125,7 @@ def _hf_common(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dict
 
 # The ModelConfig options beyond the Llama shape, and what each family sets them to.
 _OPTIONS = ("qkv_bias", "qk_norm", "post_norms", "activation", "embed_scale", "query_pre_attn_scalar",
-            "sliding_window", "global_every", "rope_local_theta")
+            "sliding_window", "global_every", "rope_local_theta", "n_experts", "router_norm_topk")
 _LLAMA_OPTIONS = dict(qkv_bias=False, qk_norm=False, post_norms=False, activation="silu", embed_scale=False,
                       query_pre_attn_scalar=0.0, sliding_window=0, global_every=0, rope_local_theta=0.0)
 
@@ -138,9 +138,11 @@ class LlamaFamily:
     model_type: str = "llama"
     options: tuple = tuple(_LLAMA_OPTIONS.items())
 
+    moe: bool = False  # a mixture-of-experts family (jaxmem.hf_families_moe)
+
     def expresses(self, cfg: ModelConfig) -> bool:
         """Whether this family's checkpoints can hold `cfg` (its options are the family's)."""
-        return all(getattr(cfg, k) == v for k, v in self.options)
+        return all(getattr(cfg, k) == v for k, v in self.options) and bool(cfg.n_experts) == self.moe
 
     def param_maps(self, cfg: ModelConfig) -> list[ParamMap]:
         """Every parameter of the Transformer for `cfg`, in HF checkpoint order."""
@@ -155,9 +157,7 @@ class LlamaFamily:
         maps += [ParamMap(("layers", "wo"), layer + "self_attn.o_proj.weight", "out_heads"),
                  *self.extra_layer_maps(cfg),
                  ParamMap(("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", "same"),
-                 ParamMap(("layers", "w_gate"), layer + "mlp.gate_proj.weight", "transpose"),
-                 ParamMap(("layers", "w_up"), layer + "mlp.up_proj.weight", "transpose"),
-                 ParamMap(("layers", "w_down"), layer + "mlp.down_proj.weight", "transpose"),
+                 *self.mlp_maps(cfg),
                  ParamMap(("final_norm",), "model.norm.weight", "same")]
         if not cfg.tie_embeddings:
             maps.append(ParamMap(("lm_head",), "lm_head.weight", "transpose"))
@@ -165,6 +165,11 @@ class LlamaFamily:
 
     def extra_layer_maps(self, cfg: ModelConfig) -> list[ParamMap]:
         return []
+
+    def mlp_maps(self, cfg: ModelConfig) -> list[ParamMap]:
+        return [ParamMap(("layers", "w_gate"), _LAYER + "mlp.gate_proj.weight", "transpose"),
+                ParamMap(("layers", "w_up"), _LAYER + "mlp.up_proj.weight", "transpose"),
+                ParamMap(("layers", "w_down"), _LAYER + "mlp.down_proj.weight", "transpose")]
 
     def to_model(self, hf: dict, where: str) -> ModelConfig:
         """config.json -> ModelConfig(preset="custom"); a one-line ConfigError naming the key otherwise."""
@@ -360,6 +365,11 @@ def register(family) -> None:
 
 
 for _family in (LlamaFamily(), MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma3Family()):
+    register(_family)
+
+from jaxmem.hf_families_moe import MOE_FAMILIES  # noqa: E402  (they extend the classes above)
+
+for _family in MOE_FAMILIES:
     register(_family)
 
 

@@ -9,6 +9,7 @@ Which tensor maps to which parameter is each model family's business (jaxmem.io.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Callable
 
 import numpy as np
@@ -31,6 +32,20 @@ class ParamMap:
     @property
     def stacked(self) -> bool:
         return self.path[0] == "layers"
+
+    @property
+    def lead(self) -> int:
+        """Leading dims of our array that index HF tensors: 0, 1 (layers) or 2 (layers, experts: "{expert}" in
+        hf_name; one HF tensor per layer and expert)."""
+        return int(self.stacked) + int("{expert}" in self.hf_name)
+
+    def name_at(self, key: tuple = ()) -> str:
+        """The HF tensor at our leading index `key` ((), (layer,) or (layer, expert))."""
+        return self.hf_name.format(**dict(zip(("layer", "expert"), key)))
+
+    def keys(self, shape: tuple[int, ...]) -> list[tuple]:
+        """Every leading index of our array of `shape`, in HF checkpoint order."""
+        return list(itertools.product(*(range(n) for n in shape[:self.lead])))
 
     def hf_names(self, n_layers: int) -> list[str]:
         return [self.hf_name.format(layer=i) for i in range(n_layers)] if self.stacked else [self.hf_name]

@@ -142,6 +142,10 @@ class Block(nnx.Module):
         return x_btd + out.astype(x_btd.dtype)
 
     def mlp_part(self, x_btd, ctx):
+        """The new residual stream; with a mixture of experts (h, router statistics), untiled (the routing
+        groups every token of the batch)."""
+        if self.mlp_kind == "moe":
+            return self.mlp(x_btd, ctx=ctx)
         return ctx.per_token(functools.partial(self.mlp, ctx=ctx), x_btd)
 
     def mlp(self, x_btd, *, ctx):
@@ -150,6 +154,8 @@ class Block(nnx.Module):
             normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)
         out = MLP_KINDS[self.mlp_kind].apply(self, normed.astype(ctx.compute_dtype), ctx,
                                              activation=self.activation, tag=tag)
+        out, stats = out if isinstance(out, tuple) else (out, None)
         if self.post_norms:
             out = ctx.norm(out, self.mlp_post_norm[...], self.eps)
-        return x_btd + out.astype(x_btd.dtype)
+        h = x_btd + out.astype(x_btd.dtype)
+        return h if stats is None else (h, stats)

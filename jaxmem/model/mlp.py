@@ -53,9 +53,16 @@ class MLPKind:
     apply: Callable  # (layer, normed_btd, ctx, *, activation, tag) -> out_btd
 
 
-MLP_KINDS: dict[str, MLPKind] = {"gated": MLPKind(_init_gated, _apply_gated)}
+def _moe_kind() -> MLPKind:
+    from jaxmem.model.moe import apply_moe, init_moe
+
+    return MLPKind(init_moe, apply_moe)
+
+
+# A kind's apply returns the output, or (output, router statistics) for a mixture of experts (moe).
+MLP_KINDS: dict[str, MLPKind] = {"gated": MLPKind(_init_gated, _apply_gated), "moe": _moe_kind()}
 
 
 def mlp_kind(cfg: ModelConfig) -> str:
-    """The MLP kind of `cfg`'s layers (one kind today; a config key selects a mixture of experts later)."""
-    return "gated"
+    """The MLP kind of `cfg`'s layers: a mixture of experts with model.n_experts, else the gated MLP."""
+    return "moe" if cfg.n_experts else "gated"

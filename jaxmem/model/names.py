@@ -24,10 +24,20 @@ class CheckpointName(enum.StrEnum):
     MLP_GATE = "mlp_gate"
     MLP_UP = "mlp_up"
     MLP_ACT = "mlp_act"  # silu(gate) * up
-    MLP_OUT = "mlp_out"
+    MLP_OUT = "mlp_out"  # the MLP output (a mixture of experts: the weighted combine of its experts)
+    ROUTER_LOGITS = "router_logits"  # mixture of experts: [tokens, experts] router logits (fp32)
+    MOE_DISPATCH = "moe_dispatch"  # the token rows sorted by expert, [tokens * experts_per_token, D]
+    EXPERT_GATE = "expert_gate"  # the experts' gate projections over the dispatched rows
+    EXPERT_UP = "expert_up"
+    EXPERT_ACT = "expert_act"  # act(gate) * up of the dispatched rows
+    EXPERT_OUT = "expert_out"  # the experts' down projections, before the weighted combine
 
 
 ALL_NAMES = tuple(n.value for n in CheckpointName)
+# Tagged only by a mixture-of-experts MLP (jaxmem.model.moe); a dense layer tags the rest.
+MOE_NAMES = tuple(n.value for n in (CheckpointName.ROUTER_LOGITS, CheckpointName.MOE_DISPATCH,
+                                    CheckpointName.EXPERT_GATE, CheckpointName.EXPERT_UP, CheckpointName.EXPERT_ACT,
+                                    CheckpointName.EXPERT_OUT))
 
 SCOPE_PREFIX = "ckpt."  # name-stack component of a tagged computation: "ckpt.<checkpoint name>"
 _IN_OP = re.compile(re.escape(SCOPE_PREFIX) + r"(" + "|".join(sorted(ALL_NAMES, key=len, reverse=True)) + r")(?!\w)")

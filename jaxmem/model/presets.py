@@ -42,6 +42,17 @@ PRESETS: dict[str, dict] = {
                        query_pre_attn_scalar=256.0),
     "gemma3-27b": dict(_GEMMA3, d_model=5376, n_layers=62, n_heads=32, n_kv_heads=16, head_dim=128, d_ff=21504,
                        query_pre_attn_scalar=168.0),
+    # Mixtures of experts: every layer's MLP is n_experts gated MLPs of width expert_d_ff (0: d_ff) and a router.
+    # Qwen3-30B-A3B (HF Qwen3MoeForCausalLM config.json): 128 experts of width 768, top 8, renormalized.
+    "qwen3-30b-a3b": dict(_QWEN3, d_model=2048, n_layers=48, n_heads=32, n_kv_heads=4, d_ff=6144, n_experts=128,
+                          experts_per_token=8, expert_d_ff=768, router_norm_topk=True),
+    # Mixtral-8x7B (HF MixtralForCausalLM config.json): Mistral attention, 8 experts of width 14336, top 2.
+    "mixtral-8x7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
+                         d_ff=14336, rope_theta=1000000.0, norm_eps=1e-5, max_seq_len=32768, n_experts=8,
+                         experts_per_token=2),
+    "tiny-moe": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
+                     rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=2048, n_experts=8,
+                     experts_per_token=2, expert_d_ff=96),
     "mistral-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        d_ff=14336, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=32768),
 }
@@ -56,7 +67,11 @@ PUBLISHED_PARAM_COUNTS = {
     "mistral-7b": 7_241_732_096,
     "qwen3-8b": 8_190_735_360,  # Qwen/Qwen3-8B safetensors index total_size 16381470720 bytes, bf16
     "qwen3-32b": 32_762_123_264,  # Qwen/Qwen3-32B total_size 65524246528 bytes, bf16
+    "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B total_size 61064245248 bytes, bf16 (30.5B, 3.3B active)
+    "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1 (46.7B, 12.9B active)
 }
+# Parameters one token uses (jaxmem.model.presets.active_param_count), as the model cards round them.
+PUBLISHED_ACTIVE_PARAMS_B = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}
 # The Gemma 3 checkpoints are multimodal (Gemma3ForConditionalGeneration): their published totals include the
 # SigLIP vision tower, so the text decoder's count is computed from the text_config sizes instead.
 TEXT_DECODER_PARAM_COUNTS = {"gemma3-12b": 11_766_034_176, "gemma3-27b": 27_009_346_304}
@@ -76,6 +91,8 @@ def layer_param_count(m: ModelConfig) -> int:
     norms), gated MLP."""
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
     per_layer = 2 * d + d * n * h + 2 * d * k * h + n * h * d + 3 * d * f
+    if m.n_experts:  # a router and n_experts gated MLPs instead of the dense MLP
+        per_layer += d * m.n_experts + 3 * d * (m.expert_d_ff or f) * m.n_experts - 3 * d * f
     if m.qkv_bias:
         per_layer += n * h + 2 * k * h
     if m.qk_norm:
@@ -86,7 +103,8 @@ def layer_param_count(m: ModelConfig) -> int:
 
 
 def check_model(m: ModelConfig) -> None:
-    """One-line ConfigErrors for the layer-kind keys (jaxmem.config.validate runs it at load)."""
+    """One-line ConfigErrors for the layer-kind keys (jaxmem.validate runs it at load)."""
+    _check_experts(m)
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window: {m.sliding_window} must be >= 0 (0: no window)")
     if m.global_every < 0 or (m.global_every and not m.sliding_window):
@@ -100,7 +118,27 @@ def check_model(m: ModelConfig) -> None:
         raise ConfigError(f"model.rope_scaling.factor: {scaling.get('factor')!r} must be a positive number")
 
 
+def _check_experts(m: ModelConfig) -> None:
+    if m.n_experts < 0 or m.experts_per_token < 0 or m.expert_d_ff < 0:
+        raise ConfigError("model.n_experts / model.experts_per_token / model.expert_d_ff: must be >= 0")
+    if m.experts_per_token and not m.n_experts:
+        raise ConfigError(f"model.experts_per_token: {m.experts_per_token} needs model.n_experts > 0 (a mixture of "
+                          "experts); 0 for a dense MLP")
+    if m.n_experts and not 1 <= m.experts_per_token <= m.n_experts:
+        raise ConfigError(f"model.experts_per_token: {m.experts_per_token} must be between 1 and model.n_experts="
+                          f"{m.n_experts}")
+    if m.router_aux_loss_coef < 0 or m.router_z_loss_coef < 0:
+        raise ConfigError("model.router_aux_loss_coef / model.router_z_loss_coef: must be >= 0")
+
+
 def param_count(m: ModelConfig) -> int:
     """Exact parameter count of the decoder described by `m`."""
     embed = m.vocab_size * m.d_model * (1 if m.tie_embeddings else 2)
     return embed + m.d_model + m.n_layers * layer_param_count(m)
+
+
+def active_param_count(m: ModelConfig) -> int:
+    """Parameters one token uses: with a mixture of experts, experts_per_token of the n_experts MLPs (the
+    router and every other weight count whole); equal to param_count for a dense model."""
+    idle = m.n_experts - m.experts_per_token if m.n_experts else 0
+    return param_count(m) - m.n_layers * idle * 3 * m.d_model * (m.expert_d_ff or m.d_ff)

@@ -11,6 +11,7 @@ from flax import nnx
 from jaxmem.config.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
+from jaxmem.model import moe as moe_stats
 from jaxmem.model.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
@@ -88,37 +89,61 @@ class Transformer(nnx.Module):
         return constrain(h.astype(ctx.compute_dtype), ACT_BTD)
 
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
-                   positions_bt=None) -> jax.Array:
-        """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row."""
+                   positions_bt=None, router_losses: bool = False):
+        """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row.
+        With a mixture of experts and `router_losses`: (h, {"moe_aux_loss", "moe_z_loss"}) (jaxmem.model.moe)."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
         positions_bt = constrain(positions_bt, ACT_BTD[:2])
         global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         graphdef, stacked = nnx.split(self.layers)
+        moe = bool(cfg.n_experts)
 
         def layer(h_btd, layer_state, inv_freq, local=None):
             layer = nnx.merge(graphdef, layer_state)
             attn = ctx.segment("attention", layer.attention_part)
             mlp = ctx.segment("mlp", layer.mlp_part)
             h_btd = attn(h_btd, positions_bt, segment_ids_bt, inv_freq, ctx, local)
-            return constrain(mlp(h_btd, ctx), ACT_BTD)
+            h_btd, stats = mlp(h_btd, ctx) if moe else (mlp(h_btd, ctx), None)
+            return constrain(h_btd, ACT_BTD), stats
 
-        if not cfg.sliding_window:
-            return ctx.scan_layers(lambda h, s: layer(h, s, global_freq), h_btd, stacked)
-        local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
-        if not cfg.global_every:  # every layer local
-            return ctx.scan_layers(lambda h, s: layer(h, s, local_freq), h_btd, stacked)
+        # Local and global layers interleave (`mixed`): the scan carries the layer number, and each layer picks
+        # its kind from it (one scanned body for both kinds; the window is a static kernel argument per
+        # branch). A mixture of experts carries its router statistics. A plain model carries h alone.
+        mixed = bool(cfg.sliding_window and cfg.global_every)
+        if mixed:
+            local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
+        elif cfg.sliding_window:  # every layer local
+            global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
 
-        # Local and global layers interleave: the scan carries the layer number, and each layer picks its
-        # kind from it (one scanned body for both kinds; the window is a static kernel argument per branch).
-        def mixed(carry, layer_state):
-            h, index = carry
-            local = (index + 1) % cfg.global_every != 0
-            inv_freq = jnp.where(local, local_freq, global_freq)
-            return layer(h, layer_state, inv_freq, local), index + 1
+        def pack(h, index, stats):
+            parts = (h,) + ((index,) if mixed else ()) + ((stats,) if moe else ())
+            return parts[0] if len(parts) == 1 else parts
 
-        return ctx.scan_layers(mixed, (h_btd, jnp.zeros((), jnp.int32)), stacked)[0]
+        def unpack(carry):
+            if not (mixed or moe):
+                return carry, None, None
+            rest = list(carry)
+            h = rest.pop(0)
+            index = rest.pop(0) if mixed else None
+            return h, index, rest.pop(0) if moe else None
+
+        def step(carry, layer_state):
+            h, index, stats = unpack(carry)
+            local, inv_freq = None, global_freq
+            if mixed:
+                local = (index + 1) % cfg.global_every != 0
+                inv_freq = jnp.where(local, local_freq, global_freq)
+            h, layer_stats = layer(h, layer_state, inv_freq, local)
+            return pack(h, index + 1 if mixed else None, moe_stats.add_stats(stats, layer_stats) if moe else None)
+
+        start = pack(h_btd, jnp.zeros((), jnp.int32) if mixed else None,
+                     moe_stats.zero_stats(cfg.n_experts) if moe else None)
+        h_btd, _, stats = unpack(ctx.scan_layers(step, start, stacked))
+        if router_losses and moe:
+            return h_btd, moe_stats.router_losses(stats, cfg.n_experts)
+        return h_btd
 
     def final_hidden(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:
         """The final RMSNorm, in the compute dtype."""

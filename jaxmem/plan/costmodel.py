@@ -33,7 +33,7 @@ import math
 from jaxmem.core import remat
 from jaxmem.config.schema import Config
 from jaxmem.model.names import CheckpointName as CN
-from jaxmem.model.presets import param_count
+from jaxmem.model.presets import active_param_count, param_count
 from jaxmem.plan.bill import Bill, name_shapes
 from jaxmem.core.seq_tiling import tile_count
 from jaxmem.config.targets import GpuTarget
@@ -365,7 +365,8 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     m = cfg.model
     tokens = grad_accum * rows * cfg.train.seq_len
     n_params = param_count(m)
-    matmul_params = n_params - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)  # lookup is no matmul
+    # a mixture of experts: a token runs experts_per_token of the experts (6 N_active T), the state holds them all
+    matmul_params = active_param_count(m) - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)  # no lookup
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
     # LoRA: the frozen weights get no gradient (forward + dx: 4 N T); the adapters train (6 per element and token)

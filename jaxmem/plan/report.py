@@ -181,6 +181,9 @@ def render(plan: dict, console=None) -> None:
     console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute, "
                   f"+{share:.1%}; matmul FLOPs only: recomputed norms, RoPE, SiLU count 0), counted by the cost model",
                   highlight=False)
+    for note in plan["analytic"]["notes"]:  # a mixture of experts: what the analytic bill leaves out
+        if note.startswith("mixture of experts"):
+            console.print(f"note: {note}", highlight=False)
     if cost["step_seconds"]:
         console.print(f"step time {fmt_seconds(cost['step_seconds'])}, MFU {cost['mfu']:.1%}: "
                       f"{cost_assumptions(cost)}", highlight=False)

@@ -1,0 +1,109 @@
+"""A mixture-of-experts MLP (Qwen3-MoE, Mixtral): a router picks `experts_per_token` of `n_experts` gated MLPs
+per token; dropless, the routed rows run as grouped matmuls (`jax.lax.ragged_dot`).
+
+Routing: softmax over all the router logits (fp32), the top-k probabilities, renormalized to sum to one
+when `router_norm_topk` (Mixtral's softmax over its top-k logits is the same numbers). Dispatch: the
+token x k assignments sorted by expert (stable), the token rows gathered in that order, one group per
+expert (group sizes = tokens routed to it); no token is dropped, so the result does not depend on how
+tokens are batched or sharded. Combine: the expert outputs gathered back to assignment order and summed
+per token, weighted by the routing weights.
+
+The layer also returns its router statistics (per-expert assignment counts and probability sums, summed
+squared logsumexp): they add up over layers and tokens, and `router_losses` turns the totals into the
+load-balancing loss as transformers' `load_balancing_loss_func` defines it (the layers' tokens pooled) and
+the router z-loss (ST-MoE).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.schema import ModelConfig
+from jaxmem.model.names import CheckpointName as CN, scope
+
+# logical axes of the expert weights (the expert dim leads; jaxmem.sharding maps "experts")
+EXPERT_DF = ("experts", "embed", "mlp")
+EXPERT_FD = ("experts", "mlp", "embed")
+ROUTER_DE = ("embed", "experts")
+
+
+def expert_width(cfg: ModelConfig) -> int:
+    return cfg.expert_d_ff or cfg.d_ff
+
+
+def init_moe(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> None:
+    e, d, f = cfg.n_experts, cfg.d_model, expert_width(cfg)
+    layer.router = param(rngs, (d, e), ROUTER_DE, dtype)
+    layer.expert_gate = param(rngs, (e, d, f), EXPERT_DF, dtype)
+    layer.expert_up = param(rngs, (e, d, f), EXPERT_DF, dtype)
+    layer.expert_down = param(rngs, (e, f, d), EXPERT_FD, dtype, std=out_std)
+    layer.experts_per_token = cfg.experts_per_token
+    layer.router_norm_topk = cfg.router_norm_topk
+
+
+def route(logits_ne: jax.Array, k: int, norm_topk: bool):
+    """(probs [N, E], weights [N, k], experts [N, k]) from fp32 router logits."""
+    probs = jax.nn.softmax(logits_ne.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, k)
+    if norm_topk:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return probs, weights, experts
+
+
+def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
+    """(out [B, T, D], router statistics) for the normed input of one layer."""
+    from jaxmem.model.mlp import ACTIVATIONS
+
+    cd = ctx.compute_dtype
+    b, t, d = normed_btd.shape
+    k = layer.experts_per_token
+    n_experts = layer.router.shape[-1]
+    x_nd = normed_btd.reshape(b * t, d)
+    with scope(CN.ROUTER_LOGITS):
+        logits = tag(jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd),
+                                preferred_element_type=jnp.float32), CN.ROUTER_LOGITS)
+    probs, weights, experts = route(logits, k, layer.router_norm_topk)
+    flat = experts.reshape(-1)  # assignment a = token * k + slot
+    order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
+    group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
+    with scope(CN.MOE_DISPATCH):
+        rows = tag(jnp.take(x_nd, order // k, axis=0), CN.MOE_DISPATCH)
+
+    def grouped(name, lhs, w):
+        with scope(name):
+            return tag(jax.lax.ragged_dot(lhs, w.astype(cd), group_sizes, preferred_element_type=cd), name)
+
+    gate = grouped(CN.EXPERT_GATE, rows, layer.expert_gate[...])
+    up = grouped(CN.EXPERT_UP, rows, layer.expert_up[...])
+    with scope(CN.EXPERT_ACT):
+        act = tag(ACTIVATIONS[activation](gate) * up, CN.EXPERT_ACT)
+    down = grouped(CN.EXPERT_OUT, act, layer.expert_down[...])
+    with scope(CN.MLP_OUT):
+        back = jnp.take(down, jnp.argsort(order), axis=0).reshape(b * t, k, d)  # assignment order again
+        out = jnp.einsum("NKD,NK->ND", back, weights.astype(cd)).reshape(b, t, d)
+        out = tag(out, CN.MLP_OUT)
+    stats = {"expert_rows": group_sizes.astype(jnp.float32),  # no gradient: a count
+             "router_prob": jnp.sum(probs, axis=0),
+             "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+             "rows": jnp.float32(b * t)}
+    return out, stats
+
+
+def zero_stats(n_experts: int) -> dict:
+    """The layer scan's initial router statistics."""
+    zeros = jnp.zeros((n_experts,), jnp.float32)
+    return {"expert_rows": zeros, "router_prob": zeros, "router_z": jnp.float32(0), "rows": jnp.float32(0)}
+
+
+def add_stats(a: dict, b: dict) -> dict:
+    return jax.tree.map(jnp.add, a, b)
+
+
+def router_losses(stats: dict, n_experts: int) -> dict:
+    """The load-balancing loss n_experts * sum_e f_e * P_e (f_e: the share of token rows routed to expert e,
+    over all k slots; P_e: the mean router probability of e; both over every layer's tokens) and the router
+    z-loss (mean over layers and tokens of logsumexp(logits)^2)."""
+    rows = jnp.maximum(stats["rows"], 1.0)
+    share = jax.lax.stop_gradient(stats["expert_rows"]) / rows
+    aux = n_experts * jnp.sum(share * stats["router_prob"] / rows)
+    return {"moe_aux_loss": aux, "moe_z_loss": stats["router_z"] / rows}
