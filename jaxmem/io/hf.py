@@ -143,7 +143,7 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     """Writes config.json and safetensors shards that transformers loads.
 
     Args:
-      architecture: one of jaxmem.hf_families.FAMILIES; default: the family whose options the model has
+      architecture: one of jaxmem.io.hf_registry.FAMILIES; default: the family whose options the model has
         (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM,
         MixtralForCausalLM / Qwen3MoeForCausalLM with model.n_experts).
       dtype: tensor dtype in the files (default: the params' dtype).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from jaxmem.io.hf_families import FAMILIES, family, family_for_config
+from jaxmem.io.hf_registry import FAMILIES, family, family_for_config
 from jaxmem.config.schema import ConfigError, ModelConfig
 
 ARCHITECTURES = tuple(FAMILIES)

@@ -1,9 +1,10 @@
 """One adapter per Hugging Face model family: its tensor names, its config.json translation and its weight
-transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text; Mixtral and Qwen3-MoE in jaxmem.hf_families_moe).
+transforms (Llama, Mistral, Qwen2, Qwen3, Gemma 3 text; Mixtral and Qwen3-MoE in jaxmem.io.hf_families_moe).
 
 An adapter says which jaxmem parameter each HF tensor holds (`param_maps`), reads a config.json into a
-ModelConfig (`to_model`) and writes one back (`to_hf`). `FAMILIES` is the registry, by architecture name;
-`family_for_config` picks the adapter that can express a ModelConfig. A new family is a new adapter here.
+ModelConfig (`to_model`) and writes one back (`to_hf`). The registry by architecture name, and
+`family_for_config` (the adapter that can express a ModelConfig), live in jaxmem.io.hf_registry: a new family
+is a new adapter here, registered there.
 """
 from __future__ import annotations
 
@@ -138,7 +139,7 @@ class LlamaFamily:
     model_type: str = "llama"
     options: tuple = tuple(_LLAMA_OPTIONS.items())
 
-    moe: bool = False  # a mixture-of-experts family (jaxmem.hf_families_moe)
+    moe: bool = False  # a mixture-of-experts family (jaxmem.io.hf_families_moe)
 
     def expresses(self, cfg: ModelConfig) -> bool:
         """Whether this family's checkpoints can hold `cfg` (its options are the family's)."""
@@ -355,34 +356,3 @@ def _global_every(hf: dict, n_layers: int, where: str) -> int:
         raise ConfigError(f"{where}: layer_types: only a full_attention layer every k-th layer is supported "
                           f"(k = {every} from the first one)")
     return every if full else 0
-
-
-FAMILIES: dict[str, LlamaFamily] = {}
-
-
-def register(family) -> None:
-    FAMILIES[family.architecture] = family
-
-
-for _family in (LlamaFamily(), MistralFamily(), Qwen2Family(), Qwen3Family(), Gemma3Family()):
-    register(_family)
-
-from jaxmem.hf_families_moe import MOE_FAMILIES  # noqa: E402  (they extend the classes above)
-
-for _family in MOE_FAMILIES:
-    register(_family)
-
-
-def family(architecture: str) -> LlamaFamily:
-    if architecture not in FAMILIES:
-        raise ConfigError(f"architecture: {architecture!r} is not supported; use one of {', '.join(FAMILIES)}")
-    return FAMILIES[architecture]
-
-
-def family_for_config(cfg: ModelConfig) -> LlamaFamily:
-    """The first registered family whose checkpoints hold `cfg` (Llama before Mistral: same tensors)."""
-    for fam in FAMILIES.values():
-        if fam.expresses(cfg):
-            return fam
-    raise ConfigError("model: no Hugging Face family holds this combination of "
-                      f"{', '.join(f'{k}={getattr(cfg, k)!r}' for k in _OPTIONS)}")

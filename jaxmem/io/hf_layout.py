@@ -2,7 +2,7 @@
 (jaxmem.io.hf_families) and the tensor layouts (jaxmem.io.hf_tensors)."""
 from __future__ import annotations
 
-from jaxmem.io.hf_families import family, family_for_config
+from jaxmem.io.hf_registry import family, family_for_config
 from jaxmem.io.hf_tensors import ParamMap, hf_shape, read_slice, to_hf  # noqa: F401
 from jaxmem.config.schema import ModelConfig
 

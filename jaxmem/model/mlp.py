@@ -8,22 +8,17 @@ its `apply` routes the tokens; `mlp_kind` picks it from the model config.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
-import jax
 
 from jaxmem.config.schema import ModelConfig
+from jaxmem.model.activations import ACTIVATIONS  # noqa: F401 (re-exported)
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 
-ACTIVATIONS: dict[str, Callable] = {
-    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mistral)
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GeGLU (Gemma: gelu_pytorch_tanh)
-}
 
 
 def _init_gated(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> None:

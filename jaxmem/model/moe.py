@@ -18,10 +18,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.schema import ModelConfig
+from jaxmem.config.schema import ModelConfig
 from jaxmem.model.names import CheckpointName as CN, scope
 
-# logical axes of the expert weights (the expert dim leads; jaxmem.sharding maps "experts")
+# logical axes of the expert weights (the expert dim leads; jaxmem.core.sharding maps "experts")
 EXPERT_DF = ("experts", "embed", "mlp")
 EXPERT_FD = ("experts", "mlp", "embed")
 ROUTER_DE = ("embed", "experts")
@@ -52,7 +52,7 @@ def route(logits_ne: jax.Array, k: int, norm_topk: bool):
 
 def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     """(out [B, T, D], router statistics) for the normed input of one layer."""
-    from jaxmem.model.mlp import ACTIVATIONS
+    from jaxmem.model.activations import ACTIVATIONS
 
     cd = ctx.compute_dtype
     b, t, d = normed_btd.shape

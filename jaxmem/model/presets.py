@@ -103,7 +103,7 @@ def layer_param_count(m: ModelConfig) -> int:
 
 
 def check_model(m: ModelConfig) -> None:
-    """One-line ConfigErrors for the layer-kind keys (jaxmem.validate runs it at load)."""
+    """One-line ConfigErrors for the layer-kind keys (jaxmem.config.validate runs it at load)."""
     _check_experts(m)
     if m.sliding_window < 0:
         raise ConfigError(f"model.sliding_window: {m.sliding_window} must be >= 0 (0: no window)")

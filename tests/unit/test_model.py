@@ -32,4 +32,4 @@ def test_every_checkpoint_name_is_tagged_in_the_layer():
     model = init_model(cfg)
     jaxpr = str(jax.make_jaxpr(lambda t: model(t))(np.zeros((1, 8), np.int32)))
     for name in ALL_NAMES:
-        assert (f"name={name}" in jaxpr) == (name not in MOE_NAMES), name  # tests/test_moe.py: the MoE names
+        assert (f"name={name}" in jaxpr) == (name not in MOE_NAMES), name  # tests/unit/test_moe.py: the MoE names

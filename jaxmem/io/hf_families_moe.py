@@ -1,15 +1,15 @@
 """The mixture-of-experts Hugging Face families: Mixtral (`MixtralForCausalLM`) and Qwen3-MoE
 (`Qwen3MoeForCausalLM`). Their attention is Mistral's / Qwen3's; every layer's MLP is a router plus
 `n_experts` gated MLPs, one HF tensor per expert and projection, stacked here into [experts, ...] arrays
-(ParamMap names with "{expert}": jaxmem.hf_tensors).
+(ParamMap names with "{expert}": jaxmem.io.hf_tensors).
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.hf_families import _LAYER, _LLAMA_OPTIONS, LlamaFamily, Qwen3Family, _cap_at_window, _int, _off
-from jaxmem.hf_tensors import ParamMap
-from jaxmem.schema import ConfigError
+from jaxmem.io.hf_families import _LAYER, _LLAMA_OPTIONS, LlamaFamily, Qwen3Family, _cap_at_window, _int, _off
+from jaxmem.io.hf_tensors import ParamMap
+from jaxmem.config.schema import ConfigError
 
 
 def _positive_coef(hf: dict, where: str, default: float) -> float:

@@ -12,14 +12,14 @@ from flax import nnx
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig, load_config
-from jaxmem.hf import save_hf
-from jaxmem.hf_config import hf_config_from_model, model_config_from_hf
+from jaxmem.io.hf import save_hf
+from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf
 from jaxmem.model.layers import Block
 from jaxmem.model.moe import apply_moe, route, router_losses
 from jaxmem.model.presets import (PUBLISHED_ACTIVE_PARAMS_B, PUBLISHED_PARAM_COUNTS, active_param_count,
                                   param_count, resolve_model)
 from jaxmem.model.transformer import DEFAULT_CONTEXT, init_model
-from jaxmem.program import build_program
+from jaxmem.core.program import build_program
 
 SEQ = 20
 # Odd sizes: vocab 97, hidden 72 with 6 heads of 16, 5 experts of width 40 (Qwen3-MoE: d_ff 136 is the unused
