@@ -10,15 +10,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-
 from jaxmem.config.schema import ModelConfig
-from jaxmem.model.activations import ACTIVATIONS  # noqa: F401 (re-exported)
+from jaxmem.model.activations import ACTIVATIONS
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
-
 
 
 def _init_gated(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> None:
