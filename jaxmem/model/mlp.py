@@ -8,22 +8,16 @@ its `apply` routes the tokens; `mlp_kind` picks it from the model config.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
-
-import jax
 
 from jaxmem.schema import ModelConfig
 from jaxmem.model.axes import constrain
+from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
 from jaxmem.model.names import CheckpointName as CN, scope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 
-ACTIVATIONS: dict[str, Callable] = {
-    "silu": jax.nn.silu,  # SwiGLU (Llama, Qwen, Mistral)
-    "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True),  # GeGLU (Gemma: gelu_pytorch_tanh)
-}
 
 
 def _init_gated(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> None:
@@ -41,7 +35,7 @@ def _apply_gated(layer, normed_btd, ctx, *, activation: str, tag):
     with scope(CN.MLP_UP):
         up = tag(constrain(ctx.project("BTD,DF->BTF", normed_btd, layer.w_up[...], cd), ACT_BTF), CN.MLP_UP)
     with scope(CN.MLP_ACT):
-        act = tag(ACTIVATIONS[activation](gate) * up, CN.MLP_ACT)
+        act = tag(gated_activation(activation, gate, up), CN.MLP_ACT)  # backward keeps gate, up only
     with scope(CN.MLP_OUT):
         out = ctx.project("BTF,FD->BTD", act, layer.w_down[...], cd)
         return tag(constrain(out, ACT_BTD), CN.MLP_OUT)
