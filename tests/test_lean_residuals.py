@@ -133,3 +133,23 @@ def test_remat_none_keeps_fewer_residual_bytes(config, monkeypatch):
     print(config, "stacked residuals", plain, "->", lean, "temp", plain_temp, "->", lean_temp)
     assert plain - lean >= floor, (plain, lean, floor)
     assert lean_temp < plain_temp, (lean_temp, plain_temp)
+
+
+def _stacked_avals(prog, ctx):
+    fn = lambda p, t: loss_sum_fn(prog, ctx)(p, t, t)[0]
+    jaxpr = jax.make_jaxpr(jax.grad(fn))(prog.abstract_state["params"], jax.ShapeDtypeStruct((2, 32), jnp.int32)).jaxpr
+    forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    n = prog.cfg.model.n_layers
+    return sorted((v.aval.shape[1:], str(v.aval.dtype)) for v in forward.outvars if v.aval.ndim and v.aval.shape[0] == n)
+
+
+@pytest.mark.parametrize("remat", [["remat.preset=full", "remat.names.mlp_act=device"], ["remat.preset=selective"]])
+def test_checkpoint_policies_save_the_same_values(remat, monkeypatch):
+    """The tag on the product still names it: a policy that saves mlp_act saves it (one [B, T, d_ff] value
+    per layer besides the layer input), and the checkpointed presets save what plain autodiff saved."""
+    prog = _program("configs/tiny.yaml", "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
+                    *remat)
+    lean = _stacked_avals(prog, prog.ctx)
+    assert lean == _stacked_avals(prog, _plain(prog, monkeypatch))
+    btf = ((2, 32, prog.cfg.model.d_ff), "bfloat16")
+    assert lean.count(btf) == (1 if "remat.names.mlp_act=device" in remat else 2)  # act; or gate and up
