@@ -153,3 +153,21 @@ def test_checkpoint_policies_save_the_same_values(remat, monkeypatch):
     assert lean == _stacked_avals(prog, _plain(prog, monkeypatch))
     btf = ((2, 32, prog.cfg.model.d_ff), "bfloat16")
     assert lean.count(btf) == (1 if "remat.names.mlp_act=device" in remat else 2)  # act; or gate and up
+
+
+@pytest.mark.parametrize("config", ["configs/tiny.yaml", "configs/tiny-gemma3.yaml"])
+def test_the_bill_counts_the_residuals_the_scan_stacks(config):
+    """remat none: the analytic bill's MLP and norm residuals are the [B, T, d_ff] and [B, T, d_model] values
+    the layer scan stacks (gate, up, product; the norms' bf16 inputs and the normed outputs)."""
+    from jaxmem.plan.bill import compute_bill
+
+    prog = _program(config, "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16")
+    m = prog.cfg.model
+    stacked = _stacked_avals(prog, prog.ctx)
+    by_name = compute_bill(prog.cfg, 1, gpu=False).activations_by_name
+    btd, btf = 2 * 32 * m.d_model * 2 * m.n_layers, 2 * 32 * m.d_ff * 2 * m.n_layers
+    assert sum(by_name[n] for n in ("mlp_gate", "mlp_up", "mlp_act")) == \
+        stacked.count(((2, 32, m.d_ff), "bfloat16")) * btf
+    norms = ("norm_inputs", "attn_norm", "mlp_norm", "post_norm_inputs")
+    assert sum(by_name.get(n, 0) for n in norms) == stacked.count(((2, 32, m.d_model), "bfloat16")) * btd
+    assert not any("fp32" in n or "silu" in n for n in by_name)
