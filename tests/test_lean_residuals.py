@@ -137,7 +137,8 @@ def test_remat_none_keeps_fewer_residual_bytes(config, monkeypatch):
 
 def _stacked_avals(prog, ctx):
     fn = lambda p, t: loss_sum_fn(prog, ctx)(p, t, t)[0]
-    jaxpr = jax.make_jaxpr(jax.grad(fn))(prog.abstract_state["params"], jax.ShapeDtypeStruct((2, 32), jnp.int32)).jaxpr
+    tokens = jax.ShapeDtypeStruct((2, 32), jnp.int32)
+    jaxpr = jax.make_jaxpr(jax.grad(fn))(prog.abstract_state["params"], tokens).jaxpr
     forward = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
     n = prog.cfg.model.n_layers
     return sorted((v.aval.shape[1:], str(v.aval.dtype)) for v in forward.outvars if v.aval.ndim and v.aval.shape[0] == n)
