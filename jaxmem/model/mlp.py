@@ -19,7 +19,6 @@ ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
 
 
-
 def _init_gated(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> None:
     d, f = cfg.d_model, cfg.d_ff
     layer.w_gate = param(rngs, (d, f), ("embed", "mlp"), dtype)
