@@ -50,9 +50,10 @@ ROWS = [
 # linears quantized; compiled deviceless with jax 0.10.2 at commit 2e38dd8, the same configs), the goal)
 RECIPES = [
     ("Llama-3-8B QLoRA, all linears", "configs/lora/llama3-8b-qlora-all-linear-seq512.yaml",
-     "27.74 (bill then 17.17)", "<= 10"),
+     "27.74 (bill then 17.17) | 14.64 (argument 6.40 + temp 8.24)", "<= 10"),
     ("Llama-3-8B QLoRA, q,v only (LitGPT's recipe; LitGPT measured 17.41 GB = 16.21 GiB on an A10G)",
-     "configs/lora/llama3-8b-qlora-qv-seq512.yaml", "21.99 (bill then 24.71)", "<= 10"),
+     "configs/lora/llama3-8b-qlora-qv-seq512.yaml", "21.99 (bill then 24.71) | 12.12 (argument 5.49 + temp 6.63)",
+     "<= 10"),
 ]
 
 
@@ -155,7 +156,7 @@ deviceless with jax 0.10.2 (`jaxmem plan <config>`) on this CPU-only machine; no
 
 RECIPE_NOTES = """LitGPT publishes a measured 17.41 GB (16.21 GiB) peak for the q,v recipe on an A10G 24 GB (its
 `config_hub/finetune/README.md`). That is a measurement on a GPU through PyTorch's caching allocator, and ours is
-a compiled figure: the q,v compile is 0.75x it, a comparison of the same recipe (no recompute, no offload) across
+a compiled figure: the q,v compile is 0.56x it, a comparison of the same recipe (no recompute, no offload) across
 classes of figure.
 
 What changed (`jaxmem/lora/linear.py`): each projection computes x W + scale * (x A) B. W is dequantized under a
@@ -165,20 +166,28 @@ the q,v base was 14.03 GiB with five bf16 projections and is now 5.31 GiB, with 
 in bf16. The cost model's model FLOPs are 4 N T + 6 N_adapters T + attention, against 4.6e13 (6 N T) for a full
 fine-tune of the same tokens: 0.69x to 0.70x.
 
-What stops 10 GiB (`jaxmem explain`, compiled deviceless for rtx4090-24g, the same recipes at 4 layers, scaled
-per layer). With `remat.preset: none`, autodiff keeps per layer of 1,024 tokens:
-- six (q,v: five) [tokens, d_ff] bf16 values of 28 MiB each: the MLP's gate and up, its product (all linears:
-  the down adapter's input) and three SiLU internals. Over 32 layers that is 5.25 GiB (q,v: 4.38).
-- two fp32 [tokens, d_model] norm inputs, 1.0 GiB in all.
+Lean residuals (`jaxmem/model/gated.py`, `jaxmem/kernels/rms_norm/lean.py`): with `remat.preset: none`
+autodiff kept, per layer of 1,024 tokens, six (q,v: five) [tokens, d_ff] bf16 values of 28 MiB (gate, up,
+their product and three SiLU internals) and fp32 copies of the two norm inputs. The gated activation
+act(gate) * up now has a custom VJP that keeps only gate and up and recomputes act(gate) and its derivative
+elementwise in the backward; the default (XLA) RMSNorm has one that keeps its input in bf16 and recomputes
+1/rms in the backward. Both are the same forward, and their gradients equal plain autodiff of the reference
+(tests/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
+copies: all linears 14.64 -> 11.52 GiB, q,v 12.12 -> 9.01 GiB (compiled deviceless for rtx4090-24g, jax
+0.10.2). Cost: one more elementwise pass over [tokens, d_ff] (the activation) and over [tokens, d_model] per
+norm in the backward, fused by XLA; not timed on a GPU.
 
-These are the model's own residuals (`jaxmem/model/layers.py` Block.mlp, the RMSNorm reference kernel), not
-LoRA's. A SiLU-times-up with a custom VJP that keeps only gate and up would drop 2.6 GiB. The argument side is
-the 5.31 GiB base (3.35 GiB of nf4 linears, 1.96 GiB of bf16 embedding and LM head) plus the adapters' state
-(all linears: 1.09 GiB with fp32 master and Adam moments; q,v: 0.18 GiB). With `lora.quantize_embeddings: true`
-and `kernels.loss: chunked` the two tables are nf4 too, and the q,v recipe compiles to 10.67 GiB (bill 10.70,
-compiled deviceless with jax 0.10.2; `jaxmem plan configs/lora/llama3-8b-qlora-qv-seq512.yaml
-lora.quantize_embeddings=true kernels.loss=chunked`). That is still 0.67 GiB over: the SiLU internals above are
-what is left."""
+What stops 10 GiB for all linears (`jaxmem explain configs/lora/llama3-8b-qlora-all-linear-seq512.yaml
+model.n_layers=4`, compiled deviceless for rtx4090-24g, scaled to 32 layers): the stacked residuals
+mlp_gate, mlp_up and mlp_act ([4, 2, 512, 14336] bf16, 112 MiB per 4 layers each: 0.88 GiB each over 32
+layers). mlp_act is the down adapter's input (its dA reads it; q,v does not keep it). Then, 0.25 GiB each
+over 32 layers: the attention and MLP norm outputs (the adapters' input), the roped q, the attention context,
+and 0.5 GiB of bf16 norm inputs. Recomputing the product in the backward (0.88 GiB) and the norm outputs
+from their inputs (0.5 GiB) would still leave about 10.1 GiB (estimated, analytic); not built.
+The argument side is the 5.31 GiB base (3.35 GiB of nf4 linears, 1.96 GiB of bf16 embedding and LM head) plus
+the adapters' state (all linears: 1.09 GiB with fp32 master and Adam moments; q,v: 0.18 GiB);
+`lora.quantize_embeddings: true` with `kernels.loss: chunked` stores the two tables in nf4 too (before the
+lean residuals it took q,v from 12.12 to 10.67 GiB, compiled deviceless with jax 0.10.2; not recompiled since)."""
 
 LONG_HEAD = ("Compiled before the change above (commit 2e38dd8: merged weights, only the targeted linears "
              "quantized; all these rows target all seven linears, so their base is the same); not recompiled "
@@ -189,10 +198,11 @@ def main(argv: list[str]) -> int:
     from_json, recipes_only = "--from-json" in argv, "--recipes-only" in argv
     saved = OUT / "lora.json"
     record = json.loads(saved.read_text()) if from_json or recipes_only else {}
-    recipes = ["| recipe | before: device GiB, compiled deviceless, jax 0.10.2 | "
-               "after: device GiB, compiled deviceless | "
+    recipes = ["| recipe | merged weights: device GiB, compiled deviceless, jax 0.10.2 | "
+               "x W + s (x A) B: device GiB, compiled deviceless | "
+               "now (lean gated activation and RMSNorm residuals): device GiB, compiled deviceless | "
                "analytic bill GiB, estimated (compiled / analytic) | model FLOPs per step, estimated (cost model) | "
-               "goal (GiB) |", "|---|---:|---:|---:|---:|---|"]
+               "goal (GiB) |", "|---|---:|---:|---:|---:|---:|---|"]
     for name, config, before, goal in RECIPES:
         if not from_json:
             print(name, flush=True)

@@ -11,8 +11,8 @@ import dataclasses
 from typing import Callable
 
 from jaxmem.config.schema import ModelConfig
-from jaxmem.model.activations import ACTIVATIONS
 from jaxmem.model.axes import constrain
+from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
 from jaxmem.model.names import CheckpointName as CN, scope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
@@ -34,7 +34,7 @@ def _apply_gated(layer, normed_btd, ctx, *, activation: str, tag):
     with scope(CN.MLP_UP):
         up = tag(constrain(ctx.project("BTD,DF->BTF", normed_btd, layer.w_up[...], cd), ACT_BTF), CN.MLP_UP)
     with scope(CN.MLP_ACT):
-        act = tag(ACTIVATIONS[activation](gate) * up, CN.MLP_ACT)
+        act = tag(gated_activation(activation, gate, up), CN.MLP_ACT)  # backward keeps gate, up only
     with scope(CN.MLP_OUT):
         out = ctx.project("BTF,FD->BTD", act, layer.w_down[...], cd)
         return tag(constrain(out, ACT_BTD), CN.MLP_OUT)

@@ -52,7 +52,7 @@ def route(logits_ne: jax.Array, k: int, norm_topk: bool):
 
 def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     """(out [B, T, D], router statistics) for the normed input of one layer."""
-    from jaxmem.model.activations import ACTIVATIONS
+    from jaxmem.model.gated import gated_activation
 
     cd = ctx.compute_dtype
     b, t, d = normed_btd.shape
@@ -76,7 +76,7 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     gate = grouped(CN.EXPERT_GATE, rows, layer.expert_gate[...])
     up = grouped(CN.EXPERT_UP, rows, layer.expert_up[...])
     with scope(CN.EXPERT_ACT):
-        act = tag(ACTIVATIONS[activation](gate) * up, CN.EXPERT_ACT)
+        act = tag(gated_activation(activation, gate, up), CN.EXPERT_ACT)
     down = grouped(CN.EXPERT_OUT, act, layer.expert_down[...])
     with scope(CN.MLP_OUT):
         back = jnp.take(down, jnp.argsort(order), axis=0).reshape(b * t, k, d)  # assignment order again

@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxmem.config.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
-from jaxmem.kernels.rms_norm.reference import rms_norm_reference
+from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.model import moe as moe_stats
 from jaxmem.model.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
@@ -44,7 +44,7 @@ class ForwardContext:
 
     compute_dtype: Any = jnp.float32
     attention: Callable = lambda q, k, v, seg, **kw: attention_reference(q, k, v, segment_ids_bt=seg, **kw)
-    norm: Callable = rms_norm_reference
+    norm: Callable = rms_norm_lean
     scan_layers: Callable = _plain_scan
     segment: Callable = _identity_segment
     per_token: Callable = run_whole

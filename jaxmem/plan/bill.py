@@ -205,28 +205,30 @@ def score_elems(cfg: Config, layout: Layout) -> int:
 
 
 def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None, lora=None) -> dict[str, int]:
-    """Per-layer bytes autodiff keeps without any checkpoint: more than the tagged names (fp32 norm inputs,
-    silu internals, roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed.
-    With q/k norms (`model.qk_norm`) their outputs and fp32 inputs too; with post-norms two more fp32 norm
-    inputs and outputs (estimated by the same accounting, not fitted to a compile).
+    """Per-layer bytes autodiff keeps without any checkpoint: more than the tagged names (the norms' inputs,
+    roped q/k), as `jaxmem explain` of llama3-8b (remat none) on 8 x h100-80g showed. The gated activation
+    keeps only gate and up (jaxmem.model.gated) and each RMSNorm only its input in the compute dtype
+    (jaxmem.kernels.rms_norm.lean): no activation internals, no fp32 copies (the layer scan's stacked
+    residuals of configs/tiny.yaml and tiny-gemma3.yaml, remat none, bf16, list exactly these).
+    With q/k norms (`model.qk_norm`) their inputs too (the normed q/k are the roped ones); with post-norms
+    their two inputs (the post-normed output only feeds the residual add).
     LoRA (`lora`: its LoraSetup): a projection input that only a frozen weight's dW would read is not kept."""
     btd, btf = per_name[CN.LAYER_INPUT.value], per_name[CN.MLP_GATE.value]
     q, kv = per_name[CN.QUERY_PROJ.value], per_name[CN.KEY_PROJ.value]
     out = {
-        "mlp_gate": btf * cd, "mlp_up": btf * cd, "mlp_act": btf * cd, "mlp_silu_internals": 3 * btf * cd,
-        "norm_inputs_fp32": 4 * btd * 4, "attn_norm": btd * cd, "mlp_norm": btd * cd,
+        "mlp_gate": btf * cd, "mlp_up": btf * cd, "mlp_act": btf * cd,
+        "norm_inputs": 2 * btd * cd, "attn_norm": btd * cd, "mlp_norm": btd * cd,
         "query_proj_roped": q * cd, "attn_context": q * cd,
         "key_proj": kv * cd, "key_proj_roped": kv * cd, "value_proj": kv * cd,
     }
     if model is not None and model.qk_norm:
-        out.update(qk_norm_inputs_fp32=(q + kv) * 4, qk_normed=(q + kv) * cd)
+        out.update(qk_norm_inputs=(q + kv) * cd)
     if model is not None and model.post_norms:
-        out.update(post_norm_inputs_fp32=2 * btd * 4, post_normed=2 * btd * cd)
+        out.update(post_norm_inputs=2 * btd * cd)
     if lora is not None:
         # No dW: `jaxmem explain` of QLoRA Llama-3-8B widths (seq 512, micro-batch 2, remat none, 4 layers,
-        # all-linear and q,v) shows two fp32 norm inputs per layer, no k before RoPE, and a projection's input
-        # only where its adapters' dA reads it (the attention context stays: the flash backward reads it).
-        out["norm_inputs_fp32"] = 2 * btd * 4
+        # all-linear and q,v) shows no k before RoPE, and a projection's input only where its adapters' dA
+        # reads it (the attention context stays: the flash backward reads it).
         del out["key_proj"]
         for name, readers in (("mlp_act", ("w_down",)), ("attn_norm", ("wq", "wk", "wv")),
                               ("mlp_norm", ("w_gate", "w_up"))):

@@ -7,6 +7,7 @@ from jaxmem.config import KernelConfig
 from jaxmem.kernels import select_norm
 from jaxmem.kernels.rms_norm.config import RmsNormBlocks
 from jaxmem.kernels.rms_norm.pallas import rms_norm
+from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from test_kernels_common import TOLERANCES, assert_close
 
@@ -39,11 +40,16 @@ class TestPallasInterpret(RmsNormCases):
         return rms_norm(x, w, eps, blocks=RmsNormBlocks(max_tile_elements=512), interpret=True)
 
 
+class TestLeanXla(RmsNormCases):
+    def norm(self, x, w, eps):
+        return rms_norm_lean(x, w, eps)
+
+
 def test_dispatch():
     chosen = lambda cfg, platform: select_norm(cfg, platform).__wrapped__  # under its named scope  # noqa: E731
-    assert chosen(KernelConfig(norm="xla"), "cpu") is rms_norm_reference
-    assert chosen(KernelConfig(norm="auto"), "cpu") is rms_norm_reference
-    assert chosen(KernelConfig(norm="auto"), "gpu") is rms_norm_reference  # XLA fuses it as well
+    assert chosen(KernelConfig(norm="xla"), "cpu") is rms_norm_lean
+    assert chosen(KernelConfig(norm="auto"), "cpu") is rms_norm_lean
+    assert chosen(KernelConfig(norm="auto"), "gpu") is rms_norm_lean  # XLA fuses it as well
     x, w = jnp.ones((2, 32)), jnp.full((32,), 2.0)
     assert_close(select_norm(KernelConfig(norm="pallas"), "cpu")(x, w, 1e-6), 2 * x, 1e-6, "pallas on cpu")
 

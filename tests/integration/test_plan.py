@@ -150,7 +150,8 @@ def test_bill_saved_activations_follow_the_remat_policy():
     none = compute_bill(load_config(None, base + ["remat.preset=none"]), 8)
     # fp32 scores + fp32 softmax + bf16 probs per score element, every layer
     assert none.activations_by_name["attention_scores"] == 32 * 1024 * 1024 * (4 + 4 + 2) * 32
-    assert none.activations_by_name["norm_inputs_fp32"] == 4 * 1024 * 4096 * 4 * 32
+    assert none.activations_by_name["norm_inputs"] == 2 * 1024 * 4096 * 2 * 32  # bf16, not fp32 copies
+    assert "mlp_silu_internals" not in none.activations_by_name  # the gated activation keeps gate, up only
     flash = compute_bill(load_config(None, base + ["remat.preset=none", "kernels.attention=pallas"]), 8)
     assert "attention_scores" not in flash.activations_by_name
 
