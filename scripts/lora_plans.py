@@ -172,7 +172,7 @@ their product and three SiLU internals) and fp32 copies of the two norm inputs. 
 act(gate) * up now has a custom VJP that keeps only gate and up and recomputes act(gate) and its derivative
 elementwise in the backward; the default (XLA) RMSNorm has one that keeps its input in bf16 and recomputes
 1/rms in the backward. Both are the same forward, and their gradients equal plain autodiff of the reference
-(tests/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
+(tests/unit/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
 copies: all linears 14.64 -> 11.52 GiB, q,v 12.12 -> 9.01 GiB (compiled deviceless for rtx4090-24g, jax
 0.10.2). Cost: one more elementwise pass over [tokens, d_ff] (the activation) and over [tokens, d_model] per
 norm in the backward, fused by XLA; not timed on a GPU.
