@@ -322,21 +322,19 @@ part): now {analytic:.2f} GiB against {compiled:.2f} compiled ({host:.1f} GiB ho
 NOTES = """Reading it: rows are compiled one at a time in a fresh process each (`--only NAME` recompiles a
 few; `--from-json` rewrites this file; `--bill-only` recomputes just the analytic figures, in seconds). Each
 row records the code revision its compile ran at (`revision` in the JSON; `-dirty`: uncommitted edits; in
-the rows of 2026-11-25 the bill's params-on-host fix before its commit and these output files themselves). Nothing here is measured on a GPU by jaxmem; the peers' figures are
+the rows of 2026-11-25, compiled after the merge of issue #27's four branches, none). Nothing here is measured on a GPU by jaxmem; the peers' figures are
 theirs. The 24 GB rows are compiled for an RTX 4090 (24 GB; jaxmem has no A10G target); the peer ran on an
 A10G (24 GB).
 
-Known causes of the misses at the revisions above (`jaxmem explain` buffers listed per row): on the LoRA /
-QLoRA rows each targeted projection is rebuilt as the merged weight W + s A B, whose [32, ...] copy the layer
-scan keeps for the backward, and QLoRA quantizes only the targeted projections, so with adapters on q and v
-the MLP, o and k weights stay bf16 (3.5 GiB each for the MLP's three). Issue #27 item 1 (branch `lora-lean`)
-removes both; rerun these rows on the merged tree. A bf16-base LoRA row cannot reach 0.8x LitGPT's peak
-whatever the activations: its frozen base alone is more than that (see the peers list). The bill's LoRA
-misses (`analytic`, remat none above all) are the same merged weight, which the bill does not count; the bill's
-LoRA part is rewritten with item 1. On the HF + PyTorch rows (full fine-tunes, 1 GPU) the peak is the default
-AdamW step's whole-model fp32 gradients and fp32 copy of the layers (the weight-shaped f32 buffers in the explain lists): issue #27 item 2
-(branch `lean-update`). torchtitan's row in its own class (`alternate_matmuls`) is under 0.6x; the `selective`
-row is another class (benchmarks/memory_lead.md)."""
+Where a row misses (the `jaxmem explain` buffers are listed per row above). The two bf16-base LoRA rows
+(LitGPT's LoRA on q and v, 0.91-0.93x): the frozen bf16 base alone (Llama-3-8B 14.96 GiB, Mistral-7B 13.49
+GiB of train-state arguments) is more than 0.8x LitGPT's measured peak, so no activation lever reaches the
+goal in that class; QLoRA of the same recipes is 0.60-0.62x. The HF + PyTorch row of the 8B widths x 8 layers
+(0.85x): at 8 layers the vocabulary-sized optimizer state is a large share of the peak, the fp32 master, m and
+v of the embedding and the LM head (6 x 1.96 GiB); jaxmem keeps 14 B per parameter there against HF's 16, and
+the levers that remove it (the optimizer state on the host, or the update inside the backward: 39.9 GiB) are
+another class. torchtitan's row in its own class (`alternate_matmuls`) is under 0.6x; the `selective` row
+is another class (benchmarks/memory_lead.md)."""
 
 
 def main() -> None:
