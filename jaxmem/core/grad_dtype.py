@@ -56,7 +56,9 @@ def _widened_from(var, jaxpr, producers, depth=0):
             return None
         return _widened_from(inner.outvars[index], inner, _producers(inner), depth + 1)
     if name == "scan":
-        carry = eqn.params["num_carry"]
+        carry = eqn.params.get("num_carry")
+        if carry is None:  # jax >= 0.12 describes a scan's outputs by trees (ft_out): not followed there, so
+            return None  # the leaf keeps the plain step's fp32 cast (same values, the fp32 bytes)
         if index < carry:  # a loop carry mixes iterations: not followed
             return None
         body = eqn.params["jaxpr"].jaxpr
