@@ -4,12 +4,13 @@ presets, and the one-line errors of their config translation."""
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
 from flax import nnx
+
+from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, saved_checkpoints
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -49,30 +50,13 @@ def _hf_model(name):
     return model.eval()
 
 
-def _ref_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
 def _tokens(vocab, batch=2, seq=SEQ):
     return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
 
 
-def _logits(model, tokens, ctx=None):
-    graphdef, state = nnx.split(model)
-    run = lambda s, t: nnx.merge(graphdef, s)(t) if ctx is None else nnx.merge(graphdef, s)(t, ctx)  # noqa: E731
-    return np.asarray(jax.jit(run)(state, jnp.asarray(tokens)))
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name in CASES:
-        directory = tmp_path_factory.mktemp(name)
-        model = _hf_model(name)
-        model.save_pretrained(directory, safe_serialization=True)
-        out[name] = (directory, model)
-    return out
+    return saved_checkpoints(tmp_path_factory, CASES, _hf_model)
 
 
 @pytest.mark.parametrize("name", list(CASES))

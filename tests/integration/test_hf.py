@@ -11,6 +11,8 @@ import torch
 import transformers
 from flax import nnx
 
+from hf_parity import hf_logits as _ref_logits, jax_logits as _logits
+
 import jaxmem
 from jaxmem.core import sharding
 from jaxmem.config import ConfigError, ModelConfig, ParallelConfig, load_config
@@ -49,18 +51,8 @@ def _hf_model(name, **extra):
     return model.eval()
 
 
-def _ref_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
 def _tokens(vocab, batch=2, seq=SEQ, seed=0):
     return np.random.RandomState(seed).randint(0, vocab, (batch, seq)).astype(np.int32)
-
-
-def _logits(model, tokens):
-    graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens)))
 
 
 def _params(model):

@@ -10,6 +10,8 @@ import torch
 import transformers
 from flax import nnx
 
+from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, saved_checkpoints
+
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig, load_config
 from jaxmem.io.hf import save_hf
@@ -55,25 +57,9 @@ def _tokens(vocab, batch=2, seq=SEQ):
     return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
 
 
-def _logits(model, tokens):
-    graphdef, state = nnx.split(model)
-    return np.asarray(jax.jit(lambda s, t: nnx.merge(graphdef, s)(t))(state, jnp.asarray(tokens)))
-
-
-def _ref_logits(model, tokens):
-    with torch.no_grad():
-        return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    out = {}
-    for name in CASES:
-        directory = tmp_path_factory.mktemp(name)
-        model = _hf_model(name)
-        model.save_pretrained(directory, safe_serialization=True)
-        out[name] = (directory, model)
-    return out
+    return saved_checkpoints(tmp_path_factory, CASES, _hf_model)
 
 
 @pytest.mark.parametrize("name", list(CASES))
