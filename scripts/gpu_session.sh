@@ -1,18 +1,27 @@
 #!/usr/bin/env bash
-# One device call: train-step benches (`jaxmem bench`) and kernel timings, results under $1 (default $OUT).
-# Run from the repo root on a GPU machine: PYTHONPATH=. bash scripts/gpu_session.sh OUTDIR
+# One device call: train-step benches (`jaxmem bench`, each case in its own process), results under $1 (default $OUT).
+# Run from the repo root on a GPU machine: PYTHONPATH=. bash scripts/gpu_session.sh OUTDIR [CASE ...]
+# With no CASE, every case below runs in order; KERNELS=1 also runs scripts/bench_kernels_gpu.py.
 set -u
-out=${1:-$OUT}
+out=${1:-$OUT}; shift || true
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
-base="model.preset=llama3.2-1b train.seq_len=8192 train.micro_batch=1 remat.preset=selective parallel.fsdp=1
-  parallel.rules=fsdp precision.param_dtype=bfloat16 precision.compute_dtype=bfloat16 precision.master_weights=true
-  checkpoint.every=0 data.kind=synthetic"
-bench() {  # name, overrides...
-  local name=$1; shift
-  timeout 150 python3 -m jaxmem.cli bench configs/tiny.yaml $base "$@" --steps 10 --json "$out/bench_$name.json" \
-    > "$out/bench_$name.txt" 2>&1; echo "bench $name rc=$?"; grep -E "step time|tokens/s|device bytes|MFU" "$out/bench_$name.txt" | head -8
-}
-bench 1b_s8k_sel_auto
-bench 8bx8_s8k_full_auto model.preset=llama3-8b model.n_layers=8 remat.preset=full
-bench 1b_s8k_sel_pallas kernels.attention=pallas
-python3 scripts/bench_kernels_gpu.py "$out" "${@:2}" --budget "${KERNEL_BUDGET:-300}"
+common="parallel.fsdp=1 parallel.rules=fsdp precision.param_dtype=bfloat16 precision.compute_dtype=bfloat16
+  precision.master_weights=true checkpoint.every=0 data.kind=synthetic train.micro_batch=1"
+one_b="model.preset=llama3.2-1b train.seq_len=8192 remat.preset=selective"
+declare -A CASES=(
+  [1b_s8k_sel_auto]="configs/tiny.yaml $common $one_b"
+  [1b_s8k_sel_pallas]="configs/tiny.yaml $common $one_b kernels.attention=pallas"
+  [8bx8_s8k_full_auto]="configs/tiny.yaml $common model.preset=llama3-8b model.n_layers=8 train.seq_len=8192 remat.preset=full"
+  [qwen3moe_x4_s8k_full]="configs/tiny.yaml $common model.preset=qwen3-30b-a3b model.n_layers=4 train.seq_len=8192 remat.preset=full"
+  [qlora_8b_qv_s512]="configs/lora/llama3-8b-qlora-qv-seq512.yaml checkpoint.every=0 data.kind=synthetic"
+)
+ORDER=(1b_s8k_sel_auto 8bx8_s8k_full_auto qwen3moe_x4_s8k_full qlora_8b_qv_s512 1b_s8k_sel_pallas)
+[ $# -gt 0 ] && ORDER=("$@")
+python3 -c 'import jax; print("jax", jax.__version__, jax.devices()[0].device_kind)'
+for name in "${ORDER[@]}"; do
+  # shellcheck disable=SC2086
+  timeout "${CASE_TIMEOUT:-150}" python3 -m jaxmem.cli bench ${CASES[$name]} --steps "${STEPS:-8}" \
+    --json "$out/bench_$name.json" > "$out/bench_$name.txt" 2>&1
+  echo "bench $name rc=$?"; grep -E "step time|tokens/s|device bytes|peak|MFU" "$out/bench_$name.txt" | head -8
+done
+if [ "${KERNELS:-0}" = 1 ]; then python3 scripts/bench_kernels_gpu.py "$out" --budget "${KERNEL_BUDGET:-300}"; fi
