@@ -40,7 +40,7 @@ PYTHON_LATEST ?= python3.12
 LATEST := .venv-latest
 # test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another mesh) aborted twice in a
 # loaded two-worker run and never alone (docs in the closing note); it runs in `make test` on the tested jax.
-LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
+LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/unit/test_lean_update.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/integration/test_update_in_backward.py tests/integration/test_kernels_common.py tests/integration/test_doctor.py
 
 $(LATEST)/.installed: pyproject.toml

@@ -56,14 +56,27 @@ def _widened_from(var, jaxpr, producers, depth=0):
             return None
         return _widened_from(inner.outvars[index], inner, _producers(inner), depth + 1)
     if name == "scan":
-        carry = eqn.params.get("num_carry")
-        if carry is None:  # jax >= 0.12 describes a scan's outputs by trees (ft_out): not followed there, so
-            return None  # the leaf keeps the plain step's fp32 cast (same values, the fp32 bytes)
+        carry = _num_carry(eqn)
+        if carry is None:  # a scan this walk cannot read: the leaf keeps the plain step's fp32 cast
+            return None
         if index < carry:  # a loop carry mixes iterations: not followed
             return None
         body = eqn.params["jaxpr"].jaxpr
         return _widened_from(body.outvars[index], body, _producers(body), depth + 1)
     return None
+
+
+def _num_carry(eqn):
+    """How many of a scan's outputs are its loop carry (the rest are the stacked per-iteration outputs).
+    jax 0.10 names the count (num_carry); jax 0.11 and 0.12 describe the outputs as a flat tree
+    (ft_out = (carry, ys)) instead. None for a form this walk does not know."""
+    if "num_carry" in eqn.params:
+        return eqn.params["num_carry"]
+    ft_out = eqn.params.get("ft_out")
+    try:
+        return len(ft_out.unpack()[0])
+    except (AttributeError, IndexError, TypeError):
+        return None
 
 
 def exact_dtypes(grad_fn, *abstract_args):
