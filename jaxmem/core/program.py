@@ -21,7 +21,6 @@ from jaxmem.runtime import aot, memory_kinds_shim
 from jaxmem import kernels
 from jaxmem.core import offload, remat, sharding
 from jaxmem.config import validate
-from jaxmem.config.validate import ConfigError
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad, grad_dtype
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -29,6 +28,8 @@ from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.axes import activation_rules
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
+from jaxmem.core.plugin_registry import plugin_for
+from jaxmem.core.plugins import FROZEN, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
 from jaxmem.core.seq_tiling import per_token_tiles
 from jaxmem.core.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_keys,  # noqa: F401 (re-exported)
@@ -45,6 +46,7 @@ class TrainProgram:
     abstract_state: dict  # ShapeDtypeStructs carrying shardings
     ctx: ForwardContext
     layout: Layout  # every decision the step is built from, as the planner reads them
+    plugin: ProgramPlugin = dataclasses.field(default_factory=ProgramPlugin)  # an add-on's hooks (core.plugins)
 
     # ------------------------------------------------------------ from the layout
     @property
@@ -99,34 +101,18 @@ class TrainProgram:
         seed = self.cfg.train.seed if seed is None else seed
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
 
-    def _fresh_params(self, seed: int) -> dict:
+    def fresh_params(self, seed: int) -> dict:
+        """The model's params as initialized from `seed`."""
         model = init_model(self.cfg.model, seed=seed, param_dtype=self.precision.param)
         return nnx.to_pure_dict(nnx.split(model)[1])
 
     def _fresh_state(self, seed: int) -> dict:
-        return self.state_from_params(self._fresh_params(seed), seed)
+        return self.state_from_params(self.fresh_params(seed), seed)
 
     def state_from_params(self, params, seed: int | None = None) -> dict:
-        """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; with
-        LoRA the params become the frozen base and fresh adapters are trained."""
-        setup = self.layout.lora
-        if setup is None:
-            return assemble_state(self.cfg, self.precision, self.optimizer, params)
-        from jaxmem.lora.frozen import make_base
-
-        state = self.adapter_state(seed)
-        state["base"] = make_base(setup, self.cfg, params, self.precision.param)
-        return state
-
-    def adapter_state(self, seed: int | None = None) -> dict:
-        """A LoRA run's step-0 state without its base: fresh adapters, their optimizer state and master."""
-        from jaxmem.lora.adapters import init_adapters
-
-        setup = self.layout.lora
-        seed = self.cfg.train.seed if seed is None else seed
-        adapters = init_adapters(self.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),
-                                 self.precision.param)
-        return assemble_state(self.cfg, self.precision, self.optimizer, adapters)
+        """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; a
+        plug-in may make them its frozen part and train others (LoRA: fresh adapters on the params as base)."""
+        return self.plugin.fresh_state(self, params, seed)
 
     def abstract_model_params(self) -> dict:
         """The model's params (ShapeDtypeStructs with their shardings): what init_from restores."""
@@ -135,20 +121,12 @@ class TrainProgram:
                                                               sharding=NamedSharding(self.mesh, s)),
                             self.layout.model_abstract_params, specs)
 
-    def frozen_base(self) -> dict:
-        """A LoRA run's frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face
-        directory or an import-hf output is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
+    def frozen_base(self):
+        """The state's frozen part (state[FROZEN], a LoRA base) rebuilt where the config says; None if the
+        state has none."""
         from jaxmem.io.checkpoint import model_params_from
-        from jaxmem.lora.frozen import make_base
-        from jaxmem.lora.load_base import stream_base, streams
 
-        cfg, setup, out = self.cfg, self.layout.lora, self.state_shardings["base"]
-        if cfg.checkpoint.init_from and streams(cfg.checkpoint.init_from):
-            return stream_base(self, cfg.checkpoint.init_from)
-        make = lambda p: make_base(setup, cfg, p, self.precision.param)  # noqa: E731
-        if cfg.checkpoint.init_from:
-            return jax.jit(make, out_shardings=out)(model_params_from(self, cfg.checkpoint.init_from))
-        return jax.jit(lambda: make(self._fresh_params(cfg.train.seed)), out_shardings=out)()
+        return self.plugin.frozen_part(self, model_params_from)
 
     def model(self, params) -> nnx.Module:
         return nnx.merge(self.graphdef, params)
@@ -194,6 +172,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
         layout = layout.keeping(keep)
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
+    plugin = plugin_for(cfg)
 
     abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
     specs = {"step": P(), "params": layout.param_specs}
@@ -204,27 +183,19 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
         specs["loss_scale"] = {"scale": P(), "good_steps": P()}
     if "grad_norm" in abstract:
         specs["grad_norm"] = P()
-    if layout.lora is not None:
-        abstract["base"], specs["base"] = layout.base_abstract, layout.base_specs
+    for key, (frozen_abstract, frozen_specs) in plugin.frozen_layout(layout).items():
+        abstract[key], specs[key] = frozen_abstract, frozen_specs
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
     platform = layout.platform
-    fetch = offload.layer_fetch(cfg, prec.grad_reduce)
-    if layout.lora is not None:  # the scan carries (layer state, stored base + adapters): jaxmem.lora.linear
-        from jaxmem.lora.frozen import fetch_fn, layer_shapes
-
-        fetch = fetch_fn(layout.lora, layer_shapes(cfg, layout.lora), cfg.lora.dropout)
+    fetch = plugin.layer_fetch(cfg, layout, offload.layer_fetch(cfg, prec.grad_reduce))
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
-    if layout.lora is not None:
-        from jaxmem.lora.linear import project
-
-        ctx = dataclasses.replace(ctx, project=project)
-    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
+    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)
 
 
 def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
@@ -246,41 +217,25 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
     `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
     With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
-    `dropout_key` (LoRA with lora.dropout > 0, the train step only) turns the adapters' input dropout on."""
+    `base` is the state's frozen part and `dropout_key` the train step's per micro-batch key, both read by the
+    program's plug-in (jaxmem.core.plugins; LoRA: its base, and its adapters' input dropout)."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
     loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh) if last else None
 
-    setup = prog.layout.lora
-    if setup is not None and setup.quantize_embeddings and mesh.size > 1:
-        raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
+    plugin = prog.plugin
+    plugin.check_mesh(mesh)
 
     def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
             router_losses=False):
-        run_ctx = ctx
-        if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
-            from jaxmem.lora import frozen
-
-            pieces = frozen.lora_layers(setup, base, params)
-            if dropout_key is not None:
-                from jaxmem.lora.dropout import with_keys
-
-                pieces = with_keys(pieces, dropout_key, cfg.model.n_layers)
-            run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
-                body, h, (stacked, pieces)))
-            params = frozen.model_params(setup, base)
+        params, run_ctx = plugin.bind(prog, params, base, dropout_key, ctx)
         # a stage's module holds placeholders for the end params it does not own (never read)
         params = dict(params, **{k: jnp.zeros((), jnp.float32) for k in END_PARAMS
                                  if k not in params and (k != "lm_head" or not cfg.model.tie_embeddings)})
         model = nnx.merge(prog.graphdef, params)
         with activation_rules(constrainer):
-            if first and setup is not None and setup.quantize_embeddings:
-                from jaxmem.lora.frozen_vocab import embed_tokens
-
-                h_btd = embed_tokens(base["embed"], x, cfg.model.d_model, run_ctx.compute_dtype)
-            else:
-                h_btd = model.embed_tokens(x, run_ctx) if first else x
+            h_btd = plugin.embed(prog, base, model, x, run_ctx) if first else x
             h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
                                      router_losses=router_losses)
             if router_losses:  # a mixture of experts: ((loss_sum, n_valid), {"moe_aux_loss", "moe_z_loss"})
@@ -288,13 +243,7 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
             if not last:
                 return h_btd
             h_btd = model.final_hidden(h_btd, run_ctx)
-        if setup is not None and setup.quantize_embeddings:  # a vocab chunk dequantized at a time in the loss
-            from jaxmem.lora.frozen_vocab import QuantizedHead
-
-            w_dv = QuantizedHead(base["embed" if cfg.model.tie_embeddings else "lm_head"], cfg.model.d_model,
-                                 prog.precision.compute)
-        else:
-            w_dv = model.lm_head_weight().astype(prog.precision.compute)
+        w_dv = plugin.head_weight(prog, base, model)
         out = loss_impl(h_btd, w_dv, labels_bt)
         return (out, router) if router_losses else out
 
@@ -302,17 +251,16 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
 
 
 def _make_step(prog: TrainProgram):
-    if prog.cfg.optimizer.update_in_backward:
-        from jaxmem.core.update_in_backward import make_step
-
-        return make_step(prog, loss_sum_fn)
+    replaced = prog.plugin.make_step(prog, loss_sum_fn)  # update-in-backward's
+    if replaced is not None:
+        return replaced
     cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
     token_loss = loss_sum_fn(prog)
     grad_shardings = sharding.named(mesh, prog.grad_specs)
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
     scaling = cfg.precision.loss_scale
-    dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
+    keyed = prog.plugin.keys_micro_batches(cfg)  # LoRA dropout's masks
 
     moe = cfg.model.n_experts > 0
     # numpy zeros: built before tracing, so no eager op runs (a deviceless compile has no device to run it on)
@@ -329,7 +277,7 @@ def _make_step(prog: TrainProgram):
                  + cfg.model.router_z_loss_coef * router["moe_z_loss"])
         return (loss_sum + n_micro.astype(jnp.float32) * extra) / denom, (loss_sum, router)
 
-    grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: a LoRA base gets no gradient
+    grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: the frozen part gets no gradient
     rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))
 
     def step(state, batch):
@@ -339,7 +287,7 @@ def _make_step(prog: TrainProgram):
         n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
         params = state["params"]
-        p_grad = grad_dtype.step_params(prog, grad_fn, params, micro_batches, n_valid / scale, state.get("base"))
+        p_grad = grad_dtype.step_params(prog, grad_fn, params, micro_batches, n_valid / scale, state.get(FROZEN))
 
         rows_mode = embed_grad.applies(cfg, prog.layout, prec)  # the embedding's gradient kept as its touched rows
         if rows_mode:
@@ -350,12 +298,8 @@ def _make_step(prog: TrainProgram):
             if rows_mode:
                 (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
                 return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), (loss_sum, {})
-            key = None
-            if dropout_on:  # from (seed, step, micro-batch) only: the remat recompute and a resume draw the same
-                from jaxmem.lora.dropout import step_key
-
-                key = step_key(cfg.train.seed, state["step"], 0 if index is None else index)
-            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get("base"), key)
+            key = prog.plugin.micro_key(cfg, state["step"], 0 if index is None else index) if keyed else None
+            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get(FROZEN), key)
             return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
         # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
@@ -368,14 +312,14 @@ def _make_step(prog: TrainProgram):
                     (grads, d_rows) = grads
             else:
                 def acc(carry, micro):
-                    g, l = one(*micro) if dropout_on else one(micro)
+                    g, l = one(*micro) if keyed else one(micro)
                     g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
                     return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g),
                             jax.tree.map(jnp.add, carry[1], l)), d_rows
 
                 zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
                 zeros = jax.lax.with_sharding_constraint(zeros, rest_shardings if rows_mode else grad_shardings)
-                xs = (micro_batches, jnp.arange(prog.grad_accum)) if dropout_on else micro_batches
+                xs = (micro_batches, jnp.arange(prog.grad_accum)) if keyed else micro_batches
                 (grads, (loss_sum, router)), d_rows = jax.lax.scan(acc, (zeros, (jnp.float32(0.0), router_zero)), xs)
                 router = {k: v / prog.grad_accum for k, v in router.items()}  # the micro-batches' mean
             if rows_mode:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.core.optim import apply_update, put_layer, split_layers, take_layer
+from jaxmem.core.plugins import ProgramPlugin
 
 
 def clip_factor(prev_norm, clip_norm: float):
@@ -239,3 +240,14 @@ def make_step(prog, loss_sum_fn):
         return new_state, metrics
 
     return step
+
+
+class UpdateInBackward(ProgramPlugin):
+    """optimizer.update_in_backward's plug-in (jaxmem.core.plugins): the program's step is make_step's."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "UpdateInBackward | None":
+        return cls() if cfg.optimizer.update_in_backward else None
+
+    def make_step(self, prog, loss_sum_fn):
+        return make_step(prog, loss_sum_fn)

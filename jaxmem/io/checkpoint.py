@@ -17,6 +17,8 @@ import orbax.checkpoint as ocp
 
 from jaxmem.config.schema import Config, ConfigError, config_hash
 from jaxmem.core.optim import schedule_steps
+from jaxmem.core.plugin_registry import plugin_for
+from jaxmem.core.plugins import FROZEN
 from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
 from jaxmem.runtime.oom_text import is_oom
 from jaxmem.pipeline import is_pipeline, stage_store
@@ -91,18 +93,8 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
     meta = {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
             "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
             "decay_steps": int(decay), "warmup_steps": int(warmup)}
-    if cfg.lora.rank > 0:
-        meta["lora_base"] = lora_base_identity(cfg)
+    meta.update(plugin_for(cfg).meta(cfg))  # LoRA: which base the adapters belong to
     return meta
-
-
-def lora_base_identity(cfg: Config) -> str:
-    """Which frozen base a LoRA run's adapters belong to: where the weights come from and how they are stored
-    (a LoRA checkpoint holds the adapters and their optimizer state only)."""
-    origin = f"init_from {Path(cfg.checkpoint.init_from).absolute()}" if cfg.checkpoint.init_from \
-        else f"seed {cfg.train.seed}"
-    lo = cfg.lora
-    return f"{cfg.model.preset} {origin}, {lo.base_dtype}{' double-quantized' if lo.double_quant else ''}"
 
 
 class Checkpoints:
@@ -136,7 +128,7 @@ class Checkpoints:
         The copy is taken before returning, so the state may be donated to the next step
         right away.
         """
-        state = {k: v for k, v in state.items() if k != "base"}  # a LoRA base is rebuilt, never saved
+        state = {k: v for k, v in state.items() if k != FROZEN}  # a frozen part is rebuilt, never saved
         if _STAGES in state:  # a pipeline's: each process writes the stages it drives
             item = {_STAGES: stage_store.StagesSave(state[_STAGES])}
         else:
@@ -145,8 +137,8 @@ class Checkpoints:
 
     def restore(self, abstract_state: dict, step: int | None = None,
                 required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings; a LoRA
-        state comes back without its frozen base (`restore_run` rebuilds it).
+        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings; a state
+        comes back without its frozen part, a LoRA base (`restore_run` rebuilds it).
 
         `required_meta` names integer fields the meta item must hold (a resume needs RUN_META_KEYS).
         A step directory that is damaged, or holds another model's state, is a one-line ConfigError
@@ -156,7 +148,7 @@ class Checkpoints:
         if step is None:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         meta = self._restore_meta(step, required_meta)
-        abstract_state = {k: v for k, v in abstract_state.items() if k != "base"}
+        abstract_state = {k: v for k, v in abstract_state.items() if k != FROZEN}
         staged = _STAGES in abstract_state
         try:
             saved = (stage_store.saved_shapes(self.directory / str(step) / _STAGES) if staged
@@ -244,8 +236,8 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
 
 
 def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_meta: tuple[str, ...] = ()):
-    """(state, meta) of a run's checkpoint; for LoRA the frozen base is rebuilt from where the config says
-    (checkpoint.init_from, or the seed) after checking it is the base the adapters were trained on.
+    """(state, meta) of a run's checkpoint; a frozen part (a LoRA base) is rebuilt from where the config says
+    (checkpoint.init_from, or the seed) after the plug-in checked the meta (the base the adapters were trained on).
     Pipeline checkpoints and pipeline runs are re-cut between layouts (jaxmem.pipeline.checkpoints)."""
     from jaxmem.pipeline import checkpoints as pipeline_ckpts
 
@@ -256,14 +248,9 @@ def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_me
     if meta and meta.get(pipeline_ckpts.PP_META):
         return pipeline_ckpts.restore_from_pipeline(prog, ckpts, step, meta, required_meta), meta
     state, meta = ckpts.restore(prog.abstract_state, step, required_meta)
-    if prog.layout.lora is None:
-        return state, meta
-    want, saved = lora_base_identity(prog.cfg), meta.get("lora_base")
-    if saved != want:
-        raise ConfigError(f"{ckpts.directory}: these adapters belong to the base '{saved}', this run's base is "
-                          f"'{want}' (checkpoint.init_from, train.seed, lora.base_dtype); use the same base or a "
-                          "new out_dir")
-    return dict(state, base=prog.frozen_base()), meta
+    prog.plugin.check_meta(prog.cfg, meta, ckpts.directory)
+    frozen = prog.plugin.frozen_part(prog, model_params_from)
+    return (state if frozen is None else dict(state, **{FROZEN: frozen})), meta
 
 
 def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
@@ -289,13 +276,11 @@ def init_from(prog, path: str | Path) -> dict:
         check_model_json(path, prog.cfg)
         params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
         return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
-    if prog.layout.lora is not None:
-        from jaxmem.lora.load_base import lora_state, streams
-
-        if streams(path):  # an HF directory or import-hf output: the base streamed and quantized a layer at a time
-            return lora_state(prog, path)
+    streamed = prog.plugin.streamed_state(prog, path)  # LoRA: an HF directory or import-hf output
+    if streamed is not None:
+        return streamed
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
-    donate = () if prog.layout.lora is not None else (0,)
+    donate = (0,) if prog.plugin.donates_params else ()
     assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=donate)
     return assemble(params)

@@ -203,10 +203,3 @@ def _store_vocab(setup: LoraSetup, base: dict, out: dict) -> None:
     for key in ("embed", "lm_head"):
         if key in base:
             base[key] = jax.jit(lambda w, key=key: store_table(setup, key, w), out_shardings=out[key])(base[key])
-
-
-def lora_state(prog, path: str | Path) -> dict:
-    """A LoRA run's step-0 state: fresh adapters (and their optimizer state) on the streamed base."""
-    rest = {k: v for k, v in prog.state_shardings.items() if k != "base"}
-    state = jax.jit(prog.adapter_state, out_shardings=rest)()
-    return dict(state, base=stream_base(prog, path))

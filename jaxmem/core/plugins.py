@@ -1,0 +1,89 @@
+"""The interface through which an add-on (LoRA, update-in-backward) changes how the train program is built,
+stepped and checkpointed, so the program and the checkpointer call hooks instead of branching on features.
+
+A plug-in hands the program (jaxmem.core.program) its state layout, per-layer weight fetch, forward pieces,
+initial and restored state and step, and the checkpointer (jaxmem.io.checkpoint) what a checkpoint records
+and checks. `ProgramPlugin`'s hooks are a full fine-tune's (the identity); a plug-in overrides the few it
+changes. jaxmem.core.plugin_registry picks the one a config asks for.
+"""
+from __future__ import annotations
+
+from jaxmem.core.step_state import assemble_state
+
+# The train-state entry holding a plug-in's frozen part (a LoRA base): never differentiated, never saved
+# (a checkpoint's restore rebuilds it: ProgramPlugin.frozen_part).
+FROZEN = "base"
+
+
+class ProgramPlugin:
+    """A full fine-tune: every hook leaves the program as it is."""
+
+    @classmethod
+    def from_config(cls, cfg) -> "ProgramPlugin | None":
+        """This plug-in for `cfg`, or None where the config does not ask for it."""
+        return cls()
+
+    # ------------------------------------------------------------ state layout
+    def frozen_layout(self, layout) -> dict:
+        """{FROZEN: (abstract tree, partition specs)} for a frozen part beside the trainable state; {} if none."""
+        return {}
+
+    def fresh_state(self, prog, params, seed) -> dict:
+        """A step-0 train state around the model's `params` (the program's state_from_params)."""
+        return assemble_state(prog.cfg, prog.precision, prog.optimizer, params)
+
+    def frozen_part(self, prog, load_params):
+        """The frozen part rebuilt where the config says (a resume); `load_params(prog, path)` reads a
+        params-only checkpoint. None: the state has no frozen part."""
+        return None
+
+    def streamed_state(self, prog, path):
+        """A step-0 state read from `path` (checkpoint.init_from) its own way; None: the program loads the
+        model's params and calls fresh_state."""
+        return None
+
+    donates_params = True  # the loaded params' buffers may become the state's
+
+    # ------------------------------------------------------------ forward
+    def layer_fetch(self, cfg, layout, fetch):
+        """The layer scan's fetch (one layer's slice -> what the layer reads), given the program's."""
+        return fetch
+
+    def forward_context(self, ctx):
+        return ctx
+
+    def check_mesh(self, mesh) -> None:
+        """A ConfigError where the forward cannot run on `mesh`."""
+
+    def bind(self, prog, params, frozen, dropout_key, ctx):
+        """(the params the model is merged from, the forward context) for the trainable `params` and the
+        state's `frozen` part; `dropout_key` is the train step's micro_key."""
+        return params, ctx
+
+    def embed(self, prog, frozen, model, tokens, ctx):
+        """The embedded tokens [B, T, D] the layers start from."""
+        return model.embed_tokens(tokens, ctx)
+
+    def head_weight(self, prog, frozen, model):
+        """The LM head weight [D, V] the loss reads."""
+        return model.lm_head_weight().astype(prog.precision.compute)
+
+    # ------------------------------------------------------------ step
+    def keys_micro_batches(self, cfg) -> bool:
+        """Whether the train step hands each micro-batch a key (micro_key)."""
+        return False
+
+    def micro_key(self, cfg, step, index):
+        raise NotImplementedError
+
+    def make_step(self, prog, loss_sum_fn):
+        """A train step replacing the program's, or None."""
+        return None
+
+    # ------------------------------------------------------------ checkpoints
+    def meta(self, cfg) -> dict:
+        """Entries a checkpoint's meta records beside the run's."""
+        return {}
+
+    def check_meta(self, cfg, meta: dict, directory) -> None:
+        """A ConfigError where a checkpoint's meta says its state does not belong to this run."""
