@@ -79,17 +79,22 @@ class NotYetSupported(ConfigError, NotImplementedError):
 
 
 def _moe_levers(cfg: Config) -> None:
-    """Mixture of experts: the levers it does not take yet, by name."""
-    if cfg.parallel.ep != 1:
-        if cfg.parallel.ep < 1:
-            raise ConfigError(f"parallel.ep: must be >= 1, got {cfg.parallel.ep}")
-        if not cfg.model.n_experts:
-            raise ConfigError(f"parallel.ep: {cfg.parallel.ep} needs a mixture of experts (model.n_experts > 0); "
-                              "use 1 for a dense model")
-        raise NotYetSupported(f"parallel.ep: expert parallelism is not implemented yet (got {cfg.parallel.ep}); "
-                              "use 1 (the expert weights shard over fsdp like the other weights)")
-    if not cfg.model.n_experts:
+    """Mixture of experts: expert parallelism's sizes, and the levers it does not take yet, by name."""
+    m, ep = cfg.model, cfg.parallel.ep
+    if ep < 1:
+        raise ConfigError(f"parallel.ep: must be a positive size (no -1 fill), got {ep}")
+    if ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep: {ep} needs a mixture of experts (model.n_experts > 0); "
+                          "use 1 for a dense model")
+    if m.moe_capacity_factor < 0:
+        raise ConfigError(f"model.moe_capacity_factor: must be >= 0 (0: dropless), got {m.moe_capacity_factor}")
+    if not m.n_experts:
         return
+    if m.n_experts % ep:
+        raise ConfigError(f"model.n_experts: {m.n_experts} experts do not split evenly over parallel.ep={ep}")
+    if m.moe_capacity_factor and ep == 1:
+        raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
+                              "parallel.ep > 1 or 0 (dropless)")
     refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
                "parallel.pp": cfg.parallel.pp > 1}
     for key, on in refused.items():
@@ -107,7 +112,7 @@ def _train(cfg: Config) -> None:
 
 
 def _parallel(cfg: Config) -> None:
-    for k in ("dp", "fsdp", "sp", "tp"):
+    for k in ("dp", "fsdp", "sp", "tp"):  # ep: _moe_levers
         v = getattr(cfg.parallel, k)
         if v == 0 or v < -1:
             raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
