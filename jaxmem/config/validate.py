@@ -322,7 +322,7 @@ def _pipeline_levers(cfg: Config) -> None:
 def _batch_fits_fixed_mesh(cfg: Config) -> None:
     """With no -1 mesh axis the data ways are known now: the batch and offload rules run at load."""
     if fixed_mesh_size(cfg.parallel) is not None:
-        grad_accum, _ = batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp)
+        grad_accum, _ = batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.ep)
         check_grad_accum(cfg, grad_accum)
 
 
@@ -339,9 +339,9 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
 
 
 def fixed_mesh_size(par: ParallelConfig) -> int | None:
-    """pp * dp * fsdp * sp * tp (every device of the run), or None when an axis is -1 (filled from the device
-    count)."""
-    sizes = (par.dp, par.fsdp, par.sp, par.tp)
+    """pp * dp * fsdp * ep * sp * tp (every device of the run), or None when an axis is -1 (filled from the
+    device count)."""
+    sizes = (par.dp, par.fsdp, par.ep, par.sp, par.tp)
     return None if -1 in sizes else math.prod(sizes) * par.pp
 
 
@@ -414,4 +414,4 @@ def check_topology(cfg: Config, gpus_per_host: int, n_devices: int, label: str) 
         raise ConfigError(f"target.gpus_per_host: must be >= 1, got {gpus_per_host}")
     mesh = fixed_mesh_size(cfg.parallel)
     if mesh is not None and mesh != n_devices:
-        raise ConfigError(f"parallel: pp*dp*fsdp*sp*tp={mesh} != {n_devices} devices of {label}")
+        raise ConfigError(f"parallel: pp*dp*fsdp*ep*sp*tp={mesh} != {n_devices} devices of {label}")

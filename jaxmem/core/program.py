@@ -318,7 +318,7 @@ def _make_step(prog: TrainProgram):
     dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
 
     moe = cfg.model.n_experts > 0
-    router_zero = {k: jnp.float32(0) for k in ROUTER_METRICS} if moe else {}
+    router_zero = {k: np.float32(0) for k in ROUTER_METRICS} if moe else {}  # no eager op (deviceless plans)
 
     def micro_loss(params, micro, denom, base, dropout_key):
         if not moe:
