@@ -190,7 +190,8 @@ def test_deviceless_h100x8_ep8_step():
 
     figures = {}
     for ep in (1, 8):
-        cfg = load_config("configs/tiny-moe.yaml", ["parallel.fsdp=-1", f"parallel.ep={ep}"])
+        cfg = load_config("configs/tiny-moe.yaml", ["parallel.fsdp=-1", f"parallel.ep={ep}", "model.n_layers=1",
+                                                    "train.seq_len=32"])
         compiled = build_program(cfg, devices=aot.target_devices("h100-80g", 8)).lower().compile()
         figures[ep] = memory_figures(compiled)["device"], compiled.as_text()
     assert "all-to-all" in figures[8][1] and "all-to-all" not in figures[1][1]
