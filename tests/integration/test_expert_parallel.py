@@ -3,6 +3,8 @@ single-device layer (forward and gradients, a router that sends everything to on
 the capacity-factor mode against a numpy reference of what it drops, training on the 8-device CPU mesh
 with the losses of fsdp=8 (alone, with tp, with sp), the CLI, the weights' shardings, and the deviceless
 H100 compile."""
+import contextlib
+import io
 import json
 
 import jax
@@ -10,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem import cli
@@ -154,7 +157,9 @@ def fsdp8():
     ["parallel.ep=4", "parallel.fsdp=2"],
     ["parallel.ep=2", "parallel.tp=2", "parallel.fsdp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"],
     ["parallel.ep=2", "parallel.sp=2", "parallel.fsdp=2", "train.micro_batch=2"],
-], ids=["ep4_fsdp2", "ep2_tp2_fsdp2", "ep2_sp2_fsdp2"])
+    ["parallel.ep=4", "parallel.fsdp=2", "remat.preset=full", "remat.names.moe_dispatch=device",
+     "remat.names.expert_act=device"],
+], ids=["ep4_fsdp2", "ep2_tp2_fsdp2", "ep2_sp2_fsdp2", "ep4_fsdp2_remat_saving_expert_names"])
 def test_ep_trains_like_fsdp8(fsdp8, overrides):
     """Dropless: the same global batch gives the same losses, router losses and no drops."""
     assert fsdp8[-1, 0] < fsdp8[0, 0] - 0.3, fsdp8
@@ -171,6 +176,34 @@ def test_the_cli_trains_a_moe_with_ep2(tmp_path, capsys):
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     assert records[-1]["loss"] < records[0]["loss"] and all(r["moe_dropped"] == 0 for r in records)
+
+
+def test_a_remat_policy_saves_the_named_rows_inside_the_dispatch(mesh_ep4):
+    """The names tagged inside the shard_map reach the policy: saving moe_dispatch and expert_act keeps the
+    received rows [ep x C, D] and the experts' activation [ep x C, F] as residuals; saving nothing keeps neither."""
+    x, weights, experts, ws = _inputs(64, skew=False)
+    rows = NamedSharding(mesh_ep4, P(("fsdp", "ep"), None))
+    x, weights = jax.device_put(x, rows), jax.device_put(weights, rows)
+    ws = tuple(jax.device_put(w, NamedSharding(mesh_ep4, P("ep"))) for w in ws)
+    dispatch = expert_parallel.dispatcher(mesh_ep4)
+    ffn = lambda r, sizes, g, u, d: grouped_mlp(r, sizes, g, u, d, activation="silu",  # noqa: E731
+                                               tag=checkpoint_name, compute_dtype=jnp.float32)
+
+    def loss(x, ws):
+        return jnp.sum(dispatch(x, weights, jnp.asarray(experts), ws, ffn, checkpoint_name)[0])
+
+    def residuals(policy):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            jax.ad_checkpoint.print_saved_residuals(jax.checkpoint(loss, policy=policy), x, ws)
+        return out.getvalue()
+
+    received = 8 * 4 * expert_parallel.capacity(8, K, E, 4, 0.0)  # 8 devices x ep x C rows (8 tokens each)
+    names = (f"f32[{received},{D}] output of shard_map", f"f32[{received},{F}] output of shard_map")
+    saved = residuals(jax.checkpoint_policies.save_only_these_names("moe_dispatch", "expert_act"))
+    assert all(n in saved for n in names), saved
+    nothing = residuals(jax.checkpoint_policies.nothing_saveable)
+    assert not any(n in nothing for n in names), nothing
 
 
 def test_checkpoint_names_survive_the_dispatch():
