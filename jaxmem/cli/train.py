@@ -347,7 +347,7 @@ def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | N
                              "lower optimizer.lr or check the data")
 
 
-ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss")  # jaxmem.model.moe.router_losses
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # jaxmem.model.moe.router_losses
 
 
 def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: int) -> dict:

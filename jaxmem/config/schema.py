@@ -85,6 +85,10 @@ class ModelConfig:
                                             "Mixtral style) added to the training loss")
     router_z_loss_coef: float = _f(0.0, "mixture of experts: weight of the router z-loss (mean squared "
                                         "logsumexp of the router logits) added to the training loss")
+    moe_capacity_factor: float = _f(0.0, "mixture of experts with parallel.ep > 1: 0 is dropless (each device's "
+                                         "all-to-all buffers hold the worst case, ep x its own top-k rows); c > 0 "
+                                         "caps what a device sends each ep peer at c x its top-k rows / ep and "
+                                         "drops the overflow (the moe_dropped metric says how much)")
     max_seq_len: int = _f(8192, "longest sequence the model takes, in tokens (train.seq_len must not exceed it)"
                           + _FROM_PRESET)
 
@@ -97,15 +101,16 @@ class ParallelConfig:
     sp: int = _f(1, "sequence-parallel mesh axis (Ulysses): every activation split along the sequence, "
                     "attention split along the heads (an all-to-all each way); weights sharded over it like "
                     "fsdp with rules fsdp" + _FILL)
-    ep: int = _f(1, "expert-parallel mesh axis for a mixture of experts: not implemented yet, must be 1 (the "
-                    "experts' weights are sharded like every other weight, by rules)")
+    ep: int = _f(1, "expert-parallel mesh axis for a mixture of experts: the experts split over it (model.n_experts "
+                    "/ ep per device), the tokens traded with all-to-alls; outside the experts it splits the "
+                    "batch like fsdp (gradients summed, state sharded over it)")
     rules: Literal["fsdp", "fsdp_tp", "dp"] = _f(
         "fsdp", "sharding rules, one of fsdp (every weight sharded over fsdp), fsdp_tp (Megatron-style tp "
                 "inside, fsdp across), dp (weights replicated; tp still applies)")
     zero_stage: Literal[1, 2, 3] = _f(3, "ZeRO stage over the fsdp axis, one of 1 (shard the optimizer state), "
                                          "2 (also the gradients), 3 (also the parameters)")
     pp: int = _f(1, "pipeline-parallel stages: the decoder layers split into pp consecutive stages, each a program "
-                    "of its own on devices/pp devices (dp x fsdp x sp x tp inside each stage); the micro-batches "
+                    "of its own on devices/pp devices (dp x fsdp x ep x sp x tp inside each stage); the micro-batches "
                     "are train.grad_accum's")
     pp_schedule: Literal["gpipe", "1f1b"] = _f(
         "1f1b", "pipeline schedule, one of gpipe (every forward, then every backward: each stage holds all "

@@ -79,17 +79,22 @@ class NotYetSupported(ConfigError, NotImplementedError):
 
 
 def _moe_levers(cfg: Config) -> None:
-    """Mixture of experts: the levers it does not take yet, by name."""
-    if cfg.parallel.ep != 1:
-        if cfg.parallel.ep < 1:
-            raise ConfigError(f"parallel.ep: must be >= 1, got {cfg.parallel.ep}")
-        if not cfg.model.n_experts:
-            raise ConfigError(f"parallel.ep: {cfg.parallel.ep} needs a mixture of experts (model.n_experts > 0); "
-                              "use 1 for a dense model")
-        raise NotYetSupported(f"parallel.ep: expert parallelism is not implemented yet (got {cfg.parallel.ep}); "
-                              "use 1 (the expert weights shard over fsdp like the other weights)")
-    if not cfg.model.n_experts:
+    """Mixture of experts: expert parallelism's sizes, and the levers it does not take yet, by name."""
+    m, ep = cfg.model, cfg.parallel.ep
+    if ep < 1:
+        raise ConfigError(f"parallel.ep: must be a positive size (no -1 fill), got {ep}")
+    if ep > 1 and not m.n_experts:
+        raise ConfigError(f"parallel.ep: {ep} needs a mixture of experts (model.n_experts > 0); "
+                          "use 1 for a dense model")
+    if m.moe_capacity_factor < 0:
+        raise ConfigError(f"model.moe_capacity_factor: must be >= 0 (0: dropless), got {m.moe_capacity_factor}")
+    if not m.n_experts:
         return
+    if m.n_experts % ep:
+        raise ConfigError(f"model.n_experts: {m.n_experts} experts do not split evenly over parallel.ep={ep}")
+    if m.moe_capacity_factor and ep == 1:
+        raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
+                              "parallel.ep > 1 or 0 (dropless)")
     refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
                "parallel.pp": cfg.parallel.pp > 1}
     for key, on in refused.items():
@@ -107,7 +112,7 @@ def _train(cfg: Config) -> None:
 
 
 def _parallel(cfg: Config) -> None:
-    for k in ("dp", "fsdp", "sp", "tp"):
+    for k in ("dp", "fsdp", "sp", "tp"):  # ep: _moe_levers
         v = getattr(cfg.parallel, k)
         if v == 0 or v < -1:
             raise ConfigError(f"parallel.{k}: must be a positive size or -1 (fill), got {v}")
@@ -317,7 +322,7 @@ def _pipeline_levers(cfg: Config) -> None:
 def _batch_fits_fixed_mesh(cfg: Config) -> None:
     """With no -1 mesh axis the data ways are known now: the batch and offload rules run at load."""
     if fixed_mesh_size(cfg.parallel) is not None:
-        grad_accum, _ = batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp)
+        grad_accum, _ = batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.ep)
         check_grad_accum(cfg, grad_accum)
 
 
@@ -334,9 +339,9 @@ CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
 
 
 def fixed_mesh_size(par: ParallelConfig) -> int | None:
-    """pp * dp * fsdp * sp * tp (every device of the run), or None when an axis is -1 (filled from the device
-    count)."""
-    sizes = (par.dp, par.fsdp, par.sp, par.tp)
+    """pp * dp * fsdp * ep * sp * tp (every device of the run), or None when an axis is -1 (filled from the
+    device count)."""
+    sizes = (par.dp, par.fsdp, par.ep, par.sp, par.tp)
     return None if -1 in sizes else math.prod(sizes) * par.pp
 
 
@@ -409,4 +414,4 @@ def check_topology(cfg: Config, gpus_per_host: int, n_devices: int, label: str) 
         raise ConfigError(f"target.gpus_per_host: must be >= 1, got {gpus_per_host}")
     mesh = fixed_mesh_size(cfg.parallel)
     if mesh is not None and mesh != n_devices:
-        raise ConfigError(f"parallel: pp*dp*fsdp*sp*tp={mesh} != {n_devices} devices of {label}")
+        raise ConfigError(f"parallel: pp*dp*fsdp*ep*sp*tp={mesh} != {n_devices} devices of {label}")

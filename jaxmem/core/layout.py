@@ -71,7 +71,7 @@ class Layout:
 
     @property
     def data_ways(self) -> int:
-        return self.mesh_sizes["dp"] * self.mesh_sizes["fsdp"]
+        return sharding.batch_ways(self.mesh_sizes)
 
     @property
     def fused_attention(self) -> bool:
@@ -100,6 +100,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     caller already holds a mesh (else from `parallel.*`)."""
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     sizes.setdefault("sp", 1)
+    sizes.setdefault("ep", 1)
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
@@ -109,7 +110,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     saved = remat.saved_across_backward(cfg.remat, fused_attention)
     if tile_count(cfg.train.seq_len, sizes["sp"], cfg.remat.seq_tile) > 1:
         saved = {n: "remat" if n in INSIDE_TILES else where for n, where in saved.items()}
-    grad_accum, rows = batch_layout(cfg, sizes["dp"] * sizes["fsdp"])
+    grad_accum, rows = batch_layout(cfg, sharding.batch_ways(sizes))
     model_abstract = nnx.to_pure_dict(params_state)
     trainable = dict(abstract_params=model_abstract, param_specs=param_specs, grad_specs=grad_specs,
                      opt_specs=opt_specs, gathered_specs=gathered_specs)

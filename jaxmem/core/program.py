@@ -22,11 +22,12 @@ from jaxmem import kernels
 from jaxmem.core import offload, remat, sharding
 from jaxmem.config import validate
 from jaxmem.config.schema import Config
-from jaxmem.core import embed_grad, grad_dtype
+from jaxmem.core import embed_grad, expert_parallel, grad_dtype
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.axes import activation_rules
+from jaxmem.model.moe import ROUTER_METRICS
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
 from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN, ProgramPlugin
@@ -195,6 +196,8 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
+    if cfg.model.n_experts and mesh.shape.get(sharding.MeshAxis.EP.value, 1) > 1:
+        ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)
 
 
@@ -238,7 +241,7 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
             h_btd = plugin.embed(prog, base, model, x, run_ctx) if first else x
             h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
                                      router_losses=router_losses)
-            if router_losses:  # a mixture of experts: ((loss_sum, n_valid), {"moe_aux_loss", "moe_z_loss"})
+            if router_losses:  # a mixture of experts: ((loss_sum, n_valid), jaxmem.model.moe.ROUTER_METRICS)
                 h_btd, router = h_btd
             if not last:
                 return h_btd
@@ -263,8 +266,7 @@ def _make_step(prog: TrainProgram):
     keyed = prog.plugin.keys_micro_batches(cfg)  # LoRA dropout's masks
 
     moe = cfg.model.n_experts > 0
-    # numpy zeros: built before tracing, so no eager op runs (a deviceless compile has no device to run it on)
-    router_zero = {"moe_aux_loss": np.float32(0), "moe_z_loss": np.float32(0)} if moe else {}
+    router_zero = {k: np.float32(0) for k in ROUTER_METRICS} if moe else {}  # no eager op (deviceless plans)
 
     def micro_loss(params, micro, denom, base, dropout_key):
         if not moe:

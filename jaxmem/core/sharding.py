@@ -21,16 +21,27 @@ from jaxmem.config.schema import ConfigError, ParallelConfig
 class MeshAxis(enum.StrEnum):
     DP = "dp"
     FSDP = "fsdp"
+    EP = "ep"
     SP = "sp"
     TP = "tp"
 
 
-MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP, MeshAxis.TP)
-DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP)
+MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP, MeshAxis.TP)
+# The batch rows split over these. ep is one of them: outside the experts' matmuls an expert-parallel group
+# holds different rows (jaxmem.core.expert_parallel trades them with all-to-alls for the experts).
+DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP)
 # Axes whose devices hold different tokens: gradients are summed over them, and ZeRO shards state over them
 # (a sequence-parallel group holds one sequence's tokens, so it shards weights like fsdp does).
-TOKEN_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.SP)
-_STATE = (MeshAxis.FSDP, MeshAxis.SP)
+TOKEN_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP)
+_STATE = (MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP)
+_STATE_BUT_EP = (MeshAxis.FSDP, MeshAxis.SP)  # an expert weight's other dims (ep holds its expert dim)
+# The expert dim of the experts' weights over ep, at every ZeRO stage; then the state axes as for any weight.
+_EXPERTS = [("experts", (MeshAxis.EP,))]
+
+
+def _state_rules(*logical: str) -> list[tuple[str, tuple]]:
+    return [rule for name in logical for rule in ((name, _STATE), (name, _STATE_BUT_EP))]
+
 
 _ACTIVATIONS = [
     ("act_batch", DATA_AXES),
@@ -43,32 +54,31 @@ _ACTIVATIONS = [
 
 RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
     # ZeRO-3 / FSDP: every weight sharded over fsdp along its embed (or vocab) dim.
-    "fsdp": [("embed", _STATE), ("vocab", _STATE), ("mlp", _STATE)] + _ACTIVATIONS,
+    "fsdp": _EXPERTS + _state_rules("embed", "vocab", "mlp") + _ACTIVATIONS,
     # Megatron-style TP inside, FSDP across.
-    "fsdp_tp": [
+    "fsdp_tp": _EXPERTS + [
         ("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
-        ("vocab", (MeshAxis.TP,)), ("embed", _STATE), ("vocab", _STATE),
-    ] + _ACTIVATIONS,
-    # Pure data parallel: weights replicated (TP still applies if tp > 1).
-    "dp": [("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
-           ("vocab", (MeshAxis.TP,))] + _ACTIVATIONS,
+        ("vocab", (MeshAxis.TP,))] + _state_rules("embed", "vocab") + _ACTIVATIONS,
+    # Pure data parallel: weights replicated (TP still applies if tp > 1; experts still split over ep).
+    "dp": _EXPERTS + [("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
+                      ("vocab", (MeshAxis.TP,))] + _ACTIVATIONS,
 }
 
 
 def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:
-    """dp, fsdp, sp, tp sizes of one pipeline stage's mesh (the whole mesh when parallel.pp = 1)."""
+    """dp, fsdp, ep, sp, tp sizes of one pipeline stage's mesh (the whole mesh when parallel.pp = 1)."""
     if n_devices % par.pp:
         raise ConfigError(f"parallel.pp: {par.pp} stages do not divide the {n_devices} devices")
     n_devices //= par.pp
-    sizes = {"dp": par.dp, "fsdp": par.fsdp, "sp": par.sp, "tp": par.tp}
+    sizes = {"dp": par.dp, "fsdp": par.fsdp, "ep": par.ep, "sp": par.sp, "tp": par.tp}
     known = math.prod(v for v in sizes.values() if v != -1)
     if n_devices % known:
-        raise ConfigError(f"parallel: dp*fsdp*sp*tp={known} does not divide the {n_devices} devices")
+        raise ConfigError(f"parallel: dp*fsdp*ep*sp*tp={known} does not divide the {n_devices} devices")
     for k, v in sizes.items():
         if v == -1:
             sizes[k] = n_devices // known
     if math.prod(sizes.values()) != n_devices:
-        raise ConfigError(f"parallel: dp*fsdp*sp*tp={math.prod(sizes.values())} != {n_devices} devices; "
+        raise ConfigError(f"parallel: dp*fsdp*ep*sp*tp={math.prod(sizes.values())} != {n_devices} devices; "
                           "set one axis to -1 to fill")
     return sizes
 
@@ -82,7 +92,7 @@ def make_mesh(par: ParallelConfig, devices: Sequence | None = None) -> Mesh:
 
 def stage_meshes(par: ParallelConfig, devices: Sequence | None = None) -> list[Mesh]:
     """One mesh per pipeline stage over consecutive devices (so with one stage per process, or per node, the
-    stage boundaries are the process boundaries); the same dp/fsdp/sp/tp shape in each."""
+    stage boundaries are the process boundaries); the same dp/fsdp/ep/sp/tp shape in each."""
     devices = list(jax.devices() if devices is None else devices)
     shape = mesh_shape(par, len(devices))
     per = len(devices) // par.pp
@@ -92,7 +102,12 @@ def stage_meshes(par: ParallelConfig, devices: Sequence | None = None) -> list[M
 
 
 def data_ways(mesh: Mesh) -> int:
-    return math.prod(mesh.shape[a] for a in DATA_AXES)
+    return batch_ways(mesh.shape)
+
+
+def batch_ways(sizes) -> int:
+    """The ways the batch rows are split (dp x fsdp x ep) for mesh axis sizes by name."""
+    return math.prod(sizes.get(a.value, 1) for a in DATA_AXES)
 
 
 def logical_to_spec(names: Sequence[str | None], rules, mesh: Mesh, shape: Sequence[int] | None = None) -> P:
@@ -120,10 +135,11 @@ def logical_to_spec(names: Sequence[str | None], rules, mesh: Mesh, shape: Seque
 
 
 def without_data_axes(rules):
-    """The same table with weights replicated over the token axes dp/fsdp/sp (ZeRO-1/2 parameters)."""
+    """The same table with weights replicated over the token axes dp/fsdp/ep/sp (ZeRO-1/2 parameters); an
+    expert weight keeps its expert dim split over ep (each ep device runs its own experts)."""
     out = []
     for logical, axes in rules:
-        if logical.startswith("act_"):
+        if logical.startswith("act_") or (logical, axes) in _EXPERTS:
             out.append((logical, axes))
         else:
             out.append((logical, tuple(a for a in axes if a not in TOKEN_AXES)))

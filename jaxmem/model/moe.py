@@ -15,6 +15,8 @@ the router z-loss (ST-MoE).
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -51,9 +53,8 @@ def route(logits_ne: jax.Array, k: int, norm_topk: bool):
 
 
 def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
-    """(out [B, T, D], router statistics) for the normed input of one layer."""
-    from jaxmem.model.gated import gated_activation
-
+    """(out [B, T, D], router statistics) for the normed input of one layer. The routed rows run through
+    `ctx.experts` (dispatch_local here; jaxmem.core.expert_parallel over the ep mesh axis)."""
     cd = ctx.compute_dtype
     b, t, d = normed_btd.shape
     k = layer.experts_per_token
@@ -63,36 +64,61 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
         logits = tag(jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd),
                                 preferred_element_type=jnp.float32), CN.ROUTER_LOGITS)
     probs, weights, experts = route(logits, k, layer.router_norm_topk)
-    flat = experts.reshape(-1)  # assignment a = token * k + slot
+    ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, compute_dtype=cd)
+    expert_weights = (layer.expert_gate[...], layer.expert_up[...], layer.expert_down[...])
+    out_nd, dropped = ctx.experts(x_nd, weights.astype(cd), experts, expert_weights, ffn, tag)
+    with scope(CN.MLP_OUT):
+        out = tag(out_nd.reshape(b, t, d), CN.MLP_OUT)
+    stats = {"expert_rows": jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.float32),  # a count
+             "router_prob": jnp.sum(probs, axis=0),
+             "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
+             "rows": jnp.float32(b * t), "dropped": dropped.astype(jnp.float32)}
+    return out, stats
+
+
+def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, compute_dtype):
+    """The gated experts over rows grouped by expert (group g: the next group_sizes[g] rows, through weights
+    [g]); rows past the groups' total come out zero."""
+    from jaxmem.model.gated import gated_activation
+
+    def grouped(name, lhs, w):
+        with scope(name):
+            return tag(jax.lax.ragged_dot(lhs, w.astype(compute_dtype), group_sizes,
+                                          preferred_element_type=compute_dtype), name)
+
+    gate = grouped(CN.EXPERT_GATE, rows, gate_w)
+    up = grouped(CN.EXPERT_UP, rows, up_w)
+    with scope(CN.EXPERT_ACT):
+        act = tag(gated_activation(activation, gate, up), CN.EXPERT_ACT)
+    return grouped(CN.EXPERT_OUT, act, down_w)
+
+
+def dispatch_local(x_nd, weights_nk, experts_nk, expert_weights, ffn, tag):
+    """(out [N, D], dropped assignments = 0): every expert on this device. The assignments sorted by expert
+    (stable), the token rows gathered in that order, one group per expert, the outputs gathered back to
+    assignment order and summed per token with the routing weights."""
+    n, k = experts_nk.shape
+    n_experts = expert_weights[0].shape[0]
+    flat = experts_nk.reshape(-1)  # assignment a = token * k + slot
     order = jnp.argsort(flat, stable=True)  # assignments grouped by expert
     group_sizes = jnp.bincount(flat, length=n_experts).astype(jnp.int32)
     with scope(CN.MOE_DISPATCH):
         rows = tag(jnp.take(x_nd, order // k, axis=0), CN.MOE_DISPATCH)
+    down = ffn(rows, group_sizes, *expert_weights)
+    back = jnp.take(down, jnp.argsort(order), axis=0).reshape(n, k, -1)  # assignment order again
+    return combine(back, weights_nk), jnp.int32(0)
 
-    def grouped(name, lhs, w):
-        with scope(name):
-            return tag(jax.lax.ragged_dot(lhs, w.astype(cd), group_sizes, preferred_element_type=cd), name)
 
-    gate = grouped(CN.EXPERT_GATE, rows, layer.expert_gate[...])
-    up = grouped(CN.EXPERT_UP, rows, layer.expert_up[...])
-    with scope(CN.EXPERT_ACT):
-        act = tag(gated_activation(activation, gate, up), CN.EXPERT_ACT)
-    down = grouped(CN.EXPERT_OUT, act, layer.expert_down[...])
-    with scope(CN.MLP_OUT):
-        back = jnp.take(down, jnp.argsort(order), axis=0).reshape(b * t, k, d)  # assignment order again
-        out = jnp.einsum("NKD,NK->ND", back, weights.astype(cd)).reshape(b, t, d)
-        out = tag(out, CN.MLP_OUT)
-    stats = {"expert_rows": group_sizes.astype(jnp.float32),  # no gradient: a count
-             "router_prob": jnp.sum(probs, axis=0),
-             "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
-             "rows": jnp.float32(b * t)}
-    return out, stats
+def combine(back_nkd, weights_nk):
+    """Each token's k expert outputs summed with its routing weights."""
+    return jnp.einsum("NKD,NK->ND", back_nkd, weights_nk.astype(back_nkd.dtype))
 
 
 def zero_stats(n_experts: int) -> dict:
     """The layer scan's initial router statistics."""
     zeros = jnp.zeros((n_experts,), jnp.float32)
-    return {"expert_rows": zeros, "router_prob": zeros, "router_z": jnp.float32(0), "rows": jnp.float32(0)}
+    return {"expert_rows": zeros, "router_prob": zeros, "router_z": jnp.float32(0), "rows": jnp.float32(0),
+            "dropped": jnp.float32(0)}
 
 
 def add_stats(a: dict, b: dict) -> dict:
@@ -102,8 +128,15 @@ def add_stats(a: dict, b: dict) -> dict:
 def router_losses(stats: dict, n_experts: int) -> dict:
     """The load-balancing loss n_experts * sum_e f_e * P_e (f_e: the share of token rows routed to expert e,
     over all k slots; P_e: the mean router probability of e; both over every layer's tokens) and the router
-    z-loss (mean over layers and tokens of logsumexp(logits)^2)."""
+    z-loss (mean over layers and tokens of logsumexp(logits)^2); and the share of the token x top-k assignments
+    a capacity-limited dispatch dropped (0 when dropless)."""
     rows = jnp.maximum(stats["rows"], 1.0)
     share = jax.lax.stop_gradient(stats["expert_rows"]) / rows
     aux = n_experts * jnp.sum(share * stats["router_prob"] / rows)
-    return {"moe_aux_loss": aux, "moe_z_loss": stats["router_z"] / rows}
+    assignments = jnp.maximum(jnp.sum(jax.lax.stop_gradient(stats["expert_rows"])), 1.0)
+    return {"moe_aux_loss": aux, "moe_z_loss": stats["router_z"] / rows,
+            "moe_dropped": jax.lax.stop_gradient(stats["dropped"]) / assignments}
+
+
+# What router_losses returns, the train step's metrics for a mixture of experts.
+ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")

@@ -26,7 +26,7 @@ class CheckpointName(enum.StrEnum):
     MLP_ACT = "mlp_act"  # silu(gate) * up
     MLP_OUT = "mlp_out"  # the MLP output (a mixture of experts: the weighted combine of its experts)
     ROUTER_LOGITS = "router_logits"  # mixture of experts: [tokens, experts] router logits (fp32)
-    MOE_DISPATCH = "moe_dispatch"  # the token rows sorted by expert, [tokens * experts_per_token, D]
+    MOE_DISPATCH = "moe_dispatch"  # the token rows sorted by expert, [tokens * experts_per_token, D] (ep: received)
     EXPERT_GATE = "expert_gate"  # the experts' gate projections over the dispatched rows
     EXPERT_UP = "expert_up"
     EXPERT_ACT = "expert_act"  # act(gate) * up of the dispatched rows

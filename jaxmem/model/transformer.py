@@ -39,7 +39,9 @@ class ForwardContext:
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
     per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
-    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout).
+    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
+    experts(x, weights, experts, expert_weights, ffn, tag) runs a mixture of experts' routed rows
+    (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel).
     """
 
     compute_dtype: Any = jnp.float32
@@ -49,6 +51,7 @@ class ForwardContext:
     segment: Callable = _identity_segment
     per_token: Callable = run_whole
     project: Callable = einsum_project
+    experts: Callable = moe_stats.dispatch_local
 
 
 DEFAULT_CONTEXT = ForwardContext()
@@ -91,7 +94,7 @@ class Transformer(nnx.Module):
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
                    positions_bt=None, router_losses: bool = False):
         """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row.
-        With a mixture of experts and `router_losses`: (h, {"moe_aux_loss", "moe_z_loss"}) (jaxmem.model.moe)."""
+        With a mixture of experts and `router_losses`: (h, jaxmem.model.moe.router_losses(...))."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])

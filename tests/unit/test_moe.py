@@ -226,7 +226,12 @@ def test_load_balancing_gradient_balances_a_skewed_router():
     (["model.experts_per_token=2"], "model.experts_per_token", ConfigError),
     (["model.n_experts=4"], "model.experts_per_token", ConfigError),
     (["parallel.ep=2"], "parallel.ep", ConfigError),
-    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2"], "parallel.ep", NotImplementedError),
+    (["model.n_experts=6", "model.experts_per_token=2", "parallel.ep=4"], "model.n_experts", ConfigError),
+    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=-1"], "parallel.ep", ConfigError),
+    (["model.n_experts=4", "model.experts_per_token=2", "model.moe_capacity_factor=1.5"],
+     "model.moe_capacity_factor", NotImplementedError),
+    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "model.moe_capacity_factor=-1"],
+     "model.moe_capacity_factor", ConfigError),
     (["model.n_experts=4", "model.experts_per_token=2", "lora.rank=4"], "lora.rank", NotImplementedError),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, key, kind):
