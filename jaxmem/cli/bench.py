@@ -128,6 +128,10 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
             "measured_peak_bytes": _fig(peak, measured, f"peak_bytes_in_use after the steps (the allocator's peak "
                                         f"since the process started: compile and init included): {stats_how}",
                                         **({} if after_steps else {"note": na})),
+            "peak_bytes_after_init": _fig(after_init and after_init["peak_bytes_in_use"], measured,
+                                          f"peak_bytes_in_use after init_state, before the first step: {stats_how}; "
+                                          "where it equals measured_peak_bytes the run's peak was the init's",
+                                          **({} if after_init else {"note": na})),
             "peak_over_planned": _fig(_ratio(peak, planned), measured, "measured_peak_bytes / planned_device_bytes"),
         },
         "step_time": {
@@ -175,6 +179,7 @@ def render(r: dict, console=None) -> None:
                   size(mem["measured_peak_bytes"]), na(mem["peak_over_planned"], "n/a"))
     table.add_row("state bytes after init", size(mem["state_bytes_counted"]), "counted",
                   size(mem["state_bytes_after_init"]), "")
+    table.add_row("peak by the end of init", "", "", size(mem["peak_bytes_after_init"]), "")
     table.add_row("step time (median)", secs(st["estimated_seconds"]), "cost model", secs(st["measured_seconds"]),
                   na(st["measured_over_estimated"], "n/a"))
     table.add_row("tokens/s", "", "", f"{r['tokens_per_second']['value']:,.0f}", "")
