@@ -8,6 +8,7 @@ from jaxmem.core import remat
 from jaxmem.runtime.aot import Topology
 from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
+from jaxmem.plan.bill_moe import parameter_counts
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
 
@@ -68,6 +69,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "config_hash": config_hash(cfg, topo.label),
         "model": cfg.model.preset,
         "params": int(cost.params),
+        "active_params": int(parameter_counts(cfg)["active"]),  # a mixture of experts: k / E of its experts
         "target": {"name": topo.name or "attached", "gpus_per_host": topo.gpus_per_host, "hosts": topo.hosts,
                    "device_memory_bytes": capacity, "headroom": topo.headroom,
                    "host_ram_bytes": topo.host_ram_bytes or None},
@@ -141,7 +143,9 @@ def render(plan: dict, console=None) -> None:
     a, c = plan["analytic"], plan["compiled"]
     unit = _unit(max(a["device_total"], a["host_total"], c["device_total"] if c else 0))
     _gib = lambda x: _fmt(x, unit)  # noqa: E731
-    title = f"{plan['config'] or plan['model']}: {plan['params']:,} params on {plan['devices']} x " \
+    active = plan.get("active_params", plan["params"])
+    params = f"{plan['params']:,} params" + (f" ({active:,} active per token)" if active != plan["params"] else "")
+    title = f"{plan['config'] or plan['model']}: {params} on {plan['devices']} x " \
             f"{plan['target']['name']} (mesh {plan['mesh']})"
     bill = Table(title=title, caption=f"{unit[0]} per device")
     bill.add_column("category")
