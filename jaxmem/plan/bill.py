@@ -352,7 +352,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if "opt" in layout.host_state:
         for k in ("master", "opt_m", "opt_v"):
             host[k], device[k] = device[k], 0
-        if cfg.offload.optimizer_update == "host":  # fp32 grads, new m and v, new params (compiles agree)
+        if layout.homes.update_on_host:  # fp32 grads, new m and v, new params (compiles agree)
             fp32_grads = _state_bytes(layout, layout.opt_specs, np.float32)
             host["temporaries"] = fp32_grads + host["opt_m"] + host["opt_v"] + params
     if "params" in layout.host_state:  # the decoder layers; embedding, final norm and LM head stay
@@ -369,15 +369,14 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         # 3.63 GiB for Llama-3.2-1B, 6.50 for the 8-layer 8B, and no bf16 layer weights).
         layers = _state_elems(layout, layout.param_specs, "layers")
         device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
-    streamed = "opt" in layout.host_state and cfg.offload.optimizer_update == "device" \
-        and not cfg.optimizer.update_in_backward
+    streamed = layout.homes.update_streamed and not cfg.optimizer.update_in_backward
     if "params" in layout.host_state:
         # The decoder layers' gradients go straight to the host with their weights, whatever runs the update
         # (compiled llama3-8b 1 x 4090 recipe, update streamed, and qwen2.5-7b 1 x H100, update on the host,
         # with jax 0.10.2, 0.11.2 and 0.12.0.1: the [L, ...] layer gradient buffers are host memory); only the
         # embedding / final norm / LM head gradients are device buffers.
         device["grads"] -= _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
-        if "opt" in layout.host_state and cfg.offload.optimizer_update == "host":
+        if layout.homes.update_on_host:
             # the rest go to the host update too; the compiled totals of both cases match without them
             # (explain: the LM head's bf16 gradient is live at the layer peak, the donated embedding is not)
             device["grads"] = 0

@@ -316,11 +316,11 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     master_b = 4 if p.master_weights else 0
     # grads read twice (global norm, update), old params read, master / m / v read + written, params written.
     # The default step holds most gradients at the params' dtype (jaxmem.core.grad_dtype): the bill's bytes.
-    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and cfg.offload.params != "host"
+    homes = bill.layout.homes
+    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and not homes.params_on_host
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)
-    on_host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
-    memory_s = (elementwise_bytes + (0 if on_host_update else update_bytes)) / hbm
+    memory_s = (elementwise_bytes + (0 if homes.update_on_host else update_bytes)) / hbm
     layer_s = LAYER_OVERHEAD_SECONDS * m.n_layers * grad_accum
 
     # Host link, bytes per device as they cross it.
@@ -328,16 +328,16 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     overlapped = 2 * bill.host.get("activations", 0) * grad_accum  # offloaded layer inputs: out, back in
     serial = 0.0
     layer_params = _layer_elems(bill, bill.layout.param_specs)
-    if cfg.offload.params == "host":
+    if homes.params_on_host:
         # each layer's weights come in for the forward and again for the backward; its grads go out
         overlapped += grad_accum * layer_params * (2 * param_b) + layer_params * grad_b
-    if cfg.offload.optimizer == "host":
+    if homes.optimizer_on_host:
         state = opt_elems * (master_b + 2 * moment_b)
-        if cfg.offload.optimizer_update == "device":
+        if homes.update_streamed:
             # master, m, v stream in and back out; host-resident layer grads come in twice (norm, update),
             # old host params come in, new host params go out
             serial = 2 * state
-            if cfg.offload.params == "host":
+            if homes.params_on_host:
                 serial += layer_params * (2 * grad_b + 2 * param_b)
         else:  # grads go down, new params come back
             serial = bill.device["grads"] + opt_elems * param_b

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from jaxmem.core import remat
+from jaxmem.core.offload import StateHomes
 from jaxmem.runtime.aot import Topology
 from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
@@ -16,13 +17,15 @@ SCHEMA_VERSION = 1
 GIB = 1024**3
 
 
-def offload_requested(cfg: Config) -> bool:
-    return (cfg.offload.optimizer == "host" or cfg.offload.params == "host"
-            or bool(remat.offloaded_names(cfg.remat)))
+def offload_requested(cfg: Config, homes: StateHomes | None = None) -> bool:
+    """Whether anything lives on the host: state (`homes`, the layout's; resolved here when not given) or
+    offloaded activations."""
+    homes = homes or StateHomes.from_config(cfg)
+    return bool(homes.host_keys()) or bool(remat.offloaded_names(cfg.remat))
 
 
-def offload_status(cfg: Config, compiled: CompiledFigures | None) -> dict:
-    requested = offload_requested(cfg)
+def offload_status(cfg: Config, compiled: CompiledFigures | None, homes: StateHomes | None = None) -> dict:
+    requested = offload_requested(cfg, homes)
     if not requested:
         return {"requested": False, "verified": None, "message": "no offload requested"}
     if compiled is None:
@@ -53,7 +56,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
     if host_fits is False:
         warnings.append(f"host RAM does not fit: {host_need / GIB:.1f} GiB per node > "
                         f"{topo.host_ram_bytes / GIB:.1f} GiB")
-    offload = offload_status(cfg, compiled)
+    offload = offload_status(cfg, compiled, bill.layout.homes)
     if offload["verified"] is False:
         warnings.append(offload["message"])
     alloc = None
