@@ -42,6 +42,18 @@ ROWS = [
      "what": "Qwen3-30B-A3B QLoRA (nf4 base, rank 16 on every linear, experts included), 1 x H100, the longest "
              "sequence that fits, layer inputs offloaded"},
 ]
+# Reduced models (2 layers; the layer scan compiles once, so the routed-row buffers are the full models'):
+# the bill against the compiled total where a compile takes a minute or two.
+_BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true"]
+CHECKS = [
+    {"name": "check-tiny-moe", "config": "configs/tiny-moe.yaml", "check": True,
+     "overrides": ["target.name=h100-80g", "target.gpus_per_host=8", "remat.preset=full", *_BF16],
+     "what": "tiny-moe (8 experts, top 2), bf16, full remat, 8 x H100, seq 64, micro-batch 2"},
+    *[{"name": f"check-{m}-2l-seq{s}", "config": f"configs/moe/{m}-8xh100.yaml", "check": True,
+       "overrides": ["model.n_layers=2", f"train.seq_len={s}"],
+       "what": f"{m} widths, 2 layers, seq {s}, FSDP 8 x H100, full remat"}
+      for m, s in (("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 8192))],
+]
 SEQ_RANGE = [2**k for k in range(6, 18)]  # 64 ... 131072
 
 
@@ -84,7 +96,7 @@ def child_run(name: str, seq: int | None, ep: int) -> dict:
     from jaxmem.plan import resolve_topology
     from jaxmem.plan.explain import explain
 
-    row = next(r for r in ROWS if r["name"] == name)
+    row = next(r for r in ROWS + CHECKS if r["name"] == name)
     cfg, _ = _load(row, seq, ep)
     result = explain(cfg, resolve_topology(cfg), top=3)
     top = result["buffers"][0] if result["buffers"] else {}
@@ -133,7 +145,8 @@ def render(rows: list[dict]) -> str:
              "| run | params (active) | seq | device GiB (compiled deviceless) | analytic GiB (estimated) | usable GiB "
              "| fits | limiting buffer at the peak (explain) | step (estimated) |",
              "|---|---|---:|---:|---:|---:|---|---|---|"]
-    for r in rows:
+    checks = [r for r in rows if r["name"].startswith("check-")]
+    for r in [r for r in rows if not r["name"].startswith("check-")]:
         if "refused" in r:
             lines.append(f"| {r['what']} | - | - | pending LoRA on experts | - | - | - | refused: {r['refused']} | - |")
             continue
@@ -152,6 +165,18 @@ def render(rows: list[dict]) -> str:
             tried = ", ".join(f"seq {s}: {_gib(v['compiled_bytes'])} compiled / {_gib(v['analytic_bytes'])} "
                               f"analytic GiB" for s, v in r["search"].items())
             lines.append(f"|  | search (powers of 2) | | {tried} | | | | | |")
+    if checks:
+        lines += ["", "The bill against the compiled total on reduced models (2 layers: the layer scan compiles "
+                  "one layer, so each layer's buffers are the full model's):", "",
+                  "| check | device GiB (compiled deviceless) | analytic GiB (estimated) | analytic / compiled | "
+                  "limiting buffer |", "|---|---:|---:|---:|---|"]
+        for r in checks:
+            if "compiled_bytes" not in r:
+                lines.append(f"| {r['what']} | failed: {r.get('error', '-')} | | | |")
+                continue
+            top = r["limiting_buffer"]
+            lines.append(f"| {r['what']} | {_gib(r['compiled_bytes'])} | {_gib(r['analytic_bytes'])} | "
+                         f"{r['analytic_bytes'] / r['compiled_bytes']:.2f} | {_gib(top['bytes'])} GiB {top['shape']} |")
     lines += ["", "Why the routed rows dominate (from `jaxmem explain`, see `jaxmem/plan/bill_moe.py`): with "
               "`parallel.ep=1` the dispatch sorts every token of the micro-batch, so each GPU holds all "
               "tokens x top-k routed rows, and `jax.lax.ragged_dot` is lowered for the GPU as a dense matmul "
@@ -169,20 +194,21 @@ def main(argv: list[str]) -> int:
     only = [argv[i + 1] for i, a in enumerate(argv) if a == "--only"]
     path = OUT / ("moe.json" if ep == 1 else f"moe-ep{ep}.json")
     saved = {r["name"]: r for r in json.loads(path.read_text())} if path.exists() else {}
+    order = ROWS + CHECKS
     if "--from-json" not in argv:
-        for row in ROWS:
+        for row in order:
             if only and row["name"] not in only:
                 continue
             saved[row["name"]] = plan_row(row, ep)
-            path.write_text(json.dumps([saved[r["name"]] for r in ROWS if r["name"] in saved], indent=1))
+            path.write_text(json.dumps([saved[r["name"]] for r in order if r["name"] in saved], indent=1))
             print(f"{row['name']}: done", flush=True)
     else:  # the compiled figures kept, the bill and cost model recomputed from this tree
-        for row in ROWS:
+        for row in order:
             r = saved.get(row["name"])
             if r and "refused" not in r:
-                r.update(analytic(row, r["seq_len"], ep))
-        path.write_text(json.dumps([saved[r["name"]] for r in ROWS if r["name"] in saved], indent=1))
-    rows = [saved[r["name"]] for r in ROWS if r["name"] in saved]
+                r.update(analytic(row, r["seq_len"] if row.get("search") else None, ep))
+        path.write_text(json.dumps([saved[r["name"]] for r in order if r["name"] in saved], indent=1))
+    rows = [saved[r["name"]] for r in order if r["name"] in saved]
     (OUT / ("moe.md" if ep == 1 else f"moe-ep{ep}.md")).write_text(render(rows))
     return 0
 
