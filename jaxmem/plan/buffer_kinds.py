@@ -8,15 +8,14 @@ import re
 import jaxmem.kernels
 import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
-import jaxmem.model.moe
 import jaxmem.model.rope
 import jaxmem.core.optim
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
 from jaxmem.model.names import ALL_NAMES, MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
-from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
-                                     shape_name, tagged_name, vocab_dims)
+from jaxmem.plan.attribution import (MOE_KINDS, defining, in_files, is_ours, is_scores, model_frame, module_path,
+                                     moe_kind, rel_path, shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 
@@ -26,11 +25,6 @@ CATEGORIES = EXPLAIN_CATEGORIES
 _LAYER_CODE = tuple(module_path(m) for m in (jaxmem.model.layers, jaxmem.model.rope, jaxmem.kernels))
 _OPTIM_CODE = (module_path(jaxmem.core.optim),)  # the optimizer update
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
-_MOE_CODE = (module_path(jaxmem.model.moe),)  # a mixture of experts' routing, dispatch, experts and combine
-# What a mixture of experts' token-shaped buffer is (explain key -> the words its "why" starts with).
-MOE_KINDS = {"moe_expanded": "MoE per-expert copy [experts, routed rows, width] (ragged_dot's dense GPU lowering)",
-             "moe_dispatch": "MoE dispatch rows (tokens x top-k, sorted by expert) or an expert's values over them",
-             "router_logits": "MoE router logits [tokens, experts]"}
 
 
 # ------------------------------------------------------------------ what a buffer is
@@ -405,7 +399,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         cat, key, why = "temp", "temp", ("token dims, " if tokens else "") + f"written in {where}"
     if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
         ckpt = shape_name(cfg, shape, frame)
-    moe = _moe_kind(cfg, shape, frame, op_name) if cat in ("temp", "logits", "activation") and not weight else None
+    moe = moe_kind(cfg, shape, frame, op_name) if cat in ("temp", "logits", "activation") and not weight else None
     if moe is not None:  # a routed-rows buffer, whatever its dims resemble (tiny-moe's width is half its vocab)
         named = name_in_op(op_name)
         ckpt = ckpt or (named if named and named.split("|")[0] in MOE_NAMES else None)
@@ -413,19 +407,6 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         why = f"{MOE_KINDS[moe]}: " + why.removeprefix("d(logits) [tokens, vocab] ")
     source = f"{rel_path(frame.file)}:{frame.line} {frame.function}" if frame else (op_name or name)
     return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, op_name, why + host)
-
-
-def _moe_kind(cfg: Config, shape, frame, op_name: str) -> str | None:
-    """The MOE_KINDS key of a buffer a mixture of experts' layer wrote (its source line in jaxmem/model/moe.py
-    or a MoE checkpoint name in its op_name), else None."""
-    e = cfg.model.n_experts
-    named = name_in_op(op_name or "")
-    if not e or not (frame is not None and in_files(frame.file, _MOE_CODE)
-                     or named and named.split("|")[0] in MOE_NAMES):
-        return None
-    if len(shape) == 3 and e in shape[:2]:
-        return "moe_expanded"
-    return "router_logits" if shape and shape[-1] == e else "moe_dispatch"
 
 
 def _logits_not_grad(cfg: Config, op_name: str, vocab: bool) -> bool:
