@@ -17,8 +17,8 @@ def ep_candidates(n_experts: int, n_devices: int) -> list[int]:
 
 def ep_overrides(ep: int, n_devices: int) -> list[str]:
     """The all-fsdp mesh with ep of its devices as the expert axis (ep is a token axis for everything else)."""
-    return ["parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.rules=fsdp", f"parallel.fsdp={n_devices // ep}",
-            f"parallel.ep={ep}", "parallel.zero_stage=3"]
+    return ["parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.rules=fsdp",
+            f"parallel.fsdp={n_devices // ep}", f"parallel.ep={ep}", "parallel.zero_stage=3"]
 
 
 def accepted_ep_values(load: Callable[[list[str]], object], n_experts: int, n_devices: int,
