@@ -137,4 +137,5 @@ def note(cfg: Config, layout) -> str:
     return (f"mixture of experts ({m.n_experts} experts, top {m.experts_per_token}): "
             f"{counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active per token; "
             f"{routed_rows(cfg, layout):,} routed rows per device and layer; ragged_dot's dense GPU lowering "
-            f"expands them per expert ({m.n_experts} x rows x width) in the backward")
+            f"expands them per expert ({m.n_experts} x rows x width) in the backward; the step time counts the "
+            f"k active experts' FLOPs, not the expanded matmuls (estimated)")
