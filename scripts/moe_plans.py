@@ -207,6 +207,8 @@ def main(argv: list[str]) -> int:
             r = saved.get(row["name"])
             if r and "refused" not in r:
                 r.update(analytic(row, r["seq_len"] if row.get("search") else None, ep))
+                for seq, tried in r.get("search", {}).items():
+                    tried["analytic_bytes"] = analytic(row, int(seq), ep)["analytic_bytes"]
         path.write_text(json.dumps([saved[r["name"]] for r in order if r["name"] in saved], indent=1))
     rows = [saved[r["name"]] for r in order if r["name"] in saved]
     (OUT / ("moe.md" if ep == 1 else f"moe-ep{ep}.md")).write_text(render(rows))

@@ -92,16 +92,28 @@ def residual_bytes(cfg: Config, layout, cd: int) -> dict[str, int]:
     return {n.value: shapes[n.value] * cd for n in keep}
 
 
+# Above this size of one [E, R, F] copy XLA no longer keeps three whole expert-width copies at the peak:
+# it splits them over the data axes (or drops them) and keeps the rows expanded twice. Fitted on seven
+# deviceless h100-80g compiles: copies of 0.003-6 GiB (tiny-moe, Qwen3-30B-A3B widths at seq 256 and 512,
+# Mixtral widths at seq 1024) kept three whole; 12, 28 and 96 GiB (Qwen3 at seq 1024 and 8192, Mixtral at
+# seq 8192) did not.
+WHOLE_COPY_LIMIT = 8 * 1024**3
+
+
 def expanded_bytes(cfg: Config, layout, cd: int) -> int:
     """The masked per-expert copies of ragged_dot's dense lowering live at a MoE layer's backward peak (at
-    the weight gradients: the rows expanded, the gate and up gradients expanded, and one of them again in
-    the transposed layout the input gradient reads: E x R x (D + 3F)). Read off Mixtral widths (2 layers,
-    seq 1024: [8, R, 4096] + 3 x [8, R, 14336]) and Qwen3-30B-A3B widths (2 layers, seq 256: [128, R, 2048]
-    + 3 x [128, R, 768]); XLA sometimes schedules other pairs (Qwen3 at seq 1024: two [128, R, 2048], 6%
-    fewer bytes; tiny-moe: one [8, R, 128] and two [R, 8, 96])."""
+    the weight gradients). Small copies: the rows expanded, the gate and up gradients expanded, and one of
+    them again in the transposed layout the input gradient reads, E x R x (D + 3F) (Mixtral widths, seq 1024:
+    [8, R, 4096] + 3 x [8, R, 14336]; Qwen3-30B-A3B widths, seq 256: [128, R, 2048] + 3 x [128, R, 768]).
+    Above WHOLE_COPY_LIMIT: the rows expanded twice and the expert-width copies split over the data axes,
+    E x R x (2D + 2F / data ways) (Qwen3 at seq 1024: two [128, R, 2048]; Mixtral at seq 8192: two
+    [8, R, 4096] and five [8, R, 14336 / 8], counted as two)."""
     m = cfg.model
     e, d, f = m.n_experts, m.d_model, expert_width(cfg)
-    return e * routed_rows(cfg, layout) * (d + 3 * f) * cd
+    rows = routed_rows(cfg, layout)
+    if e * rows * f * cd <= WHOLE_COPY_LIMIT:
+        return e * rows * (d + 3 * f) * cd
+    return e * rows * (2 * d + 2 * f // layout.data_ways) * cd
 
 
 def working_bytes(cfg: Config, layout, cd: int) -> int:

@@ -69,8 +69,13 @@ def test_routed_rows_and_the_expanded_copies_are_in_the_bill():
     e, d, f, k = 128, 2048, 768, 8
     rows = 8 * 1024 * k  # the whole micro-batch's tokens (8 rows of 1024) x top-8 on every device
     assert bill_moe.routed_rows(cfg, bill.layout) == rows
-    expanded = e * rows * (d + 3 * f) * 2
+    # one [E, R, F] copy is 12 GiB: above the whole-copy limit, the rows expanded twice and the expert-width
+    # copies split over the 8 data ways
+    assert e * rows * f * 2 > bill_moe.WHOLE_COPY_LIMIT
+    expanded = e * rows * (2 * d + 2 * f // 8) * 2
     assert bill.moe_scratch == expanded
+    small = compute_bill(_qwen(seq=256), 8)  # 3 GiB copies: three whole expert-width copies and the rows
+    assert small.moe_scratch == e * (rows // 4) * (d + 3 * f) * 2
     assert bill.device["working_set"] >= expanded + rows * (d + 2 * f) * 2
     assert bill.layer_phase >= bill.device["working_set"] - bill.attention_scratch
     # without the MoE terms the bill would be a few GiB; the compiled step is ~68 GiB (integration test)
