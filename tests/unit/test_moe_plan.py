@@ -1,6 +1,6 @@
 """The planner knows a mixture of experts (jaxmem/plan/bill_moe.py): total vs active parameters, the expert state
 per device, the routed rows' buffers in the bill, active-expert FLOPs and the expert-parallel all-to-alls in
-the cost model. Analytic only (no compile): tests/integration/test_moe_plan.py checks the bill against
+the cost model. Analytic only (no compile): tests/integration/test_moe_plan_compiled.py checks the bill against
 deviceless compiles."""
 import dataclasses
 
