@@ -9,6 +9,7 @@ import pytest
 from jaxmem.config import load_config
 from jaxmem.config.targets import get_target
 from jaxmem.core.layout import spec_leaves
+from jaxmem.model.presets import active_param_count
 from jaxmem.plan import bill_moe, costmodel
 from jaxmem.plan.bill import compute_bill
 
@@ -26,6 +27,7 @@ def test_total_and_active_parameters_of_the_presets():
         counts = bill_moe.parameter_counts(load_config("configs/tiny.yaml", [f"model.preset={preset}"]))
         assert counts["total"] == pytest.approx(total, rel=5e-3)
         assert counts["active"] == pytest.approx(active, rel=5e-3)
+        assert counts["active"] == active_param_count(load_config("configs/tiny.yaml", [f"model.preset={preset}"]).model)
     m = load_config("configs/tiny-moe.yaml").model  # 8 experts, top 2: 6 of 8 experts idle per token
     counts = bill_moe.parameter_counts(load_config("configs/tiny-moe.yaml"))
     assert counts["total"] - counts["active"] == m.n_layers * 6 * 3 * m.d_model * m.expert_d_ff
