@@ -303,7 +303,9 @@ def main(argv: list[str] | None = None) -> int:
                "  jaxmem sweep configs/sweeps/llama3-8b-remat-8xh100.yaml\n"
                "  jaxmem sweep configs/llama3-8b-8xh100.yaml --grid remat.preset=full,selective,none "
                "--grid train.micro_batch=1,2\n"
-               "  jaxmem sweep configs/tiny.yaml --grid remat.preset=none,full --no-compile --out runs/sweeps/t")
+               "  jaxmem sweep configs/tiny.yaml --grid remat.preset=none,full --no-compile --out runs/sweeps/t\n"
+               "  jaxmem sweep configs/moe/qwen3-30b-a3b-8xh100.yaml --grid parallel.ep=auto   # ep values that "
+               "divide experts and devices, where validate accepts them")
     ap.add_argument("source", help="a SWEEP.yaml (with `config` and `grid`) or a config YAML with --grid")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides applied to every point")
     ap.add_argument("--grid", action="append", default=[], help="key=v1,v2,... (repeatable)")
@@ -334,6 +336,13 @@ def main(argv: list[str] | None = None) -> int:
         if flag is not None:
             target[key] = flag
     cache = Path(args.cache) if args.cache else out / "cache"
+    if grid.get("parallel.ep") == ["auto"]:  # the ep values the model and the devices allow (jaxmem.cli.ep_search)
+        from jaxmem.cli.ep_search import expand_auto_ep
+        from jaxmem.plan import resolve_topology
+
+        cfg = load_config(config, base)
+        topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
+        grid = expand_auto_ep(grid, lambda o: load_config(config, base + o), cfg.model.n_experts, topo.n_devices)
     rows = run_sweep(config, grid, base, target, out, cache, args.workers, not args.no_compile)
     paths = write_outputs(rows, out)
     print_summary(rows)

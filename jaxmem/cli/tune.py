@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 from jaxmem.config import ConfigError, load_config
+from jaxmem.cli.ep_search import ep_mesh_options
 
 # How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill
 # was 0.8-1.25x the compiled figure across benchmarks/plan_accuracy.md and benchmarks/long_context.md).
@@ -120,6 +121,8 @@ class Tuner:
         self.global_batch = global_batch or base.train.global_batch or (
             base.train.micro_batch * _data_ways(base, self.n) * max(base.train.grad_accum, 1))
         self.meshes = mesh_options(base, self.n)
+        if self.meshes != [[]]:  # a free mesh: a mixture of experts may also split its experts (jaxmem.cli.ep_search)
+            self.meshes += ep_mesh_options(self._load, base.model.n_experts, self.n)
         self.candidates: list[Candidate] = []
         self.path: list[str] = []
 

@@ -4,7 +4,8 @@
 (`jaxmem.plan.bill`) reads the same `Layout`, so what the plan counts is what the step does: the mesh
 sizes, the parameter / gradient / optimizer-state partition specs of the ZeRO stage, the kernels that
 `auto` picks on the platform, what the remat policy keeps across the backward, which train-state
-entries live in host memory, the batch layout, and the per-layer parameter count.
+entries live in host memory and where the optimizer update runs (`homes`: every lever decision in the planner
+and the steps reads these, not `cfg.offload.*`), the batch layout, and the per-layer parameter count.
 """
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class Layout:
     saved: dict[str, str]  # checkpoint name -> where its per-layer value lives across the backward
     keeps_scores: bool  # plain attention's S x S scores saved across the backward
     host_state: tuple[str, ...]  # train-state entries in pinned host memory between steps
+    homes: offload.StateHomes  # where params / optimizer state live and where the update runs
     layer_param_elems: int  # parameters of one decoder layer
     rules: tuple  # the logical-axis rule table (parallel.rules) that shards weights and activations
     # The model's own parameters (with LoRA the trainable tree above is the adapters, and these are the
@@ -118,6 +120,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     setup = LoraSetup.from_config(cfg)
     if setup is not None:
         trainable, lora_fields = _lora_layout(cfg, setup, sizes, model_abstract, param_specs)
+    homes = offload.StateHomes.from_config(cfg)
     return Layout(
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef, **trainable,
         grad_accum=grad_accum, rows=rows, model_abstract_params=model_abstract,
@@ -125,7 +128,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
-        host_state=offload.host_keys(cfg), layer_param_elems=layer_param_count(cfg.model),
+        host_state=homes.host_keys(), homes=homes, layer_param_elems=layer_param_count(cfg.model),
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
 
 

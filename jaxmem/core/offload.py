@@ -13,6 +13,7 @@ head's gradient arrives from the device in transposed layout.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable
 
 import jax
@@ -26,14 +27,47 @@ HOST = jax.memory.Space.Host
 ACTIVATIONS_FROM, ACTIVATIONS_TO = "device", memory_kinds_shim.HOST_KIND
 
 
+@dataclasses.dataclass(frozen=True)
+class StateHomes:
+    """Where the train state lives between steps and where the optimizer update runs, resolved once from
+    `offload.*` (jaxmem.core.layout.Layout.homes): the planner and the steps decide on these, not on the
+    config's strings."""
+
+    params: str  # "device" or "host": the decoder layers' weights (embedding, final norm, LM head stay)
+    optimizer: str  # "device" or "host": master weights, m and v
+    update: str  # "device" or "host": where AdamW runs (state on the host + "device": streamed through)
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "StateHomes":
+        o = cfg.offload
+        update = "host" if o.optimizer == "host" and o.optimizer_update == "host" else "device"
+        return cls(params=o.params, optimizer=o.optimizer, update=update)
+
+    @property
+    def params_on_host(self) -> bool:
+        return self.params == "host"
+
+    @property
+    def optimizer_on_host(self) -> bool:
+        return self.optimizer == "host"
+
+    @property
+    def update_on_host(self) -> bool:
+        return self.update == "host"
+
+    @property
+    def update_streamed(self) -> bool:
+        """The state on the host, the update on the device: master, m and v stream in and back out."""
+        return self.optimizer_on_host and not self.update_on_host
+
+    def host_keys(self) -> tuple[str, ...]:
+        """The train-state entries that live in pinned host memory between steps."""
+        return (("opt", "master") if self.optimizer_on_host else ()) + (("params",) if self.params_on_host else ())
+
+
 def host_keys(cfg: Config) -> tuple[str, ...]:
     """The train-state entries that live in pinned host memory between steps."""
-    keys = ()
-    if cfg.offload.optimizer == "host":
-        keys += ("opt", "master")
-    if cfg.offload.params == "host":
-        keys += ("params",)
-    return keys
+    return StateHomes.from_config(cfg).host_keys()
 
 
 def place_shardings(cfg: Config, shardings: dict, abstract: dict) -> dict:

@@ -180,7 +180,7 @@ def make_step(prog, loss_sum_fn):
     # offload.optimizer=host (validated: with offload.optimizer_update=device): master, m and v stay in pinned
     # host memory, the loop carry of the backward; each layer's slice is fetched, updated on the device and
     # written back in place. Adam's per-layer step counts ([L] integers) ride on the device as fp32.
-    on_host = cfg.offload.optimizer == "host"
+    on_host = prog.layout.homes.optimizer_on_host
     fetch = offload.to_device if on_host else (lambda t: t)
     scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
                      constrain_grad=constrain_grad, fetch=fetch,

@@ -13,11 +13,12 @@ import jaxmem
 import jaxmem.kernels.attention
 import jaxmem.model.axes
 import jaxmem.model.layers
+import jaxmem.model.moe
 import jaxmem.core.program
 import jaxmem.core.remat
 import jaxmem.core.sharding
 from jaxmem.config.schema import Config
-from jaxmem.model.names import name_in_op
+from jaxmem.model.names import MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
 
 PACKAGE = jaxmem.__name__
@@ -174,3 +175,23 @@ def divided(n: int) -> set[int]:
 def vocab_dims(cfg: Config) -> set[int]:
     v = cfg.model.vocab_size
     return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0}
+
+
+_MOE_CODE = (module_path(jaxmem.model.moe),)  # a mixture of experts' routing, dispatch, experts and combine
+# What a mixture of experts' token-shaped buffer is (explain key -> the words its "why" starts with).
+MOE_KINDS = {"moe_expanded": "MoE per-expert copy [experts, routed rows, width] (ragged_dot's dense GPU lowering)",
+             "moe_dispatch": "MoE dispatch rows (tokens x top-k, sorted by expert) or an expert's values over them",
+             "router_logits": "MoE router logits [tokens, experts]"}
+
+
+def moe_kind(cfg: Config, shape, frame, op_name: str) -> str | None:
+    """The MOE_KINDS key of a buffer a mixture of experts' layer wrote (its source line in jaxmem/model/moe.py
+    or a MoE checkpoint name in its op_name), else None."""
+    e = cfg.model.n_experts
+    named = name_in_op(op_name or "")
+    if not e or not (frame is not None and in_files(frame.file, _MOE_CODE)
+                     or named and named.split("|")[0] in MOE_NAMES):
+        return None
+    if len(shape) == 3 and e in shape[:2]:
+        return "moe_expanded"
+    return "router_logits" if shape and shape[-1] == e else "moe_dispatch"

@@ -16,6 +16,7 @@ from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.core.optim import split_layers
 from jaxmem.core import embed_grad
+from jaxmem.plan import bill_moe
 from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 from jaxmem.core.precision import Precision
@@ -52,13 +53,23 @@ class Bill:
     # optimizer_update=device): a whole device-side total, not added to the rest (0 when the update does not
     # stream). See update_phase_bytes.
     update_phase: int = 0
+    # A mixture of experts: the experts' masked per-group copies inside working_set (jaxmem.plan.bill_moe),
+    # live only in the experts' weight-gradient backward, without the attention's S x S copies and before the
+    # layer's full gradients and next gathered layer (Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g:
+    # the state, these copies and little else at the peak).
+    moe_scratch: int = 0
 
     @property
     def layer_phase(self) -> int:
-        """One layer's backward at its peak: the attention backward (working set with the S x S copies) or
-        the MLP backward (working set without them, plus the gathered weights and full gradients)."""
+        """One layer's backward at its peak: the attention backward (working set with the S x S copies), the
+        MLP backward (working set without them, plus the gathered weights and full gradients), or a mixture
+        of experts' backward (with its expanded rows, without the temporaries)."""
         d = self.device
-        return max(d["working_set"], d["working_set"] - self.attention_scratch + d["temporaries"])
+        ws, attn, moe = d["working_set"], self.attention_scratch, self.moe_scratch
+        phases = [ws - moe, ws - attn - moe + d["temporaries"]]
+        if moe:
+            phases.append(ws - attn)
+        return max(phases)
 
     @property
     def device_total(self) -> int:
@@ -85,6 +96,7 @@ class Bill:
                 "offloaded_by_name": dict(self.offloaded_by_name), "notes": list(self.notes),
                 "attention_scratch": int(self.attention_scratch),
                 "absent_in_loss": int(self.absent_in_loss), "update_phase": int(self.update_phase),
+                "moe_scratch": int(self.moe_scratch),
                 "label": "estimated (analytic)"}
 
 
@@ -177,6 +189,8 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
     out.update({n.value: btf for n in _BTF})
     out.update({CN.QUERY_PROJ.value: q, CN.ATTN_CONTEXT.value: q, CN.KEY_PROJ.value: kv, CN.VALUE_PROJ.value: kv})
     out[CN.FLASH_RESIDUALS.value] = q + 2 * q // m.head_dim  # the output, and an fp32 logsumexp per row and head
+    if bill_moe.is_moe(cfg):  # the experts' routed rows instead of the dense MLP's [tokens, d_ff] values
+        out.update(bill_moe.name_shapes(cfg, layout, _itemsize(Precision.from_config(cfg.precision).compute)))
     return out
 
 
@@ -272,10 +286,11 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         saved_dev = {k: v * m.n_layers for k, v in no_checkpoint_residuals(per_name, cd, m, layout.lora).items()}
     saved_host = {n: per_name[n] * cd * m.n_layers for n, w in layout.saved.items() if w == "host"}
     notes = []
-    if m.n_experts:  # jaxmem.model.moe: the routed rows' buffers are not modelled yet
-        notes.append(f"mixture of experts ({m.n_experts} experts, top {m.experts_per_token}): the state counts every "
-                     "expert, but the analytic bill does not yet model the routed-token buffers (dispatch, expert "
-                     "activations): activations are billed as a dense MLP of width d_ff; trust the compiled figure")
+    if bill_moe.is_moe(cfg):  # jaxmem.model.moe: the routed rows (jaxmem.plan.bill_moe)
+        notes.append(bill_moe.note(cfg, layout))
+        if not layout.checkpointed:
+            saved_dev = {k: v for k, v in saved_dev.items() if k not in bill_moe.DENSE_MLP}
+            saved_dev.update({k: v * m.n_layers for k, v in bill_moe.residual_bytes(cfg, layout, cd).items()})
     scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)
     if layout.keeps_scores:
         saved_dev["attention_scores"] = scores_saved * m.n_layers
@@ -291,6 +306,9 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if scores_working:
         scores_working -= score_elems(cfg, layout) * 1  # the pred mask, forward only
     working = _working_elems(cfg, layout, per_name) * cd + scores_working
+    moe_scratch = bill_moe.expanded_bytes(cfg, layout, cd) if bill_moe.is_moe(cfg) else 0
+    if moe_scratch:
+        working += bill_moe.working_bytes(cfg, layout, cd)
     logits = logits_bytes(cfg, layout)
     if layout.kernels["loss"] == "naive" and "opt" not in layout.host_state:
         # The naive loss's fp32 logits gradient (the take_along_axis scatter-add, [tokens, vocab] per
@@ -334,7 +352,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if "opt" in layout.host_state:
         for k in ("master", "opt_m", "opt_v"):
             host[k], device[k] = device[k], 0
-        if cfg.offload.optimizer_update == "host":  # fp32 grads, new m and v, new params (compiles agree)
+        if layout.homes.update_on_host:  # fp32 grads, new m and v, new params (compiles agree)
             fp32_grads = _state_bytes(layout, layout.opt_specs, np.float32)
             host["temporaries"] = fp32_grads + host["opt_m"] + host["opt_v"] + params
     if "params" in layout.host_state:  # the decoder layers; embedding, final norm and LM head stay
@@ -351,15 +369,14 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         # 3.63 GiB for Llama-3.2-1B, 6.50 for the 8-layer 8B, and no bf16 layer weights).
         layers = _state_elems(layout, layout.param_specs, "layers")
         device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
-    streamed = "opt" in layout.host_state and cfg.offload.optimizer_update == "device" \
-        and not cfg.optimizer.update_in_backward
+    streamed = layout.homes.update_streamed and not cfg.optimizer.update_in_backward
     if "params" in layout.host_state:
         # The decoder layers' gradients go straight to the host with their weights, whatever runs the update
         # (compiled llama3-8b 1 x 4090 recipe, update streamed, and qwen2.5-7b 1 x H100, update on the host,
         # with jax 0.10.2, 0.11.2 and 0.12.0.1: the [L, ...] layer gradient buffers are host memory); only the
         # embedding / final norm / LM head gradients are device buffers.
         device["grads"] -= _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
-        if "opt" in layout.host_state and cfg.offload.optimizer_update == "host":
+        if layout.homes.update_on_host:
             # the rest go to the host update too; the compiled totals of both cases match without them
             # (explain: the LM head's bf16 gradient is live at the layer peak, the donated embedding is not)
             device["grads"] = 0
@@ -383,7 +400,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
             and not cfg.optimizer.update_in_backward:
         absent_in_loss = _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
     return Bill(device, host, saved_dev, saved_host, sizes, notes, layout, attention_scratch=scores_working,
-                absent_in_loss=absent_in_loss, update_phase=update_phase)
+                absent_in_loss=absent_in_loss, update_phase=update_phase, moe_scratch=moe_scratch)
 
 
 def host_params_layer_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:

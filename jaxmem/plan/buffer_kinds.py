@@ -11,10 +11,11 @@ import jaxmem.model.layers
 import jaxmem.model.rope
 import jaxmem.core.optim
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.model.names import ALL_NAMES
+from jaxmem.core.offload import StateHomes
+from jaxmem.model.names import ALL_NAMES, MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
-from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
-                                     shape_name, tagged_name, vocab_dims)
+from jaxmem.plan.attribution import (MOE_KINDS, defining, in_files, is_ours, is_scores, model_frame, module_path,
+                                     moe_kind, rel_path, shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 
@@ -54,6 +55,7 @@ class StateShapes:
     exact: dict[tuple[int, ...], list[str]]
     relaid: dict[tuple[int, ...], list[str]]  # by sorted dims: XLA may transpose a weight (layout assignment)
     tokens: set[int]
+    homes: StateHomes  # where the state lives (the layout's resolution of offload.*)
 
     def weight(self, shape) -> str | None:
         """The parameter(s) this shape can belong to, e.g. "layers.w_gate|w_up"; None if not weight-shaped."""
@@ -117,7 +119,7 @@ def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> S
     for s, names in exact.items():
         relaid.setdefault(tuple(sorted(s)), []).extend(names)
     t = cfg.train.seq_len
-    return StateShapes(exact, relaid, {t, t * cfg.train.micro_batch})
+    return StateShapes(exact, relaid, {t, t * cfg.train.micro_batch}, StateHomes.from_config(cfg))
 
 
 def _groups(cfg: Config) -> set[int]:
@@ -366,7 +368,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     if collective == "all-gather" and weight:
         cat, key, why = "param", "gathered", f"all-gather of {weight}"
     elif copy_of and copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
-        if cfg.offload.optimizer == "host":
+        if state.homes.optimizer_on_host:
             cat, key, why = "optimizer", "optimizer_fetch", f"{copy_of} brought from pinned host memory in {where}"
         else:
             cat, key, why = "optimizer", "optimizer_temp", f"a copy of {copy_of} in {where}"
@@ -397,6 +399,12 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         cat, key, why = "temp", "temp", ("token dims, " if tokens else "") + f"written in {where}"
     if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
         ckpt = shape_name(cfg, shape, frame)
+    moe = moe_kind(cfg, shape, frame, op_name) if cat in ("temp", "logits", "activation") and not weight else None
+    if moe is not None:  # a routed-rows buffer, whatever its dims resemble (tiny-moe's width is half its vocab)
+        named = name_in_op(op_name)
+        ckpt = ckpt or (named if named and named.split("|")[0] in MOE_NAMES else None)
+        cat, key = ("activation", "activation") if cat == "activation" else ("temp", moe)
+        why = f"{MOE_KINDS[moe]}: " + why.removeprefix("d(logits) [tokens, vocab] ")
     source = f"{rel_path(frame.file)}:{frame.line} {frame.function}" if frame else (op_name or name)
     return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, op_name, why + host)
 

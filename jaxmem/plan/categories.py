@@ -82,6 +82,12 @@ SUGGESTIONS = {
                   "=offload, or use remat.preset=full / offload_layer_inputs",
     "activation_unnamed": "per-layer scan residual: a remat policy that saves less (remat.preset=full) or "
                           "offload (remat.preset=offload_layer_inputs); parallel.sp splits it along the sequence",
+    "moe_expanded": "MoE per-expert copy of the routed rows (jax.lax.ragged_dot lowered densely for the GPU, "
+                    "experts x rows): fewer tokens per micro-batch (train.micro_batch, train.seq_len with "
+                    "grad_accum), or parallel.ep (rows split ep ways) once expert parallelism exists",
+    "moe_dispatch": "MoE routed rows: with parallel.ep=1 every device holds the whole micro-batch's tokens x "
+                    "top-k; parallel.ep splits them once expert parallelism exists; fewer tokens per micro-batch",
+    "router_logits": "MoE router logits (fp32, tokens x experts): fewer tokens per micro-batch",
     "temp": "temporary of one op: remat.seq_tile runs the per-token parts of a layer a tile at a time, "
             "remat.granularity=segments shrinks the layer working set, parallel.sp splits the sequence; a "
             "fused kernel removes it",

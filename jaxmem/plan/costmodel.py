@@ -34,6 +34,7 @@ from jaxmem.core import remat
 from jaxmem.config.schema import Config
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.model.presets import active_param_count, param_count
+from jaxmem.plan import bill_moe
 from jaxmem.plan.bill import Bill, name_shapes
 from jaxmem.core.seq_tiling import tile_count
 from jaxmem.config.targets import GpuTarget
@@ -169,9 +170,13 @@ def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
     window on local layers, averaged over the layers)."""
     m = cfg.model
     d, n, k, h, f = m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.d_ff
-    return {"norm": 0.0, "elementwise": 0.0, "q_proj": 2.0 * tokens * d * n * h,
-            "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * _keys_per_query(cfg) * n * h,
-            "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
+    ops = {"norm": 0.0, "elementwise": 0.0, "q_proj": 2.0 * tokens * d * n * h,
+           "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * _keys_per_query(cfg) * n * h,
+           "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
+    if bill_moe.is_moe(cfg):  # the router and the k experts a token runs, not all of them
+        moe = bill_moe.active_mlp_flops(cfg, tokens)
+        ops.update(up_proj=moe["up_proj"], down_proj=moe["down_proj"], router_proj=moe["router"])
+    return ops
 
 
 def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None) -> list[str]:
@@ -224,6 +229,8 @@ def _elementwise_elems_per_token(cfg: Config) -> int:
     adds (read 2 d, write d), SiLU (or GELU) x up (read 2 f, write f)."""
     m = cfg.model
     d, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.d_ff
+    if bill_moe.is_moe(cfg):  # a token's k experts' activations
+        f = m.experts_per_token * bill_moe.expert_width(cfg)
     norms = 4 if m.post_norms else 2
     return norms * 2 * d + 2 * (q + kv) * (2 if m.qk_norm else 1) + 2 * 3 * d + 3 * f
 
@@ -309,11 +316,11 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     master_b = 4 if p.master_weights else 0
     # grads read twice (global norm, update), old params read, master / m / v read + written, params written.
     # The default step holds most gradients at the params' dtype (jaxmem.core.grad_dtype): the bill's bytes.
-    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and cfg.offload.params != "host"
+    homes = bill.layout.homes
+    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and not homes.params_on_host
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)
-    on_host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
-    memory_s = (elementwise_bytes + (0 if on_host_update else update_bytes)) / hbm
+    memory_s = (elementwise_bytes + (0 if homes.update_on_host else update_bytes)) / hbm
     layer_s = LAYER_OVERHEAD_SECONDS * m.n_layers * grad_accum
 
     # Host link, bytes per device as they cross it.
@@ -321,16 +328,16 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     overlapped = 2 * bill.host.get("activations", 0) * grad_accum  # offloaded layer inputs: out, back in
     serial = 0.0
     layer_params = _layer_elems(bill, bill.layout.param_specs)
-    if cfg.offload.params == "host":
+    if homes.params_on_host:
         # each layer's weights come in for the forward and again for the backward; its grads go out
         overlapped += grad_accum * layer_params * (2 * param_b) + layer_params * grad_b
-    if cfg.offload.optimizer == "host":
+    if homes.optimizer_on_host:
         state = opt_elems * (master_b + 2 * moment_b)
-        if cfg.offload.optimizer_update == "device":
+        if homes.update_streamed:
             # master, m, v stream in and back out; host-resident layer grads come in twice (norm, update),
             # old host params come in, new host params go out
             serial = 2 * state
-            if cfg.offload.params == "host":
+            if homes.params_on_host:
                 serial += layer_params * (2 * grad_b + 2 * param_b)
         else:  # grads go down, new params come back
             serial = bill.device["grads"] + opt_elems * param_b
@@ -359,6 +366,15 @@ def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accu
     return moved / gpu.interconnect_bandwidth
 
 
+def expert_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:
+    """The expert-parallel all-to-alls per step (dispatch and combine, forward and backward, every layer and
+    micro-batch; jaxmem.plan.bill_moe.all_to_all_bytes), at the interconnect bandwidth (estimated). 0 without
+    expert parallelism."""
+    cd = 2 if cfg.precision.compute_dtype != "float32" else 4
+    moved = grad_accum * cfg.model.n_layers * bill_moe.all_to_all_bytes(cfg, bill.layout, cd)
+    return moved / gpu.interconnect_bandwidth
+
+
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
              rows: int) -> Cost:
     """Step FLOPs and, for a GPU target, time and MFU (estimated by the cost model)."""
@@ -381,11 +397,14 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
     parts = time_breakdown(cfg, bill, gpu, n_devices, grad_accum, rows)
     compute = parts["compute_seconds"]
-    # FSDP: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch.
+    # FSDP: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch (expert
+    # weights split over ep are gathered over fsdp only: an ep-th of them per device).
     ways = bill.mesh["fsdp"] * bill.mesh["dp"] if cfg.parallel.zero_stage == 3 else 1
-    weight_bytes = n_params * 2 / bill.mesh["tp"]
+    experts = bill_moe.expert_params(cfg)
+    weight_bytes = (n_params - experts + experts / max(cfg.parallel.ep, 1)) * 2 / bill.mesh["tp"]
     collective = 3 * grad_accum * weight_bytes * (ways - 1) / ways / gpu.interconnect_bandwidth if ways > 1 else 0.0
     collective += sequence_parallel_seconds(cfg, bill, gpu, grad_accum)
+    collective += expert_parallel_seconds(cfg, bill, gpu, grad_accum)
     host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]
     step = max(compute, collective, parts["host_overlapped_seconds"]) + parts["host_serial_seconds"]
     mfu = model_flops / (step * n_devices * peak) if step else 0.0

@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 
 from jaxmem.core import remat
+from jaxmem.core.offload import StateHomes
 from jaxmem.runtime.aot import Topology
 from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
+from jaxmem.plan.bill_moe import parameter_counts
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
 
@@ -15,13 +17,15 @@ SCHEMA_VERSION = 1
 GIB = 1024**3
 
 
-def offload_requested(cfg: Config) -> bool:
-    return (cfg.offload.optimizer == "host" or cfg.offload.params == "host"
-            or bool(remat.offloaded_names(cfg.remat)))
+def offload_requested(cfg: Config, homes: StateHomes | None = None) -> bool:
+    """Whether anything lives on the host: state (`homes`, the layout's; resolved here when not given) or
+    offloaded activations."""
+    homes = homes or StateHomes.from_config(cfg)
+    return bool(homes.host_keys()) or bool(remat.offloaded_names(cfg.remat))
 
 
-def offload_status(cfg: Config, compiled: CompiledFigures | None) -> dict:
-    requested = offload_requested(cfg)
+def offload_status(cfg: Config, compiled: CompiledFigures | None, homes: StateHomes | None = None) -> dict:
+    requested = offload_requested(cfg, homes)
     if not requested:
         return {"requested": False, "verified": None, "message": "no offload requested"}
     if compiled is None:
@@ -52,7 +56,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
     if host_fits is False:
         warnings.append(f"host RAM does not fit: {host_need / GIB:.1f} GiB per node > "
                         f"{topo.host_ram_bytes / GIB:.1f} GiB")
-    offload = offload_status(cfg, compiled)
+    offload = offload_status(cfg, compiled, bill.layout.homes)
     if offload["verified"] is False:
         warnings.append(offload["message"])
     alloc = None
@@ -68,6 +72,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "config_hash": config_hash(cfg, topo.label),
         "model": cfg.model.preset,
         "params": int(cost.params),
+        "active_params": int(parameter_counts(cfg)["active"]),  # a mixture of experts: k / E of its experts
         "target": {"name": topo.name or "attached", "gpus_per_host": topo.gpus_per_host, "hosts": topo.hosts,
                    "device_memory_bytes": capacity, "headroom": topo.headroom,
                    "host_ram_bytes": topo.host_ram_bytes or None},
@@ -141,7 +146,9 @@ def render(plan: dict, console=None) -> None:
     a, c = plan["analytic"], plan["compiled"]
     unit = _unit(max(a["device_total"], a["host_total"], c["device_total"] if c else 0))
     _gib = lambda x: _fmt(x, unit)  # noqa: E731
-    title = f"{plan['config'] or plan['model']}: {plan['params']:,} params on {plan['devices']} x " \
+    active = plan.get("active_params", plan["params"])
+    params = f"{plan['params']:,} params" + (f" ({active:,} active per token)" if active != plan["params"] else "")
+    title = f"{plan['config'] or plan['model']}: {params} on {plan['devices']} x " \
             f"{plan['target']['name']} (mesh {plan['mesh']})"
     bill = Table(title=title, caption=f"{unit[0]} per device")
     bill.add_column("category")

@@ -1,0 +1,139 @@
+"""The planner knows a mixture of experts (jaxmem/plan/bill_moe.py): total vs active parameters, the expert state
+per device, the routed rows' buffers in the bill, active-expert FLOPs and the expert-parallel all-to-alls in
+the cost model. Analytic only (no compile): tests/integration/test_moe_plan_compiled.py checks the bill against
+deviceless compiles."""
+import dataclasses
+
+import pytest
+
+from jaxmem.config import load_config
+from jaxmem.config.targets import get_target
+from jaxmem.core.layout import spec_leaves
+from jaxmem.model.presets import active_param_count
+from jaxmem.plan import bill_moe, costmodel
+from jaxmem.plan.bill import compute_bill
+
+QWEN = ["model.preset=qwen3-30b-a3b", "parallel.fsdp=8", "parallel.rules=fsdp", "parallel.zero_stage=3",
+        "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",
+        "kernels.attention=pallas", "kernels.loss=chunked", "train.micro_batch=1"]
+
+
+def _qwen(*extra, layers=2, seq=1024):
+    return load_config("configs/tiny.yaml", QWEN + [f"model.n_layers={layers}", f"train.seq_len={seq}", *extra])
+
+
+def test_total_and_active_parameters_of_the_presets():
+    for preset, total, active in (("qwen3-30b-a3b", 30.53e9, 3.35e9), ("mixtral-8x7b", 46.70e9, 12.88e9)):
+        counts = bill_moe.parameter_counts(load_config("configs/tiny.yaml", [f"model.preset={preset}"]))
+        assert counts["total"] == pytest.approx(total, rel=5e-3)
+        assert counts["active"] == pytest.approx(active, rel=5e-3)
+        assert counts["active"] == active_param_count(load_config("configs/tiny.yaml", [f"model.preset={preset}"]).model)
+    m = load_config("configs/tiny-moe.yaml").model  # 8 experts, top 2: 6 of 8 experts idle per token
+    counts = bill_moe.parameter_counts(load_config("configs/tiny-moe.yaml"))
+    assert counts["total"] - counts["active"] == m.n_layers * 6 * 3 * m.d_model * m.expert_d_ff
+    dense = bill_moe.parameter_counts(load_config("configs/tiny.yaml"))
+    assert dense["total"] == dense["active"] and dense["experts"] == 0
+
+
+def test_plan_reports_total_and_active_parameters():
+    from jaxmem.plan import plan, resolve_topology
+
+    cfg = load_config("configs/tiny-moe.yaml", ["target.name=h100-80g", "target.gpus_per_host=8"])
+    p = plan(cfg, resolve_topology(cfg), compile=False)
+    counts = bill_moe.parameter_counts(cfg)
+    assert (p["params"], p["active_params"]) == (counts["total"], counts["active"])
+    assert p["active_params"] < p["params"]
+    assert any(n.startswith("mixture of experts") and "active per token" in n for n in p["analytic"]["notes"])
+
+
+def test_expert_state_per_device_is_split_over_fsdp_as_the_formula_says():
+    cfg = _qwen()
+    layout = compute_bill(cfg, 8).layout
+    layers, specs = layout.abstract_params["layers"], layout.param_specs["layers"]
+    expert_elems = 0
+    for name in ("expert_gate", "expert_up", "expert_down"):
+        (spec,) = spec_leaves(specs[name])
+        shape = layers[name].shape
+        ways = 1
+        for axes in spec:
+            for a in (axes if isinstance(axes, tuple) else (axes,)):
+                ways *= layout.mesh_sizes[a] if a else 1
+        expert_elems += shape[0] * shape[1] * shape[2] * shape[3] // ways
+    assert expert_elems == bill_moe.expert_state_elems(cfg, layout.mesh_sizes)
+    # once ep exists the experts split ep x fsdp ways (the formula reads parallel.ep)
+    ep4 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=4, fsdp=2))
+    assert bill_moe.expert_state_elems(ep4, {"fsdp": 2}) == bill_moe.expert_params(cfg) // 8
+
+
+def test_routed_rows_and_the_expanded_copies_are_in_the_bill():
+    cfg = _qwen()
+    bill = compute_bill(cfg, 8)
+    e, d, f, k = 128, 2048, 768, 8
+    rows = 8 * 1024 * k  # the whole micro-batch's tokens (8 rows of 1024) x top-8 on every device
+    assert bill_moe.routed_rows(cfg, bill.layout) == rows
+    # one [E, R, F] copy is 12 GiB: above the whole-copy limit, the rows expanded twice and the expert-width
+    # copies split over the 8 data ways
+    assert e * rows * f * 2 > bill_moe.WHOLE_COPY_LIMIT
+    expanded = e * rows * (2 * d + 2 * f // 8) * 2
+    assert bill.moe_scratch == expanded
+    small = compute_bill(_qwen(seq=256), 8)  # 3 GiB copies: three whole expert-width copies and the rows
+    assert small.moe_scratch == e * (rows // 4) * (d + 3 * f) * 2
+    assert bill.device["working_set"] >= expanded + rows * (d + 2 * f) * 2
+    assert bill.layer_phase >= bill.device["working_set"] - bill.attention_scratch
+    # without the MoE terms the bill would be a few GiB; the compiled step is ~68 GiB (integration test)
+    assert bill.device_total > expanded
+
+
+def test_saved_residuals_are_the_experts_not_a_dense_mlp():
+    cfg = _qwen("remat.preset=none", seq=256)
+    bill = compute_bill(cfg, 8)
+    saved = bill.activations_by_name
+    rows = 8 * 256 * 8
+    assert saved["moe_dispatch"] == 2 * rows * 2048 // 8 * 2  # two layers, split over the 8 data ways, bf16
+    for name in ("expert_gate", "expert_up", "expert_act"):
+        assert saved[name] == 2 * rows * 768 // 8 * 2
+    assert saved["router_logits"] == 2 * 8 * 256 * 128 * 4 // 8  # fp32
+    assert not {"mlp_gate", "mlp_up", "mlp_act"} & set(saved)
+    # a policy that saves an expert value keeps it at its routed size
+    kept = compute_bill(_qwen("remat.preset=full", "remat.names.expert_act=device", seq=256), 8)
+    assert kept.activations_by_name["expert_act"] == saved["expert_act"]
+
+
+def test_cost_model_counts_the_active_experts_only():
+    cfg = _qwen("remat.preset=none", seq=1024)  # no recompute: each matmul runs forward + 2 x backward
+    tokens = 8 * 1024
+    ops = costmodel._op_flops(cfg, tokens)
+    assert ops["up_proj"] == pytest.approx(2.0 * tokens * 8 * 2048 * 768)  # k = 8 of 128 experts
+    assert ops["down_proj"] == pytest.approx(2.0 * tokens * 8 * 768 * 2048)
+    assert ops["router_proj"] == pytest.approx(2.0 * tokens * 2048 * 128)
+    bill = compute_bill(cfg, 8)
+    parts = costmodel.time_breakdown(cfg, bill, get_target("h100-80g"), 8, 1, 8)
+    m = cfg.model
+    attn = 2 * tokens * 2048 * (m.n_heads * m.head_dim * 2 + m.n_kv_heads * m.head_dim * 2)
+    layer = attn + 3 * ops["up_proj"] + ops["router_proj"]  # q, k, v, o; gate, up, down; router
+    assert parts["matmul_flops"] == pytest.approx(3 * layer * m.n_layers)
+    # model FLOPs: 6 x active matmul params x tokens (+ attention): far below all 128 experts'
+    cost = costmodel.estimate(cfg, bill, get_target("h100-80g"), 8, 1, 8)
+    counts = bill_moe.parameter_counts(cfg)
+    assert cost.model_flops < 6.0 * (counts["total"] - counts["experts"] / 2) * tokens
+
+
+def test_all_to_all_bytes_follow_ep():
+    cfg = _qwen(seq=1024)
+    layout = compute_bill(cfg, 8).layout
+    assert bill_moe.all_to_all_bytes(cfg, layout, 2) == 0.0
+    assert costmodel.expert_parallel_seconds(cfg, compute_bill(cfg, 8), get_target("h100-80g"), 1) == 0.0
+    ep8 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=8))  # validate refuses it today
+    local_rows = 8 * 1024 * 8 // (8 * 8)
+    assert bill_moe.all_to_all_bytes(ep8, layout, 2) == pytest.approx(2 * 2 * local_rows * 2048 * 2 * 7 / 8)
+    seconds = costmodel.expert_parallel_seconds(ep8, compute_bill(cfg, 8), get_target("h100-80g"), 1)
+    assert seconds == pytest.approx(2 * bill_moe.all_to_all_bytes(ep8, layout, 2)
+                                    / get_target("h100-80g").interconnect_bandwidth)
+    assert bill_moe.routed_rows(ep8, layout) == local_rows
+
+
+def test_a_dense_model_gets_no_moe_terms():
+    cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8"])
+    bill = compute_bill(cfg, 8)
+    assert bill.moe_scratch == 0 and "moe_dispatch" not in bill.activations_by_name
+    assert "router_proj" not in costmodel._op_flops(cfg, 1024)
