@@ -36,7 +36,8 @@ def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     adapters = _random_adapters(jax.device_get(state["params"]))
     base = jax.device_get(state["base"])
     toks = _tokens(2)
-    got, n = jax.jit(loss_sum_fn(prog))(adapters, toks[:, :-1], toks[:, 1:], base=base)
+    loss_sum = jax.jit(loss_sum_fn(prog))
+    got, n = loss_sum(adapters, toks[:, :-1], toks[:, 1:], base=base)
     # reference: dequantize every frozen linear, merge W + scale * A B, run the plain model, optax-free CE
     setup, shapes = prog.layout.lora, layer_shapes(prog.cfg, prog.layout.lora)
     params = dict(base, layers=dict(base["layers"]))
@@ -51,8 +52,7 @@ def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     assert int(n) == toks[:, 1:].size
     np.testing.assert_allclose(float(got), float(want), rtol=2e-5)
     # the adapters change the loss: the test sees them
-    plain, _ = jax.jit(loss_sum_fn(prog))(jax.tree.map(jnp.zeros_like, adapters), toks[:, :-1], toks[:, 1:],
-                                          base=base)
+    plain, _ = loss_sum(jax.tree.map(jnp.zeros_like, adapters), toks[:, :-1], toks[:, 1:], base=base)
     assert abs(float(plain) - float(got)) > 1e-3
 
 
@@ -138,15 +138,35 @@ def test_bad_lora_settings_are_refused_by_name(overrides, fragment):
     assert fragment in str(e.value) and "\n" not in str(e.value)
 
 
-def test_a_lora_run_logs_its_parameter_counts_and_sweeps_rank_and_base_dtype(tmp_path, capsys):
-    from jaxmem.cli import sweep
+def _lora_run_overrides(out_dir, *extra):
+    return BASE + ["train.steps=6", "train.log_every=1", "checkpoint.every=3", f"out_dir={out_dir}",
+                   "train.progress=false", "lora.base_dtype=nf4", *extra, "parallel.fsdp=-1"]
+
+
+def _lora_run_cfg(out_dir, *extra):
+    return load_config("configs/tiny.yaml", _lora_run_overrides(out_dir, *extra))
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory):
+    """One 6-step nf4 LoRA run on 8 devices (checkpoints at steps 3 and 6), read by the log, merge and resume
+    tests: (its output directory, its summary, what it printed on stderr). Tests that write into it copy it."""
+    import contextlib
+    import io
+
     from jaxmem.cli.train import run
 
-    cfg = load_config("configs/tiny.yaml", BASE + ["train.steps=2", f"out_dir={tmp_path / 'run'}",
-                                                   "checkpoint.enabled=false", "train.progress=false"])
-    run(cfg)
-    err = capsys.readouterr().err
-    assert "trainable parameters (LoRA rank 4 adapters)" in err and "frozen (base stored as bfloat16)" in err
+    out_dir, err = tmp_path_factory.mktemp("lora_run"), io.StringIO()
+    with contextlib.redirect_stderr(err):
+        summary = run(_lora_run_cfg(out_dir))
+    return out_dir, summary, err.getvalue()
+
+
+def test_a_lora_run_logs_its_parameter_counts_and_sweeps_rank_and_base_dtype(tmp_path, lora_run):
+    from jaxmem.cli import sweep
+
+    err = lora_run[2]  # what the run printed on stderr
+    assert "trainable parameters (LoRA rank 4 adapters)" in err and "frozen (base stored as nf4)" in err
     rows = sweep.run_sweep("configs/tiny.yaml", {"lora.rank": ["4", "16"], "lora.base_dtype": ["bfloat16", "nf4"]},
                            BASE[:-2], {}, tmp_path, tmp_path / "cache", workers=0, compile=False)
     by_point = {r["point"]: r for r in rows}
@@ -155,15 +175,12 @@ def test_a_lora_run_logs_its_parameter_counts_and_sweeps_rank_and_base_dtype(tmp
     assert small < by_point["lora.rank=16 lora.base_dtype=nf4"]["analytic_device_bytes"]
 
 
-def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_path, capsys):
+def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_path, lora_run):
     from jaxmem import cli
     from jaxmem.io.hf import load_hf
     from jaxmem.lora.peft_format import load_peft
-    from jaxmem.cli.train import run
 
-    overrides = BASE + ["train.steps=3", f"out_dir={tmp_path / 'run'}", "train.progress=false", "lora.base_dtype=nf4",
-                        "parallel.fsdp=-1"]
-    run(load_config("configs/tiny.yaml", overrides))
+    overrides = _lora_run_overrides(lora_run[0])
     out, peft_dir = tmp_path / "merged", tmp_path / "peft"
     assert cli.main(["merge-lora", "configs/tiny.yaml", *overrides, "--out", str(out), "--peft", str(peft_dir)]) == 0
     prog = _program(*overrides[:-1], "parallel.fsdp=1", "train.micro_batch=2")
@@ -183,20 +200,14 @@ def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_
     jax.tree.map(np.testing.assert_array_equal, adapters, jax.device_get(state["params"]))
 
 
-def _lora_run_cfg(tmp_path, *extra):
-    return load_config("configs/tiny.yaml", BASE + ["train.steps=6", "train.log_every=1", "checkpoint.every=3",
-                                                   f"out_dir={tmp_path}", "train.progress=false",
-                                                   "lora.base_dtype=nf4", "parallel.fsdp=-1", *extra])
-
-
-def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path):
+def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path, lora_run):
     import shutil
 
     from jaxmem.io.checkpoint import _saved_shapes
     from jaxmem.cli.train import run
 
-    cfg = _lora_run_cfg(tmp_path)
-    straight = run(cfg)
+    shutil.copytree(lora_run[0] / "checkpoints", tmp_path / "checkpoints")
+    cfg, straight = _lora_run_cfg(tmp_path), lora_run[1]
     saved = _saved_shapes(tmp_path / "checkpoints" / "3" / "state")
     assert saved and not any("base" in k for k in saved)  # the frozen base is rebuilt, never saved
     assert any("params" in k for k in saved) and any("opt" in k for k in saved)
@@ -324,16 +335,31 @@ def test_dropout_matches_an_unrolled_reference_with_the_same_masks(base_dtype):
     assert abs(float(other) - float(got)) > 1e-3 and abs(float(plain) - float(got)) > 1e-3
 
 
-def test_the_step_draws_its_masks_from_step_and_micro_batch():
+DROPOUT_P = 0.3
+
+
+@pytest.fixture(scope="module")
+def dropout_steps():
+    """{p: (program, its step compiled once)} for lora.dropout 0 and DROPOUT_P, grad_accum 2 on one device: the
+    step tests below share these two compiles, and the lowered text shows whether masks are drawn."""
+    out = {}
+    for p in (0.0, DROPOUT_P):
+        prog = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2", f"lora.dropout={p}")
+        lowered = prog.lower()
+        out[p] = (prog, lowered.compile(), lowered.as_text())
+    return out
+
+
+def test_the_step_draws_its_masks_from_step_and_micro_batch(dropout_steps):
     """The jitted step (grad_accum=2) reports the loss of the reference with keys (seed, step, micro 0 / 1)."""
-    p = 0.25
-    prog = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2", f"lora.dropout={p}")
+    p = DROPOUT_P
+    prog, step, _ = dropout_steps[p]
     state = prog.init_state()
     state["params"] = _random_adapters(state["params"])
     adapters, base = jax.device_get(state["params"]), jax.device_get(state["base"])
     state["step"] = jnp.int32(7)
     toks = _tokens(4, 3)
-    _, m = prog.jit_step()(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
+    _, m = step(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
     want = sum(float(_reference_loss(prog, adapters, base, toks[2 * i:2 * i + 2], p, 7, i)) for i in range(2))
     np.testing.assert_allclose(float(m["loss"]), want / (4 * 32), rtol=2e-5)
 
@@ -351,42 +377,42 @@ def test_dropout_drops_a_fraction_p_and_scales_the_rest(p):
     np.testing.assert_allclose(out[out != 0], 1 / (1 - p), rtol=1e-6)
 
 
-def _one_step(prog, state, toks):
+def _one_step(prog_and_step, state, toks):
+    prog, step = prog_and_step[:2]
     state = jax.tree.map(jnp.copy, state)  # the step donates its input
-    new, m = prog.jit_step()(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
+    new, m = step(state, prog.shard_batch(toks.reshape(prog.batch_shape)))
     return float(m["loss"]), jax.device_get(new["params"])
 
 
-def test_dropout_is_deterministic_per_step_and_differs_between_steps():
-    toks = _tokens(2)
-    for p, differs in ((0.2, True), (0.0, False)):
-        prog = _program("parallel.fsdp=1", "train.micro_batch=2", f"lora.dropout={p}")
+def test_dropout_is_deterministic_per_step_and_differs_between_steps(dropout_steps):
+    toks = _tokens(4)
+    for p, differs in ((DROPOUT_P, True), (0.0, False)):
+        prog = dropout_steps[p][0]
         state = prog.init_state()
         state["params"] = _random_adapters(state["params"])
-        loss, params = _one_step(prog, state, toks)
-        again, params_again = _one_step(prog, state, toks)
+        loss, params = _one_step(dropout_steps[p], state, toks)
+        again, params_again = _one_step(dropout_steps[p], state, toks)
         assert loss == again
         jax.tree.map(np.testing.assert_array_equal, params, params_again)
-        later, params_later = _one_step(prog, dict(state, step=jnp.int32(1)), toks)  # only the key changes
+        later, params_later = _one_step(dropout_steps[p], dict(state, step=jnp.int32(1)), toks)  # only the key
         assert (later != loss) == differs
         assert any(jax.tree.leaves(jax.tree.map(lambda a, b: bool(np.any(a != b)), params, params_later))) == differs
 
 
-def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout():
+def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout(dropout_steps):
     from jaxmem.core.evaluate import eval_step
 
-    plain = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2")
-    dropped = _program("parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=2", "lora.dropout=0.4")
-    hlo = plain.lower().as_text()
+    (plain, _, hlo), (dropped, _, dropped_hlo) = dropout_steps[0.0], dropout_steps[DROPOUT_P]
     assert "rng_bit_generator" not in hlo and "threefry" not in hlo  # no mask is drawn at dropout 0
-    assert "threefry" in dropped.lower().as_text() or "rng_bit_generator" in dropped.lower().as_text()
+    assert "threefry" in dropped_hlo or "rng_bit_generator" in dropped_hlo
     state = plain.init_state()
     state["params"] = _random_adapters(state["params"])
     batch = plain.shard_batch(_tokens(4).reshape(plain.batch_shape))
     want = jax.device_get(eval_step(plain)(state["params"], state["base"], batch))
     got = jax.device_get(eval_step(dropped)(state["params"], state["base"], batch))
     assert got[0] == want[0] and got[1] == want[1]  # bit for bit: evaluation never drops
-    assert _one_step(plain, state, _tokens(4))[0] != _one_step(dropped, state, _tokens(4))[0]
+    assert _one_step(dropout_steps[0.0], state, _tokens(4))[0] != _one_step(dropout_steps[DROPOUT_P], state,
+                                                                              _tokens(4))[0]
 
 
 def test_lora_dropout_resumes_exactly(tmp_path):
@@ -413,10 +439,10 @@ def test_dropout_masks_do_not_depend_on_the_mesh():
         state = prog.init_state()
         adapters = _random_adapters(jax.device_get(state["params"]))
         batch = prog.shard_batch(toks.reshape(prog.batch_shape))["tokens"][0]
+        loss_at = jax.jit(lambda a, base, t, step: loss_sum_fn(prog)(  # the step traced: one compile per mesh
+            a, t[:, :-1], t[:, 1:], base=base, dropout_key=step_key(0, step, 0))[0])
         for step in (3, 4):
-            loss = jax.jit(lambda a, base, t, step=step: loss_sum_fn(prog)(
-                a, t[:, :-1], t[:, 1:], base=base, dropout_key=step_key(0, step, 0))[0])(adapters, state["base"], batch)
-            losses.append(float(loss))
+            losses.append(float(loss_at(adapters, state["base"], batch, step)))
     np.testing.assert_allclose(losses[0::2], losses[0], rtol=1e-6)  # step 3 on every mesh: the same masks
     np.testing.assert_allclose(losses[1::2], losses[1], rtol=1e-6)
     assert abs(losses[0] - losses[1]) > 100 * 1e-6 * abs(losses[0])  # another step's masks: another loss

@@ -1,6 +1,7 @@
 """Pipeline parallelism: schedules, layer partitions, numerics against one device, checkpoints across
 layouts, HF export, and the per-stage compiled plan."""
 import json
+import shutil
 
 import jax
 import numpy as np
@@ -168,7 +169,19 @@ def _run(out_dir, steps, layout):
 
 @pytest.fixture(scope="module")
 def straight_pipeline_run(tmp_path_factory):
-    return _run(tmp_path_factory.mktemp("straight"), 4, PP)
+    """The 4-step pipeline run's records and its checkpoints/ (steps 2 and 4)."""
+    out_dir = tmp_path_factory.mktemp("straight")
+    return _run(out_dir, 4, PP), out_dir / "checkpoints"
+
+
+def _head_of_straight_run(out_dir, straight_pipeline_run):
+    """out_dir/checkpoints/2 as a 2-step PP run leaves it: the straight run's step-2 checkpoint (the same steps,
+    the same schedule: decay_steps=4 in both); returns the records of those 2 steps."""
+    records, checkpoints = straight_pipeline_run
+    shutil.copytree(checkpoints, out_dir / "checkpoints",
+                    ignore=lambda d, names: ["4"] if d == str(checkpoints) else [])
+    assert sorted(p.name for p in (out_dir / "checkpoints").iterdir() if p.name.isdigit()) == ["2"]
+    return records[:2]
 
 
 @pytest.mark.parametrize("first, then", [
@@ -178,10 +191,14 @@ def straight_pipeline_run(tmp_path_factory):
     (PP + ["offload.optimizer=host"], PP + ["offload.optimizer=host"]),  # host-resident stage state, same cut
 ])
 def test_checkpoints_resume_across_layouts(tmp_path, first, then, straight_pipeline_run):
-    """Steps 3-4 after a resume on another layout continue the 4-step pipeline run: same logical state."""
-    head = _run(tmp_path, 2, first)
+    """Steps 3-4 after a resume on another layout continue the 4-step pipeline run: same logical state. A head
+    on the straight run's own layout is that run's step-2 checkpoint; other heads are trained here."""
+    if first == PP:
+        head = _head_of_straight_run(tmp_path, straight_pipeline_run)
+    else:
+        head = _run(tmp_path, 2, first)
     tail = _run(tmp_path, 4, then)
-    np.testing.assert_allclose(head + tail, straight_pipeline_run, rtol=2e-5)
+    np.testing.assert_allclose(head + tail, straight_pipeline_run[0], rtol=2e-5)
 
 
 def test_hf_export_and_init_from_for_a_pipeline(tmp_path):
@@ -293,10 +310,10 @@ def test_eval_through_the_stages_equals_one_device():
 
 
 @pytest.mark.parametrize("damage", ["shapes", "chunk"])
-def test_a_damaged_stage_in_a_checkpoint_is_named_not_read_as_zeros(tmp_path, damage):
+def test_a_damaged_stage_in_a_checkpoint_is_named_not_read_as_zeros(tmp_path, damage, straight_pipeline_run):
     from jaxmem.config.schema import ConfigError
 
-    _run(tmp_path, 2, PP)
+    _head_of_straight_run(tmp_path, straight_pipeline_run)  # a 2-step PP run's checkpoint
     stage = tmp_path / "checkpoints" / "2" / "stages" / "stage_1"
     if damage == "shapes":
         (stage / "shapes.json").unlink()

@@ -1,11 +1,13 @@
 """Sequence parallelism (parallel.sp) and sequence tiling (remat.seq_tile): the loss and every gradient equal
 one device's, with and without packed documents; tiling shrinks the compiled working set; bad layouts are
 refused by name before anything compiles."""
+import json
+
 import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError, load_config, to_dict
 from jaxmem.core.program import build_program, loss_sum_fn
 
 # 8 query heads, 2 kv heads of width 16: sp=8 needs each kv head repeated 4 times; sp=2 splits them as is
@@ -24,10 +26,21 @@ def _batch(rows: int, packed: bool):
     return tokens, seg, pos
 
 
+_PROGRAMS: dict = {}
+
+
+def _program_and_params(overrides, devices):
+    """The program and its initial params, built once per layout: its packed and unpacked runs share them."""
+    key = (tuple(overrides), tuple(devices))
+    if key not in _PROGRAMS:
+        cfg = load_config("configs/tiny.yaml", [f"train.seq_len={SEQ}"] + HEADS + overrides)
+        prog = build_program(cfg, devices=devices)
+        _PROGRAMS[key] = prog, prog.init_state(seed=0)["params"]
+    return _PROGRAMS[key]
+
+
 def _loss_and_grads(overrides, devices, packed, with_hlo=False):
-    cfg = load_config("configs/tiny.yaml", [f"train.seq_len={SEQ}"] + HEADS + overrides)
-    prog = build_program(cfg, devices=devices)
-    params = prog.init_state(seed=0)["params"]
+    prog, params = _program_and_params(overrides, devices)
     tokens, seg, pos = _batch(prog.rows, packed)
     loss_sum = loss_sum_fn(prog)
     fn = jax.jit(jax.value_and_grad(lambda p: loss_sum(p, tokens[:, :-1], tokens[:, 1:], seg, pos)[0]))
@@ -40,10 +53,11 @@ _REFERENCES: dict = {}
 
 
 def _one_device(rows: int, packed: bool, extra=()):
-    key = (rows, packed, tuple(extra))
+    overrides = ["parallel.fsdp=1", f"train.micro_batch={rows}", *extra]
+    # keyed by the resolved config: overrides that restate a default (remat.preset=none) share the reference
+    key = (packed, json.dumps(to_dict(load_config("configs/tiny.yaml", [f"train.seq_len={SEQ}"] + HEADS + overrides))))
     if key not in _REFERENCES:
-        _REFERENCES[key] = _loss_and_grads(["parallel.fsdp=1", f"train.micro_batch={rows}", *extra],
-                                           jax.devices()[:1], packed)
+        _REFERENCES[key] = _loss_and_grads(overrides, jax.devices()[:1], packed)
     return _REFERENCES[key]
 
 

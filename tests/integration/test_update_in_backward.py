@@ -39,6 +39,13 @@ def _plain(layout: str):
     return _steps(NO_CLIP + LAYOUTS[layout], _devices(layout))
 
 
+@functools.cache
+def _in_backward(layout: str):
+    """The in-backward update without clipping, state on the device: compared with the plain update, and the
+    unclipped run the clipping test compares with."""
+    return _steps(NO_CLIP + LAYOUTS[layout] + ["optimizer.update_in_backward=true"], _devices(layout))
+
+
 def _devices(layout: str):
     return jax.devices()[:1] if layout == "one_device" else jax.devices()
 
@@ -59,9 +66,11 @@ def test_matches_the_plain_update(layout, optimizer):
     offload.optimizer=host the master weights and moments stay in pinned host memory between steps (each
     layer's slice is streamed through the device inside the backward)."""
     plain, plain_state = _plain(layout)
-    offload = HOST_OPT if optimizer == "host" else []
-    inside, inside_state = _steps(NO_CLIP + LAYOUTS[layout] + offload + ["optimizer.update_in_backward=true"],
-                                  _devices(layout))
+    if optimizer == "host":
+        inside, inside_state = _steps(NO_CLIP + LAYOUTS[layout] + HOST_OPT + ["optimizer.update_in_backward=true"],
+                                      _devices(layout))
+    else:
+        inside, inside_state = _in_backward(layout)
     np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
     np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
     for key in ("params", "master", "opt"):
@@ -87,13 +96,14 @@ def test_layer_inputs_in_host_memory_match_the_plain_update():
 def test_clips_by_the_previous_steps_norm():
     """Step 1 has no previous norm: unclipped, like a run that never clips (step 2's loss, computed from the
     params after step 1, is the same). Step 1's norm is above clip_norm, so step 2's gradients are scaled by
-    clip_norm / norm: its update differs."""
-    devices = jax.devices()[:1]
-    layout = ["parallel.fsdp=1", "train.micro_batch=8", "optimizer.update_in_backward=true"]
-    clipped, state_clipped = _steps(layout + ["optimizer.clip_norm=0.5"], devices, 2)
-    free, state_free = _steps(layout + NO_CLIP, devices, 2)
-    assert clipped == free and clipped[0][1] > 0.5
-    assert float(state_clipped["grad_norm"]) == clipped[1][1]
+    clip_norm / norm: its update differs (and so does everything after it). The unclipped run is the 3-step
+    one test_matches_the_plain_update compares."""
+    clipped, state_clipped = _steps(LAYOUTS["one_device"] + ["optimizer.update_in_backward=true",
+                                                            "optimizer.clip_norm=0.5"], _devices("one_device"))
+    free, state_free = _in_backward("one_device")
+    assert clipped[:2] == free[:2] and clipped[0][1] > 0.5
+    assert clipped[2][0] != free[2][0]  # step 3's loss sees step 2's clipped update
+    assert float(state_clipped["grad_norm"]) == clipped[2][1]
     assert _max_diff(state_clipped["opt"], state_free["opt"]) > 0
 
 
