@@ -39,14 +39,22 @@ def test_only_accepted_values_come_out():
     assert ep_search.accepted_ep_values(refuse_above_two, 8, 8) == [1, 2]
 
 
-def test_today_validate_refuses_ep_so_only_one_comes_out():
+def test_experts_that_split_give_every_dividing_ep():
+    """tiny-moe (8 experts) on 8 GPUs: every ep dividing both validates, each mesh fills fsdp with the rest."""
     def load(overrides):
         return load_config("configs/tiny-moe.yaml", overrides + ["target.gpus_per_host=8"])
 
-    assert ep_search.accepted_ep_values(load, 8, 8) == [1]
-    assert ep_search.ep_mesh_options(load, 8, 8) == []
+    assert ep_search.accepted_ep_values(load, 8, 8) == [1, 2, 4, 8]
+    meshes = ep_search.ep_mesh_options(load, 8, 8)
+    pairs = [(next(o for o in m if o.startswith("parallel.ep=")), next(o for o in m if o.startswith("parallel.fsdp=")))
+             for m in meshes]
+    assert pairs == [("parallel.ep=2", "parallel.fsdp=4"), ("parallel.ep=4", "parallel.fsdp=2"),
+                     ("parallel.ep=8", "parallel.fsdp=1")]
     grid = ep_search.expand_auto_ep({"parallel.ep": ["auto"], "remat.preset": ["full"]}, load, 8, 8)
-    assert grid == {"parallel.ep": ["1"], "remat.preset": ["full"]}
+    assert grid == {"parallel.ep": ["1", "2", "4", "8"], "remat.preset": ["full"]}
+    # 6 experts on 8 GPUs: only the ep values dividing both (1, 2)
+    six = lambda o: load_config("configs/tiny-moe.yaml", o + ["target.gpus_per_host=8", "model.n_experts=6"])  # noqa: E731
+    assert ep_search.accepted_ep_values(six, 6, 8) == [1, 2]
 
 
 def test_a_dense_model_never_gets_ep():
@@ -60,8 +68,8 @@ def test_a_dense_model_never_gets_ep():
     assert ep_search.expand_auto_ep({"parallel.ep": ["auto"]}, load, 0, 8) == {"parallel.ep": ["1"]}
 
 
-@pytest.mark.parametrize("config,expect_ep", [("configs/tiny.yaml", False), ("configs/tiny-moe.yaml", False)])
-def test_tuner_meshes_hold_no_refused_ep(config, expect_ep, tmp_path):
+@pytest.mark.parametrize("config,expect_ep", [("configs/tiny.yaml", False), ("configs/tiny-moe.yaml", True)])
+def test_tuner_meshes_get_ep_for_experts_only(config, expect_ep, tmp_path):
     from jaxmem.cli.tune import Tuner
 
     tuner = Tuner(config, [], {"name": "h100-80g", "gpus_per_host": 8}, 16, 60, tmp_path, 0)
