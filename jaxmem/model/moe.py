@@ -71,7 +71,7 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
 
     def grouped(name, lhs, w):
         with scope(name):
-            return tag(jax.lax.ragged_dot(lhs, w.astype(cd), group_sizes, preferred_element_type=cd), name)
+            return tag(ctx.grouped_matmul(lhs, w.astype(cd), group_sizes, preferred_element_type=cd), name)
 
     gate = grouped(CN.EXPERT_GATE, rows, layer.expert_gate[...])
     up = grouped(CN.EXPERT_UP, rows, layer.expert_up[...])

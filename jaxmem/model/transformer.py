@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxmem.config.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
+from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.model import moe as moe_stats
 from jaxmem.model.axes import constrain
@@ -39,7 +40,8 @@ class ForwardContext:
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
     per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
-    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout).
+    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
+    grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type) runs the MoE experts (as ragged_dot).
     """
 
     compute_dtype: Any = jnp.float32
@@ -49,6 +51,7 @@ class ForwardContext:
     segment: Callable = _identity_segment
     per_token: Callable = run_whole
     project: Callable = einsum_project
+    grouped_matmul: Callable = grouped_matmul_reference
 
 
 DEFAULT_CONTEXT = ForwardContext()

@@ -172,6 +172,7 @@ def test_auto_is_decided_in_one_place(platform):
     """The drift this layout fixed: the bill once counted `auto` as the Pallas loss on GPUs."""
     chosen = kernels.resolve(KernelConfig(), platform)
     gpu_attention = "cudnn" if kernels.cudnn_present() else "pallas"
-    assert chosen == {"attention": gpu_attention if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla"}
+    assert chosen == {"attention": gpu_attention if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla",
+                      "grouped_matmul": "blocked"}
     cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp=8"])
     assert compute_bill(cfg, 8, gpu=platform == "gpu").layout.kernels == chosen
