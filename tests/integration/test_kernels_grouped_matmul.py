@@ -124,3 +124,32 @@ def test_tiny_moe_trains_the_same_with_blocked_and_ragged_dot():
     blocked, ragged = _train_losses("blocked"), _train_losses("ragged_dot")
     assert ragged[-1, 0] < ragged[0, 0] - 0.2, ragged  # it trains: the same batch's loss falls
     np.testing.assert_allclose(blocked, ragged, rtol=1e-5)
+
+
+def _compile_fwd_bwd_for_h100(fn, rows, d, f, groups):
+    """XLA's memory analysis of a deviceless sm_90 compile of out + both gradients in bf16."""
+    from jaxmem.runtime.aot import compile_abstract, target_devices
+
+    sharding = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
+    args = (jax.ShapeDtypeStruct((rows, d), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((groups, d, f), jnp.bfloat16, sharding=sharding),
+            jax.ShapeDtypeStruct((groups,), jnp.int32, sharding=sharding))
+
+    def fwd_bwd(x, w, sizes):
+        out, pullback = jax.vjp(lambda x, w: fn(x, w, sizes), x, w)
+        return pullback(out)
+
+    return compile_abstract(fwd_bwd, *args).memory_analysis()
+
+
+@pytest.mark.slow
+def test_blocked_compiles_for_h100_far_below_ragged_dots_dense_lowering():
+    """XLA:GPU lowers ragged_dot with a masked [M, G x D] lhs; blocked keeps O(padded rows) + one weight chunk."""
+    rows, d, f, groups = 8192, 512, 256, 64
+    ragged = _compile_fwd_bwd_for_h100(grouped_matmul_reference, rows, d, f, groups).temp_size_in_bytes
+    blocked = _compile_fwd_bwd_for_h100(grouped_matmul, rows, d, f, groups).temp_size_in_bytes
+    assert ragged >= rows * groups * d * 2  # the dense bf16 lhs is there
+    assert blocked < 0.2 * ragged, (blocked, ragged)
+    padded_rows = padded_blocks(rows, groups, 128) * 128 + 16 * 128  # + at most one chunk of rounding
+    fp32_dw = groups * d * f * 4
+    assert blocked < 3 * padded_rows * (d + f) * 2 + fp32_dw + 16 * d * f * 4, blocked
