@@ -10,6 +10,10 @@ CHUNK_WEIGHT_BYTES = 32 * 2**20  # by shape: a chunk gathers about this many byt
 class GroupedMatmulBlocks:
     block_rows: int = 128  # rows per block; every block belongs to one group (each group padded to a multiple)
     chunk_blocks: int = 0  # blocks per loop step (one batched dot); 0: by shape, about CHUNK_WEIGHT_BYTES of weights
+    pallas_block_k: int = 64  # Pallas: contraction columns per inner step (a power of two >= 16)
+    pallas_block_n: int = 128  # Pallas: output columns per program (a power of two >= 16)
+    num_warps: int = 4
+    num_stages: int = 3
 
     def __post_init__(self):
         if not isinstance(self.block_rows, int) or self.block_rows < 1:
