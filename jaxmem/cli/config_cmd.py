@@ -59,6 +59,8 @@ KERNEL_HELP = {
     ("norm", "pallas"): "Pallas RMSNorm kernel (compiled on GPU, interpreted on CPU)",
     ("grouped_matmul", "ragged_dot"): "jax.lax.ragged_dot; XLA:GPU lowers it densely (G x the FLOPs)",
     ("grouped_matmul", "blocked"): "XLA loop over blocks of one expert's rows; no dense [rows, G x D] lhs",
+    ("grouped_matmul", "pallas"): "Pallas (Triton) grouped GEMM over the same blocks (compiled on GPU, "
+                                  "interpreted on CPU)",
 }
 
 

@@ -61,9 +61,10 @@ def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
     (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
     CPU, where Pallas would only interpret. loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
-    grouped_matmul: blocked everywhere: XLA:GPU densifies ragged_dot (44 GiB of temporaries fwd+bwd at the
-    Qwen3-30B-A3B shape where blocked compiles to 1.13, benchmarks/grouped_matmul.md), and on CPU blocked
-    measured 18-20x faster at 4096 rows (ragged_dot is faster only at toy sizes, < 0.2 ms).
+    grouped_matmul: blocked everywhere: XLA:GPU densifies ragged_dot (64 GiB of temporaries fwd+bwd at the
+    Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md), and on CPU blocked
+    measured 18-20x faster at 4096 rows (ragged_dot is faster only at toy sizes, < 0.2 ms). The Pallas
+    kernel is as lean but not yet timed on a GPU, so it is not the default.
     """
     gpu_attention = "cudnn" if cudnn_present() else "pallas"
     auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla",
@@ -145,18 +146,25 @@ def select_grouped_matmul(cfg: KernelConfig, platform: str, mesh=None):
     """fn(lhs [M, D], rhs [G, D, F], group_sizes [G], *, preferred_element_type=None) -> [M, F], rows sorted by
     group, as jax.lax.ragged_dot. The MoE layer's experts call it; GSPMD partitions it like any XLA op."""
     impl = resolve(cfg, platform)["grouped_matmul"]
-    return _scoped(f"grouped_matmul_{impl}", _grouped_matmul(impl, cfg))
+    return _scoped(f"grouped_matmul_{impl}", _grouped_matmul(impl, cfg, platform))
 
 
-def _grouped_matmul(impl: str, cfg: KernelConfig):
+def _grouped_matmul(impl: str, cfg: KernelConfig, platform: str):
     if impl == "ragged_dot":
         return grouped_matmul_reference
+    from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
+
+    check_block_sizes(cfg)
+    blocks = GroupedMatmulBlocks(block_rows=cfg.grouped_matmul_block_rows)
     if impl == "blocked":
         from jaxmem.kernels.grouped_matmul.blocked import grouped_matmul
-        from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 
-        check_block_sizes(cfg)
-        return functools.partial(grouped_matmul, blocks=GroupedMatmulBlocks(block_rows=cfg.grouped_matmul_block_rows))
+        return functools.partial(grouped_matmul, blocks=blocks)
+    if impl == "pallas":
+        from jaxmem.kernels.grouped_matmul.pallas import grouped_matmul
+
+        interpret = _pallas_interpret("kernels.grouped_matmul", platform)
+        return functools.partial(grouped_matmul, blocks=blocks, interpret=interpret)
     raise KernelUnavailable(f"kernels.grouped_matmul={impl!r} is not a known implementation")
 
 

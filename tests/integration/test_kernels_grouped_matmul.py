@@ -1,6 +1,9 @@
-"""Grouped matmul (the MoE experts): the blocked XLA implementation against jax.lax.ragged_dot and a per-group
-numpy loop, forward and VJP, fp32 and bf16, over odd shapes; the tiny MoE trains to the same losses with
-either implementation; bad settings are one-line errors."""
+"""Grouped matmul (the MoE experts): the blocked XLA implementation and the Pallas kernel (interpret mode on
+CPU) against jax.lax.ragged_dot and a per-group numpy loop, forward and VJP, fp32 and bf16, over odd shapes;
+the tiny MoE trains to the same losses with each implementation; both compile for an H100 far below
+ragged_dot's dense lowering; bad settings are one-line errors."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +12,7 @@ import pytest
 from jaxmem.config import ConfigError, KernelConfig, load_config
 from jaxmem.core.program import build_program
 from jaxmem.kernels import resolve, select_grouped_matmul
-from jaxmem.kernels.grouped_matmul.blocked import grouped_matmul
+from jaxmem.kernels.grouped_matmul import blocked, pallas
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import padded_blocks
 from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_loop, grouped_matmul_reference
@@ -27,6 +30,14 @@ CASES = [
 ]
 
 
+def _implementation(impl: str, blocks: GroupedMatmulBlocks):
+    if impl == "blocked":
+        return functools.partial(blocked.grouped_matmul, blocks=blocks)
+    # Triton tiles: at least 16 rows; small column tiles so that odd widths take several masked steps
+    blocks = GroupedMatmulBlocks(block_rows=max(16, blocks.block_rows), pallas_block_k=16, pallas_block_n=16)
+    return functools.partial(pallas.grouped_matmul, blocks=blocks, interpret=True)
+
+
 def _inputs(rows, d, f, sizes, dtype, seed=0):
     k = jax.random.split(jax.random.key(seed), 3)
     lhs = jax.random.normal(k[0], (rows, d), jnp.float32).astype(dtype)
@@ -40,14 +51,14 @@ def _vjp(fn, lhs, rhs, sizes, dy):
     return (out, *pullback(dy))
 
 
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}x{c[1]}x{c[2]}g{len(c[3])}b{c[4]}" for c in CASES])
-def test_blocked_matches_ragged_dot_forward_and_vjp(case, dtype):
+def test_matches_ragged_dot_forward_and_vjp(case, dtype, impl):
     rows, d, f, sizes, block, chunk = case
     lhs, rhs, group_sizes, dy = _inputs(rows, d, f, sizes, dtype)
-    blocks = GroupedMatmulBlocks(block_rows=block, chunk_blocks=chunk)
-    got = jax.jit(lambda *a: _vjp(lambda x, w, g: grouped_matmul(x, w, g, blocks=blocks), *a))(
-        lhs, rhs, group_sizes, dy)
+    fn = _implementation(impl, GroupedMatmulBlocks(block_rows=block, chunk_blocks=chunk))
+    got = jax.jit(lambda *a: _vjp(fn, *a))(lhs, rhs, group_sizes, dy)
     f32 = [jnp.asarray(a, jnp.float32) for a in (lhs, rhs, dy)]  # the fp32 spec of the same (rounded) inputs
     want = _vjp(grouped_matmul_reference, f32[0], f32[1], group_sizes, f32[2])
     forward_tol, grad_tol = (1e-5, 1e-5) if dtype == jnp.float32 else TOLERANCES[dtype]
@@ -60,10 +71,11 @@ def test_blocked_matches_ragged_dot_forward_and_vjp(case, dtype):
     assert not np.any(np.asarray(got[2], np.float32)[empty])  # an empty group gets no weight gradient
 
 
-def test_preferred_element_type_and_the_loop_stopping_at_the_last_used_block():
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_preferred_element_type_and_rows_after_the_used_blocks(impl):
     lhs, rhs, sizes, _ = _inputs(40, 6, 5, [3, 4, 5, 6], jnp.bfloat16)
-    out = grouped_matmul(lhs, rhs, sizes, preferred_element_type=jnp.float32,
-                         blocks=GroupedMatmulBlocks(block_rows=4, chunk_blocks=1))
+    fn = _implementation(impl, GroupedMatmulBlocks(block_rows=4, chunk_blocks=1))
+    out = fn(lhs, rhs, sizes, preferred_element_type=jnp.float32)
     assert out.dtype == jnp.float32
     want = grouped_matmul_reference(lhs, rhs, sizes, preferred_element_type=jnp.float32)
     assert_close(out, want, 1e-5, "fp32 out of bf16 inputs")  # both accumulate in fp32 from the same inputs
@@ -86,7 +98,7 @@ def test_dispatch_picks_blocked_by_default_and_ragged_dot_on_request():
     assert resolve(KernelConfig(), "gpu")["grouped_matmul"] == "blocked"
     assert resolve(KernelConfig(), "cpu")["grouped_matmul"] == "blocked"
     lhs, rhs, sizes, _ = _inputs(20, 4, 3, [7, 0, 13], jnp.float32)
-    for impl in ("blocked", "ragged_dot"):
+    for impl in ("blocked", "ragged_dot", "pallas"):
         fn = select_grouped_matmul(KernelConfig(grouped_matmul=impl, grouped_matmul_block_rows=16), "cpu")
         jaxpr = jax.make_jaxpr(lambda x, w: fn(x, w, sizes))(lhs, rhs).jaxpr
         assert {f"grouped_matmul_{impl}"} == {str(e.source_info.name_stack) for e in jaxpr.eqns}
@@ -120,10 +132,15 @@ def _train_losses(impl, steps=3):
     return np.array(out)
 
 
-def test_tiny_moe_trains_the_same_with_blocked_and_ragged_dot():
-    blocked, ragged = _train_losses("blocked"), _train_losses("ragged_dot")
-    assert ragged[-1, 0] < ragged[0, 0] - 0.2, ragged  # it trains: the same batch's loss falls
-    np.testing.assert_allclose(blocked, ragged, rtol=1e-5)
+@pytest.fixture(scope="module")
+def ragged_dot_losses():
+    return _train_losses("ragged_dot")
+
+
+@pytest.mark.parametrize("impl", ["blocked", "pallas"])
+def test_tiny_moe_trains_the_same_as_with_ragged_dot(impl, ragged_dot_losses):
+    assert ragged_dot_losses[-1, 0] < ragged_dot_losses[0, 0] - 0.2, ragged_dot_losses  # the loss falls
+    np.testing.assert_allclose(_train_losses(impl), ragged_dot_losses, rtol=1e-5)
 
 
 def _compile_fwd_bwd_for_h100(fn, rows, d, f, groups):
@@ -143,13 +160,15 @@ def _compile_fwd_bwd_for_h100(fn, rows, d, f, groups):
 
 
 @pytest.mark.slow
-def test_blocked_compiles_for_h100_far_below_ragged_dots_dense_lowering():
-    """XLA:GPU lowers ragged_dot with a masked [M, G x D] lhs; blocked keeps O(padded rows) + one weight chunk."""
+def test_blocked_and_pallas_compile_for_h100_far_below_ragged_dots_dense_lowering():
+    """XLA:GPU lowers ragged_dot with a masked [M, G x D] lhs; blocked keeps O(padded rows) + one weight chunk
+    (+ its fp32 d_rhs accumulator), the Pallas kernel O(padded rows) (and it builds for sm_90)."""
     rows, d, f, groups = 8192, 512, 256, 64
     ragged = _compile_fwd_bwd_for_h100(grouped_matmul_reference, rows, d, f, groups).temp_size_in_bytes
-    blocked = _compile_fwd_bwd_for_h100(grouped_matmul, rows, d, f, groups).temp_size_in_bytes
     assert ragged >= rows * groups * d * 2  # the dense bf16 lhs is there
-    assert blocked < 0.2 * ragged, (blocked, ragged)
     padded_rows = padded_blocks(rows, groups, 128) * 128 + 16 * 128  # + at most one chunk of rounding
-    fp32_dw = groups * d * f * 4
-    assert blocked < 3 * padded_rows * (d + f) * 2 + fp32_dw + 16 * d * f * 4, blocked
+    for impl, extra in (("blocked", groups * d * f * 4 + 16 * d * f * 4), ("pallas", 0)):
+        fn = blocked.grouped_matmul if impl == "blocked" else pallas.grouped_matmul
+        temp = _compile_fwd_bwd_for_h100(fn, rows, d, f, groups).temp_size_in_bytes
+        assert temp < 0.2 * ragged, (impl, temp, ragged)
+        assert temp < 3 * padded_rows * (d + f) * 2 + extra, (impl, temp)
