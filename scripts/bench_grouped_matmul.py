@@ -7,8 +7,8 @@ bf16. With a GPU attached each implementation runs in its own process (fresh pea
 inputs routed uniformly at random: the median of 5 fwd+bwd calls after 2 warm-ups (measured on GPU), the
 peak bytes in use (measured on GPU) and XLA's temp of that compile (compiled on GPU). Without one: deviceless
 compiles for h100-80g (compiled deviceless). `--plan` (default without a GPU; a deviceless compile either
-way, about a minute each) adds the 4-layer Qwen3-30B-A3B seq-8192 full-remat 1-GPU train step with each
-implementation. Writes DIR/grouped_matmul.json and DIR/grouped_matmul.md.
+way, one to two minutes each) adds 4-layer Qwen3-30B-A3B full-remat train steps (PLANS: 1 GPU at seq 8192,
+fsdp over 8 GPUs at seq 4096) with each implementation. Writes DIR/grouped_matmul.json and DIR/grouped_matmul.md.
 """
 from __future__ import annotations
 
@@ -24,9 +24,15 @@ GIB = 2**30
 QWEN3_30B_A3B = (65536, 2048, 768, 128)
 IMPLS = ("ragged_dot", "blocked", "pallas")
 TARGET = "h100-80g"
-PLAN_OVERRIDES = ["parallel.fsdp=1", "parallel.rules=fsdp", "precision.param_dtype=bfloat16",
-                  "precision.compute_dtype=bfloat16", "precision.master_weights=true", "train.micro_batch=1",
-                  "model.preset=qwen3-30b-a3b", "model.n_layers=4", "train.seq_len=8192", "remat.preset=full"]
+_QWEN3_STEP = ["parallel.rules=fsdp", "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
+               "precision.master_weights=true", "model.preset=qwen3-30b-a3b", "model.n_layers=4", "remat.preset=full"]
+# name -> (overrides, GPUs): 4-layer Qwen3-30B-A3B train steps, full remat, bf16 + fp32 master
+PLANS = {
+    "1 GPU, seq 8192, micro-batch 1": (_QWEN3_STEP + ["parallel.fsdp=1", "train.micro_batch=1",
+                                                      "train.seq_len=8192"], 1),
+    "8 GPUs fsdp 8, seq 4096, micro-batch 8": (_QWEN3_STEP + ["parallel.fsdp=8", "train.micro_batch=8",
+                                                              "train.seq_len=4096"], 8),
+}
 
 
 def _fn(impl: str):
@@ -104,31 +110,32 @@ def gpu_case(impl: str, shape) -> dict:
     return out
 
 
-def plan_case(impl: str) -> dict:
+def plan_case(name: str, impl: str) -> dict:
     import jax
 
     from jaxmem.config import load_config
     from jaxmem.plan.compiled import compile_for_plan, device_bytes
     from jaxmem.runtime.aot import resolve_topology
 
+    overrides, gpus = PLANS[name]
     root = Path(__file__).resolve().parents[1]
-    cfg = load_config(str(root / "configs" / "tiny.yaml"), PLAN_OVERRIDES + [f"kernels.grouped_matmul={impl}"])
+    cfg = load_config(str(root / "configs" / "tiny.yaml"), overrides + [f"kernels.grouped_matmul={impl}"])
     start = time.perf_counter()
-    _, figures = compile_for_plan(cfg, resolve_topology(cfg, TARGET, 1))
-    return {"impl": impl, "how": f"compiled deviceless ({TARGET}, 1 GPU, jax {jax.__version__})",
+    _, figures = compile_for_plan(cfg, resolve_topology(cfg, TARGET, gpus))
+    return {"plan": name, "impl": impl, "how": f"compiled deviceless ({gpus} x {TARGET}, jax {jax.__version__})",
             "device_total_gib": device_bytes(figures.fields) / GIB, "temp_gib": figures.fields["temp"] / GIB,
             "compile_s": time.perf_counter() - start}
 
 
-def _subprocess(kind: str, impl: str, shape, timeout: int) -> dict:
-    cmd = [sys.executable, __file__, "--case", kind, impl, "--shape", ",".join(map(str, shape))]
+def _subprocess(kind: str, impl: str, shape, timeout: int, plan: str = "") -> dict:
+    cmd = [sys.executable, __file__, "--case", kind, impl, "--shape", ",".join(map(str, shape)), "--plan-name", plan]
     # ragged_dot's dense lowering needs 64 GiB of temp at the default shape: more than jax's default 75% pool
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in reversed(run.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"impl": impl, "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
+    return {"plan": plan, "impl": impl, "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
 
 
 def _markdown(result: dict) -> str:
@@ -149,12 +156,15 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {case['impl']} | {cell(case, 'fwd_temp_gib', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_temp_gib', '%.2f')} | {cell(case, 'fwd_ms', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_ms', '%.2f')} | {cell(case, 'peak_gib', '%.2f')} | {case['how']} |")
-    if result.get("plan"):
-        lines += ["", "## The 4-layer Qwen3-30B-A3B train step (seq 8192, full remat, 1 GPU, bf16 + fp32 master)",
-                  "", "`jaxmem plan configs/tiny.yaml " + " ".join(PLAN_OVERRIDES) +
-                  f" kernels.grouped_matmul=IMPL --target {TARGET} --gpus-per-host 1`", "",
+    for name, (overrides, gpus) in PLANS.items():
+        cases = [case for case in result.get("plan", []) if case.get("plan") == name]
+        if not cases:
+            continue
+        lines += ["", f"## The 4-layer Qwen3-30B-A3B train step: {name} (full remat, bf16 + fp32 master)", "",
+                  "`jaxmem plan configs/tiny.yaml " + " ".join(overrides) +
+                  f" kernels.grouped_matmul=IMPL --target {TARGET} --gpus-per-host {gpus}`", "",
                   "| kernels.grouped_matmul | device total GiB | temp GiB | how |", "|---|---:|---:|---|"]
-        for case in result["plan"]:
+        for case in cases:
             if "error" in case:
                 lines.append(f"| {case['impl']} | | | failed: {case['error']} |")
                 continue
@@ -168,14 +178,15 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="benchmarks")
     ap.add_argument("--shape", default=",".join(map(str, QWEN3_30B_A3B)), help="ROWS,D,F,GROUPS")
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,
-                    help="also plan the 4-layer Qwen3-30B-A3B step (default: only without a GPU)")
+                    help="also plan the 4-layer Qwen3-30B-A3B steps (default: only without a GPU)")
     ap.add_argument("--case", nargs=2, metavar=("KIND", "IMPL"), help=argparse.SUPPRESS)
+    ap.add_argument("--plan-name", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.case:  # one case in this process: a JSON line on stdout
         kind, impl = args.case
         case = {"gpu": gpu_case, "deviceless": deviceless_case}.get(kind)
-        print(json.dumps(plan_case(impl) if kind == "plan" else case(impl, shape)))
+        print(json.dumps(plan_case(args.plan_name, impl) if kind == "plan" else case(impl, shape)))
         return 0
     import jax
 
@@ -183,7 +194,7 @@ def main(argv=None) -> int:
     kind = "gpu" if gpu else "deviceless"
     result = {"shape": list(shape), "kernel": [_subprocess(kind, impl, shape, 300) for impl in IMPLS]}
     if args.plan if args.plan is not None else not gpu:
-        result["plan"] = [_subprocess("plan", impl, shape, 900) for impl in IMPLS]
+        result["plan"] = [_subprocess("plan", impl, shape, 900, name) for name in PLANS for impl in IMPLS]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "grouped_matmul.json").write_text(json.dumps(result, indent=1) + "\n")
