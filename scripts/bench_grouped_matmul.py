@@ -6,9 +6,11 @@ Shape: Qwen3-30B-A3B's experts at 8192 tokens (65536 routed rows = 8192 x top 8,
 bf16. With a GPU attached each implementation runs in its own process (fresh peak statistics) on random
 inputs routed uniformly at random: the median of 5 fwd+bwd calls after 2 warm-ups (measured on GPU), the
 peak bytes in use (measured on GPU) and XLA's temp of that compile (compiled on GPU). Without one: deviceless
-compiles for h100-80g (compiled deviceless). `--plan` (default without a GPU; a deviceless compile either
-way, one to two minutes each) adds 4-layer Qwen3-30B-A3B full-remat train steps (PLANS: 1 GPU at seq 8192,
-fsdp over 8 GPUs at seq 4096) with each implementation. Writes DIR/grouped_matmul.json and DIR/grouped_matmul.md.
+compiles for h100-80g (compiled deviceless), and fp32 timings of ragged_dot and blocked on the CPU at
+CPU_SHAPES (measured on CPU; Pallas only interprets there). `--plan` (default without a GPU; a deviceless
+compile either way, one to two minutes each) adds 4-layer Qwen3-30B-A3B full-remat train steps (PLANS: 1 GPU
+at seq 8192, fsdp over 8 GPUs at seq 4096) with each implementation. Writes DIR/grouped_matmul.json and
+DIR/grouped_matmul.md.
 """
 from __future__ import annotations
 
@@ -44,18 +46,17 @@ def _fn(impl: str):
     return kernels.select_grouped_matmul(KernelConfig(grouped_matmul=impl), jax.default_backend())
 
 
-def _steps(impl: str):
+def _steps(impl: str, dtype="bfloat16"):
     """(forward, forward + both gradients) of the selected implementation, unjitted."""
     import jax
-    import jax.numpy as jnp
 
     fn = _fn(impl)
 
     def fwd_bwd(x, w, sizes):
-        out, pullback = jax.vjp(lambda x, w: fn(x, w, sizes, preferred_element_type=jnp.bfloat16), x, w)
+        out, pullback = jax.vjp(lambda x, w: fn(x, w, sizes, preferred_element_type=dtype), x, w)
         return pullback(out)
 
-    return (lambda x, w, sizes: fn(x, w, sizes, preferred_element_type=jnp.bfloat16)), fwd_bwd
+    return (lambda x, w, sizes: fn(x, w, sizes, preferred_element_type=dtype)), fwd_bwd
 
 
 def deviceless_case(impl: str, shape) -> dict:
@@ -78,20 +79,23 @@ def deviceless_case(impl: str, shape) -> dict:
     return out
 
 
-def gpu_case(impl: str, shape) -> dict:
+def gpu_case(impl: str, shape, dtype="bfloat16") -> dict:
+    """Timed on the attached device (a GPU; the CPU for `cpu_case`), rows routed uniformly at random."""
     import jax
     import jax.numpy as jnp
     import numpy as np
 
     rows, d, f, groups = shape
     k = jax.random.split(jax.random.key(0), 2)
-    x = jax.random.normal(k[0], (rows, d), jnp.bfloat16)
-    w = (jax.random.normal(k[1], (groups, d, f), jnp.float32) * d**-0.5).astype(jnp.bfloat16)
+    x = jax.random.normal(k[0], (rows, d), dtype)
+    w = (jax.random.normal(k[1], (groups, d, f), jnp.float32) * d**-0.5).astype(dtype)
     sizes = jnp.asarray(np.bincount(np.random.default_rng(0).integers(0, groups, rows), minlength=groups), jnp.int32)
-    fwd, fwd_bwd = _steps(impl)
+    fwd, fwd_bwd = _steps(impl, dtype)
     device = jax.devices()[0]
-    out = {"impl": impl, "device": device.device_kind, "jax": jax.__version__,
-           "how": f"measured on GPU ({device.device_kind}, jax {jax.__version__}); temp: compiled on that GPU"}
+    where = "GPU" if device.platform == "gpu" else "CPU"
+    out = {"impl": impl, "device": device.device_kind, "jax": jax.__version__, "shape": list(shape), "dtype": dtype,
+           "how": f"measured on {where} ({device.device_kind}, jax {jax.__version__}, {dtype}); temp: compiled "
+                  f"for that {where}"}
     for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         compiled = jax.jit(fn).lower(x, w, sizes).compile()
         out[f"{name}_temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / GIB
@@ -108,6 +112,14 @@ def gpu_case(impl: str, shape) -> dict:
     flops = 6 * rows * d * f  # the active products: forward, d_lhs, d_rhs
     out["active_tflops_per_s"] = flops / (out["fwd_bwd_ms"] * 1e-3) / 1e12
     return out
+
+
+CPU_SHAPES = ((4096, 256, 128, 16), (4096, 256, 128, 64))  # small enough for a CPU: ragged_dot takes seconds
+
+
+def cpu_case(impl: str, shape) -> dict:
+    """Without a GPU: the same timing on the CPU in fp32 (its native matmul dtype), at CPU_SHAPES."""
+    return [gpu_case(impl, cpu_shape, "float32") for cpu_shape in CPU_SHAPES]
 
 
 def plan_case(name: str, impl: str) -> dict:
@@ -133,7 +145,7 @@ def _subprocess(kind: str, impl: str, shape, timeout: int, plan: str = "") -> di
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in reversed(run.stdout.splitlines()):
-        if line.startswith("{"):
+        if line.startswith(("{", "[")):
             return json.loads(line)
     return {"plan": plan, "impl": impl, "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
 
@@ -156,6 +168,15 @@ def _markdown(result: dict) -> str:
         lines.append(f"| {case['impl']} | {cell(case, 'fwd_temp_gib', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_temp_gib', '%.2f')} | {cell(case, 'fwd_ms', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_ms', '%.2f')} | {cell(case, 'peak_gib', '%.2f')} | {case['how']} |")
+    if result.get("cpu"):
+        lines += ["", "## Timed on the CPU (no GPU attached), fp32, rows routed uniformly at random", "",
+                  "| implementation | rows, D, F, groups | fwd ms | fwd+bwd ms | how |", "|---|---|---:|---:|---|"]
+        for case in result["cpu"]:
+            if "error" in case:
+                lines.append(f"| {case['impl']} | | | | failed: {case['error']} |")
+                continue
+            lines.append(f"| {case['impl']} | {', '.join(map(str, case['shape']))} | {case['fwd_ms']:.1f} | "
+                         f"{case['fwd_bwd_ms']:.1f} | {case['how']} |")
     for name, (overrides, gpus) in PLANS.items():
         cases = [case for case in result.get("plan", []) if case.get("plan") == name]
         if not cases:
@@ -185,7 +206,7 @@ def main(argv=None) -> int:
     shape = tuple(int(v) for v in args.shape.split(","))
     if args.case:  # one case in this process: a JSON line on stdout
         kind, impl = args.case
-        case = {"gpu": gpu_case, "deviceless": deviceless_case}.get(kind)
+        case = {"gpu": gpu_case, "deviceless": deviceless_case, "cpu": cpu_case}.get(kind)
         print(json.dumps(plan_case(args.plan_name, impl) if kind == "plan" else case(impl, shape)))
         return 0
     import jax
@@ -193,6 +214,9 @@ def main(argv=None) -> int:
     gpu = jax.default_backend() == "gpu"
     kind = "gpu" if gpu else "deviceless"
     result = {"shape": list(shape), "kernel": [_subprocess(kind, impl, shape, 300) for impl in IMPLS]}
+    if not gpu:
+        timed = [_subprocess("cpu", impl, shape, 300) for impl in ("ragged_dot", "blocked")]
+        result["cpu"] = [row for rows in timed for row in (rows if isinstance(rows, list) else [rows])]
     if args.plan if args.plan is not None else not gpu:
         result["plan"] = [_subprocess("plan", impl, shape, 900, name) for name in PLANS for impl in IMPLS]
     out = Path(args.out)
