@@ -172,3 +172,23 @@ def test_blocked_and_pallas_compile_for_h100_far_below_ragged_dots_dense_lowerin
         temp = _compile_fwd_bwd_for_h100(fn, rows, d, f, groups).temp_size_in_bytes
         assert temp < 0.2 * ragged, (impl, temp, ragged)
         assert temp < 3 * padded_rows * (d + f) * 2 + extra, (impl, temp)
+
+
+@pytest.mark.slow
+def test_bench_script_labels_every_figure():
+    """scripts/bench_grouped_matmul.py's cases at a small shape: each figure says how it was obtained."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "bench_grouped_matmul.py"
+    spec = importlib.util.spec_from_file_location("bench_grouped_matmul", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    shape = (2048, 128, 64, 16)
+    kernel = {impl: bench.deviceless_case(impl, shape) for impl in bench.IMPLS}
+    timed = bench.gpu_case("blocked", shape, "float32")
+    text = bench._markdown({"shape": list(shape), "kernel": list(kernel.values()), "cpu": [timed]})
+    assert text.count("compiled deviceless (h100-80g, jax") == 3 and "| blocked | 2048, 128, 64, 16 |" in text
+    assert timed["how"].startswith("measured on CPU") and timed["fwd_bwd_ms"] > 0
+    assert kernel["blocked"]["fwd_bwd_temp_gib"] < 0.2 * kernel["ragged_dot"]["fwd_bwd_temp_gib"]
+    assert kernel["pallas"]["fwd_bwd_temp_gib"] < 0.2 * kernel["ragged_dot"]["fwd_bwd_temp_gib"]
