@@ -57,6 +57,10 @@ KERNEL_HELP = {
     ("attention", "cudnn"): "cuDNN fused attention; NVIDIA GPU only",
     ("norm", "xla"): "XLA, which fuses the RMSNorm itself",
     ("norm", "pallas"): "Pallas RMSNorm kernel (compiled on GPU, interpreted on CPU)",
+    ("grouped_matmul", "ragged_dot"): "jax.lax.ragged_dot; XLA:GPU lowers it densely (G x the FLOPs)",
+    ("grouped_matmul", "blocked"): "XLA loop over blocks of one expert's rows; no dense [rows, G x D] lhs",
+    ("grouped_matmul", "pallas"): "Pallas (Triton) grouped GEMM over the same blocks (compiled on GPU, "
+                                  "interpreted on CPU)",
 }
 
 
@@ -332,8 +336,9 @@ def list_kernels() -> str:
 
     hints = _hints(KernelConfig)
     gpu, cpu = kernels.resolve(KernelConfig(), "gpu"), kernels.resolve(KernelConfig(), "cpu")
-    lines = ["kernel implementations (kernels.loss / kernels.attention / kernels.norm); `auto` picks per platform:"]
-    for op in ("loss", "attention", "norm"):
+    lines = ["kernel implementations (kernels.loss / kernels.attention / kernels.norm / kernels.grouped_matmul); "
+             "`auto` picks per platform:"]
+    for op in ("loss", "attention", "norm", "grouped_matmul"):
         lines.append(f"  kernels.{op}: auto -> {gpu[op]} on gpu, {cpu[op]} on cpu")
         impls = [a for a in typing.get_args(hints[op]) if a != "auto"]
         lines.append(_table([(impl, KERNEL_HELP.get((op, impl), "")) for impl in impls], indent="    "))

@@ -195,6 +195,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
+                         grouped_matmul=kernels.select_grouped_matmul(cfg.kernels, platform, mesh),
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
     if cfg.model.n_experts and mesh.shape.get(sharding.MeshAxis.EP.value, 1) > 1:
         ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))

@@ -14,6 +14,7 @@ from jaxmem.config.schema import ConfigError, KernelConfig
 from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
+from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
@@ -60,9 +61,15 @@ def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
     (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
     CPU, where Pallas would only interpret. loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
+    grouped_matmul: blocked everywhere: XLA:GPU densifies ragged_dot (64 GiB of temporaries fwd+bwd at the
+    Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md), and on CPU blocked
+    measured 23x faster fwd+bwd at 4096 rows (same file; ragged_dot is faster only at toy sizes, < 0.2 ms).
+    The Pallas kernel is as lean on one GPU but not yet timed on one, and on a mesh GSPMD runs it whole on every device
+    (the 8-GPU fsdp Qwen3-30B-A3B step: 50.56 GiB per device against blocked's 29.14), so it is not the default.
     """
     gpu_attention = "cudnn" if cudnn_present() else "pallas"
-    auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla"}
+    auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla",
+            "grouped_matmul": "blocked"}
     return {op: auto[op] if getattr(cfg, op) == "auto" else getattr(cfg, op) for op in auto}
 
 
@@ -136,8 +143,34 @@ def _norm(impl: str, platform: str, mesh):
     raise KernelUnavailable(f"kernels.norm={impl!r} is not a known implementation")
 
 
+def select_grouped_matmul(cfg: KernelConfig, platform: str, mesh=None):
+    """fn(lhs [M, D], rhs [G, D, F], group_sizes [G], *, preferred_element_type=None) -> [M, F], rows sorted by
+    group, as jax.lax.ragged_dot. The MoE layer's experts call it; GSPMD partitions it like any XLA op."""
+    impl = resolve(cfg, platform)["grouped_matmul"]
+    return _scoped(f"grouped_matmul_{impl}", _grouped_matmul(impl, cfg, platform))
+
+
+def _grouped_matmul(impl: str, cfg: KernelConfig, platform: str):
+    if impl == "ragged_dot":
+        return grouped_matmul_reference
+    from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
+
+    check_block_sizes(cfg)
+    blocks = GroupedMatmulBlocks(block_rows=cfg.grouped_matmul_block_rows)
+    if impl == "blocked":
+        from jaxmem.kernels.grouped_matmul.blocked import grouped_matmul
+
+        return functools.partial(grouped_matmul, blocks=blocks)
+    if impl == "pallas":
+        from jaxmem.kernels.grouped_matmul.pallas import grouped_matmul
+
+        interpret = _pallas_interpret("kernels.grouped_matmul", platform)
+        return functools.partial(grouped_matmul, blocks=blocks, interpret=interpret)
+    raise KernelUnavailable(f"kernels.grouped_matmul={impl!r} is not a known implementation")
+
+
 _POWER_OF_TWO_KEYS = ("attn_block_q", "attn_block_k", "fused_loss_block_t", "fused_loss_block_v",
-                      "fused_loss_block_d")
+                      "fused_loss_block_d", "grouped_matmul_block_rows")
 
 
 def check_block_sizes(cfg: KernelConfig) -> None:

@@ -64,7 +64,8 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
         logits = tag(jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd),
                                 preferred_element_type=jnp.float32), CN.ROUTER_LOGITS)
     probs, weights, experts = route(logits, k, layer.router_norm_topk)
-    ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, compute_dtype=cd)
+    ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, compute_dtype=cd,
+                            matmul=ctx.grouped_matmul)
     expert_weights = (layer.expert_gate[...], layer.expert_up[...], layer.expert_down[...])
     out_nd, dropped = ctx.experts(x_nd, weights.astype(cd), experts, expert_weights, ffn, tag)
     with scope(CN.MLP_OUT):
@@ -76,15 +77,16 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     return out, stats
 
 
-def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, compute_dtype):
+def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, compute_dtype,
+                matmul=jax.lax.ragged_dot):
     """The gated experts over rows grouped by expert (group g: the next group_sizes[g] rows, through weights
-    [g]); rows past the groups' total come out zero."""
+    [g]); rows past the groups' total come out zero. `matmul(lhs, rhs, group_sizes, *, preferred_element_type)`
+    is the grouped matmul (ctx.grouped_matmul: jaxmem.kernels.grouped_matmul)."""
     from jaxmem.model.gated import gated_activation
 
     def grouped(name, lhs, w):
         with scope(name):
-            return tag(jax.lax.ragged_dot(lhs, w.astype(compute_dtype), group_sizes,
-                                          preferred_element_type=compute_dtype), name)
+            return tag(matmul(lhs, w.astype(compute_dtype), group_sizes, preferred_element_type=compute_dtype), name)
 
     gate = grouped(CN.EXPERT_GATE, rows, gate_w)
     up = grouped(CN.EXPERT_UP, rows, up_w)

@@ -10,6 +10,7 @@ from flax import nnx
 
 from jaxmem.config.schema import ModelConfig
 from jaxmem.kernels.attention.reference import attention_reference
+from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.model import moe as moe_stats
 from jaxmem.model.axes import constrain
@@ -42,6 +43,7 @@ class ForwardContext:
     project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
     experts(x, weights, experts, expert_weights, ffn, tag) runs a mixture of experts' routed rows
     (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel).
+    grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type) runs the MoE experts (as ragged_dot).
     """
 
     compute_dtype: Any = jnp.float32
@@ -52,6 +54,7 @@ class ForwardContext:
     per_token: Callable = run_whole
     project: Callable = einsum_project
     experts: Callable = moe_stats.dispatch_local
+    grouped_matmul: Callable = grouped_matmul_reference
 
 
 DEFAULT_CONTEXT = ForwardContext()
