@@ -90,8 +90,7 @@ def _moe_levers(cfg: Config) -> None:
                               "use 1 (the expert weights shard over fsdp like the other weights)")
     if not cfg.model.n_experts:
         return
-    refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
-               "parallel.pp": cfg.parallel.pp > 1}
+    refused = {"optimizer.update_in_backward": cfg.optimizer.update_in_backward, "parallel.pp": cfg.parallel.pp > 1}
     for key, on in refused.items():
         if on:
             raise NotYetSupported(f"{key}: not supported with a mixture of experts (model.n_experts) yet")
@@ -168,7 +167,7 @@ def _lora(cfg: Config) -> None:
                           "same mask); set remat.seq_tile=0 or lora.dropout=0")
     from jaxmem.lora.adapters import resolve_targets
 
-    resolve_targets(lo.targets)  # "lora.targets: 'x' is not a target; use some of ..."
+    resolve_targets(lo.targets, model=cfg.model)  # "lora.targets: 'x' is not a target; use some of ..."
     if cfg.optimizer.update_in_backward or cfg.offload.params == "host":
         raise ConfigError("lora.rank: LoRA does not combine with optimizer.update_in_backward or offload.params=host "
                           "yet (the frozen base stays on the device, quantized if you like: lora.base_dtype)")

@@ -221,9 +221,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
     if layout.lora is not None:
-        from jaxmem.lora.linear import project
+        from jaxmem.lora.linear import grouped_project, project
 
-        ctx = dataclasses.replace(ctx, project=project)
+        ctx = dataclasses.replace(ctx, project=project, grouped=grouped_project)
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, ctx, layout)
 
 

@@ -71,7 +71,7 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
 
     def grouped(name, lhs, w):
         with scope(name):
-            return tag(jax.lax.ragged_dot(lhs, w.astype(cd), group_sizes, preferred_element_type=cd), name)
+            return tag(ctx.grouped(lhs, w, group_sizes, cd), name)
 
     gate = grouped(CN.EXPERT_GATE, rows, layer.expert_gate[...])
     up = grouped(CN.EXPERT_UP, rows, layer.expert_up[...])
@@ -87,6 +87,12 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
              "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
              "rows": jnp.float32(b * t)}
     return out, stats
+
+
+def grouped_matmul(rows, w, group_sizes, compute_dtype):
+    """The default `ForwardContext.grouped`: rows [N, in] sorted by expert times that expert's weight of
+    w [E, in, out] (group_sizes rows each), one ragged_dot in the compute dtype (LoRA: jaxmem.lora.linear)."""
+    return jax.lax.ragged_dot(rows, w.astype(compute_dtype), group_sizes, preferred_element_type=compute_dtype)
 
 
 def zero_stats(n_experts: int) -> dict:

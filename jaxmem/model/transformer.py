@@ -39,7 +39,9 @@ class ForwardContext:
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
     per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
-    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout).
+    project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
+    grouped(rows, w, group_sizes, compute_dtype) multiplies expert-sorted rows by the experts' stacked weight
+    (a mixture of experts; LoRA: jaxmem.lora.linear.grouped_project).
     """
 
     compute_dtype: Any = jnp.float32
@@ -49,6 +51,7 @@ class ForwardContext:
     segment: Callable = _identity_segment
     per_token: Callable = run_whole
     project: Callable = einsum_project
+    grouped: Callable = moe_stats.grouped_matmul
 
 
 DEFAULT_CONTEXT = ForwardContext()
