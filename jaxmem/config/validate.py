@@ -90,7 +90,7 @@ def _moe_levers(cfg: Config) -> None:
                               "use 1 (the expert weights shard over fsdp like the other weights)")
     if not cfg.model.n_experts:
         return
-    refused = {"optimizer.update_in_backward": cfg.optimizer.update_in_backward, "parallel.pp": cfg.parallel.pp > 1}
+    refused = {"parallel.pp": cfg.parallel.pp > 1}
     for key, on in refused.items():
         if on:
             raise NotYetSupported(f"{key}: not supported with a mixture of experts (model.n_experts) yet")

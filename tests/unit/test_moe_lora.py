@@ -219,3 +219,28 @@ def test_merge_lora_export_matches_transformers(tmp_path):
     unmerged = jax.jit(lambda ad: stage_fn(prog, last=False)(ad, jnp.asarray(tokens), base=base))(adapters)
     want = jax.jit(lambda t: model.run_layers(model.embed_tokens(t)))(jnp.asarray(tokens))
     np.testing.assert_allclose(np.asarray(unmerged), np.asarray(want), atol=1e-5 * float(jnp.abs(want).max()))
+
+
+@pytest.mark.parametrize("base_dtype", ["int8", "nf4"])
+def test_streamed_expert_base_equals_the_base_built_from_whole_params(tmp_path, base_dtype):
+    """checkpoint.init_from a Hugging Face Qwen3-MoE folder: each layer's experts read one HF tensor per expert,
+    quantized on the host (int8 per expert and output channel, nf4 over the layer's [E, D, F]) and written into
+    their fsdp-sharded slots, bit for bit the base frozen.make_base builds from the whole params."""
+    from jaxmem.io.hf import load_hf
+    from jaxmem.lora.frozen import make_base
+    from jaxmem.lora.load_base import stream_base
+    from jaxmem.model import init_model
+
+    cfg = load_config("configs/tiny-moe.yaml", [f"lora.rank={RANK}", f"lora.base_dtype={base_dtype}",
+                                                "train.seq_len=16"])
+    save_hf(init_model(cfg.model, seed=7), tmp_path, dtype="bfloat16", max_shard_bytes=300_000)
+    prog = build_program(cfg, devices=jax.devices())
+    streamed = stream_base(prog, tmp_path)
+    params = jax.device_get(nnx.to_pure_dict(nnx.split(load_hf(tmp_path, dtype="float32"))[1]))
+    want = jax.jit(lambda p: make_base(prog.layout.lora, cfg, p, prog.precision.param),
+                   out_shardings=prog.state_shardings["base"])(params)
+    assert jax.tree.structure(streamed) == jax.tree.structure(want)
+    for got, expected in zip(jax.tree.leaves(streamed), jax.tree.leaves(want)):
+        assert got.dtype == expected.dtype and got.sharding == expected.sharding
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+    assert streamed["layers"]["expert_down"]["q" if base_dtype == "int8" else "codes"].dtype in (jnp.int8, jnp.uint8)
