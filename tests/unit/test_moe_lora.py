@@ -244,3 +244,25 @@ def test_streamed_expert_base_equals_the_base_built_from_whole_params(tmp_path, 
         assert got.dtype == expected.dtype and got.sharding == expected.sharding
         np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
     assert streamed["layers"]["expert_down"]["q" if base_dtype == "int8" else "codes"].dtype in (jnp.int8, jnp.uint8)
+
+
+def test_expert_adapters_on_the_fsdp_mesh_train_like_one_device():
+    """Adapters sharded like the experts' weights (fsdp8: their embed dim; "experts" maps to no axis under the fsdp
+    rules), nf4 base split per device, lora.dropout on the expert rows: the one-device losses and router losses."""
+    def losses(overrides, devices):
+        cfg = load_config("configs/tiny-moe.yaml", [f"lora.rank={RANK}", "lora.base_dtype=nf4", "lora.dropout=0.1",
+                                                    "train.seq_len=16", "optimizer.lr=0.02", *overrides])
+        prog = build_program(cfg, devices=devices)
+        state, step = prog.init_state(), prog.jit_step()
+        out = []
+        for i in range(3):
+            state, m = step(state, prog.shard_batch(_batch(prog, seed=i).reshape(prog.batch_shape)))
+            out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_aux_loss")])
+        return np.array(out), prog
+
+    single, _ = losses(["parallel.fsdp=1", "train.micro_batch=16"], jax.devices()[:1])
+    mesh, prog = losses(["parallel.fsdp=8", "train.micro_batch=2"], jax.devices())
+    a_spec = tuple(prog.state_shardings["params"]["layers"]["expert_gate"]["a"].spec)
+    assert a_spec[:3] == tuple(prog.layout.model_param_specs["layers"]["expert_gate"])[:3] and "fsdp" in a_spec
+    np.testing.assert_allclose(mesh, single, rtol=2e-5)
+    assert single[-1, 0] != single[0, 0]
