@@ -88,12 +88,6 @@ def _moe_levers(cfg: Config) -> None:
                               "use 1 for a dense model")
         raise NotYetSupported(f"parallel.ep: expert parallelism is not implemented yet (got {cfg.parallel.ep}); "
                               "use 1 (the expert weights shard over fsdp like the other weights)")
-    if not cfg.model.n_experts:
-        return
-    refused = {"parallel.pp": cfg.parallel.pp > 1}
-    for key, on in refused.items():
-        if on:
-            raise NotYetSupported(f"{key}: not supported with a mixture of experts (model.n_experts) yet")
 
 
 def _train(cfg: Config) -> None:

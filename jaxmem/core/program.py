@@ -241,11 +241,14 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
 END_PARAMS = ("embed", "final_norm", "lm_head")
 
 
-def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True):
+def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
+             router_carry: bool = False):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
     model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
     `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
     With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
+    `router_carry` (a mixture of experts' pipeline stage): a stage that is not first takes x = (hidden states,
+    the earlier layers' router statistics), one that is not last returns (hidden states, statistics).
     `dropout_key` (LoRA with lora.dropout > 0, the train step only) turns the adapters' input dropout on."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
@@ -256,9 +259,14 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     if setup is not None and setup.quantize_embeddings and mesh.size > 1:
         raise ConfigError(f"lora.quantize_embeddings: needs one device (the mesh has {mesh.size})")
 
+    carry = router_carry and bool(cfg.model.n_experts)
+
     def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
             router_losses=False):
         run_ctx = ctx
+        stats_in = None
+        if carry and not first:  # a later pipeline stage of a mixture of experts: (h, the earlier layers' stats)
+            x, stats_in = x
         if setup is not None:  # params are the adapters: the scan hands each layer its frozen linears + adapters
             from jaxmem.lora import frozen
 
@@ -282,7 +290,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
             else:
                 h_btd = model.embed_tokens(x, run_ctx) if first else x
             h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
-                                     router_losses=router_losses)
+                                     router_losses=router_losses, stats_in=stats_in,
+                                     return_stats=carry and not last)
             if router_losses:  # a mixture of experts: ((loss_sum, n_valid), {"moe_aux_loss", "moe_z_loss"})
                 h_btd, router = h_btd
             if not last:

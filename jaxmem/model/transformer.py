@@ -92,9 +92,12 @@ class Transformer(nnx.Module):
         return constrain(h.astype(ctx.compute_dtype), ACT_BTD)
 
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
-                   positions_bt=None, router_losses: bool = False):
+                   positions_bt=None, router_losses: bool = False, stats_in: dict | None = None,
+                   return_stats: bool = False):
         """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row.
-        With a mixture of experts and `router_losses`: (h, {"moe_aux_loss", "moe_z_loss"}) (jaxmem.model.moe)."""
+        With a mixture of experts and `router_losses`: (h, {"moe_aux_loss", "moe_z_loss"}) (jaxmem.model.moe);
+        a pipeline stage starts from the previous stages' router statistics (`stats_in`) and, with
+        `return_stats`, hands (h, statistics) to the next."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
@@ -142,8 +145,10 @@ class Transformer(nnx.Module):
             return pack(h, index + 1 if mixed else None, moe_stats.add_stats(stats, layer_stats) if moe else None)
 
         start = pack(h_btd, jnp.zeros((), jnp.int32) if mixed else None,
-                     moe_stats.zero_stats(cfg.n_experts) if moe else None)
+                     (moe_stats.zero_stats(cfg.n_experts) if stats_in is None else stats_in) if moe else None)
         h_btd, _, stats = unpack(ctx.scan_layers(step, start, stacked))
+        if return_stats and moe:
+            return h_btd, stats
         if router_losses and moe:
             return h_btd, moe_stats.router_losses(stats, cfg.n_experts)
         return h_btd
