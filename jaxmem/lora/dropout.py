@@ -6,8 +6,8 @@ the train step passes a key; evaluation and merge-lora never drop, and `lora.dro
 
 Keys, all by jax.random.fold_in, so a step recomputed in the backward (remat) or after a resume draws the
 same masks: key(train.seed) -> DOMAIN -> step -> micro-batch index -> layer index -> the target's index
-in jaxmem.lora.adapters.TARGETS order (an expert projection: its dense name's); the mask keeps each element with probability 1 - p
-(jax.random.bernoulli on the input's shape) and scales the kept ones by 1 / (1 - p).
+in jaxmem.lora.adapters.TARGETS order (an expert projection: its dense name's); the mask keeps each element
+with probability 1 - p (jax.random.bernoulli on the input's shape) and scales the kept ones by 1 / (1 - p).
 """
 from __future__ import annotations
 

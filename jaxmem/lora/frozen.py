@@ -4,8 +4,8 @@ The train state keeps the adapters under "params" (the only trainable tree: grad
 master weights exist for it alone) and the base model under "base", never written: every linear of every
 layer (all seven projections, adapted or not, as QLoRA defines it; in a mixture of experts the experts'
 stacked [E, ...] projections, quantized per layer as one weight, while the small router stays at the parameter
-dtype) stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and the embedding and LM head unless
-`lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
+dtype) stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and
+the embedding and LM head unless `lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
 linear replaced by a [L] placeholder; the layer scan carries the stored linears and the adapters per layer
 and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
 computes x W + scale * (x A) B with W dequantized under a custom VJP that keeps only the stored form for the
