@@ -324,7 +324,8 @@ def _make_step(prog: TrainProgram):
     dropout_on = prog.layout.lora is not None and cfg.lora.dropout > 0
 
     moe = cfg.model.n_experts > 0
-    router_zero = {"moe_aux_loss": jnp.float32(0), "moe_z_loss": jnp.float32(0)} if moe else {}
+    # numpy zeros: built outside the trace, they must not run on a device (a deviceless compile has none)
+    router_zero = {"moe_aux_loss": np.float32(0), "moe_z_loss": np.float32(0)} if moe else {}
 
     def micro_loss(params, micro, denom, base, dropout_key):
         if not moe:
