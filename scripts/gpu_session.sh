@@ -27,5 +27,5 @@ for name in "${ORDER[@]}"; do
     --json "$out/bench_$name.json" > "$out/bench_$name.txt" 2>&1
   echo "bench $name rc=$?"; grep -E "step time|tokens/s|device bytes|peak|MFU" "$out/bench_$name.txt" | head -8
 done
-if [ "${GMM:-0}" = 1 ]; then timeout 150 python3 scripts/bench_grouped_matmul.py --out "$out" --no-plan > "$out/gmm.txt" 2>&1; echo "gmm rc=$?"; tail -12 "$out/gmm.txt"; fi
+if [ "${GMM:-0}" = 1 ]; then timeout "${GMM_TIMEOUT:-150}" python3 scripts/bench_grouped_matmul.py --out "$out" --no-plan > "$out/gmm.txt" 2>&1; echo "gmm rc=$?"; tail -12 "$out/gmm.txt"; fi
 if [ "${KERNELS:-0}" = 1 ]; then python3 scripts/bench_kernels_gpu.py "$out" --budget "${KERNEL_BUDGET:-300}"; fi
