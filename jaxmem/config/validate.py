@@ -96,8 +96,7 @@ def _moe_levers(cfg: Config) -> None:
         raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
                               "parallel.ep > 1 or 0 (dropless)")
     if ep > 1:  # the levers tested with a mixture of experts on one device's experts, not yet with ep
-        refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
-                   "parallel.pp": cfg.parallel.pp > 1}
+        refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward}
         for key, on in refused.items():
             if on:
                 raise NotYetSupported(f"{key}: not supported with expert parallelism (parallel.ep={ep}) yet; "

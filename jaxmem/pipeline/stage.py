@@ -185,17 +185,21 @@ class Stage:
         return jax.eval_shape(self._params_for_grad, self.prog.abstract_state["params"])
 
 
+_SCALAR_STATS = ("router_z", "rows", "dropped")  # after the per-expert rows and probabilities
+
+
 def stats_size(n_experts: int) -> int:
-    """Length of a mixture's packed router statistics: per-expert rows and probabilities, z, rows."""
-    return 2 * n_experts + 2
+    """Length of a mixture's packed router statistics: per-expert rows and probabilities, then the scalars
+    (z, rows, dropped assignments)."""
+    return 2 * n_experts + len(_SCALAR_STATS)
 
 
 def pack_stats(stats: dict) -> jax.Array:
     """The router statistics (jaxmem.model.moe.zero_stats' keys) as one fp32 vector, to cross a stage boundary."""
-    return jnp.concatenate([stats["expert_rows"], stats["router_prob"], stats["router_z"][None], stats["rows"][None]])
+    return jnp.concatenate([stats["expert_rows"], stats["router_prob"]] + [stats[k][None] for k in _SCALAR_STATS])
 
 
 def unpack_stats(packed: jax.Array, n_experts: int) -> dict:
     e = n_experts
-    return {"expert_rows": packed[:e], "router_prob": packed[e:2 * e], "router_z": packed[2 * e],
-            "rows": packed[2 * e + 1]}
+    scalars = {k: packed[2 * e + i] for i, k in enumerate(_SCALAR_STATS)}
+    return {"expert_rows": packed[:e], "router_prob": packed[e:2 * e], **scalars}

@@ -326,9 +326,10 @@ def test_a_damaged_stage_in_a_checkpoint_is_named_not_read_as_zeros(tmp_path, da
 
 
 MOE = ["model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]
+MOE_LAYOUTS = {**LAYOUTS, "pp2_ep2_fsdp2": ["parallel.pp=2", "parallel.ep=2", "parallel.fsdp=2", "train.micro_batch=2"]}
 
 
-@pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe")])
+@pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
 def test_mixture_of_experts_pipeline_matches_one_device(layout, kind):
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their
     cotangents back, so losses, gradient norms, router losses and params equal one device's; evaluation
@@ -348,7 +349,7 @@ def test_mixture_of_experts_pipeline_matches_one_device(layout, kind):
     one = build_program(one_cfg, devices=jax.devices()[:1])
     want, one_state = train(one, one_cfg)
     cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + [f"train.grad_accum={ACCUM}",
-                                                             f"parallel.pp_schedule={kind}"] + LAYOUTS[layout])
+                                                             f"parallel.pp_schedule={kind}"] + MOE_LAYOUTS[layout])
     pipe = build_pipeline(cfg)
     got, state = train(pipe, cfg)
     np.testing.assert_allclose(got, want, rtol=1e-4)
