@@ -134,7 +134,8 @@ class Checkpoints:
         # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(*(i.name for i in STATE_ITEMS), _META))
+        items = (*(item.name for item in STATE_ITEMS), _META)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=items)
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":

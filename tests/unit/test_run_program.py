@@ -81,7 +81,7 @@ def test_a_program_unknown_to_jaxmem_is_saved_restored_and_resumed_through_its_h
     ckpts = Checkpoints(tmp_path / "checkpoints", async_save=False)
     ckpts.save(3, state, dict(run_meta(cfg, 3, 48, 16), **prog.checkpoint_meta()), prog.state_item)
     on_disk = WHOLE_STATE.saved_shapes(tmp_path / "checkpoints" / "3" / "state")
-    assert on_disk == {"h0.params.w": (2, 3), "h1.params.w": (2, 3)}  # the program's own item layout, not the state's tree
+    assert on_disk == {"h0.params.w": (2, 3), "h1.params.w": (2, 3)}  # the program's item layout, not its tree
 
     restored, meta = restore_run(prog, ckpts)
     assert prog.calls == [("restore_run", 3)] and meta["halves"] == 2 and meta["step"] == 3
