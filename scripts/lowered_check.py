@@ -11,7 +11,9 @@ which both layouts keep: `jax.jit(step).lower(abstract state, abstract batch).as
 source locations), plus the lowered step-0 state (`state_from_params` around freshly initialized model params)
 and the state's layout (each leaf's shape, dtype and sharding). Cases: the default tiny config; grad_accum 2 +
 bf16; fsdp 4 x tp 2; LoRA (nf4 base; dropout with grad_accum 2; quantized embeddings on one device);
-optimizer.update_in_backward (configs/levers/update-in-backward.yaml).
+optimizer.update_in_backward (configs/levers/update-in-backward.yaml). A pipeline (pp 2, grad_accum 2) has no
+one step: per stage, its lowered forward and update, the lowered step-0 state around its params, and the
+pipeline state's layout (jaxmem.pipeline.runtime.build_pipeline, which both layouts keep).
 Python: the interpreter running this script (e.g. /work/main/.venv/bin/python); override with --python.
 """
 from __future__ import annotations
@@ -38,6 +40,7 @@ CASES = {
     "lora_qembed_1dev": (TINY, LORA + ["lora.base_dtype=int8", "lora.quantize_embeddings=true",
                                        "kernels.loss=chunked", "parallel.fsdp=1"], 1),
     "update_in_backward": (IN_BACKWARD, [], 8),
+    "pp2_accum2": (TINY, ["parallel.pp=2", "train.grad_accum=2"], 8),
 }
 
 _DUMP = r"""
@@ -51,12 +54,34 @@ from jaxmem.model import init_model
 repo, out, name, config, n = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
 assert Path(jaxmem.__file__).resolve().is_relative_to(repo.resolve()), (jaxmem.__file__, repo)
 cfg = jaxmem.load_config(str(repo / config), sys.argv[6:])
-prog = jaxmem.build_program(cfg, devices=jax.devices()[:n])
-(out / f"{name}.mlir").write_text(prog.lower().as_text())
-fresh = lambda: nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=0, param_dtype=prog.precision.param))[1])
-with prog.lowering():
-    init = jax.jit(lambda: prog.state_from_params(fresh(), 0), out_shardings=prog.state_shardings).lower()
-(out / f"{name}.init.mlir").write_text(init.as_text())
+if cfg.parallel.pp > 1:
+    import jax.numpy as jnp
+    from jaxmem.pipeline.runtime import build_pipeline
+    pipe, steps, inits = build_pipeline(cfg, jax.devices()[:n]), [], []
+    for st in pipe.stages:
+        sp = st.prog
+        shaped = lambda tree, shardings: jax.tree.map(
+            lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        params = shaped(jax.eval_shape(st.params_for_grad, sp.abstract_state["params"]), st.grad_shardings)
+        grads = shaped(jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, jnp.float32), sp.layout.abstract_params),
+                       st.grad_shardings)
+        tok = jax.ShapeDtypeStruct((sp.rows, cfg.train.seq_len), jnp.int32, sharding=st.rows)
+        x = tok if st.first else jax.ShapeDtypeStruct(st.activation_shape, sp.precision.compute, sharding=st.activation)
+        with sp.lowering():
+            steps.append(st.forward.lower(params, x, (tok if st.last else None, None, None)).as_text())
+            steps.append(st.update.lower(sp.abstract_state, grads, jax.ShapeDtypeStruct((), jnp.float32)).as_text())
+            inits.append(jax.jit(lambda q: sp.state_from_params(q, 0), out_shardings=sp.state_shardings)
+                         .lower(sp.abstract_state["params"]).as_text())
+    (out / f"{name}.mlir").write_text("\n".join(steps))
+    (out / f"{name}.init.mlir").write_text("\n".join(inits))
+    prog = pipe
+else:
+    prog = jaxmem.build_program(cfg, devices=jax.devices()[:n])
+    (out / f"{name}.mlir").write_text(prog.lower().as_text())
+    fresh = lambda: nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=0, param_dtype=prog.precision.param))[1])
+    with prog.lowering():
+        init = jax.jit(lambda: prog.state_from_params(fresh(), 0), out_shardings=prog.state_shardings).lower()
+    (out / f"{name}.init.mlir").write_text(init.as_text())
 leaves = jax.tree_util.tree_leaves_with_path(prog.abstract_state)
 (out / f"{name}.state.txt").write_text("".join(f"{jax.tree_util.keystr(p)} {a.shape} {a.dtype} {a.sharding}\n"
                                                for p, a in leaves))

@@ -36,8 +36,8 @@ from jaxmem.io.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, Wand
 from jaxmem.core.optim import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
-from jaxmem.pipeline import is_pipeline
-from jaxmem.core.program import TrainProgram, build_program
+from jaxmem.core.program import TrainProgram
+from jaxmem.core.program_registry import build_run_program
 from jaxmem.io.save_clock import SaveClock, stopped_line
 from jaxmem.runtime.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, StopRequest
 from jaxmem.io.telemetry import MemoryTelemetry, save_memory_profile
@@ -147,22 +147,19 @@ def _oom_error(when: str, e: Exception) -> TrainError:
 
 
 def compile_train_step(prog: TrainProgram):
-    """The train step compiled ahead of time for the program's shardings (OOM becomes a TrainError); a
-    pipeline's stage programs compile at their first call."""
-    if is_pipeline(prog):
-        return prog.jit_step()
+    """The program's train step (jaxmem.core.plugins.RunProgram.compile_step: compiled ahead of time for its
+    shardings, or per stage at the first call); OOM becomes a TrainError."""
     try:
-        return prog.lower().compile()
+        return prog.compile_step()
     except jax.errors.JaxRuntimeError as e:
         if is_oom(e):
             raise _oom_error("compiling", e) from None
         raise
 
 
-def _state_finite(state: dict) -> bool:
-    parts = state["stages"] if "stages" in state else [state]  # a pipeline's: one state per stage
-    weights = [{k: part[k] for k in ("params", "master") if k in part} for part in parts if part is not None]
-    return all(bool(jax.jit(all_finite)(w)) for w in weights)  # one program per stage's devices
+def _state_finite(prog: TrainProgram, state: dict) -> bool:
+    weights = [{k: part[k] for k in ("params", "master") if k in part} for part in prog.state_item.parts(state)]
+    return all(bool(jax.jit(all_finite)(w)) for w in weights)  # one jit per program's devices
 
 
 class _Outputs:
@@ -227,13 +224,7 @@ def _run_locked(cfg: Config, stop: StopRequest) -> dict:
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
         cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
-        if cfg.parallel.pp > 1:
-            from jaxmem.pipeline.balance import stage_counts
-            from jaxmem.pipeline.runtime import build_pipeline
-
-            prog = build_pipeline(cfg, counts=stage_counts(cfg))
-        else:
-            prog = build_program(cfg)
+        prog = build_run_program(cfg)
         return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog), stop)
     finally:
         if ckpts:
@@ -297,13 +288,11 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 outputs.record(record)
             pending, last_sync = [], now
             if save_now and done != last_saved:
-                if not _state_finite(state):
+                if not _state_finite(prog, state):
                     raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
                                      f"step {last_saved}); lower optimizer.lr")
-                meta = run_meta(cfg, done, data.position_at(done), data.per_step)
-                if is_pipeline(prog):
-                    meta["pp_layers"] = list(prog.counts)  # jaxmem.pipeline.checkpoints re-cuts other layouts
-                ckpts.save(done, state, meta)
+                meta = dict(run_meta(cfg, done, data.position_at(done), data.per_step), **prog.checkpoint_meta())
+                ckpts.save(done, state, meta, prog.state_item)
                 clock.saved()
                 last_saved = done
             if stopping:

@@ -8,6 +8,8 @@ changes. jaxmem.core.plugin_registry picks the one a config asks for.
 """
 from __future__ import annotations
 
+from typing import Protocol
+
 from jaxmem.core.step_state import assemble_state
 
 # The train-state entry holding a plug-in's frozen part (a LoRA base): never differentiated, never saved
@@ -87,3 +89,44 @@ class ProgramPlugin:
 
     def check_meta(self, cfg, meta: dict, directory) -> None:
         """A ConfigError where a checkpoint's meta says its state does not belong to this run."""
+
+
+# ---------------------------------------------------------------- program level
+
+
+class StateItem(Protocol):
+    """How a program's train state sits in a checkpoint: one orbax item of the step directory."""
+
+    name: str  # the item's directory in a step ("state", "stages")
+
+    def save_args(self, state: dict): ...  # orbax save args for the state (its frozen part left out)
+
+    def restore_args(self, abstract_state: dict): ...  # orbax restore args onto the abstract state's layout
+
+    def saved_shapes(self, item_dir) -> dict[str, tuple]: ...  # 'opt.mu.wq' -> shape, from metadata only
+
+    def state_of(self, restored) -> dict: ...  # the train state from what the restore args gave back
+
+    def parts(self, state: dict) -> list: ...  # the trees of one program each (this process's), for checks
+
+
+class RunProgram(Protocol):
+    """What the train loop (jaxmem.cli.train) and the checkpointer (jaxmem.io.checkpoint) ask of a program,
+    so they call methods instead of branching on its kind: TrainProgram (one program) and PipelineProgram
+    (one per stage) both satisfy it."""
+
+    cfg: object
+    abstract_state: dict
+    state_item: StateItem
+
+    def checkpoint_meta(self) -> dict:
+        """Entries a checkpoint's meta records about the state's layout (a pipeline's layer counts)."""
+
+    def restore_run(self, ckpts, step: int | None, required_meta: tuple[str, ...]) -> tuple[dict, dict]:
+        """(state, meta) of a run's checkpoint at `step`, on this program's layout whatever layout saved it."""
+
+    def init_from(self, path) -> dict:
+        """A step-0 train state whose model params come from the params-only checkpoint at `path`."""
+
+    def compile_step(self):
+        """The train step, step(state, batch) -> (state, metrics), compiled or compiling at its first call."""

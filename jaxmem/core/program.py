@@ -160,6 +160,29 @@ class TrainProgram:
         with self.lowering():
             return self.jit_step().lower(self.abstract_state, self.abstract_batch())
 
+    # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
+    @property
+    def state_item(self):
+        from jaxmem.io.checkpoint import WHOLE_STATE
+
+        return WHOLE_STATE
+
+    def checkpoint_meta(self) -> dict:
+        return {}
+
+    def restore_run(self, ckpts, step: int | None, required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        from jaxmem.io.checkpoint import restore_whole
+
+        return restore_whole(self, ckpts, step, required_meta)
+
+    def init_from(self, path) -> dict:
+        from jaxmem.io.checkpoint import init_whole
+
+        return init_whole(self, path)
+
+    def compile_step(self):
+        return self.lower().compile()
+
 
 def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None
                   ) -> TrainProgram:

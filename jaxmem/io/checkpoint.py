@@ -12,7 +12,6 @@ import re
 from pathlib import Path
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
 from jaxmem.config.schema import Config, ConfigError, config_hash
@@ -21,10 +20,11 @@ from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN
 from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
 from jaxmem.runtime.oom_text import is_oom
-from jaxmem.pipeline import is_pipeline, stage_store
+from jaxmem.pipeline import stage_store
+from jaxmem.pipeline.checkpoints import StagedLayout
 from jaxmem.core.precision import all_finite
 
-_STATE, _STAGES, _META = "state", "stages", "meta"  # a pipeline saves "stages" (stage_store) in place of "state"
+_META = "meta"
 
 # Keys that may change between a save and a resume without changing the math of a
 # step (mesh, bookkeeping, how the global batch is split); the rest enters the hash.
@@ -56,6 +56,33 @@ def _saved_shapes(item_dir: Path) -> dict[str, tuple]:
     if tree is None:
         raise FileNotFoundError(f"no tree metadata in {item_dir}")
     return _shapes(tree)
+
+
+class WholeStateItem:
+    """One program's train state as orbax's standard item "state" (jaxmem.core.plugins.StateItem)."""
+
+    name = "state"
+
+    def save_args(self, state: dict):
+        return ocp.args.StandardSave(state)
+
+    def restore_args(self, abstract_state: dict):
+        return ocp.args.StandardRestore(abstract_state)
+
+    def saved_shapes(self, item_dir: Path) -> dict[str, tuple]:
+        return _saved_shapes(item_dir)
+
+    def state_of(self, restored: dict) -> dict:
+        return restored
+
+    def parts(self, state: dict) -> list:
+        return [state]
+
+
+WHOLE_STATE = WholeStateItem()
+STATE_ITEMS = (WHOLE_STATE, stage_store.STAGES)  # the items a step directory may hold the state in (registry)
+# Checkpoints of other layouts that a one-program run reads through the host and re-cuts (registry).
+OTHER_LAYOUTS = (StagedLayout,)
 
 
 def _mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
@@ -107,7 +134,8 @@ class Checkpoints:
         # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=False)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(_STATE, _STAGES, _META))
+        items = (*(item.name for item in STATE_ITEMS), _META)
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=items)
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":
@@ -122,23 +150,22 @@ class Checkpoints:
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
-    def save(self, step: int, state: dict, meta: dict) -> None:
-        """Starts a save; with async saving, returns once the arrays are copied off the devices.
+    def save(self, step: int, state: dict, meta: dict, item=WHOLE_STATE) -> None:
+        """Starts a save of `state` as `item` (the program's state_item); with async saving, returns once the
+        arrays are copied off the devices.
 
         The copy is taken before returning, so the state may be donated to the next step
         right away.
         """
         state = {k: v for k, v in state.items() if k != FROZEN}  # a frozen part is rebuilt, never saved
-        if _STAGES in state:  # a pipeline's: each process writes the stages it drives
-            item = {_STAGES: stage_store.StagesSave(state[_STAGES])}
-        else:
-            item = {_STATE: ocp.args.StandardSave(state)}
-        self._manager.save(step, args=ocp.args.Composite(**item, **{_META: ocp.args.JsonSave(meta)}), force=True)
+        args = {item.name: item.save_args(state), _META: ocp.args.JsonSave(meta)}
+        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
 
     def restore(self, abstract_state: dict, step: int | None = None,
-                required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        """(state, meta) of `step` (default: the latest), laid out as `abstract_state`'s shardings; a state
-        comes back without its frozen part, a LoRA base (`restore_run` rebuilds it).
+                required_meta: tuple[str, ...] = (), item=WHOLE_STATE) -> tuple[dict, dict]:
+        """(state, meta) of `step` (default: the latest), read from `item` (the program's state_item) and laid
+        out as `abstract_state`'s shardings; a state comes back without its frozen part, a LoRA base
+        (`restore_run` rebuilds it).
 
         `required_meta` names integer fields the meta item must hold (a resume needs RUN_META_KEYS).
         A step directory that is damaged, or holds another model's state, is a one-line ConfigError
@@ -149,30 +176,24 @@ class Checkpoints:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         meta = self._restore_meta(step, required_meta)
         abstract_state = {k: v for k, v in abstract_state.items() if k != FROZEN}
-        staged = _STAGES in abstract_state
         try:
-            saved = (stage_store.saved_shapes(self.directory / str(step) / _STAGES) if staged
-                     else _saved_shapes(self.directory / str(step) / _STATE))
+            saved = item.saved_shapes(self.directory / str(step) / item.name)
         except Exception as e:  # orbax raises whatever its reader hit: FileNotFoundError, JSONDecodeError, ...
-            raise self._damaged(step, f"{_STAGES if staged else _STATE} metadata: {_reason(e)}") from None
+            raise self._damaged(step, f"{item.name} metadata: {_reason(e)}") from None
         problem = _mismatch(saved, _shapes(abstract_state))
         if problem:
             raise ConfigError(f"{self.directory / str(step)}: holds a train state that does not fit this run "
                               f"({problem}); resume with the config that saved it, or use a new out_dir")
         try:
-            if staged:
-                state = {_STAGES: self._manager.restore(step, args=ocp.args.Composite(
-                    **{_STAGES: stage_store.StagesRestore(abstract_state[_STAGES])}))[_STAGES]}
-            else:
-                state = self._manager.restore(step, args=ocp.args.Composite(
-                    **{_STATE: ocp.args.StandardRestore(abstract_state)}))[_STATE]
+            restored = self._manager.restore(step, args=ocp.args.Composite(
+                **{item.name: item.restore_args(abstract_state)}))[item.name]
+            state = item.state_of(restored)
         except Exception as e:  # tensorstore raises bare Exception / ValueError for missing or cut-short files
             if is_oom(e):
                 raise
             raise self._damaged(step, _reason(e)) from None
         # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
-        parts = [p for p in state[_STAGES] if p is not None] if staged else [state]  # one program per stage mesh
-        if not all(bool(jax.jit(all_finite)(p)) for p in parts):
+        if not all(bool(jax.jit(all_finite)(p)) for p in item.parts(state)):
             raise self._damaged(step, "it holds inf/NaN values")
         return state, meta
 
@@ -238,15 +259,20 @@ def restore_params(path: str | Path, abstract_params: dict) -> dict:
 def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_meta: tuple[str, ...] = ()):
     """(state, meta) of a run's checkpoint; a frozen part (a LoRA base) is rebuilt from where the config says
     (checkpoint.init_from, or the seed) after the plug-in checked the meta (the base the adapters were trained on).
-    Pipeline checkpoints and pipeline runs are re-cut between layouts (jaxmem.pipeline.checkpoints)."""
-    from jaxmem.pipeline import checkpoints as pipeline_ckpts
-
+    The program restores onto its own layout (jaxmem.core.plugins.RunProgram.restore_run), re-cutting a
+    checkpoint another layout saved."""
     step = ckpts.latest_step() if step is None else step
-    if is_pipeline(prog):
-        return pipeline_ckpts.restore_pipeline(prog, ckpts, step, required_meta)
+    return prog.restore_run(ckpts, step, required_meta)
+
+
+def restore_whole(prog, ckpts: "Checkpoints", step: int | None, required_meta: tuple[str, ...] = ()):
+    """TrainProgram.restore_run: (state, meta) of one program; a checkpoint of another layout (OTHER_LAYOUTS)
+    is read on the host and placed on the program's shardings."""
     meta = ckpts.meta(step) if step is not None else None
-    if meta and meta.get(pipeline_ckpts.PP_META):
-        return pipeline_ckpts.restore_from_pipeline(prog, ckpts, step, meta, required_meta), meta
+    other = next((layout for layout in OTHER_LAYOUTS if meta and layout.saved(meta)), None)
+    if other is not None:
+        return jax.device_put(other.read_whole(prog.cfg, ckpts, step, meta, required_meta),
+                              prog.state_shardings), meta
     state, meta = ckpts.restore(prog.abstract_state, step, required_meta)
     prog.plugin.check_meta(prog.cfg, meta, ckpts.directory)
     frozen = prog.plugin.frozen_part(prog, model_params_from)
@@ -266,16 +292,16 @@ def model_params_from(prog, path: str | Path) -> dict:
 
 
 def init_from(prog, path: str | Path) -> dict:
-    """A fresh train state (step 0, new optimizer state) whose params come from `path`.
+    """A fresh train state (step 0, new optimizer state) whose params come from `path`, on the program's
+    layout (jaxmem.core.plugins.RunProgram.init_from).
 
     With master weights on, the master copy is the fp32 cast of the loaded params.
     """
-    if is_pipeline(prog):  # read on the host, cut per stage
-        from jaxmem.pipeline.checkpoints import on_cpu_host
+    return prog.init_from(path)
 
-        check_model_json(path, prog.cfg)
-        params = restore_params(path, on_cpu_host(prog.abstract_model_params()))
-        return prog.state_from_whole({"params": jax.tree.map(np.asarray, params)})
+
+def init_whole(prog, path: str | Path) -> dict:
+    """TrainProgram.init_from: the loaded params on one program's shardings (or a plug-in's own loading)."""
     streamed = prog.plugin.streamed_state(prog, path)  # LoRA: an HF directory or import-hf output
     if streamed is not None:
         return streamed

@@ -15,6 +15,7 @@ from jax.sharding import SingleDeviceSharding
 from jaxmem.model import abstract_model
 from jaxmem.core.optim import make_optimizer
 from jaxmem.pipeline import partition
+from jaxmem.pipeline.stage_store import STAGES
 from jaxmem.core.precision import Precision
 from jaxmem.core.step_state import assemble_state
 from jaxmem.config.schema import Config
@@ -58,7 +59,7 @@ def read_whole(cfg: Config, ckpts, step: int, meta: dict, required_meta=()) -> d
     """The checkpoint at `step` as the whole model's train state, on the host (numpy)."""
     saved = meta.get(PP_META)
     if saved:
-        host, _ = ckpts.restore(on_cpu_host(stage_shapes(cfg, saved)), step, required_meta)
+        host, _ = ckpts.restore(on_cpu_host(stage_shapes(cfg, saved)), step, required_meta, item=STAGES)
         return partition.merge_tree(host["stages"], whole_shapes(cfg))
     host, _ = ckpts.restore(on_cpu_host(whole_shapes(cfg)), step, required_meta)
     return jax.tree.map(np.asarray, host)
@@ -68,11 +69,16 @@ def restore_pipeline(prog, ckpts, step: int, required_meta=()) -> tuple[dict, di
     """(state, meta) of a pipeline run from any run's checkpoint."""
     meta = ckpts.meta(step)
     if meta.get(PP_META) == list(prog.counts):
-        return ckpts.restore(prog.abstract_state, step, required_meta)
+        return ckpts.restore(prog.abstract_state, step, required_meta, item=STAGES)
     return prog.state_from_whole(read_whole(prog.cfg, ckpts, step, meta, required_meta)), meta
 
 
-def restore_from_pipeline(prog, ckpts, step: int, meta: dict, required_meta=()) -> dict:
-    """A non-pp program's state from a pipeline run's checkpoint."""
-    whole = read_whole(prog.cfg, ckpts, step, meta, required_meta)
-    return jax.device_put(whole, prog.state_shardings)
+class StagedLayout:
+    """A pipeline run's checkpoint as another program layout sees it (jaxmem.io.checkpoint.OTHER_LAYOUTS):
+    a one-program run reads it whole on the host."""
+
+    @staticmethod
+    def saved(meta: dict) -> bool:
+        return bool(meta.get(PP_META))
+
+    read_whole = staticmethod(read_whole)

@@ -22,9 +22,12 @@ from jaxmem.core.layout import Layout
 from jaxmem.model import init_model
 from jaxmem.core.optim import adam_count, schedule as lr_schedule
 from jaxmem.pipeline import partition, schedule as schedules
+from jaxmem.pipeline.checkpoints import PP_META, on_cpu_host, restore_pipeline
+from jaxmem.pipeline.stage_store import STAGES
 from jaxmem.pipeline.stage import Stage, stats_size
 from jaxmem.pipeline.transfer import Link, leads, owns
 from jaxmem.core.step_state import assemble_state, batch_keys, split_batch
+from jaxmem.io.model_match import check_model_json
 from jaxmem.config.schema import Config, ConfigError
 
 
@@ -164,6 +167,26 @@ class PipelineProgram:
 
     def lower(self):
         raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.pipeline.plan")
+
+    # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
+    state_item = STAGES  # each process writes the stages it drives
+
+    def checkpoint_meta(self) -> dict:
+        return {PP_META: list(self.counts)}  # a resume with other counts, pp or none re-cuts the state
+
+    def restore_run(self, ckpts, step: int | None, required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        return restore_pipeline(self, ckpts, step, required_meta)
+
+    def init_from(self, path) -> dict:
+        """Read on the host, cut per stage."""
+        from jaxmem.io.checkpoint import restore_params
+
+        check_model_json(path, self.cfg)
+        params = restore_params(path, on_cpu_host(self.abstract_model_params()))
+        return self.state_from_whole({"params": jax.tree.map(np.asarray, params)})
+
+    def compile_step(self):
+        return self.jit_step()  # the stage programs compile at their first call
 
 
 def build_pipeline(cfg: Config, devices: Sequence | None = None, counts: Sequence[int] | None = None,

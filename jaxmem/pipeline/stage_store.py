@@ -118,3 +118,27 @@ class StagesSave(ocp.args.CheckpointArgs):
 @dataclasses.dataclass
 class StagesRestore(ocp.args.CheckpointArgs):
     stages: list  # ShapeDtypeStructs with shardings, one tree per stage
+
+
+class StagesItem:
+    """A pipeline's train state {"stages": [...]} as the "stages" item (jaxmem.core.plugins.StateItem)."""
+
+    name = "stages"
+
+    def save_args(self, state: dict) -> StagesSave:
+        return StagesSave(state["stages"])
+
+    def restore_args(self, abstract_state: dict) -> StagesRestore:
+        return StagesRestore(abstract_state["stages"])
+
+    def saved_shapes(self, item_dir: Path) -> dict[str, tuple]:
+        return saved_shapes(item_dir)
+
+    def state_of(self, restored: list) -> dict:
+        return {"stages": restored}
+
+    def parts(self, state: dict) -> list:
+        return [p for p in state["stages"] if p is not None]  # one program per stage mesh this process drives
+
+
+STAGES = StagesItem()
