@@ -98,11 +98,11 @@ def child_run(name: str, seq: int | None, ep: int) -> dict:
 
     row = next(r for r in ROWS + CHECKS if r["name"] == name)
     cfg, _ = _load(row, seq, ep)
-    result = explain(cfg, resolve_topology(cfg), top=3)
-    top = result["buffers"][0] if result["buffers"] else {}
+    result = explain(cfg, resolve_topology(cfg), top=12)
+    keys = ("bytes", "shape", "dtype", "category", "checkpoint_name", "source", "why")
+    peak = [{k: b.get(k) for k in keys} for b in result["buffers"]]
     return {"compiled_bytes": result["compiled_device_bytes"], "compiled_how": HOW_COMPILED.format(jax=jax.__version__),
-            "limiting_buffer": {k: top.get(k) for k in ("bytes", "shape", "dtype", "category", "checkpoint_name",
-                                                        "source", "why")}}
+            "limiting_buffer": peak[0] if peak else {k: None for k in keys}, "peak_buffers": peak}
 
 
 def plan_row(row: dict, ep: int) -> dict:
