@@ -53,6 +53,21 @@ CHECKS = [
        "overrides": ["model.n_layers=2", f"train.seq_len={s}"],
        "what": f"{m} widths, 2 layers, seq {s}, FSDP 8 x H100, full remat"}
       for m, s in (("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 8192))],
+    # Expert parallelism: on this tree the blocked and Pallas grouped matmuls do not trace inside the ep shard_map
+    # (a fori_loop carry / an output without its varying-axes type), so the ep checks run kernels.grouped_matmul=
+    # ragged_dot, the one implementation that does.
+    *[{"name": f"check-{name}-ep8{'-cap' + str(c) if c else ''}", "config": config, "check": True,
+       "overrides": [*over, "parallel.ep=8", "parallel.fsdp=1", "kernels.grouped_matmul=ragged_dot",
+                     f"model.moe_capacity_factor={c}"],
+       "what": f"{what}, ep 8 ({'capacity factor %s' % c if c else 'dropless'}), ragged_dot"}
+      for name, config, over, what in (
+          ("tiny-moe", "configs/tiny-moe.yaml", ["target.name=h100-80g", "target.gpus_per_host=8",
+                                                 "remat.preset=full", *_BF16], "tiny-moe, bf16, full remat, 8 x H100"),
+          ("qwen3-30b-a3b-2l-seq1024", "configs/moe/qwen3-30b-a3b-8xh100.yaml",
+           ["model.n_layers=2", "train.seq_len=1024"], "qwen3-30b-a3b widths, 2 layers, seq 1024, 8 x H100"),
+          ("mixtral-8x7b-2l-seq1024", "configs/moe/mixtral-8x7b-8xh100.yaml",
+           ["model.n_layers=2", "train.seq_len=1024"], "mixtral-8x7b widths, 2 layers, seq 1024, 8 x H100"))
+      for c in (0, 1.25)],
 ]
 SEQ_RANGE = [2**k for k in range(6, 18)]  # 64 ... 131072
 
