@@ -137,6 +137,13 @@ def ragged_dot_copy_bytes(cfg: Config, layout, cd: int) -> int:
     m = cfg.model
     g, d, f = local_experts(cfg), m.d_model, expert_width(cfg)
     rows = routed_rows(cfg, layout)
+    if g == 1:  # one expert a device (Mixtral widths, ep 8): a plain matmul, no masked copies; three [R, F]
+        return rows * f * cd  # values at the peak, one more than the rows' gate and up gradients (working_bytes)
+    if cfg.parallel.ep > 1:
+        # inside the expert-parallel shard_map nothing is split: the rows expanded twice and four expert-width
+        # copies (Qwen3-30B-A3B widths, ep 8, 16 experts a device, dropless and capacity 1.25: two [16, R, 2048],
+        # three [16, R, 768] and one [R, 16, 768]; also observed, not derived)
+        return g * rows * (2 * d + 4 * f) * cd
     if g * rows * f * cd <= WHOLE_COPY_LIMIT:
         return g * rows * (d + 3 * f) * cd
     return g * rows * (2 * d + 2 * f // layout.data_ways) * cd
@@ -168,12 +175,17 @@ def width_split(cfg: Config, layout) -> int:
 
 
 def ungathered_expert_elems(cfg: Config, layout) -> int:
-    """Expert weight elements of one layer that the step never gathers (width_split > 1: each device reads
-    only its fsdp share), to take out of the gathered layer's count."""
-    ways = width_split(cfg, layout)
-    if not is_moe(cfg) or ways == 1:
+    """Expert weight elements of one layer that the step never gathers, to take out of the gathered layer's
+    count: blocked at ep = 1 (width_split > 1: each device reads only its fsdp share), and with ep > 1 and no
+    other data axis the local experts (the state's own slice, used in place: Mixtral widths, 2 layers, ep 8,
+    `jaxmem explain` holds no gathered expert weights)."""
+    if not is_moe(cfg):
         return 0
     per_layer = expert_params(cfg) // cfg.model.n_layers // layout.mesh_sizes.get("tp", 1)
+    ep = max(cfg.parallel.ep, 1)
+    if ep > 1:  # the layer counts its E / ep local experts whole; nothing gathers them without fsdp / dp ways
+        return per_layer // ep if layout.data_ways == ep else 0
+    ways = width_split(cfg, layout)
     return per_layer - per_layer // ways
 
 
