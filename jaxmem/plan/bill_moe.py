@@ -199,7 +199,7 @@ def kernel_scratch_bytes(cfg: Config, layout, cd: int) -> int:
     copies (ragged_dot_copy_bytes). blocked: the padded rows [P, D] and six expert-width padded buffers
     [P, F / width_split], the fp32 [G, D, F] d_w accumulator split alike, and one loop step's chunk (its
     gathered weights, fp32 d_x and d_w products: tiny-moe's largest buffer is the [16, 128, 128] fp32 d_x
-    chunk); pallas: the padded rows, output
+    chunk), or the recomputed forward's rows and padded output, whichever is larger; pallas: the padded rows, output
     gradient and input gradient whole, P x (2D + F), its d_w written once in the weights' dtype."""
     kernel = grouped_matmul_kernel(layout)
     if kernel == "ragged_dot":
@@ -210,7 +210,11 @@ def kernel_scratch_bytes(cfg: Config, layout, cd: int) -> int:
         return rows * (2 * d + f) * cd + local_experts(cfg) * d * f * cd
     ways = width_split(cfg, layout)
     loop_step = chunk * (block * d * 4 + d * f * (4 + cd) // ways)  # fp32 d_x and d_w products, the weights
-    return rows * (d + _BLOCKED_WIDE * f // ways) * cd + local_experts(cfg) * d * f * 4 // ways + loop_step
+    backward = rows * (d + _BLOCKED_WIDE * f // ways) * cd + local_experts(cfg) * d * f * 4 // ways + loop_step
+    # the recomputed forward's down projection: the sorted rows [R, D] and its padded output [P, D] (Qwen3-30B-A3B
+    # widths at seq 65536, where D is 21 x F / 8: a [4194304, 2048] and a [4211200, 1, 2048] at the peak)
+    forward = (routed_rows(cfg, layout) + rows) * d * cd
+    return max(backward, forward)
 
 
 def working_bytes(cfg: Config, layout, cd: int) -> int:
