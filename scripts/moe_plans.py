@@ -3,12 +3,13 @@
     JAX_PLATFORMS=cpu .venv/bin/python scripts/moe_plans.py [--only NAME ...] [--ep N] [--from-json]
 
 Each row is compiled once for its target with dumps (`jaxmem explain`): XLA's device total and the largest
-buffer live at the peak; the analytic bill and the cost model come from the same config without a compile.
+buffers live at the peak; the analytic bill and the cost model come from the same config without a compile.
 A row with `search` finds the longest power-of-two sequence that fits: the bill proposes the first length to
 compile, then compiles go up while they fit and down while they do not. --only runs the named rows and
 merges them into moe.json (48-layer compiles take minutes and a few GiB: one row at a time); --ep N plans
-every full fine-tune with parallel.ep=N (expert parallelism; refused rows are written as refused);
---from-json only rewrites the table.
+every full fine-tune with parallel.ep=N into moe-epN.json (expert parallelism, on EP_KERNEL); moe.md shows
+each row with its ep twin. --from-json recomputes the bill and cost model from this tree, keeps the compiled
+figures, and rewrites the table.
 """
 from __future__ import annotations
 
@@ -167,59 +168,86 @@ def _gib(x) -> str:
     return f"{x / GIB:.2f}" if isinstance(x, (int, float)) else "-"
 
 
+def _mesh(r: dict) -> str:
+    ep = r.get("mesh_ep", r.get("ep", 1))
+    cap = r.get("capacity_factor") or 0
+    return "fsdp 8" if ep <= 1 else f"ep {ep} ({'capacity %s' % cap if cap else 'dropless'})"
+
+
+def _top(r: dict) -> str:
+    top = r["limiting_buffer"]
+    return f"{_gib(top['bytes'])} GiB {top['dtype']} {top['shape']} ({top['category']}, {top['source']})"
+
+
 def render(rows: list[dict]) -> str:
     lines = ["# Mixture-of-experts plans", "",
              "Device totals **compiled deviceless (h100-80g, jax 0.10.2)** on a CPU-only machine: XLA's memory "
              "analysis of the real train step, per GPU. The analytic column is the bill (**estimated**), the "
              "step time the cost model's (**estimated**, active-expert FLOPs). Nothing here ran on a GPU. "
-             "Regenerate: `JAX_PLATFORMS=cpu .venv/bin/python scripts/moe_plans.py` (`--ep 8` once expert "
-             "parallelism exists; `--only NAME` for one row).", "",
-             "| run | params (active) | seq | device GiB (compiled deviceless) | analytic GiB (estimated) | usable GiB "
-             "| fits | limiting buffer at the peak (explain) | step (estimated) |",
-             "|---|---|---:|---:|---:|---:|---|---|---|"]
+             "Regenerate: `JAX_PLATFORMS=cpu .venv/bin/python scripts/moe_plans.py` (`--ep 8` for the "
+             "expert-parallel rows, `--only NAME` for one row, `--from-json` to recompute the bill only).", "",
+             "| run | mesh | grouped matmul | params (active) | seq | device GiB (compiled deviceless) | analytic GiB "
+             "(estimated) | analytic / compiled | usable GiB | fits | limiting buffer at the peak (explain) "
+             "| step (estimated) |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|---|---|---|"]
     checks = [r for r in rows if r["name"].startswith("check-")]
     for r in [r for r in rows if not r["name"].startswith("check-")]:
         if "refused" in r:
             pending = "pending LoRA on experts" if r["refused"].startswith("lora.") else "refused"
-            lines.append(f"| {r['what']} | - | - | {pending} | - | - | - | refused: {r['refused']} | - |")
+            lines.append(f"| {r['what']} | {_mesh(r)} | - | - | - | {pending} | - | - | - | - | "
+                         f"refused: {r['refused']} | - |")
             continue
         if "error" in r:
-            lines.append(f"| {r['what']} | - | {r.get('seq_len', '-')} | compile failed: {r['error']} | "
-                         f"{_gib(r.get('analytic_bytes'))} | - | - | - | - |")
+            lines.append(f"| {r['what']} | {_mesh(r)} | {r.get('kernel', '-')} | - | {r.get('seq_len', '-')} | "
+                         f"compile failed: {r['error']} | {_gib(r.get('analytic_bytes'))} | - | - | - | - | - |")
             continue
-        top = r["limiting_buffer"]
         fits = r["compiled_bytes"] <= r["usable_bytes"]
-        lines.append(f"| {r['what']}{' (ep=%d)' % r['ep'] if r['ep'] > 1 else ''} | {r['params'] / 1e9:.2f}B "
+        over = "yes" if fits else f"no, by {_gib(r['compiled_bytes'] - r['usable_bytes'])} GiB"
+        lines.append(f"| {r['what']} | {_mesh(r)} | {r.get('kernel', '-')} | {r['params'] / 1e9:.2f}B "
                      f"({r['active_params'] / 1e9:.2f}B) | {r['seq_len']} | **{_gib(r['compiled_bytes'])}** | "
-                     f"{_gib(r['analytic_bytes'])} | {_gib(r['usable_bytes'])} | {'yes' if fits else 'no'} | "
-                     f"{_gib(top['bytes'])} GiB {top['dtype']} {top['shape']} ({top['category']}, {top['source']}) | "
-                     f"{r['step_seconds_estimated']:.2f} s |")
+                     f"{_gib(r['analytic_bytes'])} | {r['analytic_bytes'] / r['compiled_bytes']:.2f} | "
+                     f"{_gib(r['usable_bytes'])} | {over} | {_top(r)} | {r['step_seconds_estimated']:.2f} s |")
         if "search" in r:
             tried = ", ".join(f"seq {s}: {_gib(v['compiled_bytes'])} compiled / {_gib(v['analytic_bytes'])} "
                               f"analytic GiB" for s, v in r["search"].items())
-            lines.append(f"|  | search (powers of 2) | | {tried} | | | | | |")
+            lines.append(f"|  | | | search (powers of 2) | | {tried} | | | | | | |")
     if checks:
         lines += ["", "The bill against the compiled total on reduced models (2 layers: the layer scan compiles "
                   "one layer, so each layer's buffers are the full model's):", "",
-                  "| check | device GiB (compiled deviceless) | analytic GiB (estimated) | analytic / compiled | "
-                  "limiting buffer |", "|---|---:|---:|---:|---|"]
+                  "| check | grouped matmul | device GiB (compiled deviceless) | analytic GiB (estimated) | "
+                  "analytic / compiled | limiting buffer |", "|---|---|---:|---:|---:|---|"]
         for r in checks:
             if "compiled_bytes" not in r:
-                lines.append(f"| {r['what']} | {r.get('refused') or 'failed: ' + r.get('error', '-')} | | | |")
+                lines.append(f"| {r['what']} | {r.get('kernel', '-')} | "
+                             f"{r.get('refused') or 'failed: ' + r.get('error', '-')} | | | |")
                 continue
             top = r["limiting_buffer"]
-            lines.append(f"| {r['what']} | {_gib(r['compiled_bytes'])} | {_gib(r['analytic_bytes'])} | "
-                         f"{r['analytic_bytes'] / r['compiled_bytes']:.2f} | {_gib(top['bytes'])} GiB {top['shape']} |")
-    lines += ["", "Why the routed rows dominate (from `jaxmem explain`, see `jaxmem/plan/bill_moe.py`): with "
-              "`parallel.ep=1` the dispatch sorts every token of the micro-batch, so each GPU holds all "
-              "tokens x top-k routed rows, and `jax.lax.ragged_dot` is lowered for the GPU as a dense matmul "
-              "over a masked [experts, rows, width] copy of its operand in each layer's backward. Expert "
-              "parallelism (rows split ep ways) or a grouped-matmul kernel removes them.", "",
-              "How the bill counts them (`jaxmem/plan/bill_moe.py`): small copies as XLA keeps them whole (the rows "
-              "and three expert-width copies), and above 8 GiB per [experts, rows, expert width] copy the rows "
-              "twice and the expert-width copies split over the data axes; that limit was fitted on the compiles "
-              "of this page (copies of up to 6 GiB kept whole, of 12 GiB and more not), so these rows are not an "
-              "independent test of it."]
+            lines.append(f"| {r['what']} | {r.get('kernel', '-')} | {_gib(r['compiled_bytes'])} | "
+                         f"{_gib(r['analytic_bytes'])} | {r['analytic_bytes'] / r['compiled_bytes']:.2f} | "
+                         f"{_gib(top['bytes'])} GiB {top['dtype']} {top['shape']} |")
+    lines += ["", "How the bill counts the experts (`jaxmem/plan/bill_moe.py`, per `kernels.grouped_matmul` as "
+              "`jaxmem.kernels.resolve` picks it):", "",
+              "- **blocked** (the default): each expert's rows padded to blocks of "
+              "`kernels.grouped_matmul_block_rows`; at ep 1 GSPMD splits the kernel's expert-width values and its "
+              "fp32 d_w accumulator over the data axes like the fsdp-split expert weights, so the layer's experts "
+              "are never gathered whole. The peak is the larger of the backward (padded rows [P, D], six [P, F / 8] "
+              "buffers, the fp32 [E, D / 8, F] accumulator, one loop chunk) and the recomputed forward's down "
+              "projection (sorted rows [R, D] and its padded output [P, D]).",
+              "- **pallas**: the padded rows, output gradient and input gradient whole, d_w in the weights' dtype "
+              "(GSPMD runs the custom call whole on every device).",
+              "- **ragged_dot**: XLA:GPU's dense lowering, a masked [experts, rows, width] copy per matmul. Which "
+              "copies are live at the peak is **fitted, not derived**: at ep 1 three expert-width copies and the "
+              "rows up to 8 GiB per copy, the rows twice and the expert-width copies split over the data axes "
+              "above (WHOLE_COPY_LIMIT, fitted on the ep-1 compiles of the previous version of this page); inside "
+              "the ep shard_map the rows twice and four expert-width copies (two compiles).",
+              "- **ep > 1**: each device receives ep x C rows (C = tokens x min(k, E / ep) dropless, "
+              "ceil(c x tokens x k / ep) with `model.moe_capacity_factor` c), holds the [ep, C, D] send and receive "
+              "buffers, E / ep experts whole; the cost model moves the padded buffers 4 times a layer "
+              "(dispatch / combine, forward / backward) and gathers the non-expert weights over dp x fsdp x ep.",
+              "", "On this tree the blocked and Pallas kernels do not trace inside the expert-parallel shard_map "
+              "(a fori_loop carry without the ep varying-axes type; a kernel output without `manual_axis_type`), "
+              "so every ep row runs `kernels.grouped_matmul=ragged_dot`; the ep rows show what ep costs with the "
+              "dense lowering, not with the default kernel."]
     return "\n".join(lines) + "\n"
 
 
@@ -248,9 +276,16 @@ def main(argv: list[str]) -> int:
                 for seq, tried in r.get("search", {}).items():
                     tried["analytic_bytes"] = analytic(row, int(seq), ep)["analytic_bytes"]
         path.write_text(json.dumps([saved[r["name"]] for r in order if r["name"] in saved], indent=1))
-    rows = [saved[r["name"]] for r in order if r["name"] in saved]
-    (OUT / ("moe.md" if ep == 1 else f"moe-ep{ep}.md")).write_text(render(rows))
+    _write_page(order)
     return 0
+
+
+def _write_page(order: list[dict]) -> None:
+    """benchmarks/moe.md: every row of moe.json, each followed by its expert-parallel twin from moe-ep*.json."""
+    pages = [json.loads(p.read_text()) for p in [OUT / "moe.json", *sorted(OUT.glob("moe-ep*.json"))] if p.exists()]
+    by_name = [{r["name"]: r for r in page} for page in pages]
+    rows = [page[r["name"]] for r in order for page in by_name if r["name"] in page]
+    (OUT / "moe.md").write_text(render(rows))
 
 
 if __name__ == "__main__":
