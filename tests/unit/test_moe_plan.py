@@ -200,3 +200,16 @@ def test_a_dense_model_gets_no_moe_terms():
     bill = compute_bill(cfg, 8)
     assert bill.moe_scratch == 0 and "moe_dispatch" not in bill.activations_by_name
     assert "router_proj" not in costmodel._op_flops(cfg, 1024)
+
+
+def test_explain_files_a_device_s_per_expert_copies_under_ep():
+    from jaxmem.plan.attribution import moe_kind
+
+    op = "jit(step)/ckpt.expert_gate/dot_general"
+    fsdp8, ep8 = _qwen(), _qwen("parallel.fsdp=1", "parallel.ep=8")
+    assert moe_kind(fsdp8, [128, 65536, 2048], None, op) == "moe_expanded"
+    assert moe_kind(ep8, [16, 65536, 2048], None, op) == "moe_expanded"  # 128 / 8 experts a device
+    assert moe_kind(fsdp8, [16, 65536, 2048], None, op) == "moe_dispatch"
+    mixtral_ep8 = load_config("configs/tiny.yaml", QWEN[1:] + ["model.preset=mixtral-8x7b", "model.n_layers=2",
+                                                              "parallel.fsdp=1", "parallel.ep=8"])
+    assert moe_kind(mixtral_ep8, [1, 4096, 8192], None, op) == "moe_dispatch"  # one expert a device: no copies
