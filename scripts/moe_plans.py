@@ -26,6 +26,10 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks"
 GIB = 1024**3
 HOW_COMPILED = "compiled deviceless (h100-80g, jax {jax})"
+# The grouped matmul the --ep rows run: on this tree the default (blocked) and the Pallas kernel fail to trace
+# inside the expert-parallel shard_map (a fori_loop carry / a kernel output without its varying-axes type), so
+# ep rows run ragged_dot, the one implementation that does; the table's kernel column says which ran.
+EP_KERNEL = "ragged_dot"
 ROWS = [
     {"name": "qwen3-30b-a3b-fsdp8-seq8192", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml", "overrides": [],
      "what": "Qwen3-30B-A3B full fine-tune, FSDP 8 x H100, seq 8192, micro-batch 1, full remat"},
@@ -39,6 +43,15 @@ ROWS = [
      "overrides": ["offload.optimizer=host", "offload.optimizer_update=device"], "search": True,
      "what": "Mixtral-8x7B full fine-tune, 8 x H100, the longest sequence that fits: full remat, optimizer "
              "state on the host (update streamed through the GPU), micro-batch 1"},
+    {"name": "qwen3-30b-a3b-ep8-cap1.25-seq8192", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml",
+     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25", f"kernels.grouped_matmul={EP_KERNEL}"],
+     "what": "Qwen3-30B-A3B full fine-tune, ep 8 x H100 with capacity factor 1.25 (drops past it), seq 8192, "
+             "micro-batch 1, full remat"},
+    {"name": "qwen3-30b-a3b-ep8-cap1.25-longest", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml",
+     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25", f"kernels.grouped_matmul={EP_KERNEL}",
+                   "offload.optimizer=host", "offload.optimizer_update=device"], "search": True,
+     "what": "Qwen3-30B-A3B full fine-tune, ep 8 x H100 with capacity factor 1.25, the longest sequence that fits: "
+             "full remat, optimizer state on the host, micro-batch 1"},
     # no config file of its own until LoRA on experts exists (every file under configs/ must load)
     {"name": "qwen3-30b-a3b-qlora-1xh100-longest", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml",
      "overrides": ["parallel.fsdp=1", "target.gpus_per_host=1", "remat.preset=offload_layer_inputs", "lora.rank=16",
@@ -77,10 +90,6 @@ CHECKS = [
 SEQ_RANGE = [2**k for k in range(6, 18)]  # 64 ... 131072
 
 
-# The grouped matmul the --ep rows run: on this tree the default (blocked) and the Pallas kernel fail to trace
-# inside the expert-parallel shard_map (a fori_loop carry / a kernel output without its varying-axes type), so
-# ep rows run ragged_dot, the one implementation that does; the table's kernel column says which ran.
-EP_KERNEL = "ragged_dot"
 
 
 def _load(row: dict, seq: int | None, ep: int):
@@ -90,6 +99,11 @@ def _load(row: dict, seq: int | None, ep: int):
     if ep > 1 and not row.get("lora"):
         over += [f"parallel.ep={ep}", f"kernels.grouped_matmul={EP_KERNEL}"]
     return load_config(str(ROOT / row["config"]), over), over
+
+
+def _sets_ep(row: dict) -> bool:
+    """A row whose own overrides choose expert parallelism (it has no --ep twin)."""
+    return any(o.startswith("parallel.ep=") for o in row["overrides"])
 
 
 def _kernel(cfg) -> str:
@@ -168,6 +182,11 @@ def _gib(x) -> str:
     return f"{x / GIB:.2f}" if isinstance(x, (int, float)) else "-"
 
 
+def _size(x) -> str:
+    """A buffer's size: GiB, or MiB below a hundredth of a GiB (tiny-moe's buffers)."""
+    return f"{x / GIB:.2f} GiB" if x >= GIB / 100 else f"{x / 2**20:.2f} MiB"
+
+
 def _mesh(r: dict) -> str:
     ep = r.get("mesh_ep", r.get("ep", 1))
     cap = r.get("capacity_factor") or 0
@@ -176,7 +195,7 @@ def _mesh(r: dict) -> str:
 
 def _top(r: dict) -> str:
     top = r["limiting_buffer"]
-    return f"{_gib(top['bytes'])} GiB {top['dtype']} {top['shape']} ({top['category']}, {top['source']})"
+    return f"{_size(top['bytes'])} {top['dtype']} {top['shape']} ({top['category']}, {top['source']})"
 
 
 def render(rows: list[dict]) -> str:
@@ -194,7 +213,7 @@ def render(rows: list[dict]) -> str:
     for r in [r for r in rows if not r["name"].startswith("check-")]:
         if "refused" in r:
             pending = "pending LoRA on experts" if r["refused"].startswith("lora.") else "refused"
-            lines.append(f"| {r['what']} | {_mesh(r)} | - | - | - | {pending} | - | - | - | - | "
+            lines.append(f"| {r['what']} | - | - | - | - | {pending} | - | - | - | - | "
                          f"refused: {r['refused']} | - |")
             continue
         if "error" in r:
@@ -224,7 +243,7 @@ def render(rows: list[dict]) -> str:
             top = r["limiting_buffer"]
             lines.append(f"| {r['what']} | {r.get('kernel', '-')} | {_gib(r['compiled_bytes'])} | "
                          f"{_gib(r['analytic_bytes'])} | {r['analytic_bytes'] / r['compiled_bytes']:.2f} | "
-                         f"{_gib(top['bytes'])} GiB {top['dtype']} {top['shape']} |")
+                         f"{_size(top['bytes'])} {top['dtype']} {top['shape']} |")
     lines += ["", "How the bill counts the experts (`jaxmem/plan/bill_moe.py`, per `kernels.grouped_matmul` as "
               "`jaxmem.kernels.resolve` picks it):", "",
               "- **blocked** (the default): each expert's rows padded to blocks of "
@@ -263,7 +282,7 @@ def main(argv: list[str]) -> int:
     order = ROWS + CHECKS
     if "--from-json" not in argv:
         for row in order:
-            if only and row["name"] not in only:
+            if only and row["name"] not in only or ep > 1 and _sets_ep(row):
                 continue
             saved[row["name"]] = plan_row(row, ep)
             path.write_text(json.dumps([saved[r["name"]] for r in order if r["name"] in saved], indent=1))
