@@ -305,7 +305,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     # lives only in the forward, where no gradient is live yet.
     if scores_working:
         scores_working -= score_elems(cfg, layout) * 1  # the pred mask, forward only
-    working = _working_elems(cfg, layout, per_name) * cd + scores_working
+    working = _working_elems(cfg, layout, bill_moe.working_names(cfg, per_name)) * cd + scores_working
     moe_scratch = bill_moe.kernel_scratch_bytes(cfg, layout, cd) if bill_moe.is_moe(cfg) else 0
     if moe_scratch:
         working += bill_moe.working_bytes(cfg, layout, cd)

@@ -119,6 +119,15 @@ def residual_bytes(cfg: Config, layout, cd: int) -> dict[str, int]:
     return {n.value: shapes[n.value] * cd for n in keep}
 
 
+def working_names(cfg: Config, per_name: dict[str, int]) -> dict[str, int]:
+    """per_name as the layer's working set counts it: with ep > 1 the routed rows' values are the
+    device's whole ep x C rows, already in working_bytes (the kernel's buffers and the all-to-all ones), so
+    the MoE names count 0 there (Mixtral widths, ep 8, seq 32768: counting both over-estimated by a third)."""
+    if not is_moe(cfg) or cfg.parallel.ep <= 1:
+        return per_name
+    return {n: 0 if n in _ROW_WIDE + _EXPERT_WIDE else v for n, v in per_name.items()}
+
+
 # kernels.grouped_matmul=ragged_dot only. Above this size of one [G, R, F] copy XLA no longer keeps three
 # whole expert-width copies at the peak: it splits them over the data axes (or drops them) and keeps the rows
 # expanded twice. A FITTED constant, not derived: from seven deviceless h100-80g compiles (ragged_dot, ep = 1):
@@ -141,9 +150,12 @@ def ragged_dot_copy_bytes(cfg: Config, layout, cd: int) -> int:
         return rows * f * cd  # values at the peak, one more than the rows' gate and up gradients (working_bytes)
     if cfg.parallel.ep > 1:
         # inside the expert-parallel shard_map nothing is split: the rows expanded twice and four expert-width
-        # copies (Qwen3-30B-A3B widths, ep 8, 16 experts a device, dropless and capacity 1.25: two [16, R, 2048],
-        # three [16, R, 768] and one [R, 16, 768]; also observed, not derived)
-        return g * rows * (2 * d + 4 * f) * cd
+        # copies (Qwen3-30B-A3B widths, ep 8, 16 experts a device, seq 1024 dropless and capacity 1.25: two
+        # [16, R, 2048], three [16, R, 768] and one [R, 16, 768]); above WHOLE_COPY_LIMIT the rows expanded three
+        # times and no expert-width copy (seq 8192 dropless: three 32 GiB [R, 16, 2048]). Observed, not derived.
+        if g * rows * f * cd <= WHOLE_COPY_LIMIT:
+            return g * rows * (2 * d + 4 * f) * cd
+        return g * rows * 3 * d * cd
     if g * rows * f * cd <= WHOLE_COPY_LIMIT:
         return g * rows * (d + 3 * f) * cd
     return g * rows * (2 * d + 2 * f // layout.data_ways) * cd
