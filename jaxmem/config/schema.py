@@ -231,10 +231,13 @@ class LoraConfig:
                              "drawn")
     targets: str = _f("all-linear", "projections that get adapters, by Hugging Face name, comma-separated (a YAML "
                                      "list works too): q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
-                                     "down_proj; or all-linear")
+                                     "down_proj; or all-linear. In a mixture of experts gate_proj, up_proj, "
+                                     "down_proj (Mixtral: also w1, w3, w2) adapt every expert, one A, B pair per "
+                                     "expert as PEFT stores them; the router is never adapted")
     base_dtype: Literal["bfloat16", "int8", "nf4"] = _f(
         "bfloat16", "how every frozen linear of the base (adapted or not) is stored, one of bfloat16, int8 (per "
-                    "output channel absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA)")
+                    "output channel absmax), nf4 (NormalFloat-4, blocks of 64 with fp32 scales: QLoRA); a "
+                    "mixture's experts too (its small router stays at the parameter dtype)")
     double_quant: bool = _f(False, "with base_dtype=nf4, quantize the block scales too (int8 in blocks of 256)")
     quantize_embeddings: bool = _f(
         False, "store the frozen embedding table and LM head as base_dtype too (int8 or nf4, per vocab row): the "

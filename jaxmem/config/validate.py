@@ -95,11 +95,13 @@ def _moe_levers(cfg: Config) -> None:
     if m.moe_capacity_factor and ep == 1:
         raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
                               "parallel.ep > 1 or 0 (dropless)")
-    refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
-               "parallel.pp": cfg.parallel.pp > 1}
-    for key, on in refused.items():
-        if on:
-            raise NotYetSupported(f"{key}: not supported with a mixture of experts (model.n_experts) yet")
+    if ep > 1:  # the levers tested with a mixture of experts on one device's experts, not yet with ep
+        refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
+                   "parallel.pp": cfg.parallel.pp > 1}
+        for key, on in refused.items():
+            if on:
+                raise NotYetSupported(f"{key}: not supported with expert parallelism (parallel.ep={ep}) yet; "
+                                      "set parallel.ep=1 (the experts then shard over fsdp)")
 
 
 def _train(cfg: Config) -> None:
@@ -173,7 +175,7 @@ def _lora(cfg: Config) -> None:
                           "same mask); set remat.seq_tile=0 or lora.dropout=0")
     from jaxmem.lora.adapters import resolve_targets
 
-    resolve_targets(lo.targets)  # "lora.targets: 'x' is not a target; use some of ..."
+    resolve_targets(lo.targets, model=cfg.model)  # "lora.targets: 'x' is not a target; use some of ..."
     if cfg.optimizer.update_in_backward or cfg.offload.params == "host":
         raise ConfigError("lora.rank: LoRA does not combine with optimizer.update_in_backward or offload.params=host "
                           "yet (the frozen base stays on the device, quantized if you like: lora.base_dtype)")

@@ -216,13 +216,16 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
 END_PARAMS = ("embed", "final_norm", "lm_head")
 
 
-def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True):
+def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
+             router_carry: bool = False):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
     model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
     `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
     With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
     `base` is the state's frozen part and `dropout_key` the train step's per micro-batch key, both read by the
-    program's plug-in (jaxmem.core.plugins; LoRA: its base, and its adapters' input dropout)."""
+    program's plug-in (jaxmem.core.plugins; LoRA: its base, and its adapters' input dropout).
+    `router_carry` (a mixture of experts' pipeline stage): a stage that is not first takes x = (hidden states,
+    the earlier layers' router statistics), one that is not last returns (hidden states, statistics)."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
@@ -231,8 +234,13 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     plugin = prog.plugin
     plugin.check_mesh(mesh)
 
+    carry = router_carry and bool(cfg.model.n_experts)
+
     def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
             router_losses=False):
+        stats_in = None
+        if carry and not first:  # a later pipeline stage of a mixture of experts: (h, the earlier layers' stats)
+            x, stats_in = x
         params, run_ctx = plugin.bind(prog, params, base, dropout_key, ctx)
         # a stage's module holds placeholders for the end params it does not own (never read)
         params = dict(params, **{k: jnp.zeros((), jnp.float32) for k in END_PARAMS
@@ -241,7 +249,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
         with activation_rules(constrainer):
             h_btd = plugin.embed(prog, base, model, x, run_ctx) if first else x
             h_btd = model.run_layers(h_btd, run_ctx, segment_ids_bt=segment_ids_bt, positions_bt=positions_bt,
-                                     router_losses=router_losses)
+                                     router_losses=router_losses, stats_in=stats_in,
+                                     return_stats=carry and not last)
             if router_losses:  # a mixture of experts: ((loss_sum, n_valid), jaxmem.model.moe.ROUTER_METRICS)
                 h_btd, router = h_btd
             if not last:

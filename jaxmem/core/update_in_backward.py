@@ -25,6 +25,11 @@ place (`put_layer`: a dynamic update slice on the host array), so the device hol
 time. The embedding, final norm and LM head are streamed the same way after the backward. Adam's per-layer
 step counts ([L] integers) ride on the device. The update computed on the host
 (`offload.optimizer_update=host`) and `offload.params=host` are refused (jaxmem.config.validate).
+
+Mixture of experts. The layer scan's carry is then (h, router statistics) (jaxmem.model.moe): the custom VJP
+takes any carry tree, so the forward keeps each layer's (h, statistics) input and the backward hands the
+router losses' cotangent back through the statistics with dh, layer by layer; the loss adds the weighted router
+losses as the plain step does.
 """
 from __future__ import annotations
 
@@ -186,6 +191,7 @@ def make_step(prog, loss_sum_fn):
                      constrain_grad=constrain_grad, fetch=fetch,
                      offload_inputs=cfg.remat.preset == "offload_layer_inputs")
     lr_at = schedule(cfg)
+    moe = cfg.model.n_experts > 0  # the loss adds the router losses (the layer scan carries their statistics)
 
     def counts_to_device(tree):
         return jax.tree.map(lambda x: offload.to_device(x) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
@@ -208,12 +214,17 @@ def make_step(prog, loss_sum_fn):
             layer_state = (layer_weights, layer_opt, factor, sq_seed)
             ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
                 body, h, stacked, layer_state, opt_like))
-            loss_sum, _ = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro)
-            return loss_sum / n_valid, loss_sum
+            out = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro, router_losses=moe)
+            if not moe:
+                return out[0] / n_valid, (out[0], {})
+            (loss_sum, n_micro), router = out  # weighted like the plain step's (jaxmem.core.program)
+            extra = (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
+                     + cfg.model.router_z_loss_coef * router["moe_z_loss"])
+            return (loss_sum + n_micro.astype(jnp.float32) * extra) / n_valid, (loss_sum, router)
 
         rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])
         with jax.named_scope(GRADS_SCOPE):
-            grads, loss_sum = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
+            grads, (loss_sum, router) = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
                 rest, params["layers"], None if master is None else master["layers"],
                 ints_as_floats(counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
         g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
@@ -236,7 +247,7 @@ def make_step(prog, loss_sum_fn):
             new_state["master"] = dict(new_w, layers=home(new_layer_weights, master["layers"]))
         count = adam_count(new_opt)
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
-                   "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0)}
+                   "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0), **router}
         return new_state, metrics
 
     return step

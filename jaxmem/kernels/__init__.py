@@ -64,8 +64,10 @@ def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
     grouped_matmul: blocked everywhere: XLA:GPU densifies ragged_dot (64 GiB of temporaries fwd+bwd at the
     Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md), and on CPU blocked
     measured 23x faster fwd+bwd at 4096 rows (same file; ragged_dot is faster only at toy sizes, < 0.2 ms).
-    The Pallas kernel is as lean on one GPU but not yet timed on one, and on a mesh GSPMD runs it whole on every device
-    (the 8-GPU fsdp Qwen3-30B-A3B step: 50.56 GiB per device against blocked's 29.14), so it is not the default.
+    The Pallas kernel is as lean and faster on one GPU (measured on an H200, jax 0.11.2: fwd+bwd 3.18 ms vs
+    blocked's 13.03 at the Qwen3-30B-A3B shape; the 4-layer seq-8192 step 0.164 s vs 0.309 s, benchmarks/gpu_h200.md),
+    but on a mesh without ep GSPMD runs it whole on every device (the 8-GPU fsdp Qwen3-30B-A3B step: 50.56 GiB
+    per device against blocked's 29.14, compiled deviceless), so it is not the default: set it on one GPU.
     """
     gpu_attention = "cudnn" if cudnn_present() else "pallas"
     auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla",

@@ -6,19 +6,20 @@ the train step passes a key; evaluation and merge-lora never drop, and `lora.dro
 
 Keys, all by jax.random.fold_in, so a step recomputed in the backward (remat) or after a resume draws the
 same masks: key(train.seed) -> DOMAIN -> step -> micro-batch index -> layer index -> the target's index
-in jaxmem.lora.adapters.TARGETS order; the mask keeps each element with probability 1 - p
-(jax.random.bernoulli on the input's shape) and scales the kept ones by 1 / (1 - p).
+in jaxmem.lora.adapters.TARGETS order (an expert projection: its dense name's); the mask keeps each element
+with probability 1 - p (jax.random.bernoulli on the input's shape) and scales the kept ones by 1 / (1 - p).
 """
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 
-from jaxmem.lora.adapters import TARGETS
+from jaxmem.lora.adapters import DENSE_OF_EXPERT, TARGETS
 from jaxmem.lora.linear import AdaptedWeight, FrozenWeight, drop, project  # noqa: F401 (the hook and its weights)
 
 DOMAIN = 0x10AD  # folded into key(train.seed) first: dropout keys never meet the init keys
 TARGET_INDEX = {ours: i for i, ours in enumerate(TARGETS.values())}
+TARGET_INDEX.update({expert: TARGET_INDEX[dense] for expert, dense in DENSE_OF_EXPERT.items()})  # same slot
 
 
 def step_key(seed: int, step, micro) -> jax.Array:

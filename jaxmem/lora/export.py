@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.peft:
         lo = cfg.lora
         save_peft(jax.device_get(state["params"]), cfg.model, args.peft, rank=lo.rank, alpha=lo.alpha,
-                  rslora=lo.rslora, dropout=lo.dropout, targets=tuple(hf_target_names(prog.layout.lora.targets)),
+                  rslora=lo.rslora, dropout=lo.dropout,
+                  targets=tuple(hf_target_names(prog.layout.lora.targets, cfg.model)),
                   base_model=cfg.checkpoint.init_from)
         print(f"jaxmem merge-lora: adapters in PEFT's format in {args.peft}")
     return 0

@@ -2,9 +2,10 @@
 
 The train state keeps the adapters under "params" (the only trainable tree: gradients, optimizer state and
 master weights exist for it alone) and the base model under "base", never written: every linear of every
-layer (all seven projections, adapted or not, as QLoRA defines it) stored as `lora.base_dtype` (bfloat16,
-or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and the embedding and LM head unless
-`lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
+layer (all seven projections, adapted or not, as QLoRA defines it; in a mixture of experts the experts'
+stacked [E, ...] projections, quantized per layer as one weight, while the small router stays at the parameter
+dtype) stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and
+the embedding and LM head unless `lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
 linear replaced by a [L] placeholder; the layer scan carries the stored linears and the adapters per layer
 and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
 computes x W + scale * (x A) B with W dequantized under a custom VJP that keeps only the stored form for the
@@ -37,20 +38,23 @@ class LoraSetup:
     base_dtype: str
     double_quant: bool
     quantize_embeddings: bool = False  # the embedding table and LM head stored as base_dtype too (frozen_vocab)
-    frozen: tuple[str, ...] = tuple(TARGETS.values())  # the linears stored as base_dtype: all of them
+    # the linears stored as base_dtype: all of them (a mixture of experts: the experts', not the router)
+    frozen: tuple[str, ...] = tuple(TARGETS.values())
 
     @classmethod
     def from_config(cls, cfg: Config) -> "LoraSetup | None":
         lo = cfg.lora
         if lo.rank <= 0:
             return None
-        return cls(resolve_targets(lo.targets), lo.rank, lora_scale(lo.alpha, lo.rank, lo.rslora), lo.base_dtype,
-                   lo.double_quant, lo.quantize_embeddings)
+        return cls(resolve_targets(lo.targets, model=cfg.model), lo.rank, lora_scale(lo.alpha, lo.rank, lo.rslora),
+                   lo.base_dtype, lo.double_quant, lo.quantize_embeddings, tuple(target_weights(cfg.model)))
 
 
 def _in_dims(cfg: Config, name: str) -> tuple[int, ...]:
-    """Per-layer axes of weight `name` that are its inputs (the axes int8 scales reduce over)."""
-    return tuple(range(len(target_weights(cfg.model)[name].in_shape)))
+    """Per-layer axes of weight `name` that are its inputs (the axes int8 scales reduce over; an expert's
+    follow its expert dim)."""
+    w = target_weights(cfg.model)[name]
+    return tuple(range(len(w.lead_shape), len(w.lead_shape) + len(w.in_shape)))
 
 
 def store(setup: LoraSetup, cfg: Config, name: str, w: jax.Array):
@@ -155,4 +159,4 @@ def fetch_fn(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], p: float = 0.
 def layer_shapes(cfg: Config, setup: LoraSetup) -> dict[str, tuple[int, ...]]:
     """Per-layer shape of each frozen linear."""
     weights = target_weights(cfg.model)
-    return {name: weights[name].in_shape + weights[name].out_shape for name in setup.frozen}
+    return {name: weights[name].layer_shape for name in setup.frozen}

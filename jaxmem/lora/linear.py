@@ -13,6 +13,10 @@ weight lives from the forward to the backward, with or without a remat policy (`
 included). The low-rank path is ordinary autodiff in the compute dtype with fp32
 accumulation: its residuals are the projection's input (kept anyway) and x A ([tokens, r]); its backward
 adds scale * (dy B^T) A^T to dx and gives dA = x^T (scale * dy B^T), dB = (x A)^T (scale * dy).
+
+A mixture of experts' grouped matmuls (`ForwardContext.grouped`, `grouped_project` here) take the same two
+paths over the rows sorted by expert: x W_e by a ragged_dot with W [E, *in, *out] dequantized under the
+save-nothing checkpoint, and the adapters (rows A_e) B_e as two more ragged_dots with A [E, D, r], B [E, r, F].
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import jax.numpy as jnp
 
 from jaxmem.lora.quant import dequantize
 from jaxmem.model.layers import einsum_project
+from jaxmem.model.moe import grouped_linear
 
 
 @jax.tree_util.register_dataclass
@@ -57,6 +62,11 @@ class AdaptedWeight:
 
     def __getitem__(self, index):
         return self
+
+    @property
+    def shape(self) -> tuple:
+        """The frozen weight's shape (a mixture of experts reads its expert count from it)."""
+        return self.base.shape
 
 
 def frozen_einsum(spec: str, x: jax.Array, w: FrozenWeight, compute_dtype) -> jax.Array:
@@ -101,4 +111,34 @@ def project(spec: str, x: jax.Array, w, compute_dtype) -> jax.Array:
     y = frozen_einsum(spec, x, w.base, compute_dtype)
     x_in = drop(w.key, x, w.p) if w.key is not None and w.p > 0 else x
     low = low_rank(spec, x_in, w.a, w.b, compute_dtype)
+    return (y.astype(jnp.float32) + w.scale * low).astype(compute_dtype)
+
+
+def frozen_ragged(x_rows: jax.Array, w: FrozenWeight, group_sizes: jax.Array, compute_dtype,
+                  kernel=jax.lax.ragged_dot) -> jax.Array:
+    """The grouped matmul `kernel` (jaxmem.kernels.grouped_matmul) of x by W over rows grouped by expert, W
+    [E, *in, *out] dequantized from `w` under the save-nothing checkpoint of frozen_einsum."""
+    return _frozen_ragged(compute_dtype, kernel, x_rows, w, group_sizes)
+
+
+@functools.partial(jax.checkpoint, policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(0, 1))
+def _frozen_ragged(compute_dtype, kernel, x, w, group_sizes):
+    w = jax.tree.map(jax.lax.stop_gradient, w)
+    return kernel(x, w.dequantize(compute_dtype), group_sizes, preferred_element_type=compute_dtype)
+
+
+def grouped_project(x_rows: jax.Array, w, group_sizes: jax.Array, compute_dtype, *,
+                    kernel=jax.lax.ragged_dot) -> jax.Array:
+    """The grouped-matmul hook of a LoRA run (rows sorted by expert, group_sizes rows per expert): a
+    FrozenWeight as x W_e, an AdaptedWeight as x W_e + scale * (drop(x) A_e) B_e (fp32 sum, compute dtype out),
+    a plain weight as the model's default; every product through the grouped matmul `kernel`."""
+    if isinstance(w, FrozenWeight):
+        return frozen_ragged(x_rows.astype(compute_dtype), w, group_sizes, compute_dtype, kernel)
+    if not isinstance(w, AdaptedWeight):
+        return grouped_linear(x_rows, w, group_sizes, compute_dtype, kernel=kernel)
+    x = x_rows.astype(compute_dtype)
+    y = frozen_ragged(x, w.base, group_sizes, compute_dtype, kernel)
+    x_in = drop(w.key, x, w.p) if w.key is not None and w.p > 0 else x
+    xa = kernel(x_in, w.a.astype(compute_dtype), group_sizes, preferred_element_type=jnp.float32)
+    low = kernel(xa.astype(compute_dtype), w.b.astype(compute_dtype), group_sizes, preferred_element_type=jnp.float32)
     return (y.astype(jnp.float32) + w.scale * low).astype(compute_dtype)

@@ -52,17 +52,30 @@ def check_model(path: Path, cfg: Config) -> None:
 
 
 def store_layer(setup: LoraSetup, cfg: Config, name: str, w: np.ndarray):
-    """One layer of a frozen linear (numpy, the parameter dtype) in its stored form, as frozen.store."""
+    """One layer of a frozen linear (numpy, the parameter dtype) in its stored form, as frozen.store (the
+    experts' [E, ...] weight: int8 per expert, then stacked; nf4 flattened whole, as on the device)."""
     if setup.base_dtype == "int8":
-        return quant_host.quantize_int8(w, tuple(range(len(target_weights(cfg.model)[name].in_shape))))
+        weight = target_weights(cfg.model)[name]
+        ins = tuple(range(len(weight.in_shape)))
+        if weight.lead_shape:
+            per_expert = [quant_host.quantize_int8(w[e], ins) for e in range(w.shape[0])]
+            return {k: np.stack([q[k] for q in per_expert]) for k in per_expert[0]}
+        return quant_host.quantize_int8(w, ins)
     if setup.base_dtype == "nf4":
         return quant_host.quantize_nf4(w, NF4_BLOCK, setup.double_quant)
     return w.astype(jnp.dtype(setup.base_dtype))
 
 
 def read_layer(reader: CheckpointReader, pm, layer: int, layer_shape: tuple[int, ...]) -> np.ndarray:
-    """Layer `layer` of the stacked param `pm`, whole, in our layout (the HF tensor's dtype)."""
-    name = pm.hf_name.format(layer=layer)
+    """Layer `layer` of the stacked param `pm`, whole, in our layout (the HF tensor's dtype); a mixture's expert
+    param (one HF tensor per expert) stacked over its experts."""
+    if pm.lead == 2:
+        return np.stack([_read_tensor(reader, pm, pm.name_at((layer, e)), layer_shape[1:])
+                         for e in range(layer_shape[0])])
+    return _read_tensor(reader, pm, pm.hf_name.format(layer=layer), layer_shape)
+
+
+def _read_tensor(reader: CheckpointReader, pm, name: str, layer_shape: tuple[int, ...]) -> np.ndarray:
     block = read_slice(pm.kind, lambda hf_index: reader.read(name, hf_index), (slice(None),) * len(layer_shape),
                        layer_shape)
     if not np.isfinite(block).all():

@@ -3,6 +3,9 @@
 PEFT stores, per layer and target, lora_A [r, in_features] and lora_B [out_features, r] such that the
 HF weight [out, in] becomes W + scale * lora_B @ lora_A. Ours are A [*in_shape, r] and B [r, *out_shape]
 per layer; flattening the head dims row-major is the same order jaxmem.io.hf_layout uses for the base weights.
+A mixture of experts' adapters are one pair per layer and expert, under the family's expert module names
+(base_model.model.model.layers.{i}.mlp.experts.{e}.gate_proj.lora_A.weight; Mixtral: block_sparse_moe.experts.
+{e}.w1), and target_modules names them as the family does (gate_proj, up_proj, down_proj; Mixtral w1, w3, w2).
 """
 from __future__ import annotations
 
@@ -15,7 +18,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.flax import save_file
 
 from jaxmem.io.hf_config import read_json_object
-from jaxmem.lora.adapters import ALL_LINEAR, TARGETS, hf_target_names, resolve_targets, scale, target_weights
+from jaxmem.lora.adapters import (ALL_LINEAR, PARAM_ORDER, hf_target_names, model_targets, resolve_targets, scale,
+                                  target_weights)
 from jaxmem.config.schema import ConfigError, ModelConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -29,10 +33,18 @@ UNSUPPORTED = {**WRITTEN_DEFAULTS, "lora_bias": False, "layer_replication": None
                "exclude_modules": None, "trainable_token_indices": None, "use_qalora": False}
 
 
-def tensor_names(layer: int, hf_module: str) -> tuple[str, str]:
-    """PEFT's (lora_A, lora_B) tensor names for one layer's module, e.g. hf_module "self_attn.q_proj"."""
-    base = KEY_PREFIX.format(layer=layer) + hf_module
+def tensor_names(layer: int, hf_module: str, expert: int | None = None) -> tuple[str, str]:
+    """PEFT's (lora_A, lora_B) tensor names for one layer's module, e.g. hf_module "self_attn.q_proj" (an
+    expert's, "mlp.experts.{expert}.gate_proj", with its expert index)."""
+    base = KEY_PREFIX.format(layer=layer) + hf_module.format(expert=expert)
     return base + ".lora_A.weight", base + ".lora_B.weight"
+
+
+def _slots(w, n_layers: int):
+    """(index into our [L, *lead] stacks, layer, expert or None) for every PEFT pair of weight `w`."""
+    if not w.lead_shape:
+        return [((layer,), layer, None) for layer in range(n_layers)]
+    return [((layer, e), layer, e) for layer in range(n_layers) for e in range(w.lead_shape[0])]
 
 
 def save_peft(adapters: dict, model_cfg: ModelConfig, path, *, rank: int, alpha: float, rslora: bool = False,
@@ -44,29 +56,32 @@ def save_peft(adapters: dict, model_cfg: ModelConfig, path, *, rank: int, alpha:
     """
     path = Path(path)
     layers = adapters["layers"]
-    wanted = [TARGETS.get(t, t) for t in (targets or layers)]  # HF module names or ours
+    by_hf = model_targets(model_cfg)
+    wanted = [by_hf.get(t, t) for t in (targets or layers)]  # HF module names or ours
     for name in wanted:
         if name not in layers:
             raise ConfigError(f"save_peft targets: {name!r} has no adapter; the adapters hold {', '.join(layers)}")
-    targets = tuple(p for p in TARGETS.values() if p in wanted)
+    targets = tuple(p for p in PARAM_ORDER if p in wanted)
     weights = target_weights(model_cfg)
     tensors = {}
     for param in targets:
-        w = weights[param]
+        w = weights.get(param)
+        if w is None:
+            raise ConfigError(f"adapters.layers.{param}: the model has no such weight; it has {', '.join(weights)}")
         a, b = np.asarray(layers[param]["a"]), np.asarray(layers[param]["b"])
-        expected_a = (model_cfg.n_layers, *w.in_shape, rank)
-        expected_b = (model_cfg.n_layers, rank, *w.out_shape)
+        expected_a = (model_cfg.n_layers, *w.lead_shape, *w.in_shape, rank)
+        expected_b = (model_cfg.n_layers, *w.lead_shape, rank, *w.out_shape)
         if a.shape != expected_a or b.shape != expected_b:
             raise ConfigError(f"adapters.layers.{param}: A {list(a.shape)} and B {list(b.shape)} do not fit the "
                               f"model; expected A {list(expected_a)}, B {list(expected_b)}")
-        for layer in range(model_cfg.n_layers):
-            name_a, name_b = tensor_names(layer, w.hf_module)
-            tensors[name_a] = jnp.asarray(np.ascontiguousarray(a[layer].reshape(w.in_features, rank).T))
-            tensors[name_b] = jnp.asarray(np.ascontiguousarray(b[layer].reshape(rank, w.out_features).T))
+        for index, layer, expert in _slots(w, model_cfg.n_layers):
+            name_a, name_b = tensor_names(layer, w.hf_module, expert)
+            tensors[name_a] = jnp.asarray(np.ascontiguousarray(a[index].reshape(w.in_features, rank).T))
+            tensors[name_b] = jnp.asarray(np.ascontiguousarray(b[index].reshape(rank, w.out_features).T))
     config = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model or None,
         "r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "use_rslora": rslora,
-        "target_modules": hf_target_names(targets), "inference_mode": True, "init_lora_weights": True,
+        "target_modules": hf_target_names(targets, model_cfg), "inference_mode": True, "init_lora_weights": True,
         **WRITTEN_DEFAULTS,
     }
     path.mkdir(parents=True, exist_ok=True)
@@ -75,7 +90,7 @@ def save_peft(adapters: dict, model_cfg: ModelConfig, path, *, rank: int, alpha:
     return path
 
 
-def _settings(config: dict, where: Path) -> dict:
+def _settings(config: dict, where: Path, model_cfg: ModelConfig | None = None) -> dict:
     """The LoRA settings of a PEFT adapter_config.json; ConfigError for what this format cannot carry."""
     if config.get("peft_type") != "LORA":
         raise ConfigError(f"{where}: peft_type is {config.get('peft_type')!r}; only LORA adapters are supported")
@@ -88,11 +103,12 @@ def _settings(config: dict, where: Path) -> dict:
     if not isinstance(config["r"], int):
         raise ConfigError(f"{where}: r is {config['r']!r}; expected a positive integer")
     modules = config.get("target_modules")
+    allowed = model_targets(model_cfg)
     if not isinstance(modules, (list, str)) or (isinstance(modules, str) and modules != ALL_LINEAR
-                                                and modules not in TARGETS):
+                                                and modules not in allowed):
         raise ConfigError(f"{where}: target_modules is {modules!r}; expected a list of "
-                          f"{', '.join(TARGETS)} or {ALL_LINEAR!r}")
-    targets = resolve_targets(modules, key=f"{where}: target_modules")
+                          f"{', '.join(allowed)} or {ALL_LINEAR!r}")
+    targets = resolve_targets(modules, key=f"{where}: target_modules", model=model_cfg)
     rslora = bool(config.get("use_rslora", False))
     return {"rank": config["r"], "alpha": config["lora_alpha"], "rslora": rslora,
             "dropout": float(config.get("lora_dropout", 0.0)), "targets": targets,
@@ -111,7 +127,7 @@ def load_peft(path, model_cfg: ModelConfig) -> tuple[dict, dict]:
     for f in (config_file, weights_file):
         if not f.is_file():
             raise ConfigError(f"{f}: not found; expected a PEFT adapter directory ({CONFIG_FILE}, {WEIGHTS_FILE})")
-    settings = _settings(read_json_object(config_file), config_file)
+    settings = _settings(read_json_object(config_file), config_file, model_cfg)
     rank = settings["rank"]
     weights = target_weights(model_cfg)
     try:
@@ -124,8 +140,8 @@ def load_peft(path, model_cfg: ModelConfig) -> tuple[dict, dict]:
         for param in settings["targets"]:
             w = weights[param]
             stacks = {"a": [], "b": []}
-            for layer in range(model_cfg.n_layers):
-                for part, name, expected in zip(("a", "b"), tensor_names(layer, w.hf_module),
+            for _, layer, expert in _slots(w, model_cfg.n_layers):
+                for part, name, expected in zip(("a", "b"), tensor_names(layer, w.hf_module, expert),
                                                 ((rank, w.in_features), (w.out_features, rank))):
                     if name not in present:
                         raise ConfigError(f"{weights_file}: tensor {name} is missing")
@@ -134,11 +150,12 @@ def load_peft(path, model_cfg: ModelConfig) -> tuple[dict, dict]:
                         raise ConfigError(f"{weights_file}: tensor {name} has shape {list(shape)}, the model and "
                                           f"r={rank} imply {list(expected)}; the adapter is for another model")
                     stacks[part].append(handle.get_tensor(name))
+            lead = (model_cfg.n_layers, *w.lead_shape)
             a = jnp.stack([t.T.reshape(*w.in_shape, rank) for t in stacks["a"]])
             b = jnp.stack([t.T.reshape(rank, *w.out_shape) for t in stacks["b"]])
-            layers[param] = {"a": a, "b": b}
-        expected_names = {n for p in settings["targets"] for i in range(model_cfg.n_layers)
-                          for n in tensor_names(i, weights[p].hf_module)}
+            layers[param] = {"a": a.reshape(*lead, *a.shape[1:]), "b": b.reshape(*lead, *b.shape[1:])}
+        expected_names = {n for p in settings["targets"] for _, i, e in _slots(weights[p], model_cfg.n_layers)
+                          for n in tensor_names(i, weights[p].hf_module, e)}
         extra = sorted(present - expected_names)
         if extra:
             raise ConfigError(f"{weights_file}: tensor {extra[0]} does not belong to the model's "

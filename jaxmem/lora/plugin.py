@@ -73,9 +73,9 @@ class LoraPlugin(ProgramPlugin):
         return frozen.fetch_fn(self.setup, frozen.layer_shapes(cfg, self.setup), cfg.lora.dropout)
 
     def forward_context(self, ctx):
-        from jaxmem.lora.linear import project
+        from jaxmem.lora.linear import grouped_project, project
 
-        return dataclasses.replace(ctx, project=project)
+        return dataclasses.replace(ctx, project=project, grouped=grouped_project)
 
     def check_mesh(self, mesh) -> None:
         if self.setup.quantize_embeddings and mesh.size > 1:

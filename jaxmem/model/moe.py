@@ -64,8 +64,8 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
         logits = tag(jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd),
                                 preferred_element_type=jnp.float32), CN.ROUTER_LOGITS)
     probs, weights, experts = route(logits, k, layer.router_norm_topk)
-    ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, compute_dtype=cd,
-                            matmul=ctx.grouped_matmul)
+    linear = lambda lhs, w, group_sizes: ctx.grouped(lhs, w, group_sizes, cd, kernel=ctx.grouped_matmul)  # noqa: E731
+    ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, matmul=linear)
     expert_weights = (layer.expert_gate[...], layer.expert_up[...], layer.expert_down[...])
     out_nd, dropped = ctx.experts(x_nd, weights.astype(cd), experts, expert_weights, ffn, tag)
     with scope(CN.MLP_OUT):
@@ -77,16 +77,15 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     return out, stats
 
 
-def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, compute_dtype,
-                matmul=jax.lax.ragged_dot):
+def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, matmul):
     """The gated experts over rows grouped by expert (group g: the next group_sizes[g] rows, through weights
-    [g]); rows past the groups' total come out zero. `matmul(lhs, rhs, group_sizes, *, preferred_element_type)`
-    is the grouped matmul (ctx.grouped_matmul: jaxmem.kernels.grouped_matmul)."""
+    [g]); rows past the groups' total come out zero. `matmul(lhs, w, group_sizes)` multiplies the rows by the
+    experts' stacked weight in the compute dtype (ForwardContext.grouped with its grouped-matmul kernel)."""
     from jaxmem.model.gated import gated_activation
 
     def grouped(name, lhs, w):
         with scope(name):
-            return tag(matmul(lhs, w.astype(compute_dtype), group_sizes, preferred_element_type=compute_dtype), name)
+            return tag(matmul(lhs, w, group_sizes), name)
 
     gate = grouped(CN.EXPERT_GATE, rows, gate_w)
     up = grouped(CN.EXPERT_UP, rows, up_w)
@@ -114,6 +113,13 @@ def dispatch_local(x_nd, weights_nk, experts_nk, expert_weights, ffn, tag):
 def combine(back_nkd, weights_nk):
     """Each token's k expert outputs summed with its routing weights."""
     return jnp.einsum("NKD,NK->ND", back_nkd, weights_nk.astype(back_nkd.dtype))
+
+
+def grouped_linear(rows, w, group_sizes, compute_dtype, *, kernel=jax.lax.ragged_dot):
+    """The default `ForwardContext.grouped`: rows [N, in] sorted by expert times that expert's weight of
+    w [E, in, out] (group_sizes rows each) in the compute dtype, through the grouped matmul `kernel`
+    (ForwardContext.grouped_matmul: jaxmem.kernels.grouped_matmul; LoRA: jaxmem.lora.linear.grouped_project)."""
+    return kernel(rows, w.astype(compute_dtype), group_sizes, preferred_element_type=compute_dtype)
 
 
 def zero_stats(n_experts: int) -> dict:

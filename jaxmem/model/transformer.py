@@ -42,8 +42,11 @@ class ForwardContext:
     per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
     project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
     experts(x, weights, experts, expert_weights, ffn, tag) runs a mixture of experts' routed rows
-    (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel).
-    grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type) runs the MoE experts (as ragged_dot).
+    (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel);
+    grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type) is the experts' grouped matmul kernel
+    (jaxmem.kernels.grouped_matmul; ragged_dot by default);
+    grouped(rows, w, group_sizes, compute_dtype, *, kernel) multiplies expert-sorted rows by the experts'
+    stacked weight through that kernel (LoRA: jaxmem.lora.linear.grouped_project).
     """
 
     compute_dtype: Any = jnp.float32
@@ -55,6 +58,7 @@ class ForwardContext:
     project: Callable = einsum_project
     experts: Callable = moe_stats.dispatch_local
     grouped_matmul: Callable = grouped_matmul_reference
+    grouped: Callable = moe_stats.grouped_linear
 
 
 DEFAULT_CONTEXT = ForwardContext()
@@ -95,9 +99,12 @@ class Transformer(nnx.Module):
         return constrain(h.astype(ctx.compute_dtype), ACT_BTD)
 
     def run_layers(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT, *, segment_ids_bt=None,
-                   positions_bt=None, router_losses: bool = False):
+                   positions_bt=None, router_losses: bool = False, stats_in: dict | None = None,
+                   return_stats: bool = False):
         """The decoder layers this module holds, over h [B, T, D]; positions default to 0..T-1 per row.
-        With a mixture of experts and `router_losses`: (h, jaxmem.model.moe.router_losses(...))."""
+        With a mixture of experts and `router_losses`: (h, jaxmem.model.moe.router_losses(...));
+        a pipeline stage starts from the previous stages' router statistics (`stats_in`) and, with
+        `return_stats`, hands (h, statistics) to the next."""
         cfg = self.cfg
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
@@ -145,8 +152,10 @@ class Transformer(nnx.Module):
             return pack(h, index + 1 if mixed else None, moe_stats.add_stats(stats, layer_stats) if moe else None)
 
         start = pack(h_btd, jnp.zeros((), jnp.int32) if mixed else None,
-                     moe_stats.zero_stats(cfg.n_experts) if moe else None)
+                     (moe_stats.zero_stats(cfg.n_experts) if stats_in is None else stats_in) if moe else None)
         h_btd, _, stats = unpack(ctx.scan_layers(step, start, stacked))
+        if return_stats and moe:
+            return h_btd, stats
         if router_losses and moe:
             return h_btd, moe_stats.router_losses(stats, cfg.n_experts)
         return h_btd

@@ -82,8 +82,7 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
         fwd = stage.forward.lower(p_grad, x, extras).compile()
         out_avals = fwd.out_info
         res_avals = _with_sharding(out_avals[1], fwd.output_shardings[1])
-        act = out_avals[0]
-        ct = jax.ShapeDtypeStruct(act.shape, act.dtype, sharding=fwd.output_shardings[0])
+        ct = stage.abstract_cotangent(out_avals[0], fwd.output_shardings[0])
         bwd = stage.backward.lower(p_grad, res_avals, ct, grads).compile()
         norm = jax.ShapeDtypeStruct((), jnp.float32)
         upd = stage.update.lower(state, grads, norm).compile()

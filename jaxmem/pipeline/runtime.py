@@ -22,7 +22,7 @@ from jaxmem.core.layout import Layout
 from jaxmem.model import init_model
 from jaxmem.core.optim import adam_count, schedule as lr_schedule
 from jaxmem.pipeline import partition, schedule as schedules
-from jaxmem.pipeline.stage import Stage
+from jaxmem.pipeline.stage import Stage, stats_size
 from jaxmem.pipeline.transfer import Link, leads, owns
 from jaxmem.core.step_state import assemble_state, batch_keys, split_batch
 from jaxmem.config.schema import Config, ConfigError
@@ -197,6 +197,12 @@ class Links:
         self.ahead = [Link(a.mesh, b.mesh, shape, dtype, b.activation.spec) for a, b in zip(stages, stages[1:])]
         self.back = [Link(b.mesh, a.mesh, shape, dtype, a.activation.spec, reverse=True)
                      for a, b in zip(stages, stages[1:])]
+        if prog.cfg.model.n_experts:  # the router statistics (and their cotangents) travel beside h
+            n = (stats_size(prog.cfg.model.n_experts),)
+            self.ahead = [_WithStats(h, Link(a.mesh, b.mesh, n, jnp.float32, P()))
+                          for h, a, b in zip(self.ahead, stages, stages[1:])]
+            self.back = [_WithStats(h, Link(b.mesh, a.mesh, n, jnp.float32, P(), reverse=True))
+                         for h, a, b in zip(self.back, stages, stages[1:])]
         self.embed = None
         if prog.cfg.model.tie_embeddings:
             first, last = stages[0], stages[-1]
@@ -204,6 +210,17 @@ class Links:
             spec = first.prog.grad_specs["embed"]
             self.embed = (Link(first.mesh, last.mesh, embed.shape, jnp.float32, spec),
                           Link(last.mesh, first.mesh, embed.shape, jnp.float32, spec, reverse=True))
+
+
+class _WithStats:
+    """A mixture of experts' transfer: (hidden states, packed router statistics) over two links."""
+
+    def __init__(self, hidden: Link, stats: Link):
+        self.hidden, self.stats = hidden, stats
+
+    def send(self, x):
+        h, packed = (None, None) if x is None else x
+        return self.hidden.send(h), self.stats.send(packed)
 
 
 class PipelineStep:
@@ -226,7 +243,7 @@ class PipelineStep:
         grads = [s.zero_grads() if own else None for s, own in zip(stages, mine)]
         received: dict = {}
         residuals: dict = {}
-        loss_sums = []
+        loss_sums, routers = [], []
         ct_last = jnp.float32(1.0) / n_valid
         for s, op, m in prog.schedule.order:
             stage = stages[s]
@@ -238,6 +255,9 @@ class PipelineStep:
                               _put(stage, segment_ids, m), _put(stage, positions, m))
                     out, residuals[(s, m)] = stage.forward(params[s], x, extras)
                     if stage.last:
+                        if stage.n_experts:  # (loss sum, router losses)
+                            out, router = out
+                            routers.append(router)
                         loss_sums.append(out)
                 if not stage.last:
                     moved = self.links.ahead[s].send(out)
@@ -272,6 +292,8 @@ class PipelineStep:
         metrics = {"loss": np.float32(loss_sum / n_valid), "grad_norm": np.float32(norm),
                    "lr": self.lr_at(jnp.maximum(jax.device_get(count) - 1, 0)), "tokens": n_valid,
                    "update_skipped": np.bool_(False), "loss_scale": np.float32(1.0)}
+        if prog.cfg.model.n_experts:  # the micro-batches' mean, as the one-program step reports them
+            metrics.update(_router_means(routers, leads(stages[-1].mesh)))
         return {"stages": new}, metrics
 
     def _sum_tied_embedding(self, grads, mine):
@@ -284,6 +306,14 @@ class PipelineStep:
         if mine[-1]:
             grads[-1] = dict(grads[-1], embed=self.add(at_last, gl))
         return grads
+
+
+def _router_means(routers: list, reports: bool) -> dict:
+    """{"moe_aux_loss", "moe_z_loss"}: the mean over micro-batches of the last stage's router losses (this
+    process's, where it leads the last stage), summed over processes."""
+    keys = ("moe_aux_loss", "moe_z_loss")
+    local = [sum(float(r[k]) for r in routers) / max(len(routers), 1) if reports else 0.0 for k in keys]
+    return {k: np.float32(v) for k, v in zip(keys, _sum_over_processes(local))}
 
 
 def _put(stage: Stage, array, m: int):

@@ -6,6 +6,11 @@ driver, which holds them until the micro-batch's backward: so a stage's memory i
 residuals of the micro-batches in flight (1F1B: at most pp - s), and a stage with fewer layers holds less.
 Residuals that are just the stage's params are not returned (they would be copies): the backward takes
 the params again and puts them back in place.
+
+A mixture of experts' load-balancing loss pools the router statistics of every layer (jaxmem.model.moe), so a
+stage hands on (hidden states, its running statistics packed in one fp32 vector) and takes their cotangents
+back; the last stage adds the weighted router losses to its loss as the one-program step does, and reports
+them with its loss sum.
 """
 from __future__ import annotations
 
@@ -14,7 +19,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.core import offload, sharding
 from jaxmem.model.layers import ACT_BTD
@@ -49,10 +54,12 @@ class Stage:
         self.activation = NamedSharding(mesh, spec)
         self.rows = NamedSharding(mesh, sharding.batch_spec(mesh))  # [rows, T] token-shaped inputs
         self.grad_shardings = sharding.named(mesh, self.prog.grad_specs)
-        self._run = stage_fn(self.prog, first=self.first, last=self.last)
+        self.n_experts = cfg.model.n_experts  # a mixture of experts: its router statistics travel with h
+        self.stats = NamedSharding(mesh, P())
+        self._run = stage_fn(self.prog, first=self.first, last=self.last, router_carry=bool(self.n_experts))
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward, donate_argnums=(3,),  # residuals free as the driver drops them
-                                out_shardings=(self.grad_shardings, None if self.first else self.activation))
+                                out_shardings=(self.grad_shardings, None if self.first else self._carried()))
         self.zero_grads = jax.jit(self._zero_grads, out_shardings=self.grad_shardings)
         self.grad_sums = jax.jit(self._grad_sums)
         self.params_for_grad = jax.jit(self._params_for_grad)
@@ -69,23 +76,43 @@ class Stage:
     def _zero_grads(self):
         return jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), self.prog.layout.abstract_params)
 
+    def _carried(self):
+        """What goes between stages: the hidden states' sharding (and the statistics' for a mixture)."""
+        return (self.activation, self.stats) if self.n_experts else self.activation
+
+    def _constrain(self, x):
+        return jax.lax.with_sharding_constraint(x, self._carried())
+
     def _call(self, params, x, extras):
+        """(what the vjp differentiates: hidden states or the loss; what the driver reports on the last stage:
+        the loss sum, and for a mixture (loss sum, router losses))."""
         labels, segment_ids, positions = extras
+        if self.n_experts and not self.first:
+            h, packed = x
+            x = (h, unpack_stats(packed, self.n_experts))
+        if self.last and self.n_experts:
+            m = self.cfg.model
+            (loss_sum, n_micro), router = self._run(params, x, labels, segment_ids, positions, router_losses=True)
+            extra = m.router_aux_loss_coef * router["moe_aux_loss"] + m.router_z_loss_coef * router["moe_z_loss"]
+            return loss_sum + n_micro.astype(jnp.float32) * extra, (loss_sum, router)
         out = self._run(params, x, labels, segment_ids, positions)
-        return out[0] if self.last else out  # the loss sum (its count is the driver's)
+        if self.last:
+            return out[0], out[0]  # the loss sum (its count is the driver's)
+        if self.n_experts:
+            out = (out[0], pack_stats(out[1]))
+        return out, None
 
     def _forward(self, params, x, extras):
         """(hidden states for the next stage, or this micro-batch's loss sum on the last; residuals)."""
         if self.first:  # integer tokens get no cotangent
-            out, pullback = jax.vjp(lambda p: self._call(p, x, extras), params)
+            out, pullback, report = jax.vjp(lambda p: self._call(p, x, extras), params, has_aux=True)
         else:
-            out, pullback = jax.vjp(lambda p, h: self._call(p, h, extras), params, x)
+            out, pullback, report = jax.vjp(lambda p, h: self._call(p, h, extras), params, x, has_aux=True)
         leaves, treedef = jax.tree.flatten(pullback)
         param_leaves = jax.tree.leaves(params)
         sources = tuple(next((i for i, p in enumerate(param_leaves) if p is leaf), None) for leaf in leaves)
         self._residuals = _Residuals(treedef, sources)
-        if not self.last:
-            out = jax.lax.with_sharding_constraint(out, self.activation)
+        out = report if self.last else self._constrain(out)
         return out, [leaf for leaf, src in zip(leaves, sources) if src is None]
 
     def _backward(self, params, residuals, cotangent, grads):
@@ -97,15 +124,17 @@ class Stage:
         g = offload.constrain_device_part(self.cfg, g, self.grad_shardings)
         grads = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), grads, g)
         if dx is not None:
-            dx = jax.lax.with_sharding_constraint(dx, self.activation)
+            dx = self._constrain(dx)
         return grads, dx
 
     def _evaluate(self, params, x, extras):
         """Forward only (held-out evaluation): hidden states, or (loss sum, valid labels) on the last stage."""
+        if self.n_experts and not self.first:
+            x = (x[0], unpack_stats(x[1], self.n_experts))
         out = self._run(self._params_for_grad(params), x, *extras)
         if self.last:
             return out[0], out[1].astype(jnp.float32)
-        return jax.lax.with_sharding_constraint(out, self.activation)
+        return self._constrain((out[0], pack_stats(out[1])) if self.n_experts else out)
 
     def _grad_sums(self, grads):
         """Sum of squares of this stage's gradients (the global norm is over every stage)."""
@@ -136,7 +165,17 @@ class Stage:
     def abstract_input(self):
         if self.first:
             return jax.ShapeDtypeStruct((self.prog.rows, self.cfg.train.seq_len), jnp.int32, sharding=self.rows)
-        return jax.ShapeDtypeStruct(self.activation_shape, self.prog.precision.compute, sharding=self.activation)
+        h = jax.ShapeDtypeStruct(self.activation_shape, self.prog.precision.compute, sharding=self.activation)
+        if self.n_experts:
+            return h, jax.ShapeDtypeStruct((stats_size(self.n_experts),), jnp.float32, sharding=self.stats)
+        return h
+
+    def abstract_cotangent(self, out_aval, out_sharding):
+        """The backward's cotangent for the forward's first output: the loss's scalar on the last stage, else
+        what the forward hands on (hidden states, and a mixture's statistics)."""
+        if self.last:
+            return jax.ShapeDtypeStruct((), jnp.float32, sharding=self.stats)
+        return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), out_aval, out_sharding)
 
     @property
     def activation_shape(self) -> tuple[int, int, int]:
@@ -144,3 +183,19 @@ class Stage:
 
     def abstract_params_for_grad(self):
         return jax.eval_shape(self._params_for_grad, self.prog.abstract_state["params"])
+
+
+def stats_size(n_experts: int) -> int:
+    """Length of a mixture's packed router statistics: per-expert rows and probabilities, z, rows."""
+    return 2 * n_experts + 2
+
+
+def pack_stats(stats: dict) -> jax.Array:
+    """The router statistics (jaxmem.model.moe.zero_stats' keys) as one fp32 vector, to cross a stage boundary."""
+    return jnp.concatenate([stats["expert_rows"], stats["router_prob"], stats["router_z"][None], stats["rows"][None]])
+
+
+def unpack_stats(packed: jax.Array, n_experts: int) -> dict:
+    e = n_experts
+    return {"expert_rows": packed[:e], "router_prob": packed[e:2 * e], "router_z": packed[2 * e],
+            "rows": packed[2 * e + 1]}

@@ -21,6 +21,7 @@ FEATURES = {
     "host offload on compile-only devices (jaxmem.runtime.memory_kinds_shim)": JAX_RANGE,
     "host-side optimizer update (compute_on)": JAX_RANGE,
     "deviceless GPU topologies (jaxmem.runtime.aot)": JAX_RANGE,
+    "shard_map varying axes of a value (varying_axes)": JAX_RANGE,
 }
 
 
@@ -65,6 +66,29 @@ def host_compute(fn, out_memory_spaces):
     if api is None:
         raise UnsupportedVersion(f"{feature}: jax {jax.__version__} has no function form of compute_on")
     return api(fn, compute_type="device_host", out_memory_spaces=out_memory_spaces)
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes `x` varies over inside a `jax.shard_map` (empty outside one). jax 0.10 to 0.12 keep
+    them on the abstract value's `manual_axis_type.varying`; a loop carry built from constants must be cast
+    to them (`jax.lax.pcast(..., to="varying")`) to match what the loop body writes."""
+    require("shard_map varying axes of a value (varying_axes)")
+    mat = getattr(jax.typeof(x), "manual_axis_type", None)
+    return frozenset(getattr(mat, "varying", None) or ())
+
+
+def match_varying(*xs):
+    """`xs`, each cast to vary over every manual mesh axis any of them varies over (a no-op outside a
+    shard_map). A custom VJP whose inputs vary over different axes would have to return each cotangent at its
+    own input's axes; with the inputs matched first, autodiff of the cast sums the cotangents over the axes
+    an input did not vary over, as it does for a plain op."""
+    axes = frozenset().union(*(varying_axes(x) for x in xs))
+
+    def cast(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return tuple(cast(x) for x in xs)
 
 
 def installed_version(distribution: str) -> str | None:

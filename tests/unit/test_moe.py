@@ -232,7 +232,10 @@ def test_load_balancing_gradient_balances_a_skewed_router():
      "model.moe_capacity_factor", NotImplementedError),
     (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "model.moe_capacity_factor=-1"],
      "model.moe_capacity_factor", ConfigError),
-    (["model.n_experts=4", "model.experts_per_token=2", "lora.rank=4"], "lora.rank", NotImplementedError),
+    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "lora.rank=4"], "lora.rank",
+     NotImplementedError),
+    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "parallel.pp=2"], "parallel.pp",
+     NotImplementedError),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, key, kind):
     with pytest.raises(kind, match=key.replace(".", r"\.")) as e:

@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
+from jaxmem.runtime import compat
 from jaxmem.kernels.grouped_matmul.layout import block_layout, padded_blocks, take_rows
 
 MAX_CHUNK_BLOCKS = 16  # the backward unrolls one accumulator update per block of a chunk
@@ -44,7 +45,9 @@ def _forward(lhs, rhs, group_sizes, out_dtype, blocks):
         return jax.lax.dynamic_update_index_in_dim(y, y_chunk, i, 0)
 
     used_chunks = (layout.used_blocks + chunk - 1) // chunk
-    y = jax.lax.fori_loop(0, used_chunks, step, jnp.zeros((n_chunks, chunk, block, f), out_dtype))
+    # the carry varies like the inputs inside a shard_map (jaxmem.core.expert_parallel)
+    y0, *_ = compat.match_varying(jnp.zeros((n_chunks, chunk, block, f), out_dtype), lhs)
+    y = jax.lax.fori_loop(0, used_chunks, step, y0)
     return take_rows(y.reshape(-1, f), layout.scatter_m)
 
 
@@ -69,6 +72,7 @@ def _backward(lhs, rhs, group_sizes, dy, blocks):
 
     used_chunks = (layout.used_blocks + chunk - 1) // chunk
     init = (jnp.zeros((n_chunks, chunk, block, d), lhs.dtype), jnp.zeros((groups, d, f), jnp.float32))
+    init = compat.match_varying(*init, lhs, dy)[:2]
     dx, dw = jax.lax.fori_loop(0, used_chunks, step, init)
     return take_rows(dx.reshape(-1, d), layout.scatter_m), dw.astype(rhs.dtype)
 
@@ -98,4 +102,4 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
     The output has preferred_element_type (default: the inputs' result type); products accumulate in fp32.
     """
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    return _grouped_matmul(lhs, rhs, group_sizes, out_dtype, blocks)
+    return _grouped_matmul(*compat.match_varying(lhs, rhs, group_sizes), out_dtype, blocks)

@@ -16,6 +16,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxmem.runtime import compat
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import block_layout, padded_blocks, take_rows
 
@@ -146,4 +147,4 @@ def grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type=None,
     """lhs [M, D] (rows sorted by group), rhs [G, D, F], group_sizes [G] int -> [M, F], as jax.lax.ragged_dot;
     products accumulate in fp32. blocks.block_rows is the rows tile (a power of two >= 16)."""
     out_dtype = jnp.dtype(preferred_element_type or jnp.result_type(lhs.dtype, rhs.dtype))
-    return _grouped_matmul(lhs, rhs, group_sizes, out_dtype, blocks, interpret)
+    return _grouped_matmul(*compat.match_varying(lhs, rhs, group_sizes), out_dtype, blocks, interpret)
