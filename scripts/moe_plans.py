@@ -7,7 +7,7 @@ buffers live at the peak; the analytic bill and the cost model come from the sam
 A row with `search` finds the longest power-of-two sequence that fits: the bill proposes the first length to
 compile, then compiles go up while they fit and down while they do not. --only runs the named rows and
 merges them into moe.json (48-layer compiles take minutes and a few GiB: one row at a time); --ep N plans
-every full fine-tune with parallel.ep=N into moe-epN.json (expert parallelism, on EP_KERNEL); moe.md shows
+every full fine-tune with parallel.ep=N into moe-epN.json (expert parallelism); moe.md shows
 each row with its ep twin. --from-json recomputes the bill and cost model from this tree, keeps the compiled
 figures, and rewrites the table.
 """
@@ -26,10 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "benchmarks"
 GIB = 1024**3
 HOW_COMPILED = "compiled deviceless (h100-80g, jax {jax})"
-# The grouped matmul the --ep rows run: on this tree the default (blocked) and the Pallas kernel fail to trace
-# inside the expert-parallel shard_map (a fori_loop carry / a kernel output without its varying-axes type), so
-# ep rows run ragged_dot, the one implementation that does; the table's kernel column says which ran.
-EP_KERNEL = "ragged_dot"
 ROWS = [
     {"name": "qwen3-30b-a3b-fsdp8-seq8192", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml", "overrides": [],
      "what": "Qwen3-30B-A3B full fine-tune, FSDP 8 x H100, seq 8192, micro-batch 1, full remat"},
@@ -44,11 +40,11 @@ ROWS = [
      "what": "Mixtral-8x7B full fine-tune, 8 x H100, the longest sequence that fits: full remat, optimizer "
              "state on the host (update streamed through the GPU), micro-batch 1"},
     {"name": "qwen3-30b-a3b-ep8-cap1.25-seq8192", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml",
-     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25", f"kernels.grouped_matmul={EP_KERNEL}"],
+     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25"],
      "what": "Qwen3-30B-A3B full fine-tune, ep 8 x H100 with capacity factor 1.25 (drops past it), seq 8192, "
              "micro-batch 1, full remat"},
     {"name": "qwen3-30b-a3b-ep8-cap1.25-longest", "config": "configs/moe/qwen3-30b-a3b-8xh100.yaml",
-     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25", f"kernels.grouped_matmul={EP_KERNEL}",
+     "overrides": ["parallel.ep=8", "model.moe_capacity_factor=1.25",
                    "offload.optimizer=host", "offload.optimizer_update=device"], "search": True,
      "what": "Qwen3-30B-A3B full fine-tune, ep 8 x H100 with capacity factor 1.25, the longest sequence that fits: "
              "full remat, optimizer state on the host, micro-batch 1"},
@@ -71,13 +67,12 @@ CHECKS = [
        "overrides": ["model.n_layers=2", f"train.seq_len={s}"],
        "what": f"{m} widths, 2 layers, seq {s}, FSDP 8 x H100, full remat"}
       for m, s in (("qwen3-30b-a3b", 256), ("qwen3-30b-a3b", 1024), ("mixtral-8x7b", 1024), ("mixtral-8x7b", 8192))],
-    # Expert parallelism: on this tree the blocked and Pallas grouped matmuls do not trace inside the ep shard_map
-    # (a fori_loop carry / an output without its varying-axes type), so the ep checks run kernels.grouped_matmul=
-    # ragged_dot, the one implementation that does.
-    *[{"name": f"check-{name}-ep8{'-cap' + str(c) if c else ''}", "config": config, "check": True,
-       "overrides": [*over, "parallel.ep=8", "parallel.fsdp=1", "kernels.grouped_matmul=ragged_dot",
-                     f"model.moe_capacity_factor={c}"],
-       "what": f"{what}, ep 8 ({'capacity factor %s' % c if c else 'dropless'}), ragged_dot"}
+    # Expert parallelism, with the default kernel and with ragged_dot (its dense copies' live set is fitted)
+    *[{"name": f"check-{name}-ep8{'-cap' + str(c) if c else ''}{'-ragged' if kernel else ''}", "config": config,
+       "check": True,
+       "overrides": [*over, "parallel.ep=8", "parallel.fsdp=1", f"model.moe_capacity_factor={c}",
+                     *([f"kernels.grouped_matmul={kernel}"] if kernel else [])],
+       "what": f"{what}, ep 8 ({'capacity factor %s' % c if c else 'dropless'})"}
       for name, config, over, what in (
           ("tiny-moe", "configs/tiny-moe.yaml", ["target.name=h100-80g", "target.gpus_per_host=8",
                                                  "remat.preset=full", *_BF16], "tiny-moe, bf16, full remat, 8 x H100"),
@@ -85,7 +80,7 @@ CHECKS = [
            ["model.n_layers=2", "train.seq_len=1024"], "qwen3-30b-a3b widths, 2 layers, seq 1024, 8 x H100"),
           ("mixtral-8x7b-2l-seq1024", "configs/moe/mixtral-8x7b-8xh100.yaml",
            ["model.n_layers=2", "train.seq_len=1024"], "mixtral-8x7b widths, 2 layers, seq 1024, 8 x H100"))
-      for c in (0, 1.25)],
+      for c in (0, 1.25) for kernel in ("", "ragged_dot") if not (kernel and name == "tiny-moe")],
 ]
 SEQ_RANGE = [2**k for k in range(6, 18)]  # 64 ... 131072
 
@@ -97,7 +92,7 @@ def _load(row: dict, seq: int | None, ep: int):
 
     over = list(row["overrides"]) + ([f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 4096)}"] if seq else [])
     if ep > 1 and not row.get("lora"):
-        over += [f"parallel.ep={ep}", f"kernels.grouped_matmul={EP_KERNEL}"]
+        over.append(f"parallel.ep={ep}")
     return load_config(str(ROOT / row["config"]), over), over
 
 

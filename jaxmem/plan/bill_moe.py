@@ -223,6 +223,8 @@ def kernel_scratch_bytes(cfg: Config, layout, cd: int) -> int:
     ways = width_split(cfg, layout)
     loop_step = chunk * (block * d * 4 + d * f * (4 + cd) // ways)  # fp32 d_x and d_w products, the weights
     backward = rows * (d + _BLOCKED_WIDE * f // ways) * cd + local_experts(cfg) * d * f * 4 // ways + loop_step
+    if cfg.parallel.ep > 1:  # inside the shard_map: two more padded [P, D] and the received rows [R, D] twice
+        backward += (2 * rows + 2 * routed_rows(cfg, layout)) * d * cd  # (explain, Qwen3-30B-A3B widths, ep 8)
     # the recomputed forward's down projection: the sorted rows [R, D] and its padded output [P, D] (Qwen3-30B-A3B
     # widths at seq 65536, where D is 21 x F / 8: a [4194304, 2048] and a [4211200, 1, 2048] at the peak)
     forward = (routed_rows(cfg, layout) + rows) * d * cd

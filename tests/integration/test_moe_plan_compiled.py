@@ -13,8 +13,7 @@ from jaxmem.plan.explain import main
 
 OVERRIDES = ["target.name=h100-80g", "target.gpus_per_host=8", "remat.preset=full", "precision.param_dtype=bfloat16",
              "precision.compute_dtype=bfloat16", "precision.master_weights=true"]
-# ep 8, capacity 1.25, with ragged_dot: the blocked and Pallas kernels do not trace inside the ep shard_map yet
-EP8 = ["parallel.ep=8", "parallel.fsdp=1", "model.moe_capacity_factor=1.25", "kernels.grouped_matmul=ragged_dot"]
+EP8 = ["parallel.ep=8", "parallel.fsdp=1", "model.moe_capacity_factor=1.25"]  # the default kernel: blocked
 D, ROWS = 128, 16 * 64 * 2  # tiny-moe: d_model 128; 16 rows of 64 tokens per micro-batch, top 2
 
 
