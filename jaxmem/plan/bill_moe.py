@@ -1,20 +1,17 @@
 """The mixture-of-experts terms of the analytic bill and the cost model (jaxmem.model.moe): total vs active
 parameters, the expert state per device, the routed rows' buffers, and the expert-parallel all-to-all bytes.
 
-What the compiled step does today (deviceless h100-80g compiles, jax 0.10.2, read with `jaxmem explain`):
-  * the dispatch sorts every token of the micro-batch by expert (one argsort over all of them), so each
-    device holds all the routed rows, tokens x top-k of the whole micro-batch: [R, D] with R = N_global * k
-    (tiny-moe on 8 devices: [2048, ...] buffers for 1024 tokens, top 2);
-  * the layer scan's saved copies of those rows are split over the data axes along their feature dim
-    ([L, R, D / 8], [L, R, F / 8]): per device the bytes of the device's own tokens;
-  * `jax.lax.ragged_dot` is lowered for the GPU as one dense matmul per expert group over a masked copy of
-    its operand: [E, R, D] and [E, R, F] buffers appear in each layer's backward (tiny-moe: an [8, 2048, 128]
-    and two [2048, 8, 96]; Qwen3-30B-A3B widths, 2 layers, seq 1024: an [128, 65536, 2048] and its
-    transposed copy, 32 GiB each). They dominate the step: expert parallelism (`parallel.ep`, rows split
-    ep ways) or a grouped-matmul kernel is what removes them.
-With expert parallelism (`parallel.ep` > 1, once it exists) tokens are dispatched to the devices holding
-their experts by an all-to-all, so a device holds its own tokens' rows (R / data ways on average) and the
-expert weights split ep x fsdp ways; the formulas below take ep from the config (1 today).
+What the compiled step holds (deviceless h100-80g compiles, jax 0.10.2, read with `jaxmem explain`;
+benchmarks/moe.md has the checks):
+  * ep = 1: the dispatch sorts every token of the micro-batch by expert, so each device holds all the routed
+    rows, tokens x top-k of the whole micro-batch: R = N_global x k; the layer scan's saved copies of them
+    are split over the data axes along their feature dim;
+  * ep > 1: each device receives ep x C rows over an all-to-all (C from the capacity rule of
+    jaxmem.core.expert_parallel) and runs its E / ep experts on them, inside a shard_map (nothing split);
+  * the experts' grouped matmul (`kernels.grouped_matmul`, resolved as jaxmem.kernels.resolve does) decides
+    the rest: blocked pads the rows per expert to whole blocks and accumulates d_w in fp32; pallas pads them
+    too; ragged_dot is lowered for the GPU as one dense matmul per expert over a masked [E, R, width] copy
+    (kernel_scratch_bytes; its live set is fitted, see WHOLE_COPY_LIMIT).
 """
 from __future__ import annotations
 
