@@ -268,7 +268,8 @@ def render(rows: list[dict]) -> str:
               "", "Known gaps of the bill (estimated vs compiled above): Mixtral-8x7B with the optimizer on the host "
               "at seq >= 65536 is over-estimated by a quarter to a third (the backward's six expert-width padded "
               "buffers are not all live at that length: explain shows two); the Qwen3 rows whose peak is the loss "
-              "(151936-token vocabulary, short sequences) by 12-16%; tiny-moe's ep rows (a few MiB, dominated by "
+              "(151936-token vocabulary, short sequences) by 12-16%; dropless ep 8 with the optimizer on the host at "
+              "seq 32768 by 21-22%; tiny-moe's ep rows (a few MiB, dominated by "
               "small buffers) by 8-26% under."]
     return "\n".join(lines) + "\n"
 
