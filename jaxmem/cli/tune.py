@@ -238,10 +238,9 @@ class Tuner:
 
 
 def _data_ways(cfg, n_devices: int) -> int:
-    from jaxmem.core.sharding import mesh_shape
+    from jaxmem.core.sharding import batch_ways, mesh_shape
 
-    sizes = mesh_shape(cfg.parallel, n_devices)
-    return sizes["dp"] * sizes["fsdp"]
+    return batch_ways(mesh_shape(cfg.parallel, n_devices))  # dp x fsdp x ep: ep devices hold different tokens
 
 
 # ---------------------------------------------------------------- outputs and the command

@@ -192,6 +192,8 @@ def moe_kind(cfg: Config, shape, frame, op_name: str) -> str | None:
     if not e or not (frame is not None and in_files(frame.file, _MOE_CODE)
                      or named and named.split("|")[0] in MOE_NAMES):
         return None
-    if len(shape) == 3 and e in shape[:2]:
+    local = e // max(cfg.parallel.ep, 1)  # with ep a device's copies hold its E / ep experts
+    groups = {e, local} if local > 1 else {e}
+    if len(shape) == 3 and groups & set(shape[:2]):
         return "moe_expanded"
     return "router_logits" if shape and shape[-1] == e else "moe_dispatch"

@@ -305,8 +305,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     # lives only in the forward, where no gradient is live yet.
     if scores_working:
         scores_working -= score_elems(cfg, layout) * 1  # the pred mask, forward only
-    working = _working_elems(cfg, layout, per_name) * cd + scores_working
-    moe_scratch = bill_moe.expanded_bytes(cfg, layout, cd) if bill_moe.is_moe(cfg) else 0
+    working = _working_elems(cfg, layout, bill_moe.working_names(cfg, per_name)) * cd + scores_working
+    moe_scratch = bill_moe.kernel_scratch_bytes(cfg, layout, cd) if bill_moe.is_moe(cfg) else 0
     if moe_scratch:
         working += bill_moe.working_bytes(cfg, layout, cd)
     logits = logits_bytes(cfg, layout)
@@ -323,7 +323,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
     # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
-    layer_full = _model_elems(layout, "layers") // m.n_layers
+    layer_full = _model_elems(layout, "layers") // m.n_layers - bill_moe.ungathered_expert_elems(cfg, layout)
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
     layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.core.grad_dtype)
     temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)

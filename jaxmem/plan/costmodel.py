@@ -37,6 +37,7 @@ from jaxmem.model.presets import active_param_count, param_count
 from jaxmem.plan import bill_moe
 from jaxmem.plan.bill import Bill, name_shapes
 from jaxmem.core.seq_tiling import tile_count
+from jaxmem.core.sharding import batch_ways
 from jaxmem.config.targets import GpuTarget
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
@@ -375,6 +376,20 @@ def expert_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum:
     return moved / gpu.interconnect_bandwidth
 
 
+def zero3_gathered_bytes(cfg: Config, bill: Bill, n_params: int) -> float:
+    """Bytes of bf16 weights one ZeRO-3 all-gather brings each device per pass over the model: the
+    (ways - 1) / ways it does not hold, ways = dp x fsdp x ep (batch_ways) for the non-expert weights and
+    dp x fsdp for the experts (split over ep, never gathered over it). 0 below ZeRO-3."""
+    if cfg.parallel.zero_stage != 3:
+        return 0.0
+    ep = max(cfg.parallel.ep, 1)
+    ways = batch_ways(bill.mesh)
+    expert_ways = ways // ep
+    experts = bill_moe.expert_params(cfg)
+    share = lambda n: (n - 1) / n  # noqa: E731
+    return (n_params - experts) * 2 / bill.mesh["tp"] * share(ways) + experts / ep * 2 / bill.mesh["tp"] * share(expert_ways)
+
+
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
              rows: int) -> Cost:
     """Step FLOPs and, for a GPU target, time and MFU (estimated by the cost model)."""
@@ -397,12 +412,10 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
     parts = time_breakdown(cfg, bill, gpu, n_devices, grad_accum, rows)
     compute = parts["compute_seconds"]
-    # FSDP: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch (expert
-    # weights split over ep are gathered over fsdp only: an ep-th of them per device).
-    ways = bill.mesh["fsdp"] * bill.mesh["dp"] if cfg.parallel.zero_stage == 3 else 1
-    experts = bill_moe.expert_params(cfg)
-    weight_bytes = (n_params - experts + experts / max(cfg.parallel.ep, 1)) * 2 / bill.mesh["tp"]
-    collective = 3 * grad_accum * weight_bytes * (ways - 1) / ways / gpu.interconnect_bandwidth if ways > 1 else 0.0
+    # ZeRO-3: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch, over the
+    # state axes (dp x fsdp x ep: ep devices hold different tokens, so the state shards over them too). Expert
+    # weights split over ep are gathered over the rest only (an ep-th of them per device).
+    collective = 3 * grad_accum * zero3_gathered_bytes(cfg, bill, n_params) / gpu.interconnect_bandwidth
     collective += sequence_parallel_seconds(cfg, bill, gpu, grad_accum)
     collective += expert_parallel_seconds(cfg, bill, gpu, grad_accum)
     host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]

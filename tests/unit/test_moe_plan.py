@@ -65,23 +65,62 @@ def test_expert_state_per_device_is_split_over_fsdp_as_the_formula_says():
     assert bill_moe.expert_state_elems(ep4, {"fsdp": 2}) == bill_moe.expert_params(cfg) // 8
 
 
-def test_routed_rows_and_the_expanded_copies_are_in_the_bill():
-    cfg = _qwen()
+def test_ragged_dot_bill_has_its_dense_per_expert_copies():
+    cfg = _qwen("kernels.grouped_matmul=ragged_dot")
     bill = compute_bill(cfg, 8)
     e, d, f, k = 128, 2048, 768, 8
     rows = 8 * 1024 * k  # the whole micro-batch's tokens (8 rows of 1024) x top-8 on every device
     assert bill_moe.routed_rows(cfg, bill.layout) == rows
-    # one [E, R, F] copy is 12 GiB: above the whole-copy limit, the rows expanded twice and the expert-width
-    # copies split over the 8 data ways
+    # one [E, R, F] copy is 12 GiB: above the (fitted) whole-copy limit, the rows expanded twice and the
+    # expert-width copies split over the 8 data ways
     assert e * rows * f * 2 > bill_moe.WHOLE_COPY_LIMIT
     expanded = e * rows * (2 * d + 2 * f // 8) * 2
     assert bill.moe_scratch == expanded
-    small = compute_bill(_qwen(seq=256), 8)  # 3 GiB copies: three whole expert-width copies and the rows
+    small = compute_bill(_qwen("kernels.grouped_matmul=ragged_dot", seq=256), 8)  # 3 GiB copies: kept whole
     assert small.moe_scratch == e * (rows // 4) * (d + 3 * f) * 2
     assert bill.device["working_set"] >= expanded + rows * (d + 2 * f) * 2
     assert bill.layer_phase >= bill.device["working_set"] - bill.attention_scratch
-    # without the MoE terms the bill would be a few GiB; the compiled step is ~68 GiB (integration test)
     assert bill.device_total > expanded
+
+
+def test_blocked_bill_has_padded_rows_and_an_fp32_accumulator_not_dense_copies():
+    cfg = _qwen()  # kernels.grouped_matmul=auto: blocked
+    bill = compute_bill(cfg, 8)
+    assert bill_moe.grouped_matmul_kernel(bill.layout) == "blocked"
+    e, d, f, rows = 128, 2048, 768, 8 * 1024 * 8
+    # by hand: 65536 rows in blocks of 128 over 128 experts need at most 512 + 127 blocks; a chunk gathers
+    # 32 MiB / (2048 x 768 x 2 bytes) = 10 experts' weights, so 64 chunks of 10 blocks: 81920 padded rows
+    padded = 64 * 10 * 128
+    assert bill_moe.blocked_plan(cfg, bill.layout, d, f, 2) == (128, 10, padded)
+    loop_step = 10 * (128 * d * 4 + d * f * 6 // 8)
+    backward = padded * (d + 6 * f // 8) * 2 + e * d * f * 4 // 8 + loop_step
+    forward = (rows + padded) * d * 2  # the recomputed down projection: sorted rows and padded output
+    assert forward > backward  # Qwen3's expert width is narrow: 768 / 8 per device
+    assert bill.moe_scratch == forward
+    assert bill_moe.kernel_scratch_bytes(_qwen("model.expert_d_ff=8192"), bill.layout, 2) > (rows + padded) * d * 2
+    ragged = compute_bill(_qwen("kernels.grouped_matmul=ragged_dot"), 8)
+    assert bill.moe_scratch < ragged.moe_scratch / 50  # 0.5 GiB against 67 GiB
+    # GSPMD splits the blocked loop like the fsdp-split experts: the layer's experts are never gathered whole
+    # (the gathered bf16 layer and its full bf16 gradient, both double-buffered: 8 bytes per expert weight)
+    assert ragged.device["temporaries"] - bill.device["temporaries"] == 8 * (3 * e * d * f) * 7 // 8
+    pallas = compute_bill(_qwen("kernels.grouped_matmul=pallas"), 8)  # runs whole on every device
+    assert pallas.moe_scratch == (512 + 127) * 128 * (2 * d + f) * 2 + e * d * f * 2
+
+
+def test_expert_parallel_rows_follow_the_capacity_rule():
+    ep8 = _qwen("parallel.fsdp=1", "parallel.ep=8")
+    layout = compute_bill(ep8, 8).layout
+    tokens = 8 * 1024 // 8  # each device routes its own row of 1024 tokens
+    assert bill_moe.tokens_per_device(ep8, layout) == tokens
+    # dropless: C = tokens x min(k, E / ep) = 1024 x 8 per peer, ep x C rows received
+    assert bill_moe.routed_rows(ep8, layout) == 8 * tokens * 8
+    capped = _qwen("parallel.fsdp=1", "parallel.ep=8", "model.moe_capacity_factor=1.25")
+    assert bill_moe.routed_rows(capped, layout) == 8 * 1280  # ceil(1.25 x 1024 x 8 / 8) per peer
+    # the local experts: 16 per device, their padded layout over the received rows
+    assert bill_moe.local_experts(ep8) == 16
+    # 10240 rows over 16 experts: at most 80 + 15 blocks, in chunks of 10: 100 blocks
+    assert bill_moe.blocked_plan(capped, layout, 2048, 768, 2)[2] == 100 * 128
+    assert bill_moe.width_split(ep8, layout) == 1  # inside the shard_map GSPMD does not split it
 
 
 def test_saved_residuals_are_the_experts_not_a_dense_mlp():
@@ -120,16 +159,40 @@ def test_cost_model_counts_the_active_experts_only():
 
 def test_all_to_all_bytes_follow_ep():
     cfg = _qwen(seq=1024)
-    layout = compute_bill(cfg, 8).layout
-    assert bill_moe.all_to_all_bytes(cfg, layout, 2) == 0.0
-    assert costmodel.expert_parallel_seconds(cfg, compute_bill(cfg, 8), get_target("h100-80g"), 1) == 0.0
-    ep8 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, ep=8))  # validate refuses it today
-    local_rows = 8 * 1024 * 8 // (8 * 8)
-    assert bill_moe.all_to_all_bytes(ep8, layout, 2) == pytest.approx(2 * 2 * local_rows * 2048 * 2 * 7 / 8)
-    seconds = costmodel.expert_parallel_seconds(ep8, compute_bill(cfg, 8), get_target("h100-80g"), 1)
-    assert seconds == pytest.approx(2 * bill_moe.all_to_all_bytes(ep8, layout, 2)
+    bill = compute_bill(cfg, 8)
+    assert bill_moe.all_to_all_bytes(cfg, bill.layout, 2) == 0.0
+    assert costmodel.expert_parallel_seconds(cfg, bill, get_target("h100-80g"), 1) == 0.0
+    ep8 = _qwen("parallel.fsdp=1", "parallel.ep=8")
+    ep_bill = compute_bill(ep8, 8)
+    received = 8 * 1024 * 8  # ep x C, dropless
+    # dispatch and combine, forward and backward, the whole padded buffer, 7/8 of it off the device
+    assert bill_moe.all_to_all_bytes(ep8, ep_bill.layout, 2) == pytest.approx(2 * 2 * received * 2048 * 2 * 7 / 8)
+    seconds = costmodel.expert_parallel_seconds(ep8, ep_bill, get_target("h100-80g"), 1)
+    assert seconds == pytest.approx(2 * bill_moe.all_to_all_bytes(ep8, ep_bill.layout, 2)
                                     / get_target("h100-80g").interconnect_bandwidth)
-    assert bill_moe.routed_rows(ep8, layout) == local_rows
+    # the step's bill holds the send and receive buffers ([ep, C, D] each) on top of the kernel's scratch
+    assert ep_bill.device["working_set"] >= bill_moe.kernel_scratch_bytes(ep8, ep_bill.layout, 2) + 2 * received * 2048 * 2
+
+
+def test_zero3_collectives_count_ep_among_the_state_axes():
+    n_params = bill_moe.parameter_counts(_qwen())["total"]
+    experts = bill_moe.expert_params(_qwen())
+    fsdp8, ep8 = _qwen(), _qwen("parallel.fsdp=1", "parallel.ep=8")
+    dense_part = (n_params - experts) * 2 * 7 / 8
+    # fsdp 8: every weight gathered over 8; ep 8: the non-expert weights over the 8 ep devices, experts never
+    assert costmodel.zero3_gathered_bytes(fsdp8, compute_bill(fsdp8, 8), n_params) == pytest.approx(
+        dense_part + experts * 2 * 7 / 8)
+    assert costmodel.zero3_gathered_bytes(ep8, compute_bill(ep8, 8), n_params) == pytest.approx(dense_part)
+    mixed = _qwen("parallel.fsdp=2", "parallel.ep=4")
+    assert costmodel.zero3_gathered_bytes(mixed, compute_bill(mixed, 8), n_params) == pytest.approx(
+        dense_part + experts / 4 * 2 / 2)
+
+
+def test_the_tuner_counts_ep_among_the_batch_ways():
+    from jaxmem.cli.tune import _data_ways
+
+    assert _data_ways(_qwen("parallel.fsdp=2", "parallel.ep=4"), 8) == 8
+    assert _data_ways(_qwen("parallel.fsdp=1", "parallel.ep=8"), 8) == 8
 
 
 def test_a_dense_model_gets_no_moe_terms():
@@ -137,3 +200,16 @@ def test_a_dense_model_gets_no_moe_terms():
     bill = compute_bill(cfg, 8)
     assert bill.moe_scratch == 0 and "moe_dispatch" not in bill.activations_by_name
     assert "router_proj" not in costmodel._op_flops(cfg, 1024)
+
+
+def test_explain_files_a_device_s_per_expert_copies_under_ep():
+    from jaxmem.plan.attribution import moe_kind
+
+    op = "jit(step)/ckpt.expert_gate/dot_general"
+    fsdp8, ep8 = _qwen(), _qwen("parallel.fsdp=1", "parallel.ep=8")
+    assert moe_kind(fsdp8, [128, 65536, 2048], None, op) == "moe_expanded"
+    assert moe_kind(ep8, [16, 65536, 2048], None, op) == "moe_expanded"  # 128 / 8 experts a device
+    assert moe_kind(fsdp8, [16, 65536, 2048], None, op) == "moe_dispatch"
+    mixtral_ep8 = load_config("configs/tiny.yaml", QWEN[1:] + ["model.preset=mixtral-8x7b", "model.n_layers=2",
+                                                              "parallel.fsdp=1", "parallel.ep=8"])
+    assert moe_kind(mixtral_ep8, [1, 4096, 8192], None, op) == "moe_dispatch"  # one expert a device: no copies
