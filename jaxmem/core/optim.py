@@ -117,7 +117,9 @@ def apply_update(opt, g, s, w, param_dtype):
     """One AdamW step of the (clipped, fp32) gradient g on weights w with state s:
     (new params in param_dtype, new state, new weights)."""
     updates, new_s = opt.update(g, s, w)
-    new_w = optax.apply_updates(w, updates)
+    # the new params are the rounding of the new weights as stored: without the barrier XLA may recompute the
+    # weights inside the cast's fusion with another contraction (jax 0.12 on CPU: an FMA), one ulp apart
+    new_w = jax.lax.optimization_barrier(optax.apply_updates(w, updates))
     return jax.tree.map(lambda x: x.astype(param_dtype), new_w), new_s, new_w
 
 
