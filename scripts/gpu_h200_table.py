@@ -60,7 +60,7 @@ def main():
         "median of 3 steps after 3 warm-ups; **compiled**: XLA's memory_analysis of the executable that ran",
         "(compiled on that GPU); **estimated**: the cost model (fitted on H100 steps). bf16 params and compute, fp32",
         "master and Adam moments, micro-batch 1 unless said. run1: the code at the start of the day; run2: after",
-        "the day's fixes (lean gradients on jax 0.11/0.12, the blocked grouped matmul).",
+        "the day's fixes (lean gradients on jax 0.11, the blocked grouped matmul).",
         "",
         "| run | case | compiled GiB | peak GiB (measured) | peak by end of init GiB | step s (measured) | step s "
         "(estimated) | tokens/s | MFU |",

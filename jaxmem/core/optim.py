@@ -14,7 +14,6 @@ import optax
 from jaxmem.config.schema import Config
 from jaxmem.core.precision import Precision
 from jaxmem.core import embed_grad
-from jaxmem.runtime import compat
 
 
 def schedule_steps(cfg: Config) -> tuple[int, int]:
@@ -114,20 +113,11 @@ def adam_count(opt_state: dict) -> jax.Array:
     return jnp.int32(0)
 
 
-# The new params must be the rounding of the new weights as stored. jax 0.12's XLA (CPU, with the lean bf16
-# gradients) recomputes the weights inside the cast's fusion and the params drift from round(master); a barrier
-# before the cast keeps them exact there. jax 0.10 and 0.11 keep them exact without it, and the barrier costs
-# temporaries (8B widths x 8 layers: +2 GiB compiled deviceless on jax 0.10.2), so only 0.12 on gets it.
-_BARRIER_BEFORE_CAST = compat.version_tuple(jax.__version__) >= (0, 12, 0)
-
-
 def apply_update(opt, g, s, w, param_dtype):
     """One AdamW step of the (clipped, fp32) gradient g on weights w with state s:
     (new params in param_dtype, new state, new weights)."""
     updates, new_s = opt.update(g, s, w)
     new_w = optax.apply_updates(w, updates)
-    if _BARRIER_BEFORE_CAST:
-        new_w = jax.lax.optimization_barrier(new_w)
     return jax.tree.map(lambda x: x.astype(param_dtype), new_w), new_s, new_w
 
 
