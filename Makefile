@@ -50,7 +50,7 @@ LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/i
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet --upgrade pip
-	$(LATEST)/bin/python -m pip install --quiet -e '.[aot]' pytest pytest-xdist filelock
+	$(LATEST)/bin/python -m pip install --quiet -e '.[aot]' pytest pytest-xdist filelock zstandard
 	touch $@
 
 test-latest:

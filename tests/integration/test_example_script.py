@@ -1,15 +1,16 @@
 """scripts/train_example.py: a user's own loop on the library's pieces runs and round-trips a checkpoint."""
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+from cpu_env import cpu_env
+
 REPO = Path(__file__).resolve().parents[2]
 
 
 def test_example_script_trains_and_restores(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    env = cpu_env(8)
     cmd = [sys.executable, "scripts/train_example.py", "configs/tiny.yaml", f"out_dir={tmp_path}",
            "train.steps=12", "train.seq_len=32"]
     out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)

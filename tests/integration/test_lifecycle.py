@@ -13,6 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from cpu_env import cpu_env
+
 from jaxmem.io.checkpoint import Checkpoints
 from jaxmem.config import ConfigError, load_config
 from jaxmem.io.metrics import read_jsonl
@@ -29,8 +31,7 @@ COMMON = [f"train.steps={STEPS}", "train.log_every=1", "train.progress=false", "
 
 
 def _start(out_dir, *extra, sleep="0.4", devices=8):
-    env = dict(os.environ, JAXMEM_TEST_STEP_SLEEP=sleep, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = cpu_env(devices, JAXMEM_TEST_STEP_SLEEP=sleep)
     cmd = [sys.executable, "-m", "jaxmem.cli", "train", str(TINY), f"out_dir={out_dir}", *COMMON, *extra]
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 

@@ -1,5 +1,4 @@
 """Multi-process training: 2 local processes x 4 CPU devices (gloo) match 1 process x 8 devices."""
-import os
 import shutil
 import socket
 import subprocess
@@ -8,6 +7,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
+from cpu_env import cpu_env
 
 from jaxmem.config import ConfigError, DistributedConfig
 from jaxmem.runtime.distributed import init_settings
@@ -48,7 +49,7 @@ def _free_port() -> int:
 
 
 def _train(out_dir: Path, devices: int, extra: list[str]) -> subprocess.Popen:
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env = cpu_env(devices)
     cmd = [sys.executable, "-m", "jaxmem.cli", "train", "configs/tiny.yaml", f"out_dir={out_dir}",
            f"train.steps={STEPS}", "train.log_every=1", "train.progress=false", "train.seq_len=32", *extra]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

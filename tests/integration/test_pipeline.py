@@ -329,29 +329,36 @@ MOE = ["model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]
 MOE_LAYOUTS = {**LAYOUTS, "pp2_ep2_fsdp2": ["parallel.pp=2", "parallel.ep=2", "parallel.fsdp=2", "train.micro_batch=2"]}
 
 
+def _train_moe(prog, cfg):
+    state, step, out = prog.init_state(), prog.jit_step(), []
+    for i in range(STEPS):
+        state, m = step(state, prog.shard_batch(_tokens(i, cfg, prog)))
+        out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")])
+    return np.array(out), state
+
+
+@pytest.fixture(scope="module")
+def moe_reference():
+    """tiny-moe trained on one device: (program, its metrics, its state), shared by the pipeline layouts."""
+    cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + ["parallel.fsdp=1", f"train.micro_batch={ROWS}",
+                                                             f"train.grad_accum={ACCUM}"])
+    one = build_program(cfg, devices=jax.devices()[:1])
+    return (one, *_train_moe(one, cfg))
+
+
 @pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
-def test_mixture_of_experts_pipeline_matches_one_device(layout, kind):
+def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_reference):
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their
     cotangents back, so losses, gradient norms, router losses and params equal one device's; evaluation
     through the stages and each stage's compiled figures work too."""
     from jaxmem.core.evaluate import eval_step
     from jaxmem.pipeline.figures import stage_figures
 
-    def train(prog, cfg):
-        state, step, out = prog.init_state(), prog.jit_step(), []
-        for i in range(STEPS):
-            state, m = step(state, prog.shard_batch(_tokens(i, cfg, prog)))
-            out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")])
-        return np.array(out), state
-
-    one_cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + ["parallel.fsdp=1", f"train.micro_batch={ROWS}",
-                                                                 f"train.grad_accum={ACCUM}"])
-    one = build_program(one_cfg, devices=jax.devices()[:1])
-    want, one_state = train(one, one_cfg)
+    one, want, one_state = moe_reference
     cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + [f"train.grad_accum={ACCUM}",
                                                              f"parallel.pp_schedule={kind}"] + MOE_LAYOUTS[layout])
     pipe = build_pipeline(cfg)
-    got, state = train(pipe, cfg)
+    got, state = _train_moe(pipe, cfg)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert want[0, 2] > 2.0 and want[0, 3] > 0  # the router losses are in the objective
     params = _pure(pipe.model(state))
