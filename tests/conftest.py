@@ -22,8 +22,9 @@ cached run, every time, and once in the mesh-layout tests; with this flag, none 
 Eigen pool; eight device threads per process and two xdist workers already fill the two cores. Test by test
 against a cold run without it (-n 2, measured on this 2-core machine): 2162 s against 2330 s over the suite's
 first 184 tests (slower in 55 of them), and 530 against 632 worker-seconds over test_lora, test_parallel,
-test_levers, test_moe and test_kernels_attention. Only paired runs compare here: the same test took 20-60%
-longer in one cold run than in another an hour apart.
+test_levers, test_moe and test_kernels_attention. Only runs of the same hour compare here: with no flag
+changed that touches them, the suite's first 274 tests took 2337 s in one cold run and 1883 s in another 1.5
+hours earlier.
 
 `--xla_cpu_use_fusion_emitters=false` (XLA:CPU's older loop emitters) was tried and is not here: the tiny steps
 compile 2-3x faster and run up to 2x slower, 23% less time over the first 167 tests paired as above, but 8
