@@ -37,12 +37,10 @@ from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 flags = os.environ.get("XLA_FLAGS", "")
-if "xla_force_host_platform_device_count" not in flags:
-    flags += " --xla_force_host_platform_device_count=8"
-if "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-    flags += " --xla_cpu_enable_concurrency_optimized_scheduler=false"
-if "xla_cpu_multi_thread_eigen" not in flags:
-    flags += " --xla_cpu_multi_thread_eigen=false"
+for flag in ("--xla_force_host_platform_device_count=8", "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+             "--xla_cpu_multi_thread_eigen=false"):
+    if flag.split("=")[0] not in flags:  # a flag already set in the environment wins
+        flags += " " + flag
 os.environ["XLA_FLAGS"] = flags.strip()
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parent.parent / ".cache" / "jax-tests"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")

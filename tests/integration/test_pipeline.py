@@ -23,12 +23,13 @@ def _tokens(step, cfg, prog):
     return toks.astype(np.int32).reshape(prog.batch_shape)
 
 
-def _train(prog, cfg, steps=STEPS, state=None, start=0):
+def _train(prog, cfg, steps=STEPS, state=None, start=0, keys=("loss", "grad_norm")):
+    """Per step, the metrics named by `keys` as a tuple; and the final state."""
     state = prog.init_state() if state is None else state
     step, out = prog.jit_step(), []
     for i in range(start, start + steps):
         state, m = step(state, prog.shard_batch(_tokens(i, cfg, prog)))
-        out.append((float(m["loss"]), float(m["grad_norm"])))
+        out.append(tuple(float(m[k]) for k in keys))
     return out, state
 
 
@@ -329,11 +330,11 @@ MOE = ["model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]
 MOE_LAYOUTS = {**LAYOUTS, "pp2_ep2_fsdp2": ["parallel.pp=2", "parallel.ep=2", "parallel.fsdp=2", "train.micro_batch=2"]}
 
 
+MOE_METRICS = ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")
+
+
 def _train_moe(prog, cfg):
-    state, step, out = prog.init_state(), prog.jit_step(), []
-    for i in range(STEPS):
-        state, m = step(state, prog.shard_batch(_tokens(i, cfg, prog)))
-        out.append([float(m[k]) for k in ("loss", "grad_norm", "moe_aux_loss", "moe_z_loss")])
+    out, state = _train(prog, cfg, keys=MOE_METRICS)
     return np.array(out), state
 
 
