@@ -20,7 +20,7 @@ from jaxmem.config.schema import DistributedConfig
 from jaxmem.config.validate import check_distributed
 
 
-HEARTBEAT_S = 20
+HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S (10 s) that a loaded host cannot let it fire first
 SHUTDOWN_S = 60
 
 

@@ -80,12 +80,19 @@ class PeerWatch:
                 if value is not None and value != last:
                     seen[p] = (value, now)
                 elif now - since >= self.stale_s:
-                    if self._try_get(p, _DONE) is not None:  # it finished the run and left
+                    if self._left(p):
                         seen.pop(p)
                         continue
                     self._lost(p, f"no heartbeat for {now - since:.0f} s")
                     return
             self._stop.wait(self.period_s)
+
+    def _left(self, process: int) -> bool:
+        """Whether a silent peer finished the run and left; a service that does not answer says it did not."""
+        try:
+            return self._try_get(process, _DONE) is not None
+        except Exception:
+            return False
 
     def _try_get(self, process: int, prefix: str = _PREFIX) -> str | None:
         try:

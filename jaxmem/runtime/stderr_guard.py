@@ -31,9 +31,22 @@ def _last_saved(checkpoint_dir: str) -> int | None:
         return None
 
 
-def _line(checkpoint_dir: str, fatal: str) -> str:
-    leader = "leader" in fatal or "coordination service" in fatal
-    who = "process 0 (the coordinator: its service stopped answering)" if leader else "another process"
+_UNHEALTHY = re.compile(r"unhealthy \(stopped sending heartbeats\):\s*([\d,\s]+?)\s*(?:The tasks|$)", re.S)
+
+
+def _lost(seen: str, fatal: str) -> str:
+    """Who was lost, read from jax's messages: the tasks its coordination service found silent (this process
+    hosts the service and its heartbeat backstop fired), else process 0 when the service itself is gone."""
+    silent = _UNHEALTHY.search(seen)
+    if silent:
+        tasks = ", ".join(t for t in re.split(r"[,\s]+", silent.group(1)) if t)
+        return f"process {tasks} (no heartbeat reached jax's coordination service)"
+    if "leader" in fatal or "coordination service" in fatal:
+        return "process 0 (the coordinator: its service stopped answering)"
+    return "another process"
+
+
+def _line(checkpoint_dir: str, who: str) -> str:
     step = _last_saved(checkpoint_dir) if checkpoint_dir else None
     saved = (f"the last saved checkpoint is step {step} in {checkpoint_dir}" if step is not None
              else "no checkpoint was saved yet")
@@ -45,11 +58,13 @@ def filter_stream(source, sink, checkpoint_dir: str) -> None:
     """Copies `source` lines to `sink` until EOF, replacing jax's fatal coordination error by one line."""
     held: list[str] = []
     fatal = ""
+    recent: list[str] = []  # the last lines, passed through or not: jax names the silent task before it aborts
     for raw in iter(source.readline, b""):
         line = raw.decode("utf-8", "replace")
         if fatal:
             fatal += line
             continue
+        recent = (recent + [line])[-40:]
         if any(marker in line for marker in _FATAL):
             fatal = "".join(held) + line
             continue
@@ -64,7 +79,7 @@ def filter_stream(source, sink, checkpoint_dir: str) -> None:
             continue
         sink.write(line)
         sink.flush()
-    sink.write(_line(checkpoint_dir, fatal) if fatal else "".join(held))
+    sink.write(_line(checkpoint_dir, _lost("".join(recent) + fatal[:4000], fatal)) if fatal else "".join(held))
     sink.flush()
 
 
