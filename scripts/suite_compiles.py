@@ -13,7 +13,13 @@ from pathlib import Path
 
 
 def main(argv: list[str]) -> int:
-    rows = [json.loads(line) for line in Path(argv[1]).read_text().splitlines() if line.strip()]
+    lines = [json.loads(line) for line in Path(argv[1]).read_text().splitlines() if line.strip()]
+    rows = [r for r in lines if "kind" not in r]
+    reads = [r for r in lines if r.get("kind") == "cache_read"]
+    writes = [r for r in lines if r.get("kind") == "cache_write"]
+    hits = [r for r in reads if r["hit"]]
+    print(f"persistent cache: {len(hits)} hits of {len(reads)} reads ({sum(r['seconds'] for r in reads):.0f} s "
+          f"reading), {len(writes)} writes ({sum(r['seconds'] for r in writes):.0f} s)")
     per_file: dict[str, Counter] = defaultdict(Counter)
     by_key: dict[str, list[dict]] = defaultdict(list)
     for row in rows:

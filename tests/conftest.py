@@ -138,3 +138,19 @@ if os.environ.get("JAXMEM_PROFILE_COMPILES"):  # a profiling run: which compiles
         return out
 
     _jax_compiler.backend_compile_and_load = _logged_compile
+
+    def _logged_cache(kind, original):
+        """The persistent cache's reads (hit or miss) and writes, with their seconds: what the cache costs."""
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = original(*args, **kwargs)
+            hit = out[0] is not None if kind == "cache_read" else None
+            with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
+                f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
+                                    "kind": kind, "hit": hit,
+                                    "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+            return out
+        return call
+
+    _jax_compiler._cache_read = _logged_cache("cache_read", _jax_compiler._cache_read)
+    _jax_compiler._cache_write = _logged_cache("cache_write", _jax_compiler._cache_write)
