@@ -20,6 +20,9 @@ def target_devices(target: str, gpus_per_host: int, hosts: int = 1) -> tuple:
 
     compat.require("deviceless GPU topologies (jaxmem.runtime.aot)")
     compat.require_matching_cuda_plugin()
+    from jaxmem.runtime import ptxas_cache
+
+    ptxas_cache.install()  # where JAXMEM_PTXAS_CACHE names a directory: kernels compiled once, not per compile
     xla_bridge._discover_and_register_pjrt_plugins()  # the CUDA plugin registers its topology factory here
     try:
         topo = get_topology_desc(target, "cuda", target_config=get_target(target).target_config_text(),

@@ -1,0 +1,141 @@
+"""ptxas with a cache of its outputs, for deviceless GPU compiles.
+
+A deviceless compile of a training step spends most of its time in ptxas, not in XLA: for a two-layer
+Llama-3.2-1B-width step on an H100 target, XLA called ptxas 126 times (one process per kernel) and those
+calls took 14.0 of the compile's 15.0 s (measured on this 2-core CPU machine). Compiles of related programs
+(remat presets, offload choices, stage splits of one model) share most of their kernels: over the deviceless
+remat and offload tests, 586 of 1107 ptxas inputs were distinct.
+
+`install()` puts a small shell script named ptxas first on PATH (and, where jax hands XLA a CUDA directory of
+its own, a directory that looks like it). The script keys each call by the PTX's sha256, under a folder for
+the real ptxas's path and `--version`; on a hit (same PTX, same arguments but the file names) it copies the
+stored cubin and replays ptxas's output instead of running it. Same input, same compiler: same cubin. XLA's
+buffer assignment, the figures jaxmem reads, comes before ptxas and is untouched either way.
+
+Off unless `JAXMEM_PTXAS_CACHE` names a directory (the test suite sets it, as it does the figure cache);
+subprocesses inherit it. Entries are written atomically (a cubin appears only once its output is stored).
+The cache is not pruned: its size is that of the distinct kernels compiled into it (du the directory).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+ENV = "JAXMEM_PTXAS_CACHE"
+
+_SCRIPT = r"""#!/bin/sh
+# ptxas with a cache, written by jaxmem.runtime.ptxas_cache. An entry is keyed by its PTX's sha256 under a
+# folder for the real ptxas and its version; it keeps the arguments it was compiled with (a hit must match
+# them), ptxas's stdout and stderr, and the cubin, which is moved in last.
+REAL='@REAL@'
+CACHE='@CACHE@/@SALT@'
+in=; out=; prev=; args=
+for a in "$@"; do
+  if [ "$prev" = "-o" ]; then out=$a
+  elif [ "$a" != "-o" ]; then
+    case $a in -*) args="$args $a";; *) [ -n "$in" ] && exec "$REAL" "$@"; in=$a;; esac
+  fi
+  prev=$a
+done
+if [ -z "$in" ] || [ -z "$out" ] || [ ! -f "$in" ]; then exec "$REAL" "$@"; fi
+key=$(sha256sum "$in")
+entry="$CACHE/${key%% *}"
+if [ -f "$entry.cubin" ] && IFS= read -r stored < "$entry.args" && [ "$stored" = "$args" ] && cp "$entry.cubin" "$out"; then
+  [ -s "$entry.out" ] && cat "$entry.out"
+  [ -s "$entry.err" ] && cat "$entry.err" >&2
+  echo "${key%% *}" >> "$CACHE/hits.log"
+  exit 0
+fi
+tmp="$entry.tmp$$"
+"$REAL" "$@" >"$tmp.out" 2>"$tmp.err"; rc=$?
+[ -s "$tmp.out" ] && cat "$tmp.out"
+[ -s "$tmp.err" ] && cat "$tmp.err" >&2
+if [ $rc -eq 0 ] && [ ! -f "$entry.cubin" ] && cp "$out" "$tmp.cubin"; then
+  echo "$args" > "$tmp.args"
+  mv "$tmp.args" "$entry.args" && mv "$tmp.out" "$entry.out" && mv "$tmp.err" "$entry.err" \
+    && mv "$tmp.cubin" "$entry.cubin"
+fi
+rm -f "$tmp.out" "$tmp.err" "$tmp.cubin" "$tmp.args"
+exit $rc
+"""
+
+
+def directory() -> Path | None:
+    value = os.environ.get(ENV)
+    return Path(value).absolute() if value else None
+
+
+def _jax_cuda_root() -> str | None:
+    """The CUDA directory jax hands XLA with every compile (CUDA_ROOT, or the nvidia nvcc wheel), if any."""
+    from jax._src import lib
+
+    return getattr(lib, "cuda_path", None)
+
+
+def real_ptxas() -> Path | None:
+    """The ptxas XLA would run: in jax's CUDA directory if it names one, else the first on PATH (XLA prefers
+    PATH), else /usr/local/cuda's. Our own script is skipped."""
+    root = _jax_cuda_root()
+    candidates = [Path(root) / "bin" / "ptxas"] if root else []
+    ours = directory()
+    for entry in os.environ.get("PATH", "").split(os.pathsep):
+        if entry and (ours is None or not Path(entry).absolute().is_relative_to(ours)):
+            candidates.append(Path(entry) / "ptxas")
+    candidates.append(Path("/usr/local/cuda/bin/ptxas"))
+    return next((c.resolve() for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
+
+
+def _write_atomically(path: Path, text: str, mode: int) -> None:
+    if path.is_file() and path.read_text() == text:
+        return
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    tmp.chmod(mode)
+    os.replace(tmp, path)
+
+
+def install() -> Path | None:
+    """Puts the caching ptxas in front of the real one for this process and its children; returns the
+    cache directory, or None where the cache is off or no ptxas is found (compiles then run as before)."""
+    cache = directory()
+    real = real_ptxas() if cache is not None else None
+    if real is None:
+        return None
+    version = subprocess.run([str(real), "--version"], capture_output=True, text=True).stdout
+    salt = hashlib.sha256(f"{real}\n{version}".encode()).hexdigest()[:16]
+    root = cache / "cuda"  # a CUDA directory: our bin/ptxas, the rest of the real one's linked
+    (root / "bin").mkdir(parents=True, exist_ok=True)
+    (cache / salt).mkdir(exist_ok=True)
+    script = _SCRIPT.replace("@REAL@", str(real)).replace("@CACHE@", str(cache)).replace("@SALT@", salt)
+    _write_atomically(root / "bin" / "ptxas", script, 0o755)
+    real_root = real.parent.parent
+    for name in ("nvvm",):  # libdevice, which XLA reads from the directory it is given
+        link = root / name
+        if not link.exists() and (real_root / name).exists():
+            try:
+                link.symlink_to(real_root / name)
+            except FileExistsError:
+                pass
+    for tool in ("nvlink", "fatbinary"):
+        link = root / "bin" / tool
+        if not link.exists() and shutil.which(tool, path=str(real.parent)):
+            try:
+                link.symlink_to(real.parent / tool)
+            except FileExistsError:
+                pass
+    bin_dir = str(root / "bin")
+    if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    if _jax_cuda_root() is not None:  # jax names XLA's CUDA directory itself: ours, which links the rest
+        from jax._src import lib
+
+        lib.cuda_path = str(root)
+    return cache
+
+
+def hits(cache: Path) -> int:
+    """How many ptxas runs the cache has answered (one line per hit in hits.log)."""
+    return sum(1 for log in cache.glob("*/hits.log") for _ in log.open())
