@@ -14,6 +14,7 @@ from pathlib import Path
 
 
 from jaxmem.config import ConfigError, config_hash, load_config, parse_yaml_file
+from jaxmem.runtime import ptxas_cache
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores
 GIB = 1024**3
@@ -116,8 +117,9 @@ def plan_points(config: str, point_overrides: list[list[str]], base_overrides: l
         ctx = multiprocessing.get_context("spawn")
         # A fresh process per point: compiles with host memory placement misbehave after other compiles in the
         # same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
-        with futures.ProcessPoolExecutor(max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx,
-                                         max_tasks_per_child=1) as pool:
+        # The points' deviceless compiles share ptxas's cubins of the kernels they have in common.
+        with ptxas_cache.defaulted_to(cache_dir / "ptxas"), futures.ProcessPoolExecutor(
+                max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx, max_tasks_per_child=1) as pool:
             running = {pool.submit(_plan_point, config, base_overrides + o, target, compile): (o, k, p)
                        for o, k, p in todo}
             for fut in futures.as_completed(running):

@@ -13,11 +13,12 @@ stored cubin and replays ptxas's output instead of running it. Same input, same 
 buffer assignment, the figures jaxmem reads, comes before ptxas and is untouched either way.
 
 Off unless `JAXMEM_PTXAS_CACHE` names a directory (the test suite sets it, as it does the figure cache);
-subprocesses inherit it. Entries are written atomically (a cubin appears only once its output is stored).
+subprocesses inherit it. `jaxmem sweep` and `jaxmem tune` turn it on for their workers, in their cache folder. Entries are written atomically (a cubin appears only once its output is stored).
 The cache is not pruned: its size is that of the distinct kernels compiled into it (du the directory).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
@@ -134,6 +135,20 @@ def install() -> Path | None:
 
         lib.cuda_path = str(root)
     return cache
+
+
+@contextlib.contextmanager
+def defaulted_to(folder: Path):
+    """Within the block, the cache is on in `folder` unless JAXMEM_PTXAS_CACHE already names one: sweep and
+    tune hand it to their worker processes, whose deviceless compiles of one model share most kernels."""
+    if os.environ.get(ENV):
+        yield Path(os.environ[ENV])
+        return
+    os.environ[ENV] = str(Path(folder).absolute())
+    try:
+        yield Path(folder)
+    finally:
+        os.environ.pop(ENV, None)
 
 
 def hits(cache: Path) -> int:

@@ -108,3 +108,15 @@ def test_a_hit_is_the_real_ptxas_cubin_byte_for_byte(tmp_path, monkeypatch):
     assert ptxas_cache.hits(cache) == 1
     want = (tmp_path / "direct.cubin").read_bytes()
     assert (tmp_path / "miss.cubin").read_bytes() == want == (tmp_path / "hit.cubin").read_bytes()
+
+
+def test_sweep_and_tune_turn_it_on_for_their_workers_unless_it_is_set(tmp_path, monkeypatch):
+    monkeypatch.delenv(ptxas_cache.ENV, raising=False)
+    wanted = tmp_path / "cache" / "ptxas"
+    with ptxas_cache.defaulted_to(wanted) as folder:
+        assert os.environ[ptxas_cache.ENV] == str(wanted) and folder == wanted
+    assert ptxas_cache.ENV not in os.environ
+    monkeypatch.setenv(ptxas_cache.ENV, str(tmp_path / "mine"))
+    with ptxas_cache.defaulted_to(tmp_path / "cache" / "ptxas") as folder:
+        assert os.environ[ptxas_cache.ENV] == str(tmp_path / "mine") and folder == tmp_path / "mine"
+    assert os.environ[ptxas_cache.ENV] == str(tmp_path / "mine")
