@@ -16,6 +16,7 @@ in_flight comes from the schedule (1F1B: pp - s on stage s; GPipe: every micro-b
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import math
 import time
 
@@ -70,23 +71,51 @@ def _with_sharding(tree, shardings):
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Compiled:
+    fields: dict
+    warnings: tuple
+    out_info: object
+    output_shardings: object
+
+
+# One compile per program and device set in a process: the balancer's candidate splits share stages (the
+# same layers at the same position), and the plan of the chosen split compiles them once more.
+_compiled: dict[tuple, _Compiled] = {}
+
+
+def _compile(lowered, devices) -> _Compiled:
+    """The figures of `lowered` compiled for `devices`, compiled once per process (same text, same devices
+    of the same kind: the same executable)."""
+    key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(),
+           tuple((d.platform, d.device_kind, d.id) for d in devices))
+    if key not in _compiled:
+        with captured_stderr() as lines:
+            exe = lowered.compile()
+        _compiled[key] = _Compiled(read_fields(exe), tuple(memory_warnings(lines)), exe.out_info,
+                                   exe.output_shardings)
+    return _compiled[key]
+
+
 def compile_stage(stage, in_flight: int) -> StageFigures:
     """Compiles the stage's forward, backward and update for its mesh's devices and reads their figures."""
     prog = stage.prog
     start = time.perf_counter()
     state = prog.abstract_state
+    devices = list(stage.mesh.devices.flat)
     p_grad = _with_sharding(stage.abstract_params_for_grad(), prog.state_shardings["params"])
     grads = _with_sharding(jax.eval_shape(stage._zero_grads), stage.grad_shardings)
     x, extras = stage.abstract_input(), stage.abstract_extras()
-    with captured_stderr() as lines, stage.prog.lowering():
-        fwd = stage.forward.lower(p_grad, x, extras).compile()
+    with stage.prog.lowering():
+        fwd = _compile(stage.forward.lower(p_grad, x, extras), devices)
         out_avals = fwd.out_info
         res_avals = _with_sharding(out_avals[1], fwd.output_shardings[1])
         ct = stage.abstract_cotangent(out_avals[0], fwd.output_shardings[0])
-        bwd = stage.backward.lower(p_grad, res_avals, ct, grads).compile()
+        bwd = _compile(stage.backward.lower(p_grad, res_avals, ct, grads), devices)
         norm = jax.ShapeDtypeStruct((), jnp.float32)
-        upd = stage.update.lower(state, grads, norm).compile()
-    f, b, u = read_fields(fwd), read_fields(bwd), read_fields(upd)
+        upd = _compile(stage.update.lower(state, grads, norm), devices)
+    f, b, u = fwd.fields, bwd.fields, upd.fields
+    warnings = tuple(dict.fromkeys(fwd.warnings + bwd.warnings + upd.warnings))
     activation = 0 if stage.last else _shard_bytes([ct])
     received = 0 if stage.first else _shard_bytes([x])
     grad_bytes = _shard_bytes(grads)
@@ -100,7 +129,7 @@ def compile_stage(stage, in_flight: int) -> StageFigures:
         update_total=u["argument"] + u["output"] - u["alias"] + u["temp"],
         state_host=u["host_argument"],
         update_host=u["host_argument"] + u["host_output"] - u["host_alias"] + u["host_temp"],
-        compile_seconds=round(time.perf_counter() - start, 2), warnings=tuple(memory_warnings(lines)))
+        compile_seconds=round(time.perf_counter() - start, 2), warnings=warnings)
 
 
 def _state_on_device(prog) -> int:
