@@ -45,19 +45,21 @@ if [ -z "$in" ] || [ -z "$out" ] || [ ! -f "$in" ]; then exec "$REAL" "$@"; fi
 key=$(sha256sum "$in")
 entry="$CACHE/${key%% *}"
 if [ -f "$entry.cubin" ] && IFS= read -r stored < "$entry.args" && [ "$stored" = "$args" ] && cp "$entry.cubin" "$out"; then
-  [ -s "$entry.out" ] && cat "$entry.out"
-  [ -s "$entry.err" ] && cat "$entry.err" >&2
+  if [ -s "$entry.out" ]; then cat "$entry.out"; fi
+  if [ -s "$entry.err" ]; then cat "$entry.err" >&2; fi
   echo "${key%% *}" >> "$CACHE/hits.log"
   exit 0
 fi
 tmp="$entry.tmp$$"
 "$REAL" "$@" >"$tmp.out" 2>"$tmp.err"; rc=$?
-[ -s "$tmp.out" ] && cat "$tmp.out"
-[ -s "$tmp.err" ] && cat "$tmp.err" >&2
+if [ -s "$tmp.out" ]; then cat "$tmp.out"; fi
+if [ -s "$tmp.err" ]; then cat "$tmp.err" >&2; fi
 if [ $rc -eq 0 ] && [ ! -f "$entry.cubin" ] && cp "$out" "$tmp.cubin"; then
   echo "$args" > "$tmp.args"
-  mv "$tmp.args" "$entry.args" && mv "$tmp.out" "$entry.out" && mv "$tmp.err" "$entry.err" \
-    && mv "$tmp.cubin" "$entry.cubin"
+  for part in out err; do  # ptxas is mostly silent: empty outputs are not kept
+    if [ -s "$tmp.$part" ]; then mv "$tmp.$part" "$entry.$part"; fi
+  done
+  mv "$tmp.args" "$entry.args" && mv "$tmp.cubin" "$entry.cubin"
 fi
 rm -f "$tmp.out" "$tmp.err" "$tmp.cubin" "$tmp.args"
 exit $rc
