@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -31,8 +32,8 @@ _SCRIPT = r"""#!/bin/sh
 # ptxas with a cache, written by jaxmem.runtime.ptxas_cache. An entry is keyed by its PTX's sha256 under a
 # folder for the real ptxas and its version; it keeps the arguments it was compiled with (a hit must match
 # them), ptxas's stdout and stderr, and the cubin, which is moved in last.
-REAL='@REAL@'
-CACHE='@CACHE@/@SALT@'
+REAL=@REAL@
+CACHE=@CACHE@
 in=; out=; prev=; args=
 for a in "$@"; do
   if [ "$prev" = "-o" ]; then out=$a
@@ -112,7 +113,7 @@ def install() -> Path | None:
     root = cache / "cuda"  # a CUDA directory: our bin/ptxas, the rest of the real one's linked
     (root / "bin").mkdir(parents=True, exist_ok=True)
     (cache / salt).mkdir(exist_ok=True)
-    script = _SCRIPT.replace("@REAL@", str(real)).replace("@CACHE@", str(cache)).replace("@SALT@", salt)
+    script = _SCRIPT.replace("@REAL@", shlex.quote(str(real))).replace("@CACHE@", shlex.quote(str(cache / salt)))
     _write_atomically(root / "bin" / "ptxas", script, 0o755)
     real_root = real.parent.parent
     for name in ("nvvm",):  # libdevice, which XLA reads from the directory it is given

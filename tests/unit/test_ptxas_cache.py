@@ -30,7 +30,7 @@ def fake_ptxas(tmp_path, monkeypatch):
     (tools / "ptxas").write_text(FAKE)
     (tools / "ptxas").chmod(0o755)
     monkeypatch.setenv("PATH", f"{tools}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv(ptxas_cache.ENV, str(tmp_path / "cache"))
+    monkeypatch.setenv(ptxas_cache.ENV, str(tmp_path / "it's a cache"))  # quotes and spaces survive the script
     monkeypatch.setattr(ptxas_cache, "_jax_cuda_root", lambda: None)
     cache = ptxas_cache.install()
     return cache, tools
