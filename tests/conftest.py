@@ -128,16 +128,17 @@ if os.environ.get("JAXMEM_PROFILE_COMPILES"):  # a profiling run: which compiles
 
     _backend_compile = _jax_compiler.backend_compile_and_load
 
+    def _log(start: float, **record) -> None:
+        """One line of the profile: the running test, the record, and the seconds since `start`."""
+        with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
+            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], **record,
+                                "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+
     def _logged_compile(backend, module, *args, **kwargs):
         start = time.perf_counter()
         out = _backend_compile(backend, module, *args, **kwargs)
-        text = str(module)
-        with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
-            f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
-                                "module": str(module.operation.attributes["sym_name"]).strip('"'),
-                                "platform": getattr(backend, "platform", "?"),
-                                "key": hashlib.sha256(text.encode()).hexdigest()[:16],
-                                "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+        _log(start, module=str(module.operation.attributes["sym_name"]).strip('"'),
+             platform=getattr(backend, "platform", "?"), key=hashlib.sha256(str(module).encode()).hexdigest()[:16])
         return out
 
     _jax_compiler.backend_compile_and_load = _logged_compile
@@ -147,11 +148,7 @@ if os.environ.get("JAXMEM_PROFILE_COMPILES"):  # a profiling run: which compiles
         def call(*args, **kwargs):
             start = time.perf_counter()
             out = original(*args, **kwargs)
-            hit = out[0] is not None if kind == "cache_read" else None
-            with open(os.environ["JAXMEM_PROFILE_COMPILES"], "a") as f:
-                f.write(json.dumps({"test": os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0],
-                                    "kind": kind, "hit": hit,
-                                    "seconds": round(time.perf_counter() - start, 3)}) + "\n")
+            _log(start, kind=kind, hit=out[0] is not None if kind == "cache_read" else None)
             return out
         return call
 

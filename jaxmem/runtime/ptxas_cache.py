@@ -24,7 +24,6 @@ import contextlib
 import hashlib
 import os
 import shlex
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -117,20 +116,14 @@ def install() -> Path | None:
     (cache / salt).mkdir(exist_ok=True)
     script = _SCRIPT.replace("@REAL@", shlex.quote(str(real))).replace("@CACHE@", shlex.quote(str(cache / salt)))
     _write_atomically(root / "bin" / "ptxas", script, 0o755)
-    real_root = real.parent.parent
-    for name in ("nvvm",):  # libdevice, which XLA reads from the directory it is given
-        link = root / name
-        if not link.exists() and (real_root / name).exists():
+    # the rest of the real CUDA directory: libdevice (nvvm/), which XLA reads from the directory it is given,
+    # and the other tools it runs
+    for link, target in ((root / "nvvm", real.parent.parent / "nvvm"),
+                         *((root / "bin" / tool, real.parent / tool) for tool in ("nvlink", "fatbinary"))):
+        if target.exists() and not link.exists():
             try:
-                link.symlink_to(real_root / name)
-            except FileExistsError:
-                pass
-    for tool in ("nvlink", "fatbinary"):
-        link = root / "bin" / tool
-        if not link.exists() and shutil.which(tool, path=str(real.parent)):
-            try:
-                link.symlink_to(real.parent / tool)
-            except FileExistsError:
+                link.symlink_to(target)
+            except FileExistsError:  # another process made it first
                 pass
     bin_dir = str(root / "bin")
     if os.environ.get("PATH", "").split(os.pathsep)[0] != bin_dir:
