@@ -51,9 +51,6 @@ os.environ.setdefault("JAXMEM_PLAN_CACHE", str(Path(__file__).resolve().parent.p
 # persistent cache above cannot hold those executables, so a plan compiled by one test (or a sweep or tune
 # worker) is not compiled again by the next
 os.environ.setdefault("JAXMEM_FIGURE_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "figures"))
-# ptxas outputs by PTX + arguments + ptxas version (jaxmem.runtime.ptxas_cache): deviceless compiles spend
-# most of their time in ptxas, and related programs (remat presets, stage splits) share most kernels
-os.environ.setdefault("JAXMEM_PTXAS_CACHE", str(Path(__file__).resolve().parent.parent / ".cache" / "ptxas"))
 
 import jax  # noqa: E402
 import pytest  # noqa: E402

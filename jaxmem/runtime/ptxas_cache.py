@@ -13,8 +13,9 @@ the real ptxas's path and `--version`; on a hit (same PTX, same arguments but th
 stored cubin and replays ptxas's output instead of running it. Same input, same compiler: same cubin. A miss
 costs ~5 ms more than ptxas alone.
 
-Off unless `JAXMEM_PTXAS_CACHE` names a directory (the test suite sets it, as it does the figure cache);
-subprocesses inherit it. `jaxmem sweep` and `jaxmem tune` turn it on for their workers, in their cache
+Off unless `JAXMEM_PTXAS_CACHE` names a directory; subprocesses inherit it. The test suite does not set it:
+over the whole suite its gain was within this machine's noise, and its extra processes per ptxas run (the
+script, sha256sum, cp) once met a fork failure in CI. `jaxmem sweep` and `jaxmem tune` turn it on for their workers, in their cache
 folder. Entries are written atomically (a cubin appears only once its output is stored). The cache is not
 pruned: it holds each distinct kernel once (62 MB after a whole test-suite run, 4656 kernels).
 """
@@ -29,10 +30,11 @@ from pathlib import Path
 
 ENV = "JAXMEM_PTXAS_CACHE"
 
-_SCRIPT = r"""#!/bin/sh
+_SCRIPT = r"""#!@SHELL@
 # ptxas with a cache, written by jaxmem.runtime.ptxas_cache. An entry is keyed by its PTX's sha256 under a
 # folder for the real ptxas and its version; it keeps the arguments it was compiled with (a hit must match
-# them), ptxas's stdout and stderr, and the cubin, which is moved in last.
+# them), ptxas's stdout and stderr, and the cubin, which is moved in last. Where the key cannot be had, the
+# real ptxas runs in this process's place.
 REAL=@REAL@
 CACHE=@CACHE@
 in=; out=; prev=; args=
@@ -44,7 +46,7 @@ for a in "$@"; do
   prev=$a
 done
 if [ -z "$in" ] || [ -z "$out" ] || [ ! -f "$in" ]; then exec "$REAL" "$@"; fi
-key=$(sha256sum "$in")
+key=$(sha256sum "$in") && [ -n "$key" ] || exec "$REAL" "$@"
 entry="$CACHE/${key%% *}"
 if [ -f "$entry.cubin" ] && IFS= read -r stored < "$entry.args" && [ "$stored" = "$args" ] && cp "$entry.cubin" "$out"; then
   if [ -s "$entry.out" ]; then cat "$entry.out"; fi
@@ -93,6 +95,12 @@ def real_ptxas() -> Path | None:
     return next((c.resolve() for c in candidates if c.is_file() and os.access(c, os.X_OK)), None)
 
 
+def _shell() -> str:
+    """bash where there is one: when a fork fails for want of processes (EAGAIN), bash waits and tries again
+    (1+2+4+8 s) where dash gives up at once ("Cannot fork", seen in CI under the test suite's load)."""
+    return "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
+
+
 def _write_atomically(path: Path, text: str, mode: int) -> None:
     if path.is_file() and path.read_text() == text:
         return
@@ -114,7 +122,8 @@ def install() -> Path | None:
     root = cache / "cuda"  # a CUDA directory: our bin/ptxas, the rest of the real one's linked
     (root / "bin").mkdir(parents=True, exist_ok=True)
     (cache / salt).mkdir(exist_ok=True)
-    script = _SCRIPT.replace("@REAL@", shlex.quote(str(real))).replace("@CACHE@", shlex.quote(str(cache / salt)))
+    script = (_SCRIPT.replace("@SHELL@", _shell()).replace("@REAL@", shlex.quote(str(real)))
+              .replace("@CACHE@", shlex.quote(str(cache / salt))))
     _write_atomically(root / "bin" / "ptxas", script, 0o755)
     # the rest of the real CUDA directory: libdevice (nvvm/), which XLA reads from the directory it is given,
     # and the other tools it runs

@@ -78,6 +78,26 @@ def test_a_failed_compile_is_not_kept(tmp_path, fake_ptxas):
     assert not [p for p in cache.rglob("*") if ".tmp" in p.name]
 
 
+def test_without_a_key_the_real_ptxas_runs_in_its_place(tmp_path, fake_ptxas, monkeypatch):
+    cache, tools = fake_ptxas
+    broken = tmp_path / "broken"  # a sha256sum that cannot run, as when a fork fails
+    broken.mkdir()
+    (broken / "sha256sum").write_text("#!/bin/sh\nexit 1\n")
+    (broken / "sha256sum").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{broken}{os.pathsep}{os.environ['PATH']}")
+    for kernel in (KERNEL, KERNEL.replace("k()", "k2()")):  # an empty key must not serve one kernel for all
+        done, cubin = _ptxas(tmp_path, kernel, "-arch=sm_90a")
+        assert done.returncode == 0 and cubin == f"-arch=sm_90a\n{kernel}".encode()
+        assert (done.stdout, done.stderr) == ("ptxas info: compiled\n", "ptxas warning: 8 bytes spill stores\n")
+    assert _runs(tools) == 2 and not [p for p in cache.rglob("*") if p.name.endswith(".cubin")]
+
+
+def test_the_script_runs_under_bash_where_there_is_one(fake_ptxas):
+    cache, _ = fake_ptxas
+    first_line = (cache / "cuda" / "bin" / "ptxas").read_text().splitlines()[0]
+    assert first_line == ("#!/bin/bash" if os.access("/bin/bash", os.X_OK) else "#!/bin/sh")
+
+
 def test_calls_it_does_not_understand_go_to_ptxas(tmp_path, fake_ptxas):
     _, tools = fake_ptxas
     assert subprocess.run(["ptxas", "--version"], capture_output=True, text=True).stdout == \
