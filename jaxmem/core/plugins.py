@@ -34,6 +34,10 @@ class ProgramPlugin:
         """A step-0 train state around the model's `params` (the program's state_from_params)."""
         return assemble_state(prog.cfg, prog.precision, prog.optimizer, params)
 
+    def seed_state(self, prog, seed: int) -> dict:
+        """A step-0 train state around the model initialized from `seed` (traced under the program's jit)."""
+        return self.fresh_state(prog, prog.fresh_params(seed), seed)
+
     def frozen_part(self, prog, load_params):
         """The frozen part rebuilt where the config says (a resume); `load_params(prog, path)` reads a
         params-only checkpoint. None: the state has no frozen part."""

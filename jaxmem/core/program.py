@@ -108,7 +108,7 @@ class TrainProgram:
         return nnx.to_pure_dict(nnx.split(model)[1])
 
     def _fresh_state(self, seed: int) -> dict:
-        return self.state_from_params(self.fresh_params(seed), seed)
+        return self.plugin.seed_state(self, seed)
 
     def state_from_params(self, params, seed: int | None = None) -> dict:
         """A step-0 train state (fresh optimizer state, master = fp32 params) around given model params; a

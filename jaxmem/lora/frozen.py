@@ -71,19 +71,53 @@ def unstore(setup: LoraSetup, stored, shape: tuple[int, ...], dtype):
     return dequantize(setup.base_dtype, stored, shape, dtype)
 
 
+def store_layers(setup: LoraSetup, cfg: Config, layers: dict, param_dtype) -> dict:
+    """Stacked [L, ...] layer params in the base's form: every frozen linear stored, the rest in param_dtype.
+    Each layer is stored on its own (quantized per layer), so a slice of layers stores as those layers."""
+    out = jax.tree.map(lambda x: x.astype(param_dtype), layers)
+    for name in setup.frozen:
+        out[name] = store(setup, cfg, name, layers[name])
+    return out
+
+
 def make_base(setup: LoraSetup, cfg: Config, params: dict, param_dtype) -> dict:
     """The frozen base: the model's params in param_dtype, every linear of the layers in its stored form."""
-    base = jax.tree.map(lambda x: x.astype(param_dtype), params)
-    layers = dict(base["layers"])
-    for name in setup.frozen:
-        layers[name] = store(setup, cfg, name, params["layers"][name])
-    if setup.quantize_embeddings:  # stored per vocab row: [V, D], the LM head transposed (frozen_vocab)
+    return dict(_outside_layers(setup, params, param_dtype),
+                layers=store_layers(setup, cfg, params["layers"], param_dtype))
+
+
+def _outside_layers(setup: LoraSetup, params: dict, param_dtype) -> dict:
+    """The base's params outside the layers: in param_dtype, or with lora.quantize_embeddings the embedding
+    and LM head stored per vocab row ([V, D], the LM head transposed: frozen_vocab)."""
+    base = jax.tree.map(lambda x: x.astype(param_dtype), {k: v for k, v in params.items() if k != "layers"})
+    if setup.quantize_embeddings:
         from jaxmem.lora.frozen_vocab import store_table
 
         for key in ("embed", "lm_head"):
             if key in params:
                 base[key] = store_table(setup, key, params[key])
-    return dict(base, layers=layers)
+    return base
+
+
+def base_from_seed(setup: LoraSetup, cfg: Config, seed: int, param_dtype) -> dict:
+    """make_base of the model init_model(seed) builds, its layers initialized and stored one at a time (a
+    loop over the layer keys). The whole-model init held every layer's weights before storing them: the QLoRA
+    Llama-3-8B q,v run peaked at 12.54 GiB during init against its 9.09 GiB step (measured on an H200,
+    benchmarks/gpu_h200.md); its init compiled for one H100 held 7.00 GiB of temporaries (nf4; 14.00 with an
+    int8 base) beside the 5.49 GiB state, and holds none this way (compiled deviceless). The values are the
+    whole init's (nf4 and bf16 bit for bit; an int8 code may land one step away where XLA fuses the rounding
+    product differently: 1 in 180224 in tiny's w_gate on CPU). Call it under jit: the whole model below gives
+    the embedding, final norm and LM head; its layers are unused, so XLA does not compute them."""
+    from jaxmem.model.transformer import init_layer, init_model, layer_keys
+
+    model = nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=seed, param_dtype=param_dtype))[1])
+    outside = _outside_layers(setup, model, param_dtype)
+
+    def one_layer(key):
+        layer = jax.tree.map(lambda x: x[None], init_layer(cfg.model, key, param_dtype=param_dtype))
+        return jax.tree.map(lambda x: x[0], store_layers(setup, cfg, layer, param_dtype))
+
+    return dict(outside, layers=jax.lax.map(one_layer, layer_keys(cfg.model, seed)))
 
 
 def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: dict,

@@ -42,6 +42,12 @@ class LoraPlugin(ProgramPlugin):
         state[FROZEN] = frozen.make_base(self.setup, prog.cfg, params, prog.precision.param)
         return state
 
+    def seed_state(self, prog, seed):
+        """Fresh adapters on the base from `seed`, its layers initialized and stored one at a time."""
+        state = adapter_state(prog, seed)
+        state[FROZEN] = frozen.base_from_seed(self.setup, prog.cfg, seed, prog.precision.param)
+        return state
+
     def frozen_part(self, prog, load_params):
         """The frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face directory or an
         import-hf output is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
@@ -50,10 +56,11 @@ class LoraPlugin(ProgramPlugin):
         cfg, setup, out = prog.cfg, self.setup, prog.state_shardings[FROZEN]
         if cfg.checkpoint.init_from and streams(cfg.checkpoint.init_from):
             return stream_base(prog, cfg.checkpoint.init_from)
-        make = lambda p: frozen.make_base(setup, cfg, p, prog.precision.param)  # noqa: E731
         if cfg.checkpoint.init_from:
+            make = lambda p: frozen.make_base(setup, cfg, p, prog.precision.param)  # noqa: E731
             return jax.jit(make, out_shardings=out)(load_params(prog, cfg.checkpoint.init_from))
-        return jax.jit(lambda: make(prog.fresh_params(cfg.train.seed)), out_shardings=out)()
+        return jax.jit(lambda: frozen.base_from_seed(setup, cfg, cfg.train.seed, prog.precision.param),
+                       out_shardings=out)()
 
     def streamed_state(self, prog, path):
         """An HF directory or import-hf output: the base streamed and quantized a layer at a time."""

@@ -73,7 +73,7 @@ class Transformer(nnx.Module):
         def make_layers(key):
             return Block(cfg, param_dtype, nnx.Rngs(params=key))
 
-        self.layers = make_layers(jax.random.split(rngs.params(), cfg.n_layers))
+        self.layers = make_layers(_split_layer_keys(rngs, cfg.n_layers))  # the stream's second key
         self.final_norm = param(rngs, (cfg.d_model,), ("norm",), param_dtype, "ones")
         if not cfg.tie_embeddings:
             self.lm_head = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), param_dtype)
@@ -174,6 +174,24 @@ class Transformer(nnx.Module):
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, param_dtype=jnp.float32) -> Transformer:
     return Transformer(cfg, param_dtype=param_dtype, rngs=nnx.Rngs(params=seed))
+
+
+def _split_layer_keys(rngs: nnx.Rngs, n_layers: int) -> jax.Array:
+    return jax.random.split(rngs.params(), n_layers)
+
+
+def layer_keys(cfg: ModelConfig, seed: int) -> jax.Array:
+    """[L] keys: init_model(cfg, seed=seed) builds layer i from the i-th (the params stream's second key, split;
+    the embedding takes the first)."""
+    rngs = nnx.Rngs(params=seed)
+    rngs.params()
+    return _split_layer_keys(rngs, cfg.n_layers)
+
+
+def init_layer(cfg: ModelConfig, key: jax.Array, *, param_dtype=jnp.float32) -> dict:
+    """One layer's params (a pure dict, no [L] axis) as init_model builds the layer of `key`: a caller that
+    turns each layer into something else (a quantized LoRA base) never holds every layer's weights at once."""
+    return nnx.to_pure_dict(nnx.split(Block(cfg, param_dtype, nnx.Rngs(params=key)))[1])
 
 
 def abstract_model(cfg: ModelConfig, *, param_dtype=jnp.float32) -> Transformer:
