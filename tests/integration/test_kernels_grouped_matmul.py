@@ -84,6 +84,31 @@ def test_preferred_element_type_and_rows_after_the_used_blocks(impl):
     assert padded_blocks(40, 4, 4) == 13
 
 
+def test_pallas_takes_an_fp32_output_gradient_of_bf16_inputs_and_builds_for_sm_90():
+    """A LoRA adapter's grouped matmul outputs fp32 (preferred_element_type) from bf16 inputs, so its backward
+    pairs an fp32 gradient with bf16 rows and weights: Triton's dot takes one element type (this failed to
+    build for an H100 before the kernel cast its tiles; interpret mode had not minded)."""
+    lhs, rhs, sizes, dy = _inputs(40, 6, 5, [3, 4, 5, 6], jnp.bfloat16)
+    dy = dy.astype(jnp.float32)
+    fn = _implementation("pallas", GroupedMatmulBlocks(block_rows=16))
+    f32 = functools.partial(fn, preferred_element_type=jnp.float32)
+    got = _vjp(f32, lhs, rhs, sizes, dy)
+    want = _vjp(functools.partial(grouped_matmul_reference, preferred_element_type=jnp.float32), lhs, rhs, sizes, dy)
+    assert [a.dtype for a in got] == [jnp.float32, jnp.bfloat16, jnp.bfloat16]
+    for name, a, b in zip(("out", "d_lhs", "d_rhs"), got, want):
+        assert_close(a, b, TOLERANCES[jnp.bfloat16][1], name)
+    pytest.importorskip("jax_cuda12_plugin")
+    from jaxmem.runtime.aot import compile_abstract, target_devices
+
+    device = jax.sharding.SingleDeviceSharding(target_devices("h100-80g", 1)[0])
+    compiled = compile_abstract(
+        lambda x, w, n, g: _vjp(functools.partial(pallas.grouped_matmul, preferred_element_type=jnp.float32),
+                                x, w, n, g),
+        *(jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=device) for a in (lhs, rhs, sizes, dy)))
+    text = compiled.as_text()
+    assert all(name in text for name in ("grouped_matmul_fwd", "grouped_matmul_bwd_lhs", "grouped_matmul_bwd_rhs"))
+
+
 def test_padded_blocks_bound_every_split():
     """ceil(M / b) + G - 1 blocks suffice for every split of M rows into G groups (and no more than M)."""
     rng = np.random.default_rng(0)

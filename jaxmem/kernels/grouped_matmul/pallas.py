@@ -21,8 +21,10 @@ from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import block_layout, padded_blocks, take_rows
 
 
-def _load(ref, rows, cols, mask):
-    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0)
+def _load(ref, rows, cols, mask, dtype):
+    """A masked tile of `ref` as `dtype`: a dot's two sides share one element type in Triton, and a backward
+    may pair an fp32 output gradient (preferred_element_type=float32) with bf16 rows or weights."""
+    return plgpu.load(ref.at[rows[:, None], cols[None, :]], mask=mask, other=0).astype(dtype)
 
 
 def _matmul_kernel(group_ref, used_ref, x_ref, w_ref, y_ref, *, bm, bk, bn, k_dim, n_dim, transpose):
@@ -34,13 +36,15 @@ def _matmul_kernel(group_ref, used_ref, x_ref, w_ref, y_ref, *, bm, bk, bn, k_di
         rows = i * bm + jnp.arange(bm)
         cols = j * bn + jnp.arange(bn)
 
+        dtype = jnp.promote_types(x_ref.dtype, w_ref.dtype)
+
         def step(k, acc):
             ks = k * bk + jnp.arange(bk)
-            x = _load(x_ref, rows, ks, jnp.broadcast_to((ks < k_dim)[None, :], (bm, bk)))
+            x = _load(x_ref, rows, ks, jnp.broadcast_to((ks < k_dim)[None, :], (bm, bk)), dtype)
             if transpose:  # w_ref is [G * N, K]: the tile of w[g]^T
-                w = _load(w_ref, g * n_dim + cols, ks, (cols < n_dim)[:, None] & (ks < k_dim)[None, :])
+                w = _load(w_ref, g * n_dim + cols, ks, (cols < n_dim)[:, None] & (ks < k_dim)[None, :], dtype)
                 return acc + plgpu.dot(x, w, trans_b=True)
-            w = _load(w_ref, g * k_dim + ks, cols, (ks < k_dim)[:, None] & (cols < n_dim)[None, :])
+            w = _load(w_ref, g * k_dim + ks, cols, (ks < k_dim)[:, None] & (cols < n_dim)[None, :], dtype)
             return acc + plgpu.dot(x, w)
 
         acc = jax.lax.fori_loop(0, pl.cdiv(k_dim, bk), step, jnp.zeros((bm, bn), jnp.float32))
@@ -53,10 +57,12 @@ def _dw_kernel(start_ref, count_ref, x_ref, dy_ref, dw_ref, *, bm, bd, bf, d, f)
     d_cols = a * bd + jnp.arange(bd)
     f_cols = c * bf + jnp.arange(bf)
 
+    dtype = jnp.promote_types(x_ref.dtype, dy_ref.dtype)
+
     def step(block, acc):
         rows = block * bm + jnp.arange(bm)
-        x = _load(x_ref, rows, d_cols, jnp.broadcast_to((d_cols < d)[None, :], (bm, bd)))
-        dy = _load(dy_ref, rows, f_cols, jnp.broadcast_to((f_cols < f)[None, :], (bm, bf)))
+        x = _load(x_ref, rows, d_cols, jnp.broadcast_to((d_cols < d)[None, :], (bm, bd)), dtype)
+        dy = _load(dy_ref, rows, f_cols, jnp.broadcast_to((f_cols < f)[None, :], (bm, bf)), dtype)
         return acc + plgpu.dot(x, dy, trans_a=True)
 
     start = start_ref[g]
