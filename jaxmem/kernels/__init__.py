@@ -67,9 +67,8 @@ def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
     The Pallas kernel is as lean and faster on one GPU (measured on an H200, jax 0.11.2: fwd+bwd 3.18 ms vs
     blocked's 13.03 at the Qwen3-30B-A3B shape; the 4-layer seq-8192 step 0.164 s vs 0.309 s, benchmarks/gpu_h200.md),
     but on a mesh without ep GSPMD runs it whole on every device (the 8-GPU fsdp Qwen3-30B-A3B step: 50.56 GiB
-    per device against blocked's 29.14, compiled deviceless), and its fixed tiles do not fit every GPU's shared
-    memory (at Qwen3-30B-A3B widths fp32 fails to build on H100, A100 and RTX 4090, bf16 on RTX 4090), so it
-    is not the default: set it on one Hopper GPU with bf16 compute.
+    per device against blocked's 29.14, compiled deviceless), and off Hopper or in fp32 it runs smaller tiles
+    to fit shared memory, whose speed is not measured, so it is not the default: set it on one GPU.
     """
     gpu_attention = "cudnn" if cudnn_present() else "pallas"
     auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla",

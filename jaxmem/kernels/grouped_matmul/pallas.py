@@ -10,6 +10,7 @@ dtype (an empty group writes zeros), so nothing is accumulated across programs a
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -75,8 +76,39 @@ def _tile(size: int, wanted: int) -> int:
     return max(16, min(wanted, pl.next_power_of_2(size)))
 
 
-def _params(blocks: GroupedMatmulBlocks):
-    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=blocks.num_stages)
+# Shared memory per block (opt-in) by compute capability; a GPU not listed gets the smallest.
+_SHARED_MEMORY = {"8.0": 166_912, "8.7": 166_912, "9.0": 232_448, "10.0": 232_448}
+_SMALLEST_SHARED_MEMORY = 101_376  # sm_86, sm_89 (RTX 4090, L40S), sm_120
+
+
+def _shared_memory() -> int:
+    """Shared memory per block of the GPU being compiled for: the default device (jaxmem.runtime.aot's
+    lowering_target sets it for a deviceless compile), else the first device; the smallest where unknown."""
+    device = jax.config.jax_default_device or jax.devices()[0]
+    return _SHARED_MEMORY.get(str(getattr(device, "compute_capability", "")), _SMALLEST_SHARED_MEMORY)
+
+
+def _fit(a: int, b: int, elems: Callable[[int, int], int], itemsize: int, blocks: GroupedMatmulBlocks
+         ) -> tuple[int, int, int]:
+    """(a, b, stages): a kernel's two column tiles and its pipeline stages, halved from the configured ones (b
+    first, then a, to 32; then fewer stages) until stages x elems(a, b) x itemsize, its tiles in flight, fit
+    the GPU's shared memory. The configured tiles asked for more than there is in fp32, and in bf16 on a
+    99 KiB sm_89 (Qwen3-30B-A3B widths, compiled deviceless); bf16 on sm_80 and sm_90 keeps them."""
+    budget, stages = _shared_memory(), blocks.num_stages
+    while stages * elems(a, b) * itemsize > budget:
+        if b > 32:
+            b //= 2
+        elif a > 32:
+            a //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            break
+    return a, b, stages
+
+
+def _params(blocks: GroupedMatmulBlocks, stages: int):
+    return plgpu.CompilerParams(num_warps=blocks.num_warps, num_stages=stages)
 
 
 def _layout(lhs, rhs, group_sizes, blocks):
@@ -88,13 +120,14 @@ def _layout(lhs, rhs, group_sizes, blocks):
 def _blocks_matmul(x_pad, w2, layout, out_dtype, *, k_dim, n_dim, transpose, blocks, interpret):
     """[P, K] padded rows times their groups' weights (w2: [G * K, N], or [G * N, K] with transpose) -> [P, N]."""
     bm = blocks.block_rows
-    bk, bn = _tile(k_dim, blocks.pallas_block_k), _tile(n_dim, blocks.pallas_block_n)
+    bk, bn, stages = _fit(_tile(k_dim, blocks.pallas_block_k), _tile(n_dim, blocks.pallas_block_n),
+                          lambda k, n: bm * k + k * n, max(x_pad.dtype.itemsize, w2.dtype.itemsize), blocks)
     n_blocks = x_pad.shape[0] // bm
     kernel = functools.partial(_matmul_kernel, bm=bm, bk=bk, bn=bn, k_dim=k_dim, n_dim=n_dim, transpose=transpose)
     return pl.pallas_call(
         kernel, grid=(n_blocks, pl.cdiv(n_dim, bn)),
         out_shape=jax.ShapeDtypeStruct((x_pad.shape[0], n_dim), out_dtype),
-        compiler_params=_params(blocks), interpret=interpret,
+        compiler_params=_params(blocks, stages), interpret=interpret,
         cost_estimate=pl.CostEstimate(flops=2 * x_pad.shape[0] * k_dim * n_dim, transcendentals=0,
                                       bytes_accessed=(x_pad.size + w2.size + x_pad.shape[0] * n_dim) * 2),
         name="grouped_matmul_bwd_lhs" if transpose else "grouped_matmul_fwd",
@@ -117,12 +150,13 @@ def _backward(lhs, rhs, group_sizes, dy, blocks, interpret):
                             transpose=True, blocks=blocks, interpret=interpret)
     count = (group_sizes.astype(jnp.int32) + block - 1) // block
     start = jnp.cumsum(count) - count
-    bd, bf = _tile(d, blocks.pallas_block_n), _tile(f, blocks.pallas_block_n)
+    bd, bf, stages = _fit(_tile(d, blocks.pallas_block_n), _tile(f, blocks.pallas_block_n),
+                          lambda a, b: block * (a + b), max(x_pad.dtype.itemsize, dy_pad.dtype.itemsize), blocks)
     dw = pl.pallas_call(
         functools.partial(_dw_kernel, bm=block, bd=bd, bf=bf, d=d, f=f),
         grid=(groups, pl.cdiv(d, bd), pl.cdiv(f, bf)),
         out_shape=jax.ShapeDtypeStruct((groups * d, f), rhs.dtype),
-        compiler_params=_params(blocks), interpret=interpret,
+        compiler_params=_params(blocks, stages), interpret=interpret,
         cost_estimate=pl.CostEstimate(flops=2 * x_pad.shape[0] * d * f, transcendentals=0,
                                       bytes_accessed=(x_pad.size + dy_pad.size + rhs.size) * 2),
         name="grouped_matmul_bwd_rhs",
