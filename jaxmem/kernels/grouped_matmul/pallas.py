@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from jaxmem.config.targets import TARGETS
 from jaxmem.runtime import compat
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import block_layout, padded_blocks, take_rows
@@ -76,16 +77,14 @@ def _tile(size: int, wanted: int) -> int:
     return max(16, min(wanted, pl.next_power_of_2(size)))
 
 
-# Shared memory per block (opt-in) by compute capability; a GPU not listed gets the smallest.
-_SHARED_MEMORY = {"8.0": 166_912, "8.7": 166_912, "9.0": 232_448, "10.0": 232_448}
-_SMALLEST_SHARED_MEMORY = 101_376  # sm_86, sm_89 (RTX 4090, L40S), sm_120
-
-
 def _shared_memory() -> int:
-    """Shared memory per block of the GPU being compiled for: the default device (jaxmem.runtime.aot's
-    lowering_target sets it for a deviceless compile), else the first device; the smallest where unknown."""
+    """Shared memory per block (opt-in) of the GPU being compiled for, from jaxmem's GPU targets by compute
+    capability: the default device (jaxmem.runtime.aot's lowering_target sets it for a deviceless compile),
+    else the first device; the targets' smallest (sm_89's 99 KiB) for a GPU none of them is."""
+    by_capability = {".".join(map(str, t.compute_capability)): t.shared_memory_per_block_optin
+                     for t in TARGETS.values()}
     device = jax.config.jax_default_device or jax.devices()[0]
-    return _SHARED_MEMORY.get(str(getattr(device, "compute_capability", "")), _SMALLEST_SHARED_MEMORY)
+    return by_capability.get(str(getattr(device, "compute_capability", "")), min(by_capability.values()))
 
 
 def _fit(a: int, b: int, elems: Callable[[int, int], int], itemsize: int, blocks: GroupedMatmulBlocks
