@@ -14,10 +14,11 @@ stored cubin and replays ptxas's output instead of running it. Same input, same 
 costs ~5 ms more than ptxas alone.
 
 Off unless `JAXMEM_PTXAS_CACHE` names a directory; subprocesses inherit it. The test suite does not set it:
-over the whole suite its gain was within this machine's noise, and its extra processes per ptxas run (the
-script, sha256sum, cp) once met a fork failure in CI. `jaxmem sweep` and `jaxmem tune` turn it on for their workers, in their cache
-folder. Entries are written atomically (a cubin appears only once its output is stored). The cache is not
-pruned: it holds each distinct kernel once (62 MB after a whole test-suite run, 4656 kernels).
+its extra processes per ptxas run (the script, sha256sum, cp) once met a fork failure in CI, and it saves a
+cold suite a minute or two at most (measured on CPU). `jaxmem sweep` and `jaxmem tune` turn it on for their
+workers, in their cache folder. Entries are written atomically (a cubin appears only once its output is
+stored). The cache is not pruned: it holds each distinct kernel once (62 MB after a whole test-suite run,
+4656 kernels).
 """
 from __future__ import annotations
 
