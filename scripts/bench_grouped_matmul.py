@@ -1,6 +1,7 @@
 """Grouped matmul (the MoE experts): ragged_dot vs blocked vs pallas, fwd + bwd: memory, and time on a GPU.
 
     PYTHONPATH=. python scripts/bench_grouped_matmul.py --out DIR [--shape ROWS,D,F,GROUPS] [--plan | --no-plan]
+        [--dtypes bfloat16,float32] [--impls blocked,pallas] [--tiles-for h100-80g,a100-80g,rtx4090-24g]
 
 Shape: Qwen3-30B-A3B's experts at 8192 tokens (65536 routed rows = 8192 x top 8, D 2048, F 768, 128 experts),
 bf16. With a GPU attached each implementation runs in its own process (fresh peak statistics) on random
@@ -9,7 +10,9 @@ peak bytes in use (measured on GPU) and XLA's temp of that compile (compiled on 
 compiles for h100-80g (compiled deviceless), and fp32 timings of ragged_dot and blocked on the CPU at
 CPU_SHAPES (measured on CPU; Pallas only interprets there). `--plan` (default without a GPU; a deviceless
 compile either way, one to two minutes each) adds 4-layer Qwen3-30B-A3B full-remat train steps (PLANS: 1 GPU
-at seq 8192, fsdp over 8 GPUs at seq 4096) with each implementation. Writes DIR/grouped_matmul.json and
+at seq 8192, fsdp over 8 GPUs at seq 4096) with each implementation. `--tiles-for` (GPU only) adds a pallas row
+per named target: the tiles and stages the kernel fits to that target's shared memory, run on the attached GPU
+(how tiles sized for a smaller GPU do on this one; not that GPU's speed). Writes DIR/grouped_matmul.json and
 DIR/grouped_matmul.md.
 """
 from __future__ import annotations
@@ -79,11 +82,23 @@ def deviceless_case(impl: str, shape) -> dict:
     return out
 
 
-def gpu_case(impl: str, shape, dtype="bfloat16") -> dict:
+def _fit_tiles_to(target: str) -> None:
+    """Make the Pallas kernel size its tiles for `target`'s shared memory instead of the attached GPU's."""
+    from jaxmem.config.targets import TARGETS
+    from jaxmem.kernels.grouped_matmul import pallas
+
+    budget = TARGETS[target].shared_memory_per_block_optin
+    pallas._shared_memory = lambda: budget
+
+
+def gpu_case(impl: str, shape, dtype="bfloat16", tiles_for: str = "") -> dict:
     """Timed on the attached device (a GPU; the CPU for `cpu_case`), rows routed uniformly at random."""
     import jax
     import jax.numpy as jnp
     import numpy as np
+
+    if tiles_for:
+        _fit_tiles_to(tiles_for)
 
     rows, d, f, groups = shape
     k = jax.random.split(jax.random.key(0), 2)
@@ -93,9 +108,11 @@ def gpu_case(impl: str, shape, dtype="bfloat16") -> dict:
     fwd, fwd_bwd = _steps(impl, dtype)
     device = jax.devices()[0]
     where = "GPU" if device.platform == "gpu" else "CPU"
+    tiles = f", tiles fitted to {tiles_for}'s shared memory" if tiles_for else ""
     out = {"impl": impl, "device": device.device_kind, "jax": jax.__version__, "shape": list(shape), "dtype": dtype,
-           "how": f"measured on {where} ({device.device_kind}, jax {jax.__version__}, {dtype}); temp: compiled "
-                  f"for that {where}"}
+           "tiles_for": tiles_for,
+           "how": f"measured on {where} ({device.device_kind}, jax {jax.__version__}, {dtype}{tiles}); temp: "
+                  f"compiled for that {where}"}
     for name, fn in (("fwd", fwd), ("fwd_bwd", fwd_bwd)):
         compiled = jax.jit(fn).lower(x, w, sizes).compile()
         out[f"{name}_temp_gib"] = compiled.memory_analysis().temp_size_in_bytes / GIB
@@ -139,15 +156,18 @@ def plan_case(name: str, impl: str) -> dict:
             "compile_s": time.perf_counter() - start}
 
 
-def _subprocess(kind: str, impl: str, shape, timeout: int, plan: str = "") -> dict:
-    cmd = [sys.executable, __file__, "--case", kind, impl, "--shape", ",".join(map(str, shape)), "--plan-name", plan]
+def _subprocess(kind: str, impl: str, shape, timeout: int, plan: str = "", dtype: str = "bfloat16",
+                tiles_for: str = "") -> dict:
+    cmd = [sys.executable, __file__, "--case", kind, impl, "--shape", ",".join(map(str, shape)), "--plan-name", plan,
+           "--dtypes", dtype, "--tiles-for", tiles_for]
     # ragged_dot's dense lowering needs 64 GiB of temp at the default shape: more than jax's default 75% pool
     env = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false", "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.95", **os.environ}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     for line in reversed(run.stdout.splitlines()):
         if line.startswith(("{", "[")):
             return json.loads(line)
-    return {"plan": plan, "impl": impl, "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
+    return {"plan": plan, "impl": impl, "dtype": dtype, "tiles_for": tiles_for,
+            "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
 
 
 def _markdown(result: dict) -> str:
@@ -158,14 +178,15 @@ def _markdown(result: dict) -> str:
              "obtained. fwd+bwd: the output and both gradients, pulled back with the output itself as the "
              "upstream gradient (the gradient of a plain sum, a constant cotangent, lets XLA fold part of the "
              "backward: ragged_dot then compiles to 44 GiB of temp instead of 64).", "",
-             "| implementation | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+             "| implementation | dtype | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
     cell = lambda case, key, fmt: (fmt % case[key]) if key in case else ""  # noqa: E731
     for case in result["kernel"]:
+        impl = case["impl"] + (f" (tiles for {case['tiles_for']})" if case.get("tiles_for") else "")
         if "error" in case:
-            lines.append(f"| {case['impl']} | | | | | | failed: {case['error']} |")
+            lines.append(f"| {impl} | {case.get('dtype', '')} | | | | | | failed: {case['error']} |")
             continue
-        lines.append(f"| {case['impl']} | {cell(case, 'fwd_temp_gib', '%.2f')} | "
+        lines.append(f"| {impl} | {case.get('dtype', 'bfloat16')} | {cell(case, 'fwd_temp_gib', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_temp_gib', '%.2f')} | {cell(case, 'fwd_ms', '%.2f')} | "
                      f"{cell(case, 'fwd_bwd_ms', '%.2f')} | {cell(case, 'peak_gib', '%.2f')} | {case['how']} |")
     if result.get("cpu"):
@@ -200,6 +221,10 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", default=",".join(map(str, QWEN3_30B_A3B)), help="ROWS,D,F,GROUPS")
     ap.add_argument("--plan", action=argparse.BooleanOptionalAction, default=None,
                     help="also plan the 4-layer Qwen3-30B-A3B steps (default: only without a GPU)")
+    ap.add_argument("--dtypes", default="bfloat16", help="comma-separated input dtypes of the kernel rows")
+    ap.add_argument("--impls", default=",".join(IMPLS), help="comma-separated implementations")
+    ap.add_argument("--tiles-for", default="", help="GPU only: comma-separated targets (config.targets) for "
+                    "extra pallas rows with the tiles fitted to that target's shared memory")
     ap.add_argument("--case", nargs=2, metavar=("KIND", "IMPL"), help=argparse.SUPPRESS)
     ap.add_argument("--plan-name", default="", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -207,13 +232,23 @@ def main(argv=None) -> int:
     if args.case:  # one case in this process: a JSON line on stdout
         kind, impl = args.case
         case = {"gpu": gpu_case, "deviceless": deviceless_case, "cpu": cpu_case}.get(kind)
-        print(json.dumps(plan_case(args.plan_name, impl) if kind == "plan" else case(impl, shape)))
+        if kind == "plan":
+            print(json.dumps(plan_case(args.plan_name, impl)))
+        elif kind == "gpu":
+            print(json.dumps(gpu_case(impl, shape, args.dtypes, args.tiles_for)))
+        else:
+            print(json.dumps(case(impl, shape)))
         return 0
     import jax
 
     gpu = jax.default_backend() == "gpu"
     kind = "gpu" if gpu else "deviceless"
-    result = {"shape": list(shape), "kernel": [_subprocess(kind, impl, shape, 300) for impl in IMPLS]}
+    impls, dtypes = args.impls.split(","), args.dtypes.split(",") if gpu else ["bfloat16"]
+    variants = [(impl, "") for impl in impls]
+    if gpu and "pallas" in impls:
+        variants += [("pallas", target) for target in filter(None, args.tiles_for.split(","))]
+    result = {"shape": list(shape), "kernel": [_subprocess(kind, impl, shape, 300, dtype=dtype, tiles_for=tiles)
+                                               for dtype in dtypes for impl, tiles in variants]}
     if not gpu:
         timed = [_subprocess("cpu", impl, shape, 300) for impl in ("ragged_dot", "blocked")]
         result["cpu"] = [row for rows in timed for row in (rows if isinstance(rows, list) else [rows])]

@@ -1,5 +1,8 @@
 """benchmarks/gpu_h200.{md,json} from the `jaxmem bench` JSON files of the H200 device runs of 2026-11-26
-(benchmarks/bench_h200/run1: the code before that day's fixes; run2: after them). Reads files, compiles nothing.
+(benchmarks/bench_h200/run1: the code before that day's fixes; run2: after them; run3: a later session, after
+the QLoRA base from the seed was built a layer at a time and the Pallas grouped matmul fitted its tiles to the
+GPU's shared memory; run4: Mixtral-8x7B widths with `auto` now pallas on one GPU; run5: the grouped matmul at
+five more shapes). Reads files, compiles nothing.
 
     python scripts/gpu_h200_table.py
 """
@@ -21,6 +24,13 @@ WHAT = {  # case -> (what it is, the code it ran)
     ("run2", "bench_qwen3moe_x4_s8k_full"): "Qwen3-30B-A3B widths x 4 layers, seq 8192, full remat, "
                                             "grouped matmul blocked (default)",
     ("run2", "bench_qwen3moe_x4_s8k_full_pallas"): "same MoE step, kernels.grouped_matmul=pallas",
+    ("run3", "bench_qlora_8b_qv_s512"): "same QLoRA 8B q,v, its nf4 base from the seed a layer at a time",
+    ("run3", "bench_qwen3moe_x4_s8k_qlora_blocked"): "QLoRA Qwen3-30B-A3B widths x 4 layers, nf4, r16 all-linear "
+                                                    "(experts too), seq 8192, full remat, grouped matmul blocked",
+    ("run3", "bench_qwen3moe_x4_s8k_qlora_pallas"): "same MoE QLoRA step, kernels.grouped_matmul=pallas",
+    ("run4", "bench_mixtral_x2_s8k_full_blocked"): "Mixtral-8x7B widths x 2 layers, seq 8192, full remat, "
+                                                  "grouped matmul blocked",
+    ("run4", "bench_mixtral_x2_s8k_full_auto"): "same Mixtral step, grouped matmul auto (pallas on one GPU)",
 }
 
 
@@ -48,8 +58,9 @@ def rows():
 def main():
     table = rows()
     gmm = json.loads((RUNS / "run2" / "grouped_matmul_gpu.json").read_text())
-    (ROOT / "benchmarks" / "gpu_h200.json").write_text(json.dumps({"train_steps": table, "grouped_matmul": gmm},
-                                                                  indent=1) + "\n")
+    gmm3 = json.loads((RUNS / "run3" / "grouped_matmul_gpu.json").read_text())
+    (ROOT / "benchmarks" / "gpu_h200.json").write_text(json.dumps(
+        {"train_steps": table, "grouped_matmul": gmm, "grouped_matmul_run3": gmm3}, indent=1) + "\n")
     fmt = lambda v, f: "" if v is None else format(v, f)  # noqa: E731
     lines = [
         "# jaxmem on one NVIDIA H200 (2026-11-26)",
@@ -60,7 +71,8 @@ def main():
         "median of 3 steps after 3 warm-ups; **compiled**: XLA's memory_analysis of the executable that ran",
         "(compiled on that GPU); **estimated**: the cost model (fitted on H100 steps). bf16 params and compute, fp32",
         "master and Adam moments, micro-batch 1 unless said. run1: the code at the start of the day; run2: after",
-        "the day's fixes (lean gradients on jax 0.11, the blocked grouped matmul).",
+        "the day's fixes (lean gradients on jax 0.11, the blocked grouped matmul); run3: a later session's code (the",
+        "QLoRA base from the seed a layer at a time; the Pallas grouped matmul's tiles fitted to shared memory).",
         "",
         "| run | case | compiled GiB | peak GiB (measured) | peak by end of init GiB | step s (measured) | step s "
         "(estimated) | tokens/s | MFU |",
@@ -70,7 +82,9 @@ def main():
         lines.append(f"| {r['run']} | {r['what']} | {r['compiled_gib']:.2f} | {r['peak_gib']:.2f} | "
                      f"{fmt(r['peak_after_init_gib'], '.2f')} | {r['step_s']:.3f} | {fmt(r['estimated_step_s'], '.3f')} | "
                      f"{r['tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} |")
-    lines += ["", "MFU counts the active parameters (the MoE rows: 8 of 128 experts per token).", "",
+    lines += ["", "MFU counts the active parameters (the MoE rows: the top-k experts a token runs). step s (estimated): "
+              "the cost model of the code that ran (run3's MoE rows before the grouped matmul had a rate of its own); "
+              "benchmarks/costmodel.md gives today's model against every row.", "",
               "## Grouped matmul (the MoE experts), fwd + bwd, measured on GPU", "", gmm["note"] + ".", "",
               "| implementation | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",
               "|---|---:|---:|---:|---:|---:|---|"]
@@ -80,6 +94,40 @@ def main():
         else:
             lines.append(f"| {g['impl']} | {g['fwd_temp_gib']:.2f} | {g['fwd_bwd_temp_gib']:.2f} | {g['fwd_ms']:.2f} | "
                          f"{g['fwd_bwd_ms']:.2f} | {g['peak_gib']:.2f} | {g['how']} |")
+    lines += ["", "### run3: fp32, and the tiles fitted to smaller GPUs", "",
+              "Same shape and script (`--dtypes bfloat16,float32 --impls blocked,pallas --tiles-for "
+              "a100-80g,rtx4090-24g`). `tiles for X`: the Pallas kernel run on the H200 with the tiles and "
+              "stages it fits to X's shared memory (A100 166 KiB, RTX 4090 99 KiB per block), which tells what "
+              "the smaller tiles cost on this GPU, not X's own speed.", "",
+              "| implementation | dtype | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB |",
+              "|---|---|---:|---:|---:|---:|---:|"]
+    for g in gmm3["kernel"]:
+        impl = g["impl"] + (f" (tiles for {g['tiles_for']})" if g.get("tiles_for") else "")
+        if "error" in g:
+            lines.append(f"| {impl} | {g.get('dtype', '')} | | | | | | failed: {g['error']} |")
+            continue
+        lines.append(f"| {impl} | {g['dtype']} | {g['fwd_temp_gib']:.2f} | {g['fwd_bwd_temp_gib']:.2f} | "
+                     f"{g['fwd_ms']:.2f} | {g['fwd_bwd_ms']:.2f} | {g['peak_gib']:.2f} |")
+    lines.append(f"\nAll rows: {gmm3['kernel'][0]['how'].split(';')[0].split(' (')[0]} "
+                 f"({gmm3['kernel'][0]['device']}, jax {gmm3['kernel'][0]['jax']}); temp: compiled for that GPU.")
+    lines += ["", "### run5: the grouped matmul by shape (bf16)", "",
+              "Same script, `--shape ROWS,D,F,GROUPS --impls blocked,pallas`, rows routed uniformly at random. "
+              "Rate = active FLOPs (6 x rows x D x F) / time / 989 TFLOP/s: the cost model's "
+              "GROUPED_MATMUL_EFFICIENCY_BY_SHAPE (with run3's 65536-row Qwen3 shape).", "",
+              "| rows, D, F, experts | rows per expert | blocked ms | pallas ms | blocked rate | pallas rate |",
+              "|---|---:|---:|---:|---:|---:|"]
+    for path in sorted(RUNS.glob("run5/grouped_matmul_*.json"), key=lambda f: json.loads(f.read_text())["shape"]):
+        sweep = json.loads(path.read_text())
+        rows_, d, f, groups = sweep["shape"]
+        ms = {k["impl"]: k["fwd_bwd_ms"] for k in sweep["kernel"] if "fwd_bwd_ms" in k}
+        rate = {impl: 6 * rows_ * d * f / (t * 1e-3) / 989e12 for impl, t in ms.items()}
+        lines.append(f"| {rows_}, {d}, {f}, {groups} | {rows_ // groups} | {ms['blocked']:.2f} | {ms['pallas']:.2f} "
+                     f"| {rate['blocked']:.3f} | {rate['pallas']:.3f} |")
+    again = {k["impl"]: k["fwd_bwd_ms"] for k in json.loads((RUNS / "run4" / "grouped_matmul_gpu.json").read_text())[
+        "kernel"] if "fwd_bwd_ms" in k}
+    first = {k["impl"]: k["fwd_bwd_ms"] for k in gmm3["kernel"] if k["dtype"] == "bfloat16" and not k.get("tiles_for")}
+    lines += ["", "Run to run: run4 timed run3's bf16 Qwen3 shape again, blocked " + f"{again['blocked']:.2f} ms "
+              f"(run3 {first['blocked']:.2f}), pallas {again['pallas']:.2f} ms (run3 {first['pallas']:.2f})."]
     ragged = json.loads((RUNS / "run1" / "ragged.json").read_text())
     lines += ["", "ragged_dot alone on the same GPU (`scripts/gpu_ragged_probe.py`, run1): " + "; ".join(
         f"{r['M']} rows: {r['temp_gib']:.1f} GiB temp compiled" + (f", fwd+bwd {r['fwd_bwd_ms']:.1f} ms measured"

@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # One device call: train-step benches (`jaxmem bench`, each case in its own process), results under $1 (default $OUT).
 # Run from the repo root on a GPU machine: PYTHONPATH=. bash scripts/gpu_session.sh OUTDIR [CASE ...]
-# With no CASE, every case below runs in order; GMM=1 also runs scripts/bench_grouped_matmul.py, KERNELS=1
-# scripts/bench_kernels_gpu.py.
+# With no CASE, every case below runs in order; GMM=1 also runs scripts/bench_grouped_matmul.py (GMM_ARGS: its
+# extra flags), KERNELS=1 scripts/bench_kernels_gpu.py. The device tool brings back 8 files at most: tar OUTDIR.
 set -u
 out=${1:-$OUT}; shift || true
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
 common="parallel.fsdp=1 parallel.rules=fsdp precision.param_dtype=bfloat16 precision.compute_dtype=bfloat16
   precision.master_weights=true checkpoint.every=0 data.kind=synthetic train.micro_batch=1"
 one_b="model.preset=llama3.2-1b train.seq_len=8192 remat.preset=selective"
+qwen3_qlora="model.preset=qwen3-30b-a3b model.n_layers=4 train.seq_len=8192 remat.preset=full lora.rank=16
+  lora.targets=all-linear lora.base_dtype=nf4"
+mixtral="model.preset=mixtral-8x7b model.n_layers=2 train.seq_len=8192 remat.preset=full"
 declare -A CASES=(
   [1b_s8k_sel_auto]="configs/tiny.yaml $common $one_b"
   [1b_s8k_sel_pallas]="configs/tiny.yaml $common $one_b kernels.attention=pallas"
@@ -16,6 +19,10 @@ declare -A CASES=(
   [qwen3moe_x2_s4k_full]="configs/tiny.yaml $common model.preset=qwen3-30b-a3b model.n_layers=2 train.seq_len=4096 remat.preset=full"
   [qwen3moe_x4_s8k_full]="configs/tiny.yaml $common model.preset=qwen3-30b-a3b model.n_layers=4 train.seq_len=8192 remat.preset=full"
   [qwen3moe_x4_s8k_full_pallas]="configs/tiny.yaml $common model.preset=qwen3-30b-a3b model.n_layers=4 train.seq_len=8192 remat.preset=full kernels.grouped_matmul=pallas"
+  [qwen3moe_x4_s8k_qlora_blocked]="configs/tiny.yaml $common $qwen3_qlora kernels.grouped_matmul=blocked"
+  [qwen3moe_x4_s8k_qlora_pallas]="configs/tiny.yaml $common $qwen3_qlora kernels.grouped_matmul=pallas"
+  [mixtral_x2_s8k_full_blocked]="configs/tiny.yaml $common $mixtral kernels.grouped_matmul=blocked"
+  [mixtral_x2_s8k_full_auto]="configs/tiny.yaml $common $mixtral"
   [qlora_8b_qv_s512]="configs/lora/llama3-8b-qlora-qv-seq512.yaml checkpoint.every=0 data.kind=synthetic"
 )
 ORDER=(8bx8_s8k_full_auto qwen3moe_x2_s4k_full qlora_8b_qv_s512 1b_s8k_sel_auto 1b_s8k_sel_pallas)
@@ -27,5 +34,5 @@ for name in "${ORDER[@]}"; do
     --json "$out/bench_$name.json" > "$out/bench_$name.txt" 2>&1
   echo "bench $name rc=$?"; grep -E "step time|tokens/s|device bytes|peak|MFU" "$out/bench_$name.txt" | head -8
 done
-if [ "${GMM:-0}" = 1 ]; then timeout "${GMM_TIMEOUT:-150}" python3 scripts/bench_grouped_matmul.py --out "$out" --no-plan > "$out/gmm.txt" 2>&1; echo "gmm rc=$?"; tail -12 "$out/gmm.txt"; fi
+if [ "${GMM:-0}" = 1 ]; then timeout "${GMM_TIMEOUT:-150}" python3 scripts/bench_grouped_matmul.py --out "$out" --no-plan ${GMM_ARGS:-} > "$out/gmm.txt" 2>&1; echo "gmm rc=$?"; tail -12 "$out/gmm.txt"; fi
 if [ "${KERNELS:-0}" = 1 ]; then python3 scripts/bench_kernels_gpu.py "$out" --budget "${KERNEL_BUDGET:-300}"; fi

@@ -101,10 +101,10 @@ def _sets_ep(row: dict) -> bool:
     return any(o.startswith("parallel.ep=") for o in row["overrides"])
 
 
-def _kernel(cfg) -> str:
+def _kernel(cfg, n_devices: int) -> str:
     from jaxmem import kernels
 
-    return kernels.resolve(cfg.kernels, "gpu")["grouped_matmul"]
+    return kernels.resolve(cfg.kernels, "gpu", n_devices)["grouped_matmul"]
 
 
 def analytic(row: dict, seq: int | None, ep: int) -> dict:
@@ -115,8 +115,9 @@ def analytic(row: dict, seq: int | None, ep: int) -> dict:
     p = plan(cfg, resolve_topology(cfg), compile=False, source=row["config"])
     from jaxmem.core.sharding import mesh_shape
 
-    sizes = mesh_shape(cfg.parallel, cfg.target.gpus_per_host * cfg.target.hosts)
-    return {"overrides": over, "kernel": _kernel(cfg), "mesh_ep": cfg.parallel.ep,
+    n_devices = cfg.target.gpus_per_host * cfg.target.hosts
+    sizes = mesh_shape(cfg.parallel, n_devices)
+    return {"overrides": over, "kernel": _kernel(cfg, n_devices), "mesh_ep": cfg.parallel.ep,
             "mesh": {a: n for a, n in sizes.items() if n > 1},
             "capacity_factor": cfg.model.moe_capacity_factor, "seq_len": cfg.train.seq_len, "params": p["params"],
             "active_params": p["active_params"], "analytic_bytes": p["analytic"]["device_total"],

@@ -335,11 +335,14 @@ def list_kernels() -> str:
     from jaxmem.config.schema import KernelConfig
 
     hints = _hints(KernelConfig)
-    gpu, cpu = kernels.resolve(KernelConfig(), "gpu"), kernels.resolve(KernelConfig(), "cpu")
+    one_gpu, gpus, cpu = (kernels.resolve(KernelConfig(), platform, n) for platform, n in
+                          (("gpu", 1), ("gpu", 8), ("cpu", 1)))
     lines = ["kernel implementations (kernels.loss / kernels.attention / kernels.norm / kernels.grouped_matmul); "
-             "`auto` picks per platform:"]
+             "`auto` picks per platform and device count:"]
     for op in ("loss", "attention", "norm", "grouped_matmul"):
-        lines.append(f"  kernels.{op}: auto -> {gpu[op]} on gpu, {cpu[op]} on cpu")
+        on_gpu = (f"{one_gpu[op]} on gpu" if one_gpu[op] == gpus[op]
+                  else f"{one_gpu[op]} on one gpu, {gpus[op]} on several")
+        lines.append(f"  kernels.{op}: auto -> {on_gpu}, {cpu[op]} on cpu")
         impls = [a for a in typing.get_args(hints[op]) if a != "auto"]
         lines.append(_table([(impl, KERNEL_HELP.get((op, impl), "")) for impl in impls], indent="    "))
     return "\n".join(lines)

@@ -106,7 +106,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
-    chosen = kernels.resolve(cfg.kernels, platform)
+    chosen = kernels.resolve(cfg.kernels, platform, n_devices)
     check_sequence_layout(cfg, sizes, chosen["attention"])
     fused_attention = chosen["attention"] != "xla"
     saved = remat.saved_across_backward(cfg.remat, fused_attention)

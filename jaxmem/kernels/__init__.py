@@ -54,26 +54,35 @@ def cudnn_present() -> bool:
     return ctypes.util.find_library("cudnn") is not None
 
 
-def resolve(cfg: KernelConfig, platform: str) -> dict[str, str]:
-    """The implementation each op runs on `platform`: the one place `auto` is decided.
+def resolve(cfg: KernelConfig, platform: str, n_devices: int) -> dict[str, str]:
+    """The implementation each op runs on `platform` in a program over `n_devices` devices (its mesh; a
+    pipeline stage's own): the one place `auto` is decided.
 
     attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
     (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
     CPU, where Pallas would only interpret. loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
-    grouped_matmul: blocked everywhere: XLA:GPU densifies ragged_dot (64 GiB of temporaries fwd+bwd at the
-    Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md), and on CPU blocked
-    measured 23x faster fwd+bwd at 4096 rows (same file; ragged_dot is faster only at toy sizes, < 0.2 ms).
-    The Pallas kernel is as lean and faster on one GPU (measured on an H200, jax 0.11.2: fwd+bwd 3.18 ms vs
-    blocked's 13.03 at the Qwen3-30B-A3B shape; the 4-layer seq-8192 step 0.164 s vs 0.309 s, benchmarks/gpu_h200.md),
-    but on a mesh without ep GSPMD runs it whole on every device (the 8-GPU fsdp Qwen3-30B-A3B step: 50.56 GiB
-    per device against blocked's 29.14, compiled deviceless), and off Hopper or in fp32 it runs smaller tiles
-    to fit shared memory, whose speed is not measured, so it is not the default: set it on one GPU.
+    grouped_matmul: never ragged_dot, which XLA:GPU densifies (64 GiB of temporaries fwd+bwd at the
+    Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md). On one GPU the Pallas
+    kernel, leaner and faster wherever it was measured (one H200, jax 0.11.2, benchmarks/gpu_h200.md): at
+    that shape fwd+bwd 3.41 ms vs blocked's 13.32 in bf16 and 13.40 vs 20.51 in fp32, with 0.43 GiB of temp
+    vs 1.22; run with the smaller tiles it fits to an A100's or RTX 4090's shared memory, 3.61 / 4.75 ms in
+    bf16 and 12.43 / 17.17 in fp32, still ahead of blocked on that H200 (those GPUs themselves are not
+    measured); the 4-layer seq-8192 QLoRA step 0.144 s vs 0.347 s at 7.87 vs 9.48 GiB peak; a 2-layer
+    Mixtral-8x7B step 0.194 s vs 0.687 s at the same peak. Over several
+    devices blocked, because GSPMD runs the Pallas custom call whole on every device (the 8-GPU fsdp
+    Qwen3-30B-A3B step: 50.56 GiB per device against blocked's 29.14, compiled deviceless); and on CPU
+    blocked, measured 23x faster fwd+bwd than ragged_dot at 4096 rows (same file), where Pallas would only
+    interpret.
     """
-    gpu_attention = "cudnn" if cudnn_present() else "pallas"
-    auto = {"attention": gpu_attention if _is_gpu(platform) else "xla", "loss": "chunked", "norm": "xla",
-            "grouped_matmul": "blocked"}
+    gpu = _is_gpu(platform)
+    auto = {"attention": ("cudnn" if cudnn_present() else "pallas") if gpu else "xla", "loss": "chunked",
+            "norm": "xla", "grouped_matmul": "pallas" if gpu and n_devices == 1 else "blocked"}
     return {op: auto[op] if getattr(cfg, op) == "auto" else getattr(cfg, op) for op in auto}
+
+
+def _devices(mesh) -> int:
+    return 1 if mesh is None else mesh.size
 
 
 def _scoped(scope: str, fn):
@@ -96,7 +105,7 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     """
     from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
 
-    impl = resolve(cfg, platform)["attention"]
+    impl = resolve(cfg, platform, _devices(mesh))["attention"]
     chosen = _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
     if cfg.attention != "auto" or impl != "cudnn":
         return sequence_parallel(chosen, mesh)
@@ -131,7 +140,7 @@ def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
 
 def select_norm(cfg: KernelConfig, platform: str, mesh=None):
     """fn(x, weight, eps) -> y. With a mesh, Pallas RMSNorm runs per shard (rows over the data axes)."""
-    impl = resolve(cfg, platform)["norm"]
+    impl = resolve(cfg, platform, _devices(mesh))["norm"]
     return _scoped(f"norm_{impl}", _norm(impl, platform, mesh))
 
 
@@ -149,7 +158,7 @@ def _norm(impl: str, platform: str, mesh):
 def select_grouped_matmul(cfg: KernelConfig, platform: str, mesh=None):
     """fn(lhs [M, D], rhs [G, D, F], group_sizes [G], *, preferred_element_type=None) -> [M, F], rows sorted by
     group, as jax.lax.ragged_dot. The MoE layer's experts call it; GSPMD partitions it like any XLA op."""
-    impl = resolve(cfg, platform)["grouped_matmul"]
+    impl = resolve(cfg, platform, _devices(mesh))["grouped_matmul"]
     return _scoped(f"grouped_matmul_{impl}", _grouped_matmul(impl, cfg, platform))
 
 
@@ -204,7 +213,7 @@ def select_loss(cfg: KernelConfig, platform: str, mesh=None):
     sequence over sp, vocab over tp) inside shard_map instead of being
     replicated by GSPMD.
     """
-    impl = resolve(cfg, platform)["loss"]
+    impl = resolve(cfg, platform, _devices(mesh))["loss"]
     return _scoped(f"loss_{impl}", _loss(impl, cfg, platform, mesh))
 
 

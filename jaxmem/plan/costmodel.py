@@ -2,7 +2,9 @@
 
 Every figure here is an estimate. The step time adds the device's serial work, each part at its own
 achieved rate:
-  matmuls      projection + MLP FLOPs (with remat recompute) / (peak x MATMUL_EFFICIENCY)
+  matmuls      projection + MLP FLOPs (with remat recompute) / (peak x MATMUL_EFFICIENCY); a mixture of
+               experts' expert FLOPs (the k active experts') / (peak x grouped_matmul_efficiency: by kernel,
+               rows per expert and widths)
   attention    the FLOPs the kernel runs: causal (half of unmasked; the window's band on sliding-window
                layers) for the flash kernels, whose backward
                redoes the score matmuls (fwd + bwd = 3.5 x fwd), plus the forward rerun when the remat
@@ -67,6 +69,29 @@ LOSS_PASSES = {"naive": 3, "chunked": 4, "pallas": 4}
 # 87.9 ms, 2048 x 8192 72.1 ms, 4096 x 4096 72.5 ms, 8192 x 2048 65.1 ms. Other tiles: the nearest one.
 CHUNKED_LOSS_EFFICIENCY_BY_TILE = {(1024, 4096): 0.396, (2048, 8192): 0.483, (4096, 4096): 0.480,
                                    (8192, 2048): 0.535}
+# The experts' grouped matmul per kernel, on the active FLOPs (6 x rows x D x F: forward and both gradients), by
+# (rows per expert, D, F): one H200, jax 0.11.2, bf16, rows routed uniformly at random, dense peak 989 TFLOP/s
+# (scripts/bench_grouped_matmul.py; benchmarks/gpu_h200.md, runs 3 and 5). Its rate grows with the rows per
+# expert (each expert's rows pad to whole 128-row blocks; d_w loops over an expert's blocks) and the widths.
+# Other shapes: the nearest measured one (log2 distance). ragged_dot, densified by XLA:GPU: 23.6 ms at
+# 16384 rows x 2048 x 768, 128 experts (run 1; 65536 rows ran out of memory).
+GROUPED_MATMUL_EFFICIENCY_BY_SHAPE = {
+    "pallas": {(64, 2048, 768): 0.057, (128, 2048, 768): 0.100, (512, 2048, 768): 0.183,
+               (512, 4096, 1536): 0.258, (512, 4096, 14336): 0.370, (2048, 4096, 14336): 0.425},
+    "blocked": {(64, 2048, 768): 0.018, (128, 2048, 768): 0.027, (512, 2048, 768): 0.047,
+                (512, 4096, 1536): 0.050, (512, 4096, 14336): 0.060, (2048, 4096, 14336): 0.072},
+    "ragged_dot": {(128, 2048, 768): 0.0066},
+}
+
+
+def grouped_matmul_efficiency(kernel: str, rows_per_expert: float, d: int, f: int) -> float:
+    """Achieved fraction of the dense peak of the experts' grouped matmul: the nearest measured shape's."""
+    table = GROUPED_MATMUL_EFFICIENCY_BY_SHAPE[kernel]
+    near = min(table, key=lambda key: sum(abs(math.log2(max(a, 1) / b)) for a, b in zip((rows_per_expert, d, f),
+                                                                                       key)))
+    return table[near]
+
+
 # Achieved fraction of the target's host-link figure (GpuTarget.host_link_bandwidth, already a practical
 # per-direction figure); transfers in the two directions are counted one after the other. Not fitted:
 # with it, the 4090 recipe on the H100 (~92 GB over the link per step) comes to 1.67 s, measured 1.86 s.
@@ -124,6 +149,9 @@ class Cost:
                             "layer_overhead_seconds": LAYER_OVERHEAD_SECONDS,
                             "attention_efficiency": dict(ATTENTION_EFFICIENCY),
                             "loss_efficiency": dict(LOSS_EFFICIENCY),
+                            "grouped_matmul_efficiency_by_shape": {
+                                kernel: {"x".join(map(str, key)): e for key, e in table.items()}
+                                for kernel, table in GROUPED_MATMUL_EFFICIENCY_BY_SHAPE.items()},
                             "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
                                                                 in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
@@ -268,6 +296,16 @@ def _layer_elems(bill: Bill, specs) -> int:
     return _state_elems(bill.layout, specs, "layers")
 
 
+def _expert_efficiency(cfg: Config, bill: Bill, kernel: str) -> float:
+    """The grouped matmul's rate at this step's shape: a device's routed rows per local expert (its tokens x
+    top-k without ep; the all-to-all buffer's rows with ep) and the expert widths."""
+    layout = bill.layout
+    rows = (bill_moe.routed_rows(cfg, layout) if cfg.parallel.ep > 1
+            else bill_moe.tokens_per_device(cfg, layout) * cfg.model.experts_per_token)
+    return grouped_matmul_efficiency(kernel, rows / bill_moe.local_experts(cfg), cfg.model.d_model,
+                                     bill_moe.expert_width(cfg))
+
+
 def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int) -> dict:
     """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device)."""
     m, p = cfg.model, cfg.precision
@@ -280,16 +318,22 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel)
     cd = _itemsize(p.compute_dtype)
 
-    # Projection / MLP matmuls: forward, backward (2 x), the remat recompute.
+    # Projection / MLP matmuls: forward, backward (2 x; a frozen weight's 1 x, its input gradient), the remat
+    # recompute. A mixture of experts runs its MLP ops as grouped matmuls, at their kernel's own rate.
+    weight_passes = 2 if cfg.lora.rank > 0 else 3
     layer_matmul = sum(v for k, v in ops.items() if k.endswith("_proj"))
     layer_matmul += ops["up_proj"] + ops["kv_proj"]  # gate + up, key + value: two matmuls each
     recomputed = sum(ops[o] for o in rebuilt if o.endswith("_proj"))
-    if cfg.lora.rank > 0:  # frozen weights: forward + dx only; the adapters' own matmuls (forward, dx, dA, dB)
-        adapter = 2.0 * tokens * lora_adapter_params(cfg) / m.n_layers
-        matmul_flops = (2 * layer_matmul + 3 * adapter + recomputed) * m.n_layers
-    else:
-        matmul_flops = (3 * layer_matmul + recomputed) * m.n_layers
-    matmul_s = matmul_flops / (n_devices * peak * MATMUL_EFFICIENCY)
+    matmul_flops = (weight_passes * layer_matmul + recomputed) * m.n_layers
+    expert_flops = 0.0
+    if bill_moe.is_moe(cfg):
+        expert_ops = ("up_proj", "down_proj")
+        expert_flops = (weight_passes * (2 * ops["up_proj"] + ops["down_proj"])
+                        + sum(ops[o] for o in rebuilt if o in expert_ops)) * m.n_layers
+    if cfg.lora.rank > 0:  # the adapters' own matmuls (forward, dx, dA, dB)
+        matmul_flops += 3 * 2.0 * tokens * lora_adapter_params(cfg)
+    expert_rate = _expert_efficiency(cfg, bill, kernels.get("grouped_matmul", "blocked")) if expert_flops else 1.0
+    matmul_s = ((matmul_flops - expert_flops) / MATMUL_EFFICIENCY + expert_flops / expert_rate) / (n_devices * peak)
 
     # Attention as the kernel runs it.
     reruns = rebuilt.count("attention")
@@ -347,9 +391,10 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
             "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
             "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
             "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
-            "matmul_flops": matmul_flops, "attention_kernel_flops": attn_flops, "loss_flops": loss_flops,
+            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops, "loss_flops": loss_flops,
             "hbm_bytes": elementwise_bytes + update_bytes, "attention_kernel": attn_kernel,
-            "loss_kernel": loss_kernel}
+            "loss_kernel": loss_kernel, **({"grouped_matmul_kernel": kernels.get("grouped_matmul", "blocked")}
+                                           if expert_flops else {})}
 
 
 def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:

@@ -111,7 +111,8 @@ XLA_REMAT_NOTE = ("note: XLA's rematerialization warnings count pinned-host byte
 def cost_assumptions(cost: dict) -> str:
     eff = cost.get("matmul_efficiency_assumed")
     eff = f"{eff:.0%} matmul efficiency" if eff is not None else "an assumed matmul efficiency"
-    return (f"estimated (cost model: {eff}, per-kernel attention and loss rates, memory-bound work and "
+    moe = ", the grouped matmul's rate by shape (H200)" if cost.get("breakdown", {}).get("expert_matmul_flops") else ""
+    return (f"estimated (cost model: {eff}, per-kernel attention and loss rates{moe}, memory-bound work and "
             "per-layer overhead fitted to H100 steps, benchmarks/costmodel.md; collectives assumed overlapped)")
 
 

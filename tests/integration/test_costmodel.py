@@ -27,17 +27,64 @@ def _case(name):
 
 def test_the_data_file_has_the_measured_rows():
     names = {c["name"] for c in CASES}
-    assert {"1b_s8k_auto_sel", "1b_s8k_cudnn_sel", "8bx8L_s8k_sel", "8bx8L_4090style_s4k"} <= names
+    assert {"1b_s8k_auto_sel", "1b_s8k_cudnn_sel", "8bx8L_s8k_sel", "8bx8L_4090style_s4k",
+            "h200_qwen3moe_x4_s8k_full", "h200_mixtral_x2_s8k_full_blocked"} <= names
     for c in CASES:
-        assert c["target"] == "h100-80g" and c["source"] and c["measured_tokens_per_s"] > 0
-        assert c["measured_step_seconds"] == pytest.approx(c["tokens_per_step"] / c["measured_tokens_per_s"], rel=1e-3)
+        assert c["target"] in TARGETS and c["source"] and c["measured_step_seconds"] > 0
+        if "measured_tokens_per_s" in c:
+            assert c["measured_step_seconds"] == pytest.approx(c["tokens_per_step"] / c["measured_tokens_per_s"],
+                                                               rel=1e-3)
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if not c.get("offload")], ids=lambda c: c["name"])
+@pytest.mark.parametrize("case", [c for c in CASES if not c.get("offload") and not c.get("known_miss")],
+                         ids=lambda c: c["name"])
 def test_step_time_within_25_percent_of_the_measured_step(case):
     [row] = bench.evaluate([case])  # also checks the resolved attention kernel against the data file
     assert row["attention"] == case["attention"]
     assert 0.75 <= row["ratio"] <= 1.25, row
+
+
+def test_known_misses_are_where_benchmarks_costmodel_md_says():
+    """The rows the model does not reach (known_miss in the data file): QLoRA 8B at seq 512 42% high, the
+    QLoRA MoE step with the blocked grouped matmul 38% low. A change that moves them is a change to document."""
+    ratios = {c["name"]: bench.evaluate([c])[0]["ratio"] for c in CASES if c.get("known_miss")}
+    assert set(ratios) == {"h200_qlora_8b_qv_s512", "h200_qwen3moe_x4_s8k_qlora_blocked"}
+    assert ratios["h200_qlora_8b_qv_s512"] == pytest.approx(1.42, abs=0.03)
+    assert ratios["h200_qwen3moe_x4_s8k_qlora_blocked"] == pytest.approx(0.62, abs=0.03)
+
+
+def test_expert_matmuls_run_at_the_grouped_matmul_rate_of_their_kernel():
+    """Qwen3-30B-A3B widths x 4 layers, seq 8192, full remat: the k active experts' matmuls, by hand (gate, up,
+    down: forward + 2 in the backward; the remat forward rebuilds gate and up), at the measured rate of the
+    kernel at 512 rows per expert; the rest of the step does not depend on the kernel."""
+    from jaxmem.plan.costmodel import GROUPED_MATMUL_EFFICIENCY_BY_SHAPE
+
+    case = _case("h200_qwen3moe_x4_s8k_full")
+    peak = TARGETS["h200-141g"].peak_flops("bfloat16")
+    per_matmul = 2 * 8192 * 8 * 2048 * 768
+    parts = {}
+    for kernel in ("blocked", "pallas"):
+        pinned = [o for o in case["pinned_overrides"] if "grouped_matmul" not in o]
+        _, _, cost = bench.estimate_case({**case, "pinned_overrides": pinned + [f"kernels.grouped_matmul={kernel}"]})
+        b = cost.breakdown
+        assert b["grouped_matmul_kernel"] == kernel
+        assert b["expert_matmul_flops"] == pytest.approx(4 * (3 * 3 + 2) * per_matmul)
+        eff = GROUPED_MATMUL_EFFICIENCY_BY_SHAPE[kernel][(512, 2048, 768)]
+        dense = (b["matmul_flops"] - b["expert_matmul_flops"]) / (peak * 0.7)
+        assert b["matmul_seconds"] == pytest.approx(dense + b["expert_matmul_flops"] / (peak * eff), rel=1e-9)
+        parts[kernel] = b
+    for key in ("attention_seconds", "loss_seconds", "memory_bound_seconds", "layer_overhead_seconds"):
+        assert parts["blocked"][key] == parts["pallas"][key]
+
+
+def test_grouped_matmul_efficiency_takes_the_nearest_measured_shape():
+    from jaxmem.plan.costmodel import grouped_matmul_efficiency as eff
+
+    assert eff("pallas", 512, 2048, 768) == 0.183
+    assert eff("pallas", 600, 2048, 768) == 0.183  # nearest: 512 rows per expert
+    assert eff("pallas", 3000, 4096, 14336) == 0.425  # past the largest: the largest
+    assert eff("blocked", 40, 2048, 768) == 0.018
+    assert eff("ragged_dot", 512, 4096, 1536) == 0.0066  # one measured shape
 
 
 def test_host_link_time_of_the_4090_recipe_within_25_percent_of_the_measured_step():
@@ -124,17 +171,24 @@ def test_bench_script_writes_the_table(tmp_path):
 
 
 def test_kernel_efficiencies_reproduce_the_measured_kernel_timings():
-    """The per-kernel constants come from the data file's kernel rows (fwd + bwd on the H100)."""
+    """The per-kernel constants come from the data file's kernel rows (fwd + bwd on the H100; the grouped
+    matmul's on the H200)."""
     import json
 
     from jaxmem.plan.costmodel import (ATTENTION_EFFICIENCY, CHUNKED_LOSS_EFFICIENCY_BY_TILE, LOSS_EFFICIENCY,
                                        LOSS_PASSES)
 
-    peak = H100.peak_flops("bfloat16")
+    from jaxmem.plan.costmodel import grouped_matmul_efficiency
+
     for row in json.loads(bench.DATA.read_text())["kernels"]:
         if row.get("superseded"):  # a kernel since rewritten or removed: kept in the data for the record
             continue
-        if row["op"] == "attention":  # causal: half of 4 T S N H, fwd + bwd = 3.5 x fwd
+        peak = TARGETS[row.get("target", "h100-80g")].peak_flops("bfloat16")
+        if row["op"] == "grouped_matmul":  # fwd + both gradients of the active rows; rates rounded to 3 digits
+            flops = 6 * row["rows"] * row["d"] * row["f"]
+            eff = grouped_matmul_efficiency(row["impl"], row["rows"] / row["groups"], row["d"], row["f"])
+            t, tol = flops / (peak * eff), 0.035
+        elif row["op"] == "attention":  # causal: half of 4 T S N H, fwd + bwd = 3.5 x fwd
             flops = 4 * row["batch"] * row["seq"] ** 2 * row["heads"] * row["head_dim"] / 2 * 3.5
             t, tol = flops / (peak * ATTENTION_EFFICIENCY[row["impl"]]), 0.15  # one rate for seq 8k and 32k
         else:

@@ -101,7 +101,7 @@ def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
     calls = []
     monkeypatch.setattr(cudnn_module, "cudnn_attention", lambda q, k, v, seg: calls.append(seg is None) or q)
     monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
-    assert kernels.resolve(KernelConfig(), "gpu")["attention"] == "cudnn"
+    assert kernels.resolve(KernelConfig(), "gpu", 1)["attention"] == "cudnn"
     fn = select_attention(KernelConfig(), "gpu")
     q, kv = jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 1, 16))
     assert fn(q, kv, kv, None) is q and calls == [True]
@@ -109,7 +109,7 @@ def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, seg))(q, kv, kv))
     assert "pallas_call" in jaxpr and "flash_attention_fwd" in jaxpr and calls == [True]
     monkeypatch.setattr(kernels, "cudnn_present", lambda: False)
-    assert kernels.resolve(KernelConfig(), "gpu")["attention"] == "pallas"
+    assert kernels.resolve(KernelConfig(), "gpu", 1)["attention"] == "pallas"
 
 
 @pytest.mark.slow

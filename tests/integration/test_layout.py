@@ -172,9 +172,24 @@ def test_remat_saves_are_what_the_jax_policy_keeps(program_and_bill):
 @pytest.mark.parametrize("platform", ["gpu", "cpu"])
 def test_auto_is_decided_in_one_place(platform):
     """The drift this layout fixed: the bill once counted `auto` as the Pallas loss on GPUs."""
-    chosen = kernels.resolve(KernelConfig(), platform)
+    chosen = kernels.resolve(KernelConfig(), platform, 8)
     gpu_attention = "cudnn" if kernels.cudnn_present() else "pallas"
     assert chosen == {"attention": gpu_attention if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla",
                       "grouped_matmul": "blocked"}
     cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp=8"])
     assert compute_bill(cfg, 8, gpu=platform == "gpu").layout.kernels == chosen
+    one = load_config(None, ["model.preset=tiny"])  # a one-device program: the Pallas grouped matmul on a GPU
+    assert compute_bill(one, 1, gpu=platform == "gpu").layout.kernels == dict(
+        chosen, grouped_matmul="pallas" if platform == "gpu" else "blocked")
+
+
+def test_a_one_gpu_mixture_of_experts_step_runs_the_pallas_grouped_matmul_its_bill_counts():
+    pytest.importorskip("jax_cuda12_plugin")
+    cfg = load_config("configs/tiny-moe.yaml", ["target.name=h100-80g", "target.gpus_per_host=1",
+                                                "parallel.fsdp=1"])
+    topo = resolve_topology(cfg)
+    prog = build_program(cfg, devices=list(topo.devices()))
+    bill = compute_bill(cfg, 1, gpu=True)
+    assert prog.layout.kernels["grouped_matmul"] == bill.layout.kernels["grouped_matmul"] == "pallas"
+    ran = _kernel_scopes(jax.make_jaxpr(prog.step_fn())(prog.abstract_state, prog.abstract_batch()).jaxpr)
+    assert "grouped_matmul_pallas" in ran and "grouped_matmul_blocked" not in ran, ran
