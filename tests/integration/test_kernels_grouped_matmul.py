@@ -109,6 +109,21 @@ def test_pallas_takes_an_fp32_output_gradient_of_bf16_inputs_and_builds_for_sm_9
     assert all(name in text for name in ("grouped_matmul_fwd", "grouped_matmul_bwd_lhs", "grouped_matmul_bwd_rhs"))
 
 
+def test_pallas_reads_an_fp32_output_gradient_of_bf16_inputs_in_bf16():
+    """The Pallas backward rounds an fp32 output gradient (a LoRA adapter's fp32 output of bf16 inputs) to bf16
+    before gathering it to padded rows, halving what was the largest buffer at QLoRA Qwen3-30B-A3B widths: the
+    gradients equal those of the bf16-rounded output gradient, bit for bit (not those of the fp32 one)."""
+    lhs, rhs, sizes, dy = _inputs(40, 6, 5, [3, 4, 5, 6], jnp.bfloat16)
+    dy32 = dy.astype(jnp.float32) * (1 + 1e-3 * jax.random.normal(jax.random.key(7), dy.shape))
+    assert not np.array_equal(np.asarray(dy32), np.asarray(dy32.astype(jnp.bfloat16), np.float32))
+    fn = functools.partial(_implementation("pallas", GroupedMatmulBlocks(block_rows=16)),
+                           preferred_element_type=jnp.float32)
+    got = _vjp(fn, lhs, rhs, sizes, dy32)
+    rounded = _vjp(fn, lhs, rhs, sizes, dy32.astype(jnp.bfloat16).astype(jnp.float32))
+    for a, b in zip(got[1:], rounded[1:]):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 @pytest.mark.parametrize("target,dtype", [("rtx4090-24g", jnp.bfloat16), ("a100-80g", jnp.float32)])
 def test_pallas_tiles_fit_the_shared_memory_of_the_gpu_it_builds_for(target, dtype):
     """At Qwen3-30B-A3B widths the configured tiles asked 128 KiB of an RTX 4090's 99 in bf16 and more than
