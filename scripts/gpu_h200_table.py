@@ -2,7 +2,8 @@
 (benchmarks/bench_h200/run1: the code before that day's fixes; run2: after them; run3: a later session, after
 the QLoRA base from the seed was built a layer at a time and the Pallas grouped matmul fitted its tiles to the
 GPU's shared memory; run4: Mixtral-8x7B widths with `auto` now pallas on one GPU; run5: the grouped matmul at
-five more shapes). Reads files, compiles nothing.
+five more shapes; run6: the Pallas backward reading an fp32 output gradient in bf16). Reads files, compiles
+nothing.
 
     python scripts/gpu_h200_table.py
 """
@@ -31,6 +32,9 @@ WHAT = {  # case -> (what it is, the code it ran)
     ("run4", "bench_mixtral_x2_s8k_full_blocked"): "Mixtral-8x7B widths x 2 layers, seq 8192, full remat, "
                                                   "grouped matmul blocked",
     ("run4", "bench_mixtral_x2_s8k_full_auto"): "same Mixtral step, grouped matmul auto (pallas on one GPU)",
+    ("run6", "bench_qwen3moe_x4_s8k_qlora_pallas"): "run3's MoE QLoRA pallas step, the kernel's backward reading the "
+                                                   "adapters' fp32 output gradient in bf16 (losses within 4e-4 "
+                                                   "of run3's)",
 }
 
 
