@@ -8,7 +8,7 @@ from jaxmem.kernels import KernelUnavailable, select_attention
 from jaxmem.kernels.attention.config import SHARED_MEMORY_BUDGET, AttentionBlocks, fit_shared_memory
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.kernels.attention.reference import attention_reference
-from test_kernels_common import TOLERANCES, assert_close
+from kernel_checks import TOLERANCES, assert_close
 
 SMALL = AttentionBlocks(block_q=16, block_k=16)
 

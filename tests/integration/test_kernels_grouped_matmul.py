@@ -16,7 +16,7 @@ from jaxmem.kernels.grouped_matmul import blocked, pallas
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import padded_blocks
 from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_loop, grouped_matmul_reference
-from test_kernels_common import TOLERANCES, assert_close
+from kernel_checks import TOLERANCES, assert_close
 
 # (rows, D, F, group sizes, block rows, blocks per chunk): odd widths, empty groups (first, middle, last), one
 # group holding every row, rows after the last group (sum < rows), a group of many blocks, chunks by shape

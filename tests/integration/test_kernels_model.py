@@ -12,7 +12,7 @@ from jaxmem.config import load_config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.model.axes import activation_rules
 from jaxmem.core.program import build_program
-from test_kernels_common import assert_close
+from kernel_checks import assert_close
 
 SEQ = 32
 MESHES = {

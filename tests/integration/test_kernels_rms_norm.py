@@ -9,7 +9,7 @@ from jaxmem.kernels.rms_norm.config import RmsNormBlocks
 from jaxmem.kernels.rms_norm.pallas import rms_norm
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
-from test_kernels_common import TOLERANCES, assert_close
+from kernel_checks import TOLERANCES, assert_close
 
 
 class RmsNormCases:

@@ -3,7 +3,6 @@ import dataclasses
 import math
 import shutil
 import sys
-from pathlib import Path
 
 import jax
 import numpy as np
@@ -19,11 +18,9 @@ from jaxmem.core.precision import all_finite
 from jaxmem.core.program import build_program
 from jaxmem.cli.train import TrainError, compile_train_step, run
 
-TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+from tiny_config import TINY, tiny_config
 
-
-def _cfg(tmp_path, *overrides):
-    return load_config(TINY, [f"out_dir={tmp_path}", "train.progress=false", *overrides])
+_cfg = tiny_config
 
 
 def test_loss_falls_and_outputs_are_written(tmp_path):

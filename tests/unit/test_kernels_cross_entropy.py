@@ -12,7 +12,7 @@ from jaxmem.kernels import KernelUnavailable, select_attention, select_loss
 from jaxmem.kernels.cross_entropy import chunked, pallas
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
-from test_kernels_common import LLAMA3_LOSS_SHAPE, compile_loss_for_h100, TOLERANCES, assert_close
+from kernel_checks import LLAMA3_LOSS_SHAPE, compile_loss_for_h100, TOLERANCES, assert_close
 
 SMALL = CrossEntropyBlocks(block_t=16, block_v=64, pallas_block_t=16, pallas_block_v=64, pallas_block_d=16)
 WIDE = CrossEntropyBlocks(block_t=16, block_v=8192, pallas_block_t=16, pallas_block_v=1024, pallas_block_d=32)

@@ -6,7 +6,7 @@ from jaxmem.io.metrics import read_jsonl
 from jaxmem.io.telemetry import MemoryTelemetry
 from jaxmem.cli.train import run
 
-from test_train import _cfg
+from tiny_config import tiny_config as _cfg
 
 GIB = 2**30
 

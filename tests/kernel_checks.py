@@ -32,11 +32,3 @@ def compile_loss_for_h100(linear_cross_entropy, shape=LLAMA3_LOSS_SHAPE):
     step = lambda h, w, l: jax.value_and_grad(lambda h, w: linear_cross_entropy(h, w, l)[0], (0, 1))(h, w)
     return compile_abstract(step, *args).memory_analysis()
 
-
-def test_assert_close_rejects_a_wrong_value():
-    assert_close(jnp.ones(3), jnp.ones(3), 1e-6, "same")
-    try:
-        assert_close(jnp.array([1.0, 1.1]), jnp.ones(2), 1e-3, "off")
-    except AssertionError:
-        return
-    raise AssertionError("assert_close accepted a 10% error")
