@@ -342,6 +342,8 @@ def list_kernels() -> str:
     for op in ("loss", "attention", "norm", "grouped_matmul"):
         on_gpu = (f"{one_gpu[op]} on gpu" if one_gpu[op] == gpus[op]
                   else f"{one_gpu[op]} on one gpu, {gpus[op]} on several")
+        if op == "attention":  # kernels.resolve looks for the library on the machine it runs on
+            on_gpu = f"cudnn on gpu where the cuDNN library loads, else pallas (here: {one_gpu[op]})"
         lines.append(f"  kernels.{op}: auto -> {on_gpu}, {cpu[op]} on cpu")
         impls = [a for a in typing.get_args(hints[op]) if a != "auto"]
         lines.append(_table([(impl, KERNEL_HELP.get((op, impl), "")) for impl in impls], indent="    "))

@@ -317,7 +317,8 @@ class KernelConfig:
         "auto", "LM head + cross-entropy implementation, one of auto (chunked), naive (full logits), chunked, "
                 "pallas (Pallas logsumexp forward, chunked backward)")
     attention: Literal["auto", "xla", "pallas", "cudnn"] = _f(
-        "auto", "attention implementation, one of auto (pallas on GPU, xla on CPU), xla (plain, keeps the "
+        "auto", "attention implementation, one of auto (cudnn on NVIDIA GPUs where the cuDNN library loads, "
+                "else pallas; xla on CPU), xla (plain, keeps the "
                 "S x S scores), pallas (flash attention), cudnn (GPU only)")
     norm: Literal["auto", "xla", "pallas"] = _f("auto", "RMSNorm implementation, one of auto (xla), xla, pallas")
     grouped_matmul: Literal["auto", "ragged_dot", "blocked", "pallas"] = _f(

@@ -157,7 +157,8 @@ def test_config_markdown_prints_the_reference(capsys):
     ("presets", ["llama3-8b", "qwen2-72b", "tiny", "8.03B"]),
     ("remat", ["selective", "offload_selective", "attn_context", "mlp_gate"]),
     ("targets", ["h100-80g", "rtx4090-24g", "NVIDIA H200"]),
-    ("kernels", ["chunked", "cudnn", "auto -> pallas on gpu, xla on cpu"]),
+    ("kernels", ["chunked", "cudnn", "auto -> cudnn on gpu where the cuDNN library loads, else pallas (here: ",
+                 "auto -> pallas on one gpu, blocked on several, blocked on cpu"]),
 ])
 def test_list_names(what, names, capsys):
     assert cli.main(["list", what]) == 0
