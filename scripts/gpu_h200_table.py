@@ -86,8 +86,8 @@ def main():
         lines.append(f"| {r['run']} | {r['what']} | {r['compiled_gib']:.2f} | {r['peak_gib']:.2f} | "
                      f"{fmt(r['peak_after_init_gib'], '.2f')} | {r['step_s']:.3f} | {fmt(r['estimated_step_s'], '.3f')} | "
                      f"{r['tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} |")
-    lines += ["", "MFU counts the active parameters (the MoE rows: the top-k experts a token runs). step s (estimated): "
-              "the cost model of the code that ran (run3's MoE rows before the grouped matmul had a rate of its own); "
+    lines += ["", "MFU counts the active parameters (the MoE rows: the top-k experts a token runs). "
+              "step s (estimated): the cost model of the code that ran (run3's MoE rows before the grouped matmul had a rate of its own); "
               "benchmarks/costmodel.md gives today's model against every row.", "",
               "## Grouped matmul (the MoE experts), fwd + bwd, measured on GPU", "", gmm["note"] + ".", "",
               "| implementation | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",

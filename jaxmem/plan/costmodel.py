@@ -391,7 +391,8 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
             "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
             "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
             "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
-            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops, "loss_flops": loss_flops,
+            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops,
+            "loss_flops": loss_flops,
             "hbm_bytes": elementwise_bytes + update_bytes, "attention_kernel": attn_kernel,
             "loss_kernel": loss_kernel, **({"grouped_matmul_kernel": kernels.get("grouped_matmul", "blocked")}
                                            if expert_flops else {})}
