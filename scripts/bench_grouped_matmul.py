@@ -170,6 +170,23 @@ def _subprocess(kind: str, impl: str, shape, timeout: int, plan: str = "", dtype
             "error": (run.stderr or run.stdout).strip().splitlines()[-1:]}
 
 
+def kernel_table(cases: list[dict], how: bool = True) -> list[str]:
+    """Markdown lines of a table of kernel cases (gpu_case / deviceless_case rows): one row per implementation,
+    dtype and tiles; with `how`, a last column saying how each row's figures were obtained."""
+    lines = ["| implementation | dtype | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB |"
+             + (" how |" if how else ""), "|---|---|---:|---:|---:|---:|---:|" + ("---|" if how else "")]
+    cell = lambda case, key: f"{case[key]:.2f}" if key in case else ""  # noqa: E731
+    for case in cases:
+        impl = case["impl"] + (f" (tiles for {case['tiles_for']})" if case.get("tiles_for") else "")
+        if "error" in case:
+            lines.append(f"| {impl} | {case.get('dtype', '')} | | | | | | failed: {case['error']} |")
+            continue
+        lines.append(f"| {impl} | {case.get('dtype', 'bfloat16')} | " + " | ".join(
+            cell(case, key) for key in ("fwd_temp_gib", "fwd_bwd_temp_gib", "fwd_ms", "fwd_bwd_ms", "peak_gib"))
+            + (f" | {case['how']} |" if how else " |"))
+    return lines
+
+
 def _markdown(result: dict) -> str:
     rows, d, f, groups = result["shape"]
     lines = ["# Grouped matmul (MoE experts): ragged_dot vs blocked vs pallas", "",
@@ -178,17 +195,7 @@ def _markdown(result: dict) -> str:
              "obtained. fwd+bwd: the output and both gradients, pulled back with the output itself as the "
              "upstream gradient (the gradient of a plain sum, a constant cotangent, lets XLA fold part of the "
              "backward: ragged_dot then compiles to 44 GiB of temp instead of 64).", "",
-             "| implementation | dtype | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
-    cell = lambda case, key, fmt: (fmt % case[key]) if key in case else ""  # noqa: E731
-    for case in result["kernel"]:
-        impl = case["impl"] + (f" (tiles for {case['tiles_for']})" if case.get("tiles_for") else "")
-        if "error" in case:
-            lines.append(f"| {impl} | {case.get('dtype', '')} | | | | | | failed: {case['error']} |")
-            continue
-        lines.append(f"| {impl} | {case.get('dtype', 'bfloat16')} | {cell(case, 'fwd_temp_gib', '%.2f')} | "
-                     f"{cell(case, 'fwd_bwd_temp_gib', '%.2f')} | {cell(case, 'fwd_ms', '%.2f')} | "
-                     f"{cell(case, 'fwd_bwd_ms', '%.2f')} | {cell(case, 'peak_gib', '%.2f')} | {case['how']} |")
+             *kernel_table(result["kernel"])]
     if result.get("cpu"):
         lines += ["", "## Timed on the CPU (no GPU attached), fp32, rows routed uniformly at random", "",
                   "| implementation | rows, D, F, groups | fwd ms | fwd+bwd ms | how |", "|---|---|---:|---:|---|"]

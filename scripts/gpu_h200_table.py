@@ -10,7 +10,11 @@ nothing.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_grouped_matmul import kernel_table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "benchmarks" / "bench_h200"
@@ -87,7 +91,8 @@ def main():
                      f"{fmt(r['peak_after_init_gib'], '.2f')} | {r['step_s']:.3f} | {fmt(r['estimated_step_s'], '.3f')} | "
                      f"{r['tokens_per_s']:,.0f} | {fmt(r['mfu'], '.1%')} |")
     lines += ["", "MFU counts the active parameters (the MoE rows: the top-k experts a token runs). "
-              "step s (estimated): the cost model of the code that ran (run3's MoE rows before the grouped matmul had a rate of its own); "
+              "step s (estimated): the cost model of the code that ran (run3's MoE rows before the grouped matmul "
+              "had a rate of its own); "
               "benchmarks/costmodel.md gives today's model against every row.", "",
               "## Grouped matmul (the MoE experts), fwd + bwd, measured on GPU", "", gmm["note"] + ".", "",
               "| implementation | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB | how |",
@@ -103,15 +108,7 @@ def main():
               "a100-80g,rtx4090-24g`). `tiles for X`: the Pallas kernel run on the H200 with the tiles and "
               "stages it fits to X's shared memory (A100 166 KiB, RTX 4090 99 KiB per block), which tells what "
               "the smaller tiles cost on this GPU, not X's own speed.", "",
-              "| implementation | dtype | fwd temp GiB | fwd+bwd temp GiB | fwd ms | fwd+bwd ms | peak GiB |",
-              "|---|---|---:|---:|---:|---:|---:|"]
-    for g in gmm3["kernel"]:
-        impl = g["impl"] + (f" (tiles for {g['tiles_for']})" if g.get("tiles_for") else "")
-        if "error" in g:
-            lines.append(f"| {impl} | {g.get('dtype', '')} | | | | | | failed: {g['error']} |")
-            continue
-        lines.append(f"| {impl} | {g['dtype']} | {g['fwd_temp_gib']:.2f} | {g['fwd_bwd_temp_gib']:.2f} | "
-                     f"{g['fwd_ms']:.2f} | {g['fwd_bwd_ms']:.2f} | {g['peak_gib']:.2f} |")
+              *kernel_table(gmm3["kernel"], how=False)]
     lines.append(f"\nAll rows: {gmm3['kernel'][0]['how'].split(';')[0].split(' (')[0]} "
                  f"({gmm3['kernel'][0]['device']}, jax {gmm3['kernel'][0]['jax']}); temp: compiled for that GPU.")
     lines += ["", "### run5: the grouped matmul by shape (bf16)", "",

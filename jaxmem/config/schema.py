@@ -323,8 +323,9 @@ class KernelConfig:
     norm: Literal["auto", "xla", "pallas"] = _f("auto", "RMSNorm implementation, one of auto (xla), xla, pallas")
     grouped_matmul: Literal["auto", "ragged_dot", "blocked", "pallas"] = _f(
         "auto", "MoE expert matmul implementation, one of auto (pallas in a one-GPU program, else blocked), "
-                "ragged_dot (jax.lax.ragged_dot: XLA:GPU densifies it, G x the FLOPs and a [rows, G x D] lhs), blocked (groups padded to whole blocks, a "
-                "loop over chunks of blocks; no dense lhs), pallas (Triton grouped GEMM over the same blocks)")
+                "ragged_dot (jax.lax.ragged_dot: XLA:GPU densifies it, G x the FLOPs and a [rows, G x D] lhs), "
+                "blocked (groups padded to whole blocks, a loop over chunks of blocks; no dense lhs), pallas "
+                "(Triton grouped GEMM over the same blocks)")
     grouped_matmul_block_rows: int = _f(128, "blocked and pallas grouped matmul: rows per block (each expert's "
                                              "rows are padded to a multiple)" + _POW2)
     loss_block_t: int = _f(0, "chunked loss: tokens per tile; 0: by shape (all local tokens, up to "

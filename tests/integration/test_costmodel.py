@@ -176,9 +176,7 @@ def test_kernel_efficiencies_reproduce_the_measured_kernel_timings():
     import json
 
     from jaxmem.plan.costmodel import (ATTENTION_EFFICIENCY, CHUNKED_LOSS_EFFICIENCY_BY_TILE, LOSS_EFFICIENCY,
-                                       LOSS_PASSES)
-
-    from jaxmem.plan.costmodel import grouped_matmul_efficiency
+                                       LOSS_PASSES, grouped_matmul_efficiency)
 
     for row in json.loads(bench.DATA.read_text())["kernels"]:
         if row.get("superseded"):  # a kernel since rewritten or removed: kept in the data for the record
