@@ -60,7 +60,8 @@ def resolve(cfg: KernelConfig, platform: str, n_devices: int) -> dict[str, str]:
 
     attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
     (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
-    CPU, where Pallas would only interpret. loss: chunked, the fastest on an H100 at the same scratch
+    CPU, where Pallas would only interpret. A call with attention sinks (gpt-oss), which cuDNN does not take,
+    runs the Pallas kernel too. loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
     grouped_matmul: never ragged_dot, which XLA:GPU densifies (64 GiB of temporaries fwd+bwd at the
     Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md). On one GPU the Pallas
@@ -98,10 +99,12 @@ def _scoped(scope: str, fn):
 
 
 def select_attention(cfg: KernelConfig, platform: str, mesh=None):
-    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, window=None, scale=None) -> [B, T, N, H].
+    """fn(q_btnh, k_bskh, v_bskh, segment_ids_bt, *, window=None, scale=None, sinks=None) -> [B, T, N, H].
 
-    With a mesh, Pallas attention runs per shard (batch over the data axes, heads over tp); with an sp
-    axis, sequence-parallel (jaxmem.kernels.attention.sequence_parallel).
+    `sinks` [N]: attention sinks (gpt-oss), one logit per query head. With a mesh, Pallas attention runs per
+    shard (batch over the data axes, heads over tp, the sinks with the heads); with an sp axis,
+    sequence-parallel (jaxmem.kernels.attention.sequence_parallel). An explicit cuDNN choice raises
+    ValueError on a call with sinks; auto sends that call to the Pallas kernel.
     """
     from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
 
@@ -110,10 +113,10 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     if cfg.attention != "auto" or impl != "cudnn":
         return sequence_parallel(chosen, mesh)
     # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
-    # (docs/attention.md), so packed documents go to the Pallas kernel
+    # (docs/attention.md), so packed documents go to the Pallas kernel; so do attention sinks (none in cuDNN)
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
-    return sequence_parallel(lambda q, k, v, seg, **kw: chosen(q, k, v, None, **kw) if seg is None
-                             else packed(q, k, v, seg, **kw), mesh)
+    return sequence_parallel(lambda q, k, v, seg, **kw: chosen(q, k, v, None, **kw)
+                             if seg is None and kw.get("sinks") is None else packed(q, k, v, seg, **kw), mesh)
 
 
 def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):

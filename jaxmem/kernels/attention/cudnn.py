@@ -32,7 +32,7 @@ _FEATURE = "packed sequences in cuDNN attention (jax._src.cudnn.fused_attention_
 
 
 def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, max_segments: int = DEFAULT_MAX_SEGMENTS,
-                    window: int | None = None, scale: float | None = None):
+                    window: int | None = None, scale: float | None = None, sinks=None):
     """Causal GQA attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H]) -> [B,T,N,H].
 
     `window` (a static int): sliding-window attention through cuDNN's sliding_window_length, which skips
@@ -41,7 +41,13 @@ def cudnn_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, max_segments
     With segment ids, each maximal run of equal ids in a row is one document: tokens attend causally
     within their run only. At most `max_segments` runs per row (static: cuDNN keeps softmax statistics for
     B x max_segments sequences); rows with more runs come out NaN rather than silently wrong.
+
+    `sinks` (gpt-oss attention sinks) has no cuDNN form here: anything but None raises ValueError before any
+    work is done.
     """
+    if sinks is not None:
+        raise ValueError("cudnn_attention has no attention sinks (jax.nn.dot_product_attention takes none): use "
+                         "kernels.attention='pallas' or 'xla'")
     if window is not None and window >= q_btnh.shape[1]:
         window = None  # as long as the sequence: no window
     if segment_ids_bt is None:

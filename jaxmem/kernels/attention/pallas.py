@@ -1,6 +1,6 @@
-"""Flash attention in Pallas (Triton backend): causal, GQA, segment ids, sliding window; never holds [T, S]
-scores. With a window, every loop visits only the blocks that intersect the band of kept scores, so time
-grows with T x window instead of T x T / 2.
+"""Flash attention in Pallas (Triton backend): causal, GQA, segment ids, sliding window, attention sinks;
+never holds [T, S] scores. With a window, every loop visits only the blocks that intersect the band of kept
+scores, so time grows with T x window instead of T x T / 2.
 
 Forward: one program per (query block, batch, q head) walks the key blocks
 with an online softmax (base 2, fp32) and saves the per-row logsumexp.
@@ -8,6 +8,11 @@ Backward: dq per (query block, batch, q head); dk/dv per (key block, batch,
 kv head), looping over the group's q heads so GQA needs no [B, S, N, H]
 expanded copy of k or v. Sequences that are not a multiple of the blocks are
 padded; padded keys are masked, padded queries get a zero cotangent.
+
+Attention sinks (gpt-oss: one logit per q head in every row's softmax denominator, attending to no value)
+start the forward's online softmax at the sink, so the saved logsumexp includes it. The backward kernels
+then need no change: P = exp(S - lse) is already right and delta = rowsum(dO * O) is unchanged. The sinks'
+gradient is plain JAX from lse and delta (`_sink_grad`).
 """
 from __future__ import annotations
 
@@ -64,7 +69,8 @@ def _query_blocks_end(j, n_q: int, bq: int, bk: int, window: int | None):
     return n_q if window is None else jnp.minimum(n_q, ((j + 1) * bk + window - 2) // bq + 1)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, causal, kv_len, window, bq, bk):
+def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, sink_ref, o_ref, lse_ref, *, scale, causal, kv_len, window, bq,
+                    bk):
     i = pl.program_id(0)
     q = q_ref[...]
     q_pos = i * bq + jnp.arange(bq)
@@ -84,7 +90,11 @@ def _forward_kernel(q_ref, k_ref, v_ref, seg_ref, o_ref, lse_ref, *, scale, caus
         return o, m_new, l * correction + jnp.sum(p, axis=1)
 
     h = q_ref.shape[-1]
-    init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    if sink_ref is None:
+        init = (jnp.zeros((bq, h), jnp.float32), jnp.full((bq,), MASK, jnp.float32), jnp.zeros((bq,), jnp.float32))
+    else:  # the sink as a first, value-less column: running max at it (base 2), its exp2(0) = 1 in the sum
+        sink = jnp.zeros((bq,), jnp.float32) + sink_ref[...].astype(jnp.float32) * LOG2E
+        init = (jnp.zeros((bq, h), jnp.float32), sink, jnp.ones((bq,), jnp.float32))
     first, upper = _first_key_block(i, bq, bk, window), _key_blocks(i, k_ref.shape[0] // bk, bq, bk, causal)
     o, m, l = jax.lax.fori_loop(first, upper, step, init)
     o_ref[...] = (o / l[:, None]).astype(o_ref.dtype)
@@ -174,23 +184,26 @@ def _specs(b, t, s, n, kv, h, bq, group, seg):
     return q_spec, kv_spec, seg_spec, row_spec
 
 
-def _forward(q, k, v, seg, *, blocks, causal, scale, kv_len, window, interpret):
+def _forward(q, k, v, seg, sinks=None, *, blocks, causal, scale, kv_len, window, interpret):
     b, t, n, h = q.shape
     s, kv = k.shape[1], k.shape[2]
     bq, bk = blocks.block_q, blocks.block_k
     q_spec, kv_spec, seg_spec, row_spec = _specs(b, t, s, n, kv, h, bq, n // kv, seg)
+    sink_spec = None if sinks is None else pl.BlockSpec((None,), lambda i, b_, n_: (n_,))  # one scalar per head
     kernel = functools.partial(_forward_kernel, scale=scale, causal=causal, kv_len=kv_len, window=window, bq=bq,
                                bk=bk)
     return pl.pallas_call(
-        kernel, grid=(t // bq, b, n), in_specs=[q_spec, kv_spec, kv_spec, seg_spec], out_specs=[q_spec, row_spec],
+        kernel, grid=(t // bq, b, n), in_specs=[q_spec, kv_spec, kv_spec, seg_spec, sink_spec],
+        out_specs=[q_spec, row_spec],
         out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((b, n, t), jnp.float32)],
         compiler_params=_params(blocks),
         cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, window=window),
         interpret=interpret, name="flash_attention_fwd",
-    )(q, k, v, seg)
+    )(q, k, v, seg, sinks)
 
 
-def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, window, interpret):
+def _backward(q, k, v, seg, o, lse, do, sinks=None, *, blocks, causal, scale, kv_len, window, interpret):
+    """(dq, dk, dv), and with sinks their gradient per batch row [B, N] (the caller sums the rows)."""
     b, t, n, h = q.shape
     s, kv = k.shape[1], k.shape[2]
     group = n // kv
@@ -218,19 +231,33 @@ def _backward(q, k, v, seg, o, lse, do, *, blocks, causal, scale, kv_len, window
         cost_estimate=attention_cost(b, t, s, n, h, q.dtype.itemsize, causal=causal, matmuls=4, passes=2,
                                      window=window),
     )(q, k, v, seg, do, lse, delta)
-    return dq, dk, dv
+    if sinks is None:
+        return dq, dk, dv
+    return dq, dk, dv, _sink_grad(sinks, lse, delta, kv_len)
+
+
+def _sink_grad(sinks, lse, delta, kv_len):
+    """d sink [B, N] per batch row: out = sum_j p_j v_j with p_j = exp(s_j) / (exp(sink) + sum_i exp(s_i)), so
+    d out / d sink = -p_sink * out and d sink = -sum over rows of p_sink * delta, p_sink = exp(sink - lse)
+    (lse in base 2 here). Padded query rows (at kv_len and after) count for nothing."""
+    p_sink = jnp.exp2(sinks[None, :, None] * LOG2E - lse)  # [B, N, T]
+    if kv_len is not None:
+        p_sink = jnp.where(jnp.arange(lse.shape[-1]) < kv_len, p_sink, 0.0)
+    return -jnp.sum(p_sink * delta, axis=-1)
 
 
 def _sharded(fn, mesh, kv_heads: int, has_seg: bool, ins: str, outs: str):
     """fn run per shard: batch over the data axes, heads over tp and sp as far as the kv heads split evenly
     (jaxmem.kernels.attention.sequence_parallel has already gathered the sequence).
 
-    ins / outs name each argument's layout: x = [B, T, heads, H], r = [B, heads, T], s = segment ids.
+    ins / outs name each argument's layout: x = [B, T, heads, H], r = [B, heads, T], s = segment ids,
+    n = [heads] (the sinks: split with q's heads), b = [B, heads] (the sinks' gradient per batch row).
     """
     if not is_sharded(mesh):
         return fn
     data, heads = data_axes(mesh), head_axes(mesh, kv_heads)
-    spec = {"x": P(data, None, heads, None), "r": P(data, heads, None), "s": P(data, None) if has_seg else P()}
+    spec = {"x": P(data, None, heads, None), "r": P(data, heads, None), "s": P(data, None) if has_seg else P(),
+            "n": P(heads), "b": P(data, heads)}
     body = fn if has_seg else (lambda q, k, v, _, *rest: fn(q, k, v, None, *rest))
     mapped = jax.shard_map(body, mesh=mesh, in_specs=tuple(spec[c] for c in ins),
                            out_specs=tuple(spec[c] for c in outs), check_vma=False)
@@ -240,28 +267,35 @@ def _sharded(fn, mesh, kv_heads: int, has_seg: bool, ins: str, outs: str):
     return lambda q, k, v, _, *rest: mapped(q, k, v, jnp.zeros((), jnp.int32), *rest)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
-def _flash(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh):
-    return _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9, 10, 11))
+def _flash(q, k, v, seg, sinks, blocks, causal, scale, kv_len, window, interpret, mesh):
+    return _flash_fwd(q, k, v, seg, sinks, blocks, causal, scale, kv_len, window, interpret, mesh)[0]
 
 
-def _flash_fwd(q, k, v, seg, blocks, causal, scale, kv_len, window, interpret, mesh):
+def _flash_fwd(q, k, v, seg, sinks, blocks, causal, scale, kv_len, window, interpret, mesh):
+    """sinks: fp32 [N], or None, which is no pytree leaf and is not passed on: the program without sinks is
+    the one traced before sinks existed."""
     forward = functools.partial(_forward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len, window=window,
                                 interpret=interpret)
-    o, lse = _sharded(lambda *a: tuple(forward(*a)), mesh, k.shape[2], seg is not None, "xxxs", "xr")(
-        q, k, v, seg)
+    extra = () if sinks is None else (sinks,)
+    o, lse = _sharded(lambda *a: tuple(forward(*a)), mesh, k.shape[2], seg is not None, "xxxs" + "n" * len(extra),
+                      "xr")(q, k, v, seg, *extra)
     # Named, so that a remat policy can keep the kernel's residuals instead of rerunning it in the backward.
     o, lse = checkpoint_name((o, lse), CN.FLASH_RESIDUALS.value)
-    return o, (q, k, v, seg, o, lse)
+    return o, (q, k, v, seg, sinks, o, lse)
 
 
 def _flash_bwd(blocks, causal, scale, kv_len, window, interpret, mesh, res, do):
-    q, k, v, seg, o, lse = res
+    q, k, v, seg, sinks, o, lse = res
     backward = functools.partial(_backward, blocks=blocks, causal=causal, scale=scale, kv_len=kv_len,
                                  window=window, interpret=interpret)
-    dq, dk, dv = _sharded(lambda *a: tuple(backward(*a)), mesh, k.shape[2], seg is not None, "xxxsxrx", "xxx")(
-        q, k, v, seg, o, lse, do)
-    return dq, dk, dv, None
+    if sinks is None:
+        dq, dk, dv = _sharded(lambda *a: tuple(backward(*a)), mesh, k.shape[2], seg is not None, "xxxsxrx", "xxx")(
+            q, k, v, seg, o, lse, do)
+        return dq, dk, dv, None, None
+    dq, dk, dv, dsink_bn = _sharded(lambda *a: tuple(backward(*a)), mesh, k.shape[2], seg is not None, "xxxsxrxn",
+                                    "xxxb")(q, k, v, seg, o, lse, do, sinks)
+    return dq, dk, dv, None, jnp.sum(dsink_bn, axis=0)
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -269,11 +303,12 @@ _flash.defvjp(_flash_fwd, _flash_bwd)
 
 def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: AttentionBlocks = AttentionBlocks(),
                     causal: bool = True, scale: float | None = None, window: int | None = None,
-                    interpret: bool = False, mesh=None):
+                    interpret: bool = False, mesh=None, sinks=None):
     """Attention like `attention_reference` (q [B,T,N,H], k/v [B,S,K,H], N % K == 0) -> [B,T,N,H].
 
     `window` (a static int): sliding-window attention; blocks wholly outside the window are skipped.
-    With a mesh, runs per shard: batch over the data axes, heads over tp (and sp).
+    `sinks` [N] (any float dtype, differentiable): attention sinks, one logit per q head, computed in fp32.
+    With a mesh, runs per shard: batch over the data axes, heads over tp (and sp); the sinks follow q's heads.
     """
     b, t, n, h = q_btnh.shape
     s, kv = k_bskh.shape[1], k_bskh.shape[2]
@@ -283,6 +318,10 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
         raise ValueError(f"flash_attention: head_dim {h} must be a power of two >= 16 (Triton tiles)")
     if t != s:
         raise ValueError(f"flash_attention: query length {t} != key length {s}; only self-attention is supported")
+    if sinks is not None:
+        if jnp.shape(sinks) != (n,):
+            raise ValueError(f"flash_attention: sinks shape {jnp.shape(sinks)} must be ({n},), one per query head")
+        sinks = jnp.asarray(sinks).astype(jnp.float32)  # its gradient comes back in the sinks' own dtype
     scale = h**-0.5 if scale is None else float(scale)
     blocks = fit_shared_memory(blocks, h, q_btnh.dtype.itemsize)
     step = max(blocks.block_q, blocks.block_k)
@@ -297,5 +336,5 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
     if window is not None and (not isinstance(window, int) or window < 1):
         raise ValueError(f"flash_attention: window {window!r} must be a positive int (static)")
     window = None if window is None or window >= t else window  # a window as long as the sequence is none
-    out = _flash(q, k, v, seg, blocks, causal, scale, t if pad else None, window, interpret, mesh)
+    out = _flash(q, k, v, seg, sinks, blocks, causal, scale, t if pad else None, window, interpret, mesh)
     return out[:, :t] if pad else out

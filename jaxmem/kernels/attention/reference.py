@@ -6,11 +6,15 @@ import jax.numpy as jnp
 
 
 def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_ids_bt=None,
-                        scale: float | None = None, window: int | None = None):
+                        scale: float | None = None, window: int | None = None, sinks=None):
     """Causal GQA attention. q [B,T,N,H], k/v [B,S,K,H] with N % K == 0; returns [B,T,N,H].
 
     `window` (sliding-window attention): a query sees only the keys less than `window` positions before it
     (itself included), as transformers' sliding_window. Only a mask here: the [T, S] scores are still built.
+
+    `sinks` [N] (attention sinks, gpt-oss): one learned logit per query head, in fp32, that joins every row's
+    softmax denominator as an extra column whose probability multiplies no value. Written as that
+    denominator rather than a concatenated [T, S + 1] copy; a fully masked row then attends to nothing (0).
     """
     b, t, n, h = q_btnh.shape
     kv = k_bskh.shape[2]
@@ -28,7 +32,14 @@ def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_
         same = segment_ids_bt[:, :, None] == segment_ids_bt[:, None, :]
         mask = mask & same[:, None, None]
     scores = jnp.where(mask, scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_bskh.dtype)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:
+        sink = jnp.asarray(sinks, jnp.float32).reshape(kv, n // kv)[None, :, :, None]  # [1, K, G, 1]
+        top = jax.lax.stop_gradient(jnp.maximum(jnp.max(scores, axis=-1), sink))
+        e = jnp.exp(scores - top[..., None])
+        probs = e / (jnp.sum(e, axis=-1) + jnp.exp(sink - top))[..., None]
+    probs = probs.astype(v_bskh.dtype)
     out = jnp.einsum("BKGTS,BSKH->BTKGH", probs, v_bskh)
     return out.reshape(b, t, n, h)
 
