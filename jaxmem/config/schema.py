@@ -22,6 +22,10 @@ class ConfigError(ValueError):
     """A bad config value; the message is one line and names the key."""
 
 
+class NotYetSupported(ConfigError, NotImplementedError):
+    """A lever that is not implemented yet (one line, naming the key)."""
+
+
 Dtype = Literal["float32", "bfloat16", "float16"]
 
 
@@ -54,15 +58,21 @@ class ModelConfig:
     rope_scaling: dict | None = _f(None, "RoPE frequency scaling of the global layers: Llama-3 style, a "
                                          "mapping of factor, low_freq_factor, high_freq_factor, "
                                          "original_max_position_embeddings; or {rope_type: linear, factor: f} "
-                                         "(positions divided by f, Gemma 3); null: plain theta" + _FROM_PRESET)
+                                         "(positions divided by f, Gemma 3); or {rope_type: yarn, factor, "
+                                         "original_max_position_embeddings, beta_fast, beta_slow, truncate} "
+                                         "(gpt-oss); null: plain theta" + _FROM_PRESET)
     norm_eps: float = _f(1e-5, "RMSNorm epsilon" + _FROM_PRESET)
     qkv_bias: bool = _f(False, "biases on the query/key/value projections (Qwen2)" + _FROM_PRESET)
+    attn_out_bias: bool = _f(False, "a bias on the attention output projection (gpt-oss)" + _FROM_PRESET)
+    attention_sinks: bool = _f(False, "a learned logit per query head joins every attention softmax as one more "
+                                      "column that weighs no value (gpt-oss)" + _FROM_PRESET)
     qk_norm: bool = _f(False, "RMSNorm over head_dim on each query and key head, before RoPE (Qwen3, Gemma 3)"
                        + _FROM_PRESET)
     post_norms: bool = _f(False, "RMSNorm on the attention and MLP outputs before each residual add, four norms "
                                  "per layer (Gemma 3)" + _FROM_PRESET)
-    activation: Literal["silu", "gelu_tanh"] = _f(
-        "silu", "gated MLP activation, one of silu (SwiGLU) or gelu_tanh (GeGLU, Gemma)" + _FROM_PRESET)
+    activation: Literal["silu", "gelu_tanh", "swiglu_clamped"] = _f(
+        "silu", "gated MLP activation, one of silu (SwiGLU), gelu_tanh (GeGLU, Gemma) or swiglu_clamped (gpt-oss: "
+                "(clip(up, -7, 7) + 1) * g * sigmoid(1.702 g) with g = min(gate, 7))" + _FROM_PRESET)
     embed_scale: bool = _f(False, "multiply the token embeddings by sqrt(d_model) (Gemma)" + _FROM_PRESET)
     query_pre_attn_scalar: float = _f(0.0, "attention scores are scaled by query_pre_attn_scalar ** -0.5; "
                                            "0: head_dim ** -0.5" + _FROM_PRESET)
@@ -70,7 +80,8 @@ class ModelConfig:
                                 "0: every layer attends to the whole causal prefix" + _FROM_PRESET)
     global_every: int = _f(0, "with sliding_window: every global_every-th layer (the 6th, 12th, ... for 6) "
                               "attends globally, the others locally; 0: every layer is local" + _FROM_PRESET)
-    rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers; 0: rope_theta"
+    rope_local_theta: float = _f(0.0, "RoPE base of the local (sliding-window) layers, unscaled; 0: the global layers' "
+                                 "frequencies (rope_theta with rope_scaling)"
                                  + _FROM_PRESET)
     tie_embeddings: bool = _f(False, "the LM head reuses the input embedding matrix" + _FROM_PRESET)
     n_experts: int = _f(0, "mixture of experts: routed experts per layer (Qwen3-MoE, Mixtral); 0: a dense MLP"
@@ -81,6 +92,8 @@ class ModelConfig:
                           + _FROM_PRESET)
     router_norm_topk: bool = _f(True, "mixture of experts: renormalize the top-k routing probabilities to sum to "
                                       "1 (Mixtral always; Qwen3-MoE norm_topk_prob)" + _FROM_PRESET)
+    moe_biases: bool = _f(False, "mixture of experts: biases on the router and on each expert's gate, up and down "
+                                 "projections (gpt-oss)" + _FROM_PRESET)
     router_aux_loss_coef: float = _f(0.001, "mixture of experts: weight of the load-balancing loss (Switch / "
                                             "Mixtral style) added to the training loss")
     router_z_loss_coef: float = _f(0.0, "mixture of experts: weight of the router z-loss (mean squared "

@@ -22,7 +22,8 @@ from typing import Callable
 
 from jaxmem import kernels
 from jaxmem.core import remat
-from jaxmem.config.schema import Config, ConfigError, DistributedConfig, ParallelConfig, apply_overrides, parse_raw, read_yaml
+from jaxmem.config.schema import (Config, ConfigError, DistributedConfig, NotYetSupported, ParallelConfig,  # noqa: F401
+                                  apply_overrides, parse_raw, read_yaml)
 from jaxmem.io.documents.reading import RECORD_KINDS
 from jaxmem.model.names import ALL_NAMES
 from jaxmem.model.presets import check_model, resolve_model
@@ -74,10 +75,6 @@ def _model(cfg: Config) -> None:
                           "embedding lookup does not scale by sqrt(d_model); set it to false")
 
 
-class NotYetSupported(ConfigError, NotImplementedError):
-    """A lever that is not implemented yet (one line, naming the key)."""
-
-
 def _moe_levers(cfg: Config) -> None:
     """Mixture of experts: expert parallelism's sizes, and the levers it does not take yet, by name."""
     m, ep = cfg.model, cfg.parallel.ep
@@ -96,7 +93,8 @@ def _moe_levers(cfg: Config) -> None:
         raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
                               "parallel.ep > 1 or 0 (dropless)")
     if ep > 1:  # the levers tested with a mixture of experts on one device's experts, not yet with ep
-        refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward}
+        refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
+                   "model.moe_biases": m.moe_biases}
         for key, on in refused.items():
             if on:
                 raise NotYetSupported(f"{key}: not supported with expert parallelism (parallel.ep={ep}) yet; "
@@ -277,6 +275,12 @@ def _seq_len_fits_model(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len: {cfg.train.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
 
 
+def _attention_kernel_takes_the_model(cfg: Config) -> None:
+    if cfg.model.attention_sinks and cfg.kernels.attention == "cudnn":
+        raise ConfigError("kernels.attention: cudnn has no attention sinks (model.attention_sinks, gpt-oss); use "
+                          "auto (the Pallas kernel on a GPU), pallas or xla")
+
+
 def _remat_groups_divide_layers(cfg: Config) -> None:
     remat.group_size(cfg.remat, cfg.model.n_layers)  # "remat.every_k: k does not divide model.n_layers=..."
 
@@ -330,6 +334,7 @@ def _batch_fits_fixed_mesh(cfg: Config) -> None:
 CROSS_CHECKS: tuple[Callable[[Config], None], ...] = (
     _seq_len_fits_model,  # train vs model
     _remat_groups_divide_layers,  # remat vs model
+    _attention_kernel_takes_the_model,  # kernels vs model
     _batch_fits_fixed_mesh,  # train vs parallel, offload vs the derived grad_accum
     _update_in_backward_levers,  # optimizer vs remat, offload, precision
     _pipeline_levers,  # parallel.pp vs model, remat, lora, optimizer, precision, offload

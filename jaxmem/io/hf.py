@@ -18,7 +18,7 @@ from jax.sharding import Mesh, SingleDeviceSharding
 from jaxmem.core import sharding
 from jaxmem.config.schema import ConfigError, ParallelConfig
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
-from jaxmem.io.hf_layout import ParamMap, hf_shape, param_maps, read_slice, to_hf
+from jaxmem.io.hf_layout import ParamMap, hf_shape, merge_hf, param_maps, read_slice, to_hf
 from jaxmem.io.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
 from jaxmem.model.transformer import Transformer, abstract_model
 
@@ -160,18 +160,21 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     order += [(pm, key) for i in range(cfg.n_layers) for pm in maps if pm.stacked
               for key in pm.keys(_get(params, pm.path).shape) if key[0] == i]  # (layer,) or (layer, expert)
     order += [(pm, ()) for pm in maps if pm.path in (("final_norm",), ("lm_head",))]
-    source = {}
+    source: dict[str, list] = {}  # HF name -> the (map, key) of each parameter it holds (gpt-oss: gate + up)
     entries = []
     for pm, key in order:
         shape = _get(params, pm.path).shape
         name = pm.name_at(key)
-        source[name] = (pm, key)
-        entries.append((name, hf_shape(pm.kind, shape[pm.lead:]), out_dtype))
+        if name not in source:
+            entries.append((name, hf_shape(pm.kind, shape[pm.lead:]), out_dtype))
+        source.setdefault(name, []).append((pm, key))
 
     def produce(name: str) -> np.ndarray:
-        pm, key = source[name]
-        x = _get(params, pm.path)
-        return to_hf(pm.kind, _gather(x[key] if key else x))
+        parts = []
+        for pm, key in source[name]:
+            x = _get(params, pm.path)
+            parts.append(to_hf(pm.kind, _gather(x[key] if key else x)))
+        return merge_hf(parts)
 
     path = Path(path)
     writer = jax.process_index() == 0

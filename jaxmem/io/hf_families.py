@@ -48,15 +48,35 @@ def _rope_scaling(scaling, key: str, where: str) -> dict | None:
         return None
     if rope_type == "linear":
         return {"rope_type": "linear", "factor": _number(scaling.get("factor"), f"{key}.factor", where)}
+    if rope_type == "yarn":
+        return _yarn_scaling(scaling, key, where)
     if rope_type != "llama3":
-        raise ConfigError(f"{where}: {key}.rope_type={rope_type!r} is not supported; use 'default', 'linear' "
-                          "or 'llama3'")
+        raise ConfigError(f"{where}: {key}.rope_type={rope_type!r} is not supported; use 'default', 'linear', "
+                          "'llama3' or 'yarn'")
     missing = [k for k in _LLAMA3_KEYS if k not in scaling]
     if missing:
         raise ConfigError(f"{where}: {key}.{missing[0]} is missing (needed for rope_type 'llama3')")
     out = {k: _number(scaling[k], f"{key}.{k}", where) for k in _LLAMA3_KEYS[:3]}
     k = "original_max_position_embeddings"
     out[k] = _int(scaling[k], f"{key}.{k}", where)
+    return out
+
+
+def _yarn_scaling(scaling: dict, key: str, where: str) -> dict:
+    for k in ("mscale", "mscale_all_dim"):  # DeepSeek's variant of the attention factor
+        if scaling.get(k):
+            raise ConfigError(f"{where}: {key}.{k}={scaling[k]!r} is not supported; use null")
+    k = "original_max_position_embeddings"
+    out = {"rope_type": "yarn", "factor": _number(scaling.get("factor"), f"{key}.factor", where),
+           k: _int(scaling.get(k), f"{key}.{k}", where),
+           "beta_fast": _number(scaling.get("beta_fast"), f"{key}.beta_fast", where, default=32.0),
+           "beta_slow": _number(scaling.get("beta_slow"), f"{key}.beta_slow", where, default=1.0)}
+    truncate = scaling.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise ConfigError(f"{where}: {key}.truncate must be true or false, got {truncate!r}")
+    out["truncate"] = truncate
+    if scaling.get("attention_factor") is not None:
+        out["attention_factor"] = _number(scaling["attention_factor"], f"{key}.attention_factor", where)
     return out
 
 
@@ -126,9 +146,12 @@ def _hf_common(cfg: ModelConfig, arch: str, model_type: str, dtype: str) -> dict
 
 # The ModelConfig options beyond the Llama shape, and what each family sets them to.
 _OPTIONS = ("qkv_bias", "qk_norm", "post_norms", "activation", "embed_scale", "query_pre_attn_scalar",
-            "sliding_window", "global_every", "rope_local_theta", "n_experts", "router_norm_topk")
+            "sliding_window", "global_every", "rope_local_theta", "n_experts", "router_norm_topk", "attn_out_bias",
+            "attention_sinks", "moe_biases")
+_GPT_OSS_ONLY = dict(attn_out_bias=False, attention_sinks=False, moe_biases=False)
 _LLAMA_OPTIONS = dict(qkv_bias=False, qk_norm=False, post_norms=False, activation="silu", embed_scale=False,
-                      query_pre_attn_scalar=0.0, sliding_window=0, global_every=0, rope_local_theta=0.0)
+                      query_pre_attn_scalar=0.0, sliding_window=0, global_every=0, rope_local_theta=0.0,
+                      **_GPT_OSS_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -259,7 +282,8 @@ class Qwen3Family(LlamaFamily):
         return out
 
 
-_GEMMA3_FIXED = dict(qkv_bias=False, qk_norm=True, post_norms=True, activation="gelu_tanh", embed_scale=True)
+_GEMMA3_FIXED = dict(qkv_bias=False, qk_norm=True, post_norms=True, activation="gelu_tanh", embed_scale=True,
+                     **_GPT_OSS_ONLY)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,12 +365,12 @@ def _int_if_whole(x: float):
     return int(x) if float(x).is_integer() else x  # transformers' Gemma3TextConfig types this field int
 
 
-def _global_every(hf: dict, n_layers: int, where: str) -> int:
+def _global_every(hf: dict, n_layers: int, where: str, default_every: int = 6) -> int:
     """The k of 'every k-th layer is global' from layer_types (or the older sliding_window_pattern); 1 when
     every layer is global (no window)."""
     types = hf.get("layer_types")
     if types is None:
-        return _int(hf.get("sliding_window_pattern"), "sliding_window_pattern", where, default=6)
+        return _int(hf.get("sliding_window_pattern"), "sliding_window_pattern", where, default=default_every)
     if not isinstance(types, list) or len(types) != n_layers or set(types) - {"sliding_attention", "full_attention"}:
         raise ConfigError(f"{where}: layer_types must list sliding_attention / full_attention once per layer "
                           f"({n_layers})")

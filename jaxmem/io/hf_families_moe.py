@@ -1,15 +1,17 @@
-"""The mixture-of-experts Hugging Face families: Mixtral (`MixtralForCausalLM`) and Qwen3-MoE
-(`Qwen3MoeForCausalLM`). Their attention is Mistral's / Qwen3's; every layer's MLP is a router plus
-`n_experts` gated MLPs, one HF tensor per expert and projection, stacked here into [experts, ...] arrays
-(ParamMap names with "{expert}": jaxmem.io.hf_tensors).
+"""The mixture-of-experts Hugging Face families: Mixtral (`MixtralForCausalLM`), Qwen3-MoE
+(`Qwen3MoeForCausalLM`) and gpt-oss (`GptOssForCausalLM`). Mixtral's and Qwen3-MoE's attention is Mistral's /
+Qwen3's; every layer's MLP is a router plus `n_experts` gated MLPs, one HF tensor per expert and projection,
+stacked here into [experts, ...] arrays (ParamMap names with "{expert}": jaxmem.io.hf_tensors). gpt-oss stores
+each layer's experts as stacked tensors already.
 """
 from __future__ import annotations
 
 import dataclasses
 
-from jaxmem.io.hf_families import _LAYER, _LLAMA_OPTIONS, LlamaFamily, Qwen3Family, _cap_at_window, _int, _off
+from jaxmem.io.hf_families import (_LAYER, _LLAMA_OPTIONS, LlamaFamily, Qwen3Family, _cap_at_window, _common,
+                                   _global_every, _hf_common, _hf_rope, _int, _off, _rope)
 from jaxmem.io.hf_tensors import ParamMap
-from jaxmem.config.schema import ConfigError
+from jaxmem.config.schema import ConfigError, ModelConfig
 
 
 def _positive_coef(hf: dict, where: str, default: float) -> float:
@@ -101,4 +103,88 @@ class Qwen3MoeFamily(Qwen3Family):
         return out
 
 
-MOE_FAMILIES = (MixtralFamily(), Qwen3MoeFamily())
+_GPT_OSS_FIXED = dict(qkv_bias=True, qk_norm=False, post_norms=False, activation="swiglu_clamped", embed_scale=False,
+                      query_pre_attn_scalar=0.0, rope_local_theta=0.0, attn_out_bias=True, attention_sinks=True,
+                      moe_biases=True, router_norm_topk=True)
+
+
+@dataclasses.dataclass(frozen=True)
+class GptOssFamily(LlamaFamily):
+    """gpt-oss (GptOssForCausalLM): q/k/v/o biases, a sink logit per head, local (sliding-window) and global
+    layers alternating, YaRN RoPE, and in every layer a router with a bias (softmax over the top-k logits)
+    over experts whose gate and up projections are one tensor with interleaved columns (gate even, up odd),
+    with biases, through the clamped SwiGLU. Read from bf16 / fp32 tensors: the Hub's MXFP4 experts are
+    refused with a pointer to a dequantized copy."""
+    architecture: str = "GptOssForCausalLM"
+    model_type: str = "gpt_oss"
+    options: tuple = tuple(_GPT_OSS_FIXED.items())
+    moe: bool = True
+
+    def param_maps(self, cfg):
+        layer = _LAYER
+        maps = [ParamMap(("embed",), "model.embed_tokens.weight", "same"),
+                ParamMap(("layers", "attn_norm"), layer + "input_layernorm.weight", "same")]
+        for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v")):
+            maps += [ParamMap(("layers", ours), layer + f"self_attn.{theirs}_proj.weight", "in_heads"),
+                     ParamMap(("layers", "b" + ours[1]), layer + f"self_attn.{theirs}_proj.bias", "bias_heads")]
+        maps += [ParamMap(("layers", "wo"), layer + "self_attn.o_proj.weight", "out_heads"),
+                 ParamMap(("layers", "bo"), layer + "self_attn.o_proj.bias", "same"),
+                 ParamMap(("layers", "sinks"), layer + "self_attn.sinks", "same"),
+                 ParamMap(("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", "same"),
+                 *self.mlp_maps(cfg),
+                 ParamMap(("final_norm",), "model.norm.weight", "same")]
+        if not cfg.tie_embeddings:
+            maps.append(ParamMap(("lm_head",), "lm_head.weight", "transpose"))
+        return maps
+
+    def mlp_maps(self, cfg):
+        layer, experts = _LAYER, _LAYER + "mlp.experts."
+        return [ParamMap(("layers", "router"), layer + "mlp.router.weight", "transpose"),
+                ParamMap(("layers", "router_bias"), layer + "mlp.router.bias", "same"),
+                ParamMap(("layers", "expert_gate"), experts + "gate_up_proj", "even_cols"),
+                ParamMap(("layers", "expert_up"), experts + "gate_up_proj", "odd_cols"),
+                ParamMap(("layers", "expert_gate_bias"), experts + "gate_up_proj_bias", "even_cols"),
+                ParamMap(("layers", "expert_up_bias"), experts + "gate_up_proj_bias", "odd_cols"),
+                ParamMap(("layers", "expert_down"), experts + "down_proj", "same"),
+                ParamMap(("layers", "expert_down_bias"), experts + "down_proj_bias", "same")]
+
+    def to_model(self, hf, where):
+        quant = hf.get("quantization_config") or {}
+        if isinstance(quant, dict) and quant.get("quant_method"):
+            raise ConfigError(f"{where}: quantization_config.quant_method={quant['quant_method']!r}: jaxmem reads "
+                              "bf16 / fp32 weights; use a dequantized copy (e.g. unsloth/gpt-oss-20b-BF16, or "
+                              "transformers with Mxfp4Config(dequantize=True) and save_pretrained)")
+        if hf.get("attention_bias") is False:
+            raise ConfigError(f"{where}: attention_bias=false is not supported for gpt-oss; use true")
+        for key, ours in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):
+            if hf.get(key) is not None and hf[key] != ours:
+                raise ConfigError(f"{where}: {key}={hf[key]!r} is not supported; use {ours}")
+        theta, scaling = _rope(hf, where)
+        fields = _common(hf, where, act_key="hidden_act", acts={"silu": "swiglu_clamped"}, tie_default=False)
+        n = _int(hf.get("num_local_experts"), "num_local_experts", where, default=32)
+        k = _int(hf.get("num_experts_per_tok", hf.get("experts_per_token")), "num_experts_per_tok", where,
+                 default=4)
+        _check_k(n, k, where)
+        every = _global_every(hf, fields["n_layers"], where, default_every=2)
+        window = _int(hf.get("sliding_window"), "sliding_window", where, default=128)
+        fields.update(_GPT_OSS_FIXED, rope_theta=theta, rope_scaling=scaling, n_experts=n, experts_per_token=k,
+                      expert_d_ff=fields["d_ff"], router_aux_loss_coef=_positive_coef(hf, where, 0.9),
+                      sliding_window=0 if every == 1 else window, global_every=0 if every == 1 else every)
+        return ModelConfig(**fields)
+
+    def to_hf(self, cfg, dtype):
+        out = _hf_common(cfg, self.architecture, self.model_type, dtype)
+        full = [not cfg.sliding_window or (cfg.global_every and (i + 1) % cfg.global_every == 0)
+                for i in range(cfg.n_layers)]
+        out.update({
+            "hidden_act": "silu", "attention_bias": True, "swiglu_limit": 7.0, "rope_theta": cfg.rope_theta,
+            "rope_parameters": _hf_rope(cfg.rope_theta, cfg.rope_scaling),
+            "intermediate_size": cfg.expert_d_ff or cfg.d_ff, "num_local_experts": cfg.n_experts,
+            "num_experts_per_tok": cfg.experts_per_token, "experts_per_token": cfg.experts_per_token,
+            "sliding_window": cfg.sliding_window or cfg.max_seq_len,
+            "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+            "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False})
+        return out
+
+
+MOE_FAMILIES = (MixtralFamily(), Qwen3MoeFamily(), GptOssFamily())

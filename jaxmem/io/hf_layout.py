@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from jaxmem.io.hf_registry import family, family_for_config
-from jaxmem.io.hf_tensors import ParamMap, hf_shape, read_slice, to_hf  # noqa: F401
+from jaxmem.io.hf_tensors import ParamMap, hf_shape, merge_hf, read_slice, to_hf  # noqa: F401
 from jaxmem.config.schema import ModelConfig
 
 

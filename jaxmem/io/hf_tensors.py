@@ -21,6 +21,10 @@ import numpy as np
 #   out_heads  HF [D, N*H] = ours [N, H, D]   (output projection)
 #   bias_heads HF [N*H]    = ours [N, H]
 #   plus_one   HF w        = ours - 1         (Gemma's (1 + w) RMSNorm weights)
+#   even_cols  HF [..., 2F][..., 0::2] = ours [..., F]   (gpt-oss's fused, interleaved expert gate_up: gate)
+#   odd_cols   HF [..., 2F][..., 1::2] = ours [..., F]   (... and up)
+# Two parameters that share one HF tensor (even_cols + odd_cols) each write theirs with zeros in the other's
+# columns; `merge_hf` adds the parts.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +95,20 @@ def _read_bias_heads(read, idx, shape):
     return read((_head_rows(n, shape[1]),)).reshape(n.stop - n.start, shape[1])[:, h]
 
 
+def _interleaved(first: int) -> TensorLayout:
+    """Our [..., F] as every second column of HF's [..., 2F], from column `first`."""
+    def read(read_hf, idx, shape):
+        *lead, f = idx
+        return read_hf((*lead, slice(2 * f.start, 2 * f.stop)))[..., first::2]
+
+    def to_hf(a):
+        out = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+        out[..., first::2] = a
+        return out
+
+    return TensorLayout(lambda s: s[:-1] + (2 * s[-1],), read, to_hf)
+
+
 TENSOR_LAYOUTS: dict[str, TensorLayout] = {
     "same": TensorLayout(tuple, lambda read, idx, shape: read(tuple(idx)), lambda a: a),
     "transpose": TensorLayout(lambda s: tuple(reversed(s)), lambda read, idx, shape: read((idx[1], idx[0])).T,
@@ -102,6 +120,8 @@ TENSOR_LAYOUTS: dict[str, TensorLayout] = {
     "bias_heads": TensorLayout(lambda s: (s[0] * s[1],), _read_bias_heads, lambda a: a.reshape(-1)),
     "plus_one": TensorLayout(tuple, lambda read, idx, shape: read(tuple(idx)).astype(np.float32) + 1,
                              lambda a: (a.astype(np.float32) - 1).astype(a.dtype)),
+    "even_cols": _interleaved(0),
+    "odd_cols": _interleaved(1),
 }
 
 
@@ -127,3 +147,11 @@ def read_slice(kind: str, read: Callable[[tuple], np.ndarray], index: tuple, sha
 def to_hf(kind: str, array: np.ndarray) -> np.ndarray:
     """Our full per-layer tensor in HF layout."""
     return _layout(kind).to_hf(array)
+
+
+def merge_hf(parts: list[np.ndarray]) -> np.ndarray:
+    """One HF tensor from the parameters that share it (each zero outside its own columns)."""
+    out = parts[0]
+    for part in parts[1:]:
+        out = out + part
+    return out

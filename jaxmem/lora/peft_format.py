@@ -20,7 +20,7 @@ from safetensors.flax import save_file
 from jaxmem.io.hf_config import read_json_object
 from jaxmem.lora.adapters import (ALL_LINEAR, PARAM_ORDER, hf_target_names, model_targets, resolve_targets, scale,
                                   target_weights)
-from jaxmem.config.schema import ConfigError, ModelConfig
+from jaxmem.config.schema import ConfigError, ModelConfig, NotYetSupported
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -47,6 +47,15 @@ def _slots(w, n_layers: int):
     return [((layer, e), layer, e) for layer in range(n_layers) for e in range(w.lead_shape[0])]
 
 
+def _check_per_expert_modules(w) -> None:
+    """PEFT names an expert adapter per expert module; gpt-oss keeps its experts in stacked tensors, which PEFT
+    adapts through target_parameters instead, a layout not written or read here."""
+    if w.lead_shape and "{expert}" not in w.hf_module:
+        raise NotYetSupported(f"adapters.layers.{w.param}: PEFT files for adapters on experts stored as one "
+                                  f"stacked tensor ({w.hf_module}, gpt-oss) are not supported yet; merge them "
+                                  "(jaxmem merge-lora) or leave the experts out of lora.targets")
+
+
 def save_peft(adapters: dict, model_cfg: ModelConfig, path, *, rank: int, alpha: float, rslora: bool = False,
               dropout: float = 0.0, targets: tuple[str, ...] | None = None, base_model: str = "") -> Path:
     """Writes `adapters` (our tree, stacked on L) as a PEFT LoRA adapter directory; returns `path`.
@@ -68,6 +77,7 @@ def save_peft(adapters: dict, model_cfg: ModelConfig, path, *, rank: int, alpha:
         w = weights.get(param)
         if w is None:
             raise ConfigError(f"adapters.layers.{param}: the model has no such weight; it has {', '.join(weights)}")
+        _check_per_expert_modules(w)
         a, b = np.asarray(layers[param]["a"]), np.asarray(layers[param]["b"])
         expected_a = (model_cfg.n_layers, *w.lead_shape, *w.in_shape, rank)
         expected_b = (model_cfg.n_layers, *w.lead_shape, rank, *w.out_shape)
@@ -139,6 +149,7 @@ def load_peft(path, model_cfg: ModelConfig) -> tuple[dict, dict]:
         layers = {}
         for param in settings["targets"]:
             w = weights[param]
+            _check_per_expert_modules(w)
             stacks = {"a": [], "b": []}
             for _, layer, expert in _slots(w, model_cfg.n_layers):
                 for part, name, expected in zip(("a", "b"), tensor_names(layer, w.hf_module, expert),

@@ -19,8 +19,36 @@ ACTIVATIONS: dict[str, Callable] = {
 }
 
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0  # gpt-oss's (transformers' swiglu_alpha, swiglu_limit)
+
+
+def swiglu_clamped(gate, up):
+    """gpt-oss's gated activation: the gate clipped above and up clipped both ways at the limit, a sigmoid
+    sharpened by alpha, and up + 1 as the multiplier."""
+    g = jnp.minimum(gate, SWIGLU_LIMIT)
+    return (jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT) + 1) * (g * jax.nn.sigmoid(SWIGLU_ALPHA * g))
+
+
+def _swiglu_clamped_grads(gate, up, g):
+    """(d gate, d up) of `swiglu_clamped` for the output gradient g, written out elementwise (all fp32): the
+    clipped sides get no gradient, as the clamps give none."""
+    clipped = jnp.minimum(gate, SWIGLU_LIMIT)
+    s = jax.nn.sigmoid(SWIGLU_ALPHA * clipped)
+    glu = clipped * s
+    d_glu = g * (jnp.clip(up, -SWIGLU_LIMIT, SWIGLU_LIMIT) + 1)
+    d_gate = jnp.where(gate <= SWIGLU_LIMIT, d_glu * (s + SWIGLU_ALPHA * glu * (1 - s)), 0.0)
+    return d_gate, jnp.where(jnp.abs(up) <= SWIGLU_LIMIT, g * glu, 0.0)
+
+
+# activations that are not act(gate) * up: a function of both, and its gradients (d gate, d up)
+COMBINED: dict[str, Callable] = {"swiglu_clamped": swiglu_clamped}
+COMBINED_GRADS: dict[str, Callable] = {"swiglu_clamped": _swiglu_clamped_grads}
+
+
 def gated_reference(activation: str, gate, up):
     """act(gate) * up in the inputs' dtype: the spec (and the forward of `gated_activation`)."""
+    if activation in COMBINED:
+        return COMBINED[activation](gate, up)
     return ACTIVATIONS[activation](gate) * up
 
 
@@ -37,6 +65,9 @@ def _fwd(activation, gate, up):
 def _bwd(activation, residuals, g):
     gate, up = residuals
     g32 = g.astype(jnp.float32)
+    if activation in COMBINED:
+        d_gate, d_up = COMBINED_GRADS[activation](gate.astype(jnp.float32), up.astype(jnp.float32), g32)
+        return d_gate.astype(gate.dtype), d_up.astype(up.dtype)
     act32, act_vjp = jax.vjp(ACTIVATIONS[activation], gate.astype(jnp.float32))
     (d_gate,) = act_vjp(g32 * up.astype(jnp.float32))
     return d_gate.astype(gate.dtype), (g32 * act32).astype(up.dtype)

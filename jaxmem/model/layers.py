@@ -1,4 +1,4 @@
-"""Transformer block: RMSNorm, GQA attention with RoPE (optional q/k norms, sliding window), a gated MLP.
+"""Transformer block: RMSNorm, GQA attention with RoPE (optional q/k norms, sliding window, sinks), a gated MLP.
 
 Parameters name logical axes (`out_sharding` metadata); activations name theirs
 through `constrain`; key tensors carry checkpoint names. Nothing here knows
@@ -19,7 +19,7 @@ from jaxmem.config.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.mlp import MLP_KINDS, mlp_kind
-from jaxmem.model.rope import apply_rope
+from jaxmem.model.rope import apply_rope, attention_factor
 
 from jaxmem.model.mlp import ACT_BTD, ACT_BTF  # noqa: E402,F401  (re-exported: the bill reads them here)
 
@@ -69,6 +69,10 @@ class Block(nnx.Module):
             self.q_norm = param(rngs, (h,), ("norm",), dtype, "ones")
             self.k_norm = param(rngs, (h,), ("norm",), dtype, "ones")
         self.wo = param(rngs, (n, h, d), ("heads", "head_dim", "embed"), dtype, std=out_std)
+        if cfg.attn_out_bias:
+            self.bo = param(rngs, (d,), ("embed",), dtype, "zeros")
+        if cfg.attention_sinks:  # one logit per q head; gpt-oss trains them, so they start at 0 here
+            self.sinks = param(rngs, (n,), ("heads",), dtype, "zeros")
         if cfg.post_norms:
             self.attn_post_norm = param(rngs, (d,), ("norm",), dtype, "ones")
         self.mlp_norm = param(rngs, (d,), ("norm",), dtype, "ones")
@@ -77,6 +81,8 @@ class Block(nnx.Module):
         if cfg.post_norms:
             self.mlp_post_norm = param(rngs, (d,), ("norm",), dtype, "ones")
         self.qkv_bias, self.qk_norm, self.post_norms = cfg.qkv_bias, cfg.qk_norm, cfg.post_norms
+        self.attn_out_bias, self.attention_sinks = cfg.attn_out_bias, cfg.attention_sinks
+        self.rope_scale = attention_factor(cfg.rope_scaling)
         self.activation = cfg.activation
         self.eps = cfg.norm_eps
         # the attention kernels' default scale is head_dim ** -0.5; pass one only where it differs
@@ -98,6 +104,8 @@ class Block(nnx.Module):
     def attend(self, q, k, v, segment_ids_bt, local, ctx):
         """The attention kernel, with this layer's window: a local layer sees its last `window` keys."""
         kwargs = {} if self.attn_scale is None else {"scale": self.attn_scale}
+        if self.attention_sinks:
+            kwargs["sinks"] = self.sinks[...]
         if self.window is None:
             return ctx.attention(q, k, v, segment_ids_bt, **kwargs)
         windowed = lambda: ctx.attention(q, k, v, segment_ids_bt, window=self.window, **kwargs)  # noqa: E731
@@ -130,12 +138,15 @@ class Block(nnx.Module):
         if self.qk_norm:  # per head over head_dim, before RoPE; recomputed from the saved projections
             q = ctx.norm(q, self.q_norm[...], self.eps).astype(cd)
             k = ctx.norm(k, self.k_norm[...], self.eps).astype(cd)
-        return apply_rope(q, positions_bt, inv_freq), apply_rope(k, positions_bt, inv_freq), v
+        rotate = functools.partial(apply_rope, positions_bt=positions_bt, inv_freq=inv_freq, scale=self.rope_scale)
+        return rotate(q), rotate(k), v
 
     def attention_output(self, x_btd, context_btnh, *, ctx):
         """Per token: the output projection, the post-norm (if any) and the residual add."""
         with scope(CN.ATTN_OUT):
             out = ctx.project("BTNH,NHD->BTD", context_btnh, self.wo[...], ctx.compute_dtype)
+            if self.attn_out_bias:
+                out = out + self.bo[...].astype(ctx.compute_dtype)
             out = tag(constrain(out, ACT_BTD), CN.ATTN_OUT)
         if self.post_norms:
             out = ctx.norm(out, self.attn_post_norm[...], self.eps)

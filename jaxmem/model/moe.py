@@ -39,8 +39,14 @@ def init_moe(layer, cfg: ModelConfig, dtype, rngs, *, param, out_std: float) -> 
     layer.expert_gate = param(rngs, (e, d, f), EXPERT_DF, dtype)
     layer.expert_up = param(rngs, (e, d, f), EXPERT_DF, dtype)
     layer.expert_down = param(rngs, (e, f, d), EXPERT_FD, dtype, std=out_std)
+    if cfg.moe_biases:  # gpt-oss
+        layer.router_bias = param(rngs, (e,), ROUTER_DE[1:], dtype, "zeros")
+        layer.expert_gate_bias = param(rngs, (e, f), EXPERT_DF[::2], dtype, "zeros")
+        layer.expert_up_bias = param(rngs, (e, f), EXPERT_DF[::2], dtype, "zeros")
+        layer.expert_down_bias = param(rngs, (e, d), EXPERT_FD[::2], dtype, "zeros")
     layer.experts_per_token = cfg.experts_per_token
     layer.router_norm_topk = cfg.router_norm_topk
+    layer.moe_biases = cfg.moe_biases
 
 
 def route(logits_ne: jax.Array, k: int, norm_topk: bool):
@@ -61,12 +67,16 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     n_experts = layer.router.shape[-1]
     x_nd = normed_btd.reshape(b * t, d)
     with scope(CN.ROUTER_LOGITS):
-        logits = tag(jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd),
-                                preferred_element_type=jnp.float32), CN.ROUTER_LOGITS)
+        logits = jnp.einsum("ND,DE->NE", x_nd, layer.router[...].astype(cd), preferred_element_type=jnp.float32)
+        if layer.moe_biases:
+            logits = logits + layer.router_bias[...].astype(cd).astype(jnp.float32)
+        logits = tag(logits, CN.ROUTER_LOGITS)
     probs, weights, experts = route(logits, k, layer.router_norm_topk)
     linear = lambda lhs, w, group_sizes: ctx.grouped(lhs, w, group_sizes, cd, kernel=ctx.grouped_matmul)  # noqa: E731
     ffn = functools.partial(grouped_mlp, activation=activation, tag=tag, matmul=linear)
     expert_weights = (layer.expert_gate[...], layer.expert_up[...], layer.expert_down[...])
+    if layer.moe_biases:
+        expert_weights += (layer.expert_gate_bias[...], layer.expert_up_bias[...], layer.expert_down_bias[...])
     out_nd, dropped = ctx.experts(x_nd, weights.astype(cd), experts, expert_weights, ffn, tag)
     with scope(CN.MLP_OUT):
         out = tag(out_nd.reshape(b, t, d), CN.MLP_OUT)
@@ -77,21 +87,31 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     return out, stats
 
 
-def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *, activation: str, tag, matmul):
+def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *biases, activation: str, tag, matmul):
     """The gated experts over rows grouped by expert (group g: the next group_sizes[g] rows, through weights
     [g]); rows past the groups' total come out zero. `matmul(lhs, w, group_sizes)` multiplies the rows by the
-    experts' stacked weight in the compute dtype (ForwardContext.grouped with its grouped-matmul kernel)."""
+    experts' stacked weight in the compute dtype (ForwardContext.grouped with its grouped-matmul kernel).
+    `biases` (gpt-oss): the experts' gate, up and down biases [E, out], each row getting its expert's."""
     from jaxmem.model.gated import gated_activation
 
-    def grouped(name, lhs, w):
-        with scope(name):
-            return tag(matmul(lhs, w, group_sizes), name)
+    expert_of_row = None
+    if biases:  # expert index per row; rows past the groups' total get index E, whose bias is zero
+        expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")
 
-    gate = grouped(CN.EXPERT_GATE, rows, gate_w)
-    up = grouped(CN.EXPERT_UP, rows, up_w)
+    def grouped(name, lhs, w, b=None):
+        with scope(name):
+            out = matmul(lhs, w, group_sizes)
+            if b is not None:
+                b = jnp.concatenate([b, jnp.zeros_like(b[:1])]).astype(out.dtype)
+                out = out + jnp.take(b, expert_of_row, axis=0)
+            return tag(out, name)
+
+    gate_b, up_b, down_b = biases or (None, None, None)
+    gate = grouped(CN.EXPERT_GATE, rows, gate_w, gate_b)
+    up = grouped(CN.EXPERT_UP, rows, up_w, up_b)
     with scope(CN.EXPERT_ACT):
         act = tag(gated_activation(activation, gate, up), CN.EXPERT_ACT)
-    return grouped(CN.EXPERT_OUT, act, down_w)
+    return grouped(CN.EXPERT_OUT, act, down_w, down_b)
 
 
 def dispatch_local(x_nd, weights_nk, experts_nk, expert_weights, ffn, tag):

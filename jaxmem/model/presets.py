@@ -17,6 +17,15 @@ _GEMMA3 = dict(vocab_size=262208, norm_eps=1e-6, qk_norm=True, post_norms=True, 
                embed_scale=True, tie_embeddings=True, sliding_window=1024, global_every=6, rope_theta=1000000.0,
                rope_local_theta=10000.0, rope_scaling=dict(rope_type="linear", factor=8.0), max_seq_len=131072)
 
+# gpt-oss: q/k/v/o biases, attention sinks, alternating 128-token local and global layers, YaRN RoPE on all of
+# them, a clamped SwiGLU in 2880-wide experts with biases (HF config.json of openai/gpt-oss-20b / -120b)
+_GPT_OSS = dict(vocab_size=201088, d_model=2880, n_heads=64, n_kv_heads=8, head_dim=64, d_ff=2880, expert_d_ff=2880,
+                rope_theta=150000.0, norm_eps=1e-5, qkv_bias=True, attn_out_bias=True, attention_sinks=True,
+                activation="swiglu_clamped", sliding_window=128, global_every=2, experts_per_token=4,
+                moe_biases=True, max_seq_len=131072,
+                rope_scaling=dict(rope_type="yarn", factor=32.0, original_max_position_embeddings=4096,
+                                  beta_fast=32.0, beta_slow=1.0, truncate=False))
+
 PRESETS: dict[str, dict] = {
     "tiny": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
                  rope_theta=10000.0, norm_eps=1e-5, max_seq_len=2048),
@@ -53,6 +62,12 @@ PRESETS: dict[str, dict] = {
     "tiny-moe": dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, d_ff=352,
                      rope_theta=1000000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=2048, n_experts=8,
                      experts_per_token=2, expert_d_ff=96),
+    "gpt-oss-20b": dict(_GPT_OSS, n_layers=24, n_experts=32),
+    "gpt-oss-120b": dict(_GPT_OSS, n_layers=36, n_experts=128),
+    "tiny-gpt-oss": dict(_GPT_OSS, vocab_size=256, d_model=128, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32,
+                         d_ff=96, expert_d_ff=96, n_experts=8, experts_per_token=2, sliding_window=16,
+                         max_seq_len=2048,
+                         rope_scaling=dict(_GPT_OSS["rope_scaling"], original_max_position_embeddings=256)),
     "mistral-7b": dict(vocab_size=32000, d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        d_ff=14336, rope_theta=10000.0, norm_eps=1e-5, max_seq_len=32768),
 }
@@ -69,9 +84,13 @@ PUBLISHED_PARAM_COUNTS = {
     "qwen3-32b": 32_762_123_264,  # Qwen/Qwen3-32B total_size 65524246528 bytes, bf16
     "qwen3-30b-a3b": 30_532_122_624,  # Qwen/Qwen3-30B-A3B total_size 61064245248 bytes, bf16 (30.5B, 3.3B active)
     "mixtral-8x7b": 46_702_792_704,  # mistralai/Mixtral-8x7B-v0.1 (46.7B, 12.9B active)
+    # the gpt-oss model card (arXiv 2508.10925), table 1: 20.91B total / 3.61B active, 116.83B / 5.13B
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 # Parameters one token uses (jaxmem.model.presets.active_param_count), as the model cards round them.
-PUBLISHED_ACTIVE_PARAMS_B = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9}
+# (gpt-oss's card leaves the input embedding table out of its active count.)
+PUBLISHED_ACTIVE_PARAMS_B = {"qwen3-30b-a3b": 3.3, "mixtral-8x7b": 12.9, "gpt-oss-20b": 3.61, "gpt-oss-120b": 5.13}
 # The Gemma 3 checkpoints are multimodal (Gemma3ForConditionalGeneration): their published totals include the
 # SigLIP vision tower, so the text decoder's count is computed from the text_config sizes instead.
 TEXT_DECODER_PARAM_COUNTS = {"gemma3-12b": 11_766_034_176, "gemma3-27b": 27_009_346_304}
@@ -95,6 +114,12 @@ def layer_param_count(m: ModelConfig) -> int:
         per_layer += d * m.n_experts + 3 * d * (m.expert_d_ff or f) * m.n_experts - 3 * d * f
     if m.qkv_bias:
         per_layer += n * h + 2 * k * h
+    if m.attn_out_bias:
+        per_layer += d
+    if m.attention_sinks:
+        per_layer += n
+    if m.moe_biases:  # the router's, and each expert's gate, up and down biases
+        per_layer += m.n_experts * (1 + 2 * (m.expert_d_ff or f) + d)
     if m.qk_norm:
         per_layer += 2 * h
     if m.post_norms:
@@ -112,10 +137,20 @@ def check_model(m: ModelConfig) -> None:
     if m.query_pre_attn_scalar < 0 or m.rope_local_theta < 0:
         raise ConfigError("model.query_pre_attn_scalar / model.rope_local_theta: must be >= 0 (0: the default)")
     scaling = m.rope_scaling or {}
-    if scaling.get("rope_type", "llama3") not in ("llama3", "linear"):
-        raise ConfigError(f"model.rope_scaling.rope_type: {scaling['rope_type']!r}; use llama3 or linear")
+    if scaling.get("rope_type", "llama3") not in ("llama3", "linear", "yarn"):
+        raise ConfigError(f"model.rope_scaling.rope_type: {scaling['rope_type']!r}; use llama3, linear or yarn")
     if scaling and (not isinstance(scaling.get("factor"), (int, float)) or scaling["factor"] <= 0):
         raise ConfigError(f"model.rope_scaling.factor: {scaling.get('factor')!r} must be a positive number")
+    if scaling.get("rope_type") == "yarn":
+        original = scaling.get("original_max_position_embeddings")
+        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
+            raise ConfigError(f"model.rope_scaling.original_max_position_embeddings: {original!r} must be a "
+                              "positive int (rope_type yarn)")
+        if m.rope_local_theta:  # YaRN's attention factor scales every layer's q and k
+            raise ConfigError("model.rope_local_theta: not with rope_scaling.rope_type yarn (its local layers "
+                              "use the scaled frequencies); set 0")
+    if m.moe_biases and not m.n_experts:
+        raise ConfigError("model.moe_biases: needs model.n_experts > 0 (a mixture of experts)")
 
 
 def _check_experts(m: ModelConfig) -> None:
@@ -141,4 +176,5 @@ def active_param_count(m: ModelConfig) -> int:
     """Parameters one token uses: with a mixture of experts, experts_per_token of the n_experts MLPs (the
     router and every other weight count whole); equal to param_count for a dense model."""
     idle = m.n_experts - m.experts_per_token if m.n_experts else 0
-    return param_count(m) - m.n_layers * idle * 3 * m.d_model * (m.expert_d_ff or m.d_ff)
+    expert = 3 * m.d_model * (m.expert_d_ff or m.d_ff) + (2 * (m.expert_d_ff or m.d_ff) + m.d_model) * m.moe_biases
+    return param_count(m) - m.n_layers * idle * expert

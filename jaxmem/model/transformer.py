@@ -125,10 +125,12 @@ class Transformer(nnx.Module):
         # its kind from it (one scanned body for both kinds; the window is a static kernel argument per
         # branch). A mixture of experts carries its router statistics. A plain model carries h alone.
         mixed = bool(cfg.sliding_window and cfg.global_every)
-        if mixed:
-            local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
-        elif cfg.sliding_window:  # every layer local
-            global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta or cfg.rope_theta)
+        # local layers: their own RoPE base (Gemma 3), else the global layers' frequencies (gpt-oss: YaRN on all)
+        local_freq = global_freq
+        if cfg.sliding_window and cfg.rope_local_theta:
+            local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta)
+        if cfg.sliding_window and not mixed:  # every layer local
+            global_freq = local_freq
 
         def pack(h, index, stats):
             parts = (h,) + ((index,) if mixed else ()) + ((stats,) if moe else ())

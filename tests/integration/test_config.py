@@ -117,6 +117,8 @@ BAD_CROSS = {
     "_update_in_backward_levers": (["optimizer.update_in_backward=true"],
                                    "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
     "_pipeline_levers": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
+    "_attention_kernel_takes_the_model": (["model.preset=tiny-gpt-oss", "kernels.attention=cudnn"],
+                                          "kernels.attention: cudnn has no attention sinks"),
 }
 
 

@@ -261,8 +261,10 @@ def _broken_copy(checkpoints, tmp_path, edit):
 
 @pytest.mark.parametrize("edit,key", [
     (lambda c: c.update(architectures=["GPT2LMHeadModel"]), "architectures"),
-    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    (lambda c: c.update(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
      "rope_parameters.rope_type"),
+    (lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+     "rope_parameters.original_max_position_embeddings must be a positive int"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act"),
     (lambda c: c.update(attention_bias=True), "attention_bias"),
     (lambda c: c.update(intermediate_size=140), "mlp.gate_proj.weight has shape"),

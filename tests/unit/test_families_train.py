@@ -1,4 +1,4 @@
-"""The tiny Qwen3 and Gemma 3 configs train on the CPU mesh (fsdp, and fsdp x tp) like one device."""
+"""The tiny Qwen3, Gemma 3 and gpt-oss configs train on the CPU mesh (fsdp, and fsdp x tp) like one device."""
 import jax
 import numpy as np
 import pytest
@@ -27,7 +27,7 @@ LAYOUTS = {"fsdp8": ["parallel.fsdp=8"],
            "fsdp4_tp2": ["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"]}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt-oss"])
 def test_tiny_family_trains_on_the_mesh_like_one_device(family):
     config = f"configs/tiny-{family}.yaml"
     single = _run(config, ["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
@@ -44,7 +44,12 @@ def test_gemma3_window_shorter_than_the_sequence():
 @pytest.mark.parametrize("overrides,key", [
     (["model.global_every=6", "model.sliding_window=0"], "model.global_every"),
     (["model.sliding_window=-1"], "model.sliding_window"),
-    (["model.rope_scaling={rope_type: yarn, factor: 2}"], "model.rope_scaling.rope_type"),
+    (["model.rope_scaling={rope_type: dynamic, factor: 2}"], "model.rope_scaling.rope_type"),
+    (["model.rope_scaling={rope_type: yarn, factor: 2}"], "model.rope_scaling.original_max_position_embeddings"),
+    (["model.moe_biases=true"], "model.moe_biases"),
+    (["model.preset=tiny-gpt-oss", "kernels.attention=cudnn"], "kernels.attention"),
+    (["model.preset=tiny-gpt-oss", "model.rope_local_theta=10000"], "model.rope_local_theta"),
+    (["model.preset=tiny-gpt-oss", "parallel.ep=2"], "model.moe_biases"),
     (["parallel.pp=2", "train.grad_accum=2"], "model.global_every"),
     (["lora.rank=4", "lora.quantize_embeddings=true", "lora.base_dtype=nf4", "kernels.loss=chunked",
       "parallel.fsdp=1"], "lora.quantize_embeddings"),
@@ -63,3 +68,12 @@ def test_gemma3_sequence_parallel_with_the_windowed_pallas_kernel_matches_one_de
     sp = _run(config, ["parallel.sp=2", "parallel.fsdp=4", "train.micro_batch=2", "kernels.attention=pallas",
                        "remat.preset=selective"], jax.devices())
     np.testing.assert_allclose(sp, single, rtol=2e-5)
+
+
+def test_gpt_oss_with_the_pallas_sink_kernel_matches_one_device():
+    """fsdp 4 x tp 2 with the Pallas flash kernel (interpret mode; the sinks split with the heads, the windowed
+    and global layers through the layer-kind cond) and full remat: the single-device XLA losses."""
+    config = "configs/tiny-gpt-oss.yaml"
+    single = _run(config, ["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
+    pallas = _run(config, LAYOUTS["fsdp4_tp2"] + ["kernels.attention=pallas", "remat.preset=full"], jax.devices())
+    np.testing.assert_allclose(pallas, single, rtol=2e-5)
