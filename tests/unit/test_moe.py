@@ -290,3 +290,31 @@ def test_moe_levers_keep_the_losses(overrides, mesh):
     """Remat (segments, sequence tiles: the MoE MLP runs untiled) and fsdp x tp: the plain step's metrics."""
     plain = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1], steps=2)
     np.testing.assert_allclose(_train(overrides, jax.devices()[:mesh], steps=2), plain, rtol=2e-5)
+
+
+def test_the_expert_backward_materializes_d_gate_and_d_up_behind_a_barrier(monkeypatch):
+    """grouped_mlp's gate and up pass their gradients through an optimization barrier (so XLA writes them once in
+    their dtype instead of fusing the activation's fp32 backward into the grouped matmul's row gather); the
+    gradients are the same numbers without it."""
+    import jax
+
+    from jaxmem.model import moe
+
+    rng = np.random.default_rng(0)
+    rows = jnp.asarray(rng.normal(size=(12, 8)), jnp.float32)
+    weights = [jnp.asarray(rng.normal(size=shape), jnp.float32) for shape in ((3, 8, 5), (3, 8, 5), (3, 5, 8))]
+    sizes = jnp.asarray([5, 0, 6], jnp.int32)  # one row past the groups: it comes out zero
+
+    def loss(*w):
+        out = moe.grouped_mlp(rows, sizes, *w, activation="silu", tag=lambda v, n: v,
+                              matmul=lambda x, ww, g: jax.lax.ragged_dot(x, ww, g))
+        return jnp.sum(out ** 2)
+
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*weights))
+    assert jaxpr.count("optimization_barrier") == 2
+    with_barrier = jax.grad(loss, argnums=(0, 1, 2))(*weights)
+    monkeypatch.setattr(moe, "cotangent_barrier", lambda x: x)
+    assert "optimization_barrier" not in str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(*weights))
+    for a, b in zip(with_barrier, jax.grad(loss, argnums=(0, 1, 2))(*weights)):
+        np.testing.assert_array_equal(a, b)
+        assert float(jnp.abs(a).max()) > 0
