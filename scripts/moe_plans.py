@@ -55,6 +55,10 @@ ROWS = [
      "search": True, "lora": True,
      "what": "Qwen3-30B-A3B QLoRA (nf4 base, rank 16 on every linear, experts included), 1 x H100, the longest "
              "sequence that fits, layer inputs offloaded"},
+    {"name": "gpt-oss-20b-qlora-1xh100-longest", "config": "configs/moe/gpt-oss-20b-qlora-1xh100.yaml",
+     "overrides": [], "search": True, "lora": True,
+     "what": "gpt-oss-20b QLoRA (nf4 base, rank 16 on every linear, experts included), 1 x H100, the longest "
+             "sequence that fits, layer inputs offloaded"},
 ]
 # Reduced models (2 layers; the layer scan compiles once, so the routed-row buffers are the full models'):
 # the bill against the compiled total where a compile takes a minute or two.
@@ -82,7 +86,7 @@ CHECKS = [
            ["model.n_layers=2", "train.seq_len=1024"], "mixtral-8x7b widths, 2 layers, seq 1024, 8 x H100"))
       for c in (0, 1.25) for kernel in ("", "ragged_dot") if not (kernel and name == "tiny-moe")],
 ]
-SEQ_RANGE = [2**k for k in range(6, 19)]  # 64 ... 262144
+SEQ_RANGE = [2**k for k in range(6, 21)]  # 64 ... 1048576
 
 
 
