@@ -301,8 +301,9 @@ class RematConfig:
                  "inside is checkpointed with the preset)")
     every_k: int = _f(1, "layers per checkpointed group with granularity=every_k (must divide model.n_layers)")
     seq_tile: int = _f(0, "sequence tiling: the per-token parts of each layer (norms, q/k/v projections and "
-                          "RoPE, the output projection, the MLP) and the final norm run over tiles of this many "
-                          "tokens per device, each tile recomputed in the backward, so no [seq, d_ff] "
+                          "RoPE, the output projection, the MLP; a mixture of experts' router and experts, each "
+                          "tile routing its own tokens) and the final norm run over tiles of this many tokens per "
+                          "device, each tile recomputed in the backward, so no [seq, d_ff] (or routed-rows) "
                           "intermediate exists at once; must divide seq_len / sp; 0: off")
     names: dict = _f(None, "per checkpoint name (`jaxmem list remat`), one of remat (recompute), device (keep), "
                            "offload (keep on the host); each entry overrides the preset for that name and the "

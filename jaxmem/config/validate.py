@@ -92,6 +92,9 @@ def _moe_levers(cfg: Config) -> None:
     if m.moe_capacity_factor and ep == 1:
         raise NotYetSupported("model.moe_capacity_factor: caps the expert-parallel dispatch only; set "
                               "parallel.ep > 1 or 0 (dropless)")
+    if m.moe_capacity_factor and cfg.remat.seq_tile > 0:
+        raise NotYetSupported("remat.seq_tile: not with model.moe_capacity_factor > 0 yet (each sequence tile would "
+                              "drop by its own capacity); set 0 (dropless) or remat.seq_tile=0")
     if ep > 1:  # the levers tested with a mixture of experts on one device's experts, not yet with ep
         refused = {"lora.rank": cfg.lora.rank > 0, "optimizer.update_in_backward": cfg.optimizer.update_in_backward,
                    "model.moe_biases": m.moe_biases}

@@ -32,7 +32,7 @@ from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_
 from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
-from jaxmem.core.seq_tiling import per_token_tiles
+from jaxmem.core.seq_tiling import per_token_tiles, tile_count
 from jaxmem.core.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_keys,  # noqa: F401 (re-exported)
                                split_batch)
 
@@ -219,7 +219,8 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     ctx = ForwardContext(compute_dtype=prec.compute, attention=kernels.select_attention(cfg.kernels, platform, mesh),
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          grouped_matmul=kernels.select_grouped_matmul(cfg.kernels, platform, mesh),
-                         segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]))
+                         segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]),
+                         per_token_tiled=tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile) > 1)
     if cfg.model.n_experts and mesh.shape.get(sharding.MeshAxis.EP.value, 1) > 1:
         ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)

@@ -20,7 +20,8 @@ from jaxmem.model.names import CheckpointName as CN
 # Checkpoint names computed inside a tile and not tagged again outside: a remat policy cannot keep them
 # (they are recomputed tile by tile). q, k and v are tagged again whole and follow the policy.
 INSIDE_TILES = tuple(n.value for n in (CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_GATE, CN.MLP_UP,
-                                       CN.MLP_ACT, CN.MLP_OUT))
+                                       CN.MLP_ACT, CN.MLP_OUT, CN.ROUTER_LOGITS, CN.MOE_DISPATCH, CN.EXPERT_GATE,
+                                       CN.EXPERT_UP, CN.EXPERT_ACT, CN.EXPERT_OUT))
 
 
 def run_whole(fn: Callable, *args, names: Sequence[str] = ()):
@@ -61,7 +62,7 @@ def per_token_tiles(tile: int, sp: int = 1) -> Callable:
             single.append(not isinstance(ys, (tuple, list)))
             return (ys,) if single[-1] else tuple(ys)
 
-        closed, consts = jax.closure_convert(tuple_fn, *(tiles.get(tiles.view(a), 0) for a in args))
+        closed, consts = _hoist_consts(tuple_fn, *(tiles.get(tiles.view(a), 0) for a in args))
         out = _tiled_vjp(closed, tiles, len(args))(*args, *consts)
         if single[0]:
             out = out[0]
@@ -70,6 +71,15 @@ def per_token_tiles(tile: int, sp: int = 1) -> Callable:
         return out
 
     return run
+
+
+def _hoist_consts(fn: Callable, *example):
+    """(fn as a function of (*args, *consts), consts): every value fn closes over becomes an argument, integer
+    ones too (jax.closure_convert hoists only floating-point values and leaves an integer one, a QLoRA layer's
+    nf4 codes, as a tracer of the enclosing trace inside the jaxpr, which then cannot be lowered)."""
+    closed = jax.make_jaxpr(fn)(*example)
+    n = len(example)
+    return (lambda *xs: tuple(jax.core.eval_jaxpr(closed.jaxpr, xs[n:], *xs[:n]))), list(closed.consts)
 
 
 class _Tiles:

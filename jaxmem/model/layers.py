@@ -19,6 +19,7 @@ from jaxmem.config.schema import ModelConfig
 from jaxmem.model.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.mlp import MLP_KINDS, mlp_kind
+from jaxmem.model.moe import sum_token_stats
 from jaxmem.model.rope import apply_rope, attention_factor
 
 from jaxmem.model.mlp import ACT_BTD, ACT_BTF  # noqa: E402,F401  (re-exported: the bill reads them here)
@@ -153,20 +154,28 @@ class Block(nnx.Module):
         return x_btd + out.astype(x_btd.dtype)
 
     def mlp_part(self, x_btd, ctx):
-        """The new residual stream; with a mixture of experts (h, router statistics), untiled (the routing
-        groups every token of the batch)."""
-        if self.mlp_kind == "moe":
+        """The new residual stream; with a mixture of experts (h, router statistics). Under sequence tiling
+        (`ctx.per_token_tiled`) a mixture's tiles route their own tokens (dropless routing is per token: the
+        same assignments) and return per-token statistics, summed here."""
+        if self.mlp_kind != "moe":
+            return ctx.per_token(functools.partial(self.mlp, ctx=ctx), x_btd)
+        if not ctx.per_token_tiled:
             return self.mlp(x_btd, ctx=ctx)
-        return ctx.per_token(functools.partial(self.mlp, ctx=ctx), x_btd)
+        h, *per_token = ctx.per_token(functools.partial(self.mlp, ctx=ctx, token_stats=True), x_btd)
+        return h, sum_token_stats(per_token)
 
-    def mlp(self, x_btd, *, ctx):
-        """Per token: RMSNorm, the MLP, the post-norm (if any) and the residual add."""
+    def mlp(self, x_btd, *, ctx, token_stats: bool = False):
+        """Per token: RMSNorm, the MLP, the post-norm (if any) and the residual add; a mixture of experts adds
+        its router statistics (`token_stats`: per token, flat)."""
         with scope(CN.MLP_NORM):
             normed = tag(ctx.norm(x_btd, self.mlp_norm[...], self.eps), CN.MLP_NORM)
+        extra = {"token_stats": True} if token_stats else {}
         out = MLP_KINDS[self.mlp_kind].apply(self, normed.astype(ctx.compute_dtype), ctx,
-                                             activation=self.activation, tag=tag)
+                                             activation=self.activation, tag=tag, **extra)
         out, stats = out if isinstance(out, tuple) else (out, None)
         if self.post_norms:
             out = ctx.norm(out, self.mlp_post_norm[...], self.eps)
         h = x_btd + out.astype(x_btd.dtype)
-        return h if stats is None else (h, stats)
+        if stats is None:
+            return h
+        return (h, *stats) if token_stats else (h, stats)

@@ -58,9 +58,11 @@ def route(logits_ne: jax.Array, k: int, norm_topk: bool):
     return probs, weights, experts
 
 
-def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
+def apply_moe(layer, normed_btd, ctx, *, activation: str, tag, token_stats: bool = False):
     """(out [B, T, D], router statistics) for the normed input of one layer. The routed rows run through
-    `ctx.experts` (dispatch_local here; jaxmem.core.expert_parallel over the ep mesh axis)."""
+    `ctx.experts` (dispatch_local here; jaxmem.core.expert_parallel over the ep mesh axis). `token_stats`:
+    the statistics per token instead, a tuple of [B, T, ...] arrays (TOKEN_STATS order) that
+    `sum_token_stats` adds up (a sequence tile returns them)."""
     cd = ctx.compute_dtype
     b, t, d = normed_btd.shape
     k = layer.experts_per_token
@@ -80,11 +82,26 @@ def apply_moe(layer, normed_btd, ctx, *, activation: str, tag):
     out_nd, dropped = ctx.experts(x_nd, weights.astype(cd), experts, expert_weights, ffn, tag)
     with scope(CN.MLP_OUT):
         out = tag(out_nd.reshape(b, t, d), CN.MLP_OUT)
+    if token_stats:
+        per_token = {"expert_rows": jnp.sum(jax.nn.one_hot(experts, n_experts, dtype=jnp.float32), axis=1),
+                     "router_prob": probs, "router_z": jnp.square(jax.nn.logsumexp(logits, axis=-1)),
+                     "rows": jnp.ones((b * t,), jnp.float32),
+                     "dropped": jnp.zeros((b * t,), jnp.float32).at[0].set(dropped.astype(jnp.float32))}
+        return out, tuple(per_token[k].reshape(b, t, *per_token[k].shape[1:]) for k in TOKEN_STATS)
     stats = {"expert_rows": jnp.bincount(experts.reshape(-1), length=n_experts).astype(jnp.float32),  # a count
              "router_prob": jnp.sum(probs, axis=0),
              "router_z": jnp.sum(jnp.square(jax.nn.logsumexp(logits, axis=-1))),
              "rows": jnp.float32(b * t), "dropped": dropped.astype(jnp.float32)}
     return out, stats
+
+
+# the router statistics, in the order apply_moe(token_stats=True) returns them per token
+TOKEN_STATS = ("expert_rows", "router_prob", "router_z", "rows", "dropped")
+
+
+def sum_token_stats(per_token) -> dict:
+    """The layer's router statistics from per-token ones ([B, T, ...] each, TOKEN_STATS order)."""
+    return {k: jnp.sum(v, axis=(0, 1)) for k, v in zip(TOKEN_STATS, per_token, strict=True)}
 
 
 def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *biases, activation: str, tag, matmul):

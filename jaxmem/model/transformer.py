@@ -39,7 +39,8 @@ class ForwardContext:
     head_dim ** -0.5);
     scan_layers(body, h, stacked_state) owns the layer loop (remat granularity,
     per-layer parameter fetch); segment(name, fn) wraps the attention / MLP parts;
-    per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling);
+    per_token(fn, *args, names=()) runs a per-token part of a layer (sequence tiling; `per_token_tiled` says
+    whether it splits the sequence, so that a mixture of experts returns per-token statistics);
     project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
     experts(x, weights, experts, expert_weights, ffn, tag) runs a mixture of experts' routed rows
     (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel);
@@ -55,6 +56,7 @@ class ForwardContext:
     scan_layers: Callable = _plain_scan
     segment: Callable = _identity_segment
     per_token: Callable = run_whole
+    per_token_tiled: bool = False
     project: Callable = einsum_project
     experts: Callable = moe_stats.dispatch_local
     grouped_matmul: Callable = grouped_matmul_reference

@@ -290,7 +290,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         notes.append(bill_moe.note(cfg, layout))
         if not layout.checkpointed:
             saved_dev = {k: v for k, v in saved_dev.items() if k not in bill_moe.DENSE_MLP}
-            saved_dev.update({k: v * m.n_layers for k, v in bill_moe.residual_bytes(cfg, layout, cd).items()})
+            if bill_moe.seq_tiles(cfg, layout) == 1:  # in sequence tiles they are recomputed, tile by tile
+                saved_dev.update({k: v * m.n_layers for k, v in bill_moe.residual_bytes(cfg, layout, cd).items()})
     scores_saved, scores_working = kernels.attention_bytes(layout.kernels["attention"], score_elems(cfg, layout), cd)
     if layout.keeps_scores:
         saved_dev["attention_scores"] = scores_saved * m.n_layers

@@ -8,6 +8,8 @@ benchmarks/moe.md has the checks):
     are split over the data axes along their feature dim;
   * ep > 1: each device receives ep x C rows over an all-to-all (C from the capacity rule of
     jaxmem.core.expert_parallel) and runs its E / ep experts on them, inside a shard_map (nothing split);
+  * with sequence tiles (`remat.seq_tile`) each tile routes its own tokens: the buffers of the kernel and the
+    dispatch hold one tile's rows (`per_tile`), the saved names are recomputed tile by tile;
   * the experts' grouped matmul (`kernels.grouped_matmul`, resolved as jaxmem.kernels.resolve does) decides
     the rest: blocked pads the rows per expert to whole blocks and accumulates d_w in fp32; pallas pads them
     too; ragged_dot is lowered for the GPU as one dense matmul per expert over a masked [E, R, width] copy
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 from jaxmem.config.schema import Config
 from jaxmem.core.expert_parallel import capacity
+from jaxmem.core.seq_tiling import tile_count
 from jaxmem.kernels.grouped_matmul.blocked import MAX_CHUNK_BLOCKS
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import padded_blocks
@@ -64,27 +67,36 @@ def grouped_matmul_kernel(layout) -> str:
     return layout.kernels.get("grouped_matmul", "blocked")
 
 
-def tokens_per_device(cfg: Config, layout) -> int:
-    """Tokens one device routes per micro-batch: its batch rows (split over dp x fsdp x ep) x its sequence."""
-    return layout.rows * cfg.train.seq_len // (layout.data_ways * layout.mesh_sizes.get("sp", 1))
+def seq_tiles(cfg: Config, layout) -> int:
+    """Sequence tiles a layer's MoE MLP runs in (remat.seq_tile; 1 without): each routes its own tokens."""
+    return tile_count(cfg.train.seq_len, layout.mesh_sizes.get("sp", 1), cfg.remat.seq_tile)
 
 
-def peer_capacity(cfg: Config, layout) -> int:
+def tokens_per_device(cfg: Config, layout, per_tile: bool = False) -> int:
+    """Tokens one device routes per micro-batch (`per_tile`: per sequence tile): its batch rows (split over
+    dp x fsdp x ep) x its sequence."""
+    tokens = layout.rows * cfg.train.seq_len // (layout.data_ways * layout.mesh_sizes.get("sp", 1))
+    return tokens // seq_tiles(cfg, layout) if per_tile else tokens
+
+
+def peer_capacity(cfg: Config, layout, per_tile: bool = False) -> int:
     """C, the rows a device sends each ep peer (jaxmem.core.expert_parallel.capacity): dropless
     tokens x min(k, E / ep), or ceil(c x tokens x k / ep) with model.moe_capacity_factor c."""
     m = cfg.model
-    return capacity(tokens_per_device(cfg, layout), m.experts_per_token, m.n_experts, max(cfg.parallel.ep, 1),
-                    m.moe_capacity_factor)
+    return capacity(tokens_per_device(cfg, layout, per_tile), m.experts_per_token, m.n_experts,
+                    max(cfg.parallel.ep, 1), m.moe_capacity_factor)
 
 
-def routed_rows(cfg: Config, layout) -> int:
-    """Routed rows one device runs through its experts in a layer: with ep = 1 the whole micro-batch's
-    tokens x top-k (the dispatch sorts all tokens); with ep > 1 the receive buffer's ep x C rows (padding
-    included: the grouped matmul sees them all)."""
+def routed_rows(cfg: Config, layout, per_tile: bool = False) -> int:
+    """Routed rows one device runs through its experts in a layer (`per_tile`: in one sequence tile, what the
+    kernel's and the dispatch's buffers hold): with ep = 1 the whole micro-batch's tokens x top-k (the
+    dispatch sorts all tokens); with ep > 1 the receive buffer's ep x C rows (padding included: the grouped
+    matmul sees them all)."""
     ep = max(cfg.parallel.ep, 1)
     if ep == 1:
-        return layout.rows * cfg.train.seq_len * cfg.model.experts_per_token
-    return ep * peer_capacity(cfg, layout)
+        rows = layout.rows * cfg.train.seq_len * cfg.model.experts_per_token
+        return rows // seq_tiles(cfg, layout) if per_tile else rows
+    return ep * peer_capacity(cfg, layout, per_tile)
 
 
 def local_experts(cfg: Config) -> int:
@@ -142,7 +154,7 @@ def ragged_dot_copy_bytes(cfg: Config, layout, cd: int) -> int:
     expert-width copies split over the data axes, G x R x (2D + 2F / data ways)."""
     m = cfg.model
     g, d, f = local_experts(cfg), m.d_model, expert_width(cfg)
-    rows = routed_rows(cfg, layout)
+    rows = routed_rows(cfg, layout, per_tile=True)
     if g == 1:  # one expert a device (Mixtral widths, ep 8): a plain matmul, no masked copies; three [R, F]
         return rows * f * cd  # values at the peak, one more than the rows' gate and up gradients (working_bytes)
     if cfg.parallel.ep > 1:
@@ -163,7 +175,7 @@ def blocked_plan(cfg: Config, layout, d_in: int, d_out: int, cd: int) -> tuple[i
     [rows, d_in] x [G, d_in, d_out] matmul, as jaxmem.kernels.grouped_matmul plans them: each expert's rows
     padded to whole blocks (layout.padded_blocks), blocked also to whole chunks of blocks (about
     CHUNK_WEIGHT_BYTES of gathered weights per chunk, at most MAX_CHUNK_BLOCKS)."""
-    rows, groups = routed_rows(cfg, layout), local_experts(cfg)
+    rows, groups = routed_rows(cfg, layout, per_tile=True), local_experts(cfg)
     block = max(1, min(cfg.kernels.grouped_matmul_block_rows, rows))
     n_blocks = padded_blocks(rows, groups, block)
     if grouped_matmul_kernel(layout) != "blocked":
@@ -221,10 +233,10 @@ def kernel_scratch_bytes(cfg: Config, layout, cd: int) -> int:
     loop_step = chunk * (block * d * 4 + d * f * (4 + cd) // ways)  # fp32 d_x and d_w products, the weights
     backward = rows * (d + _BLOCKED_WIDE * f // ways) * cd + local_experts(cfg) * d * f * 4 // ways + loop_step
     if cfg.parallel.ep > 1:  # inside the shard_map: two more padded [P, D] and the received rows [R, D] twice
-        backward += (2 * rows + 2 * routed_rows(cfg, layout)) * d * cd  # (explain, Qwen3-30B-A3B widths, ep 8)
+        backward += (2 * rows + 2 * routed_rows(cfg, layout, per_tile=True)) * d * cd  # (explain, Qwen3 widths, ep 8)
     # the recomputed forward's down projection: the sorted rows [R, D] and its padded output [P, D] (Qwen3-30B-A3B
     # widths at seq 65536, where D is 21 x F / 8: a [4194304, 2048] and a [4211200, 1, 2048] at the peak)
-    forward = (routed_rows(cfg, layout) + rows) * d * cd
+    forward = (routed_rows(cfg, layout, per_tile=True) + rows) * d * cd
     return max(backward, forward)
 
 
@@ -234,10 +246,11 @@ def working_bytes(cfg: Config, layout, cd: int) -> int:
     receive buffers ([ep, C, D] each) of the recomputed forward."""
     d, f = cfg.model.d_model, expert_width(cfg)
     out = kernel_scratch_bytes(cfg, layout, cd)
+    rows = routed_rows(cfg, layout, per_tile=True)
     if grouped_matmul_kernel(layout) == "ragged_dot":
-        out += routed_rows(cfg, layout) * (d + 2 * f) * cd
+        out += rows * (d + 2 * f) * cd
     if cfg.parallel.ep > 1:
-        out += 2 * routed_rows(cfg, layout) * d * cd
+        out += 2 * rows * d * cd
     return out
 
 
@@ -270,7 +283,9 @@ def note(cfg: Config, layout) -> str:
     ep = max(cfg.parallel.ep, 1)
     where = (f"ep {ep}: {local_experts(cfg)} experts per device, {peer_capacity(cfg, layout):,} rows per peer "
              f"in the all-to-all buffers" if ep > 1 else "all of the micro-batch's tokens x top-k")
+    tiles = seq_tiles(cfg, layout)
+    tiled = f", {routed_rows(cfg, layout, per_tile=True):,} per sequence tile ({tiles} tiles)" if tiles > 1 else ""
     return (f"mixture of experts ({m.n_experts} experts, top {m.experts_per_token}): "
             f"{counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active per token; "
-            f"{routed_rows(cfg, layout):,} routed rows per device and layer ({where}); {held} in the backward; "
+            f"{routed_rows(cfg, layout):,} routed rows per device and layer ({where}){tiled}; {held} in the backward; "
             f"the step time counts the k active experts' FLOPs (estimated)")

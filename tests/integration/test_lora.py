@@ -103,6 +103,28 @@ def test_fsdp_by_tp_trains_like_one_device(base):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
 
 
+@pytest.mark.parametrize("config", ["configs/tiny.yaml", "configs/tiny-gpt-oss.yaml"])
+def test_a_quantized_base_trains_under_sequence_tiles_like_untiled(config):
+    """remat.seq_tile with an nf4 base (its integer codes cross into the tiles as arguments; they once stayed
+    tracers of the enclosing trace and could not be lowered), dense and a mixture of experts (gpt-oss, whose
+    tiles route their own tokens): the untiled step's losses and adapters."""
+    def run(*overrides):
+        # a large Adam eps makes the update ~linear in the gradient, so the adapters compare gradients
+        cfg = load_config(config, BASE + ["lora.base_dtype=nf4", "parallel.fsdp=1", "train.micro_batch=4",
+                                          "optimizer.eps=1e-1", "optimizer.lr=1e-1", *overrides])
+        prog = build_program(cfg, devices=jax.devices()[:1])
+        state, step, losses = prog.init_state(), prog.jit_step(), []
+        for i in range(3):
+            state, m = step(state, prog.shard_batch(_tokens(4, i).reshape(prog.batch_shape)))
+            losses.append(float(m["loss"]))
+        return losses, jax.device_get(state["params"])
+
+    ref_losses, ref_params = run()
+    losses, params = run("remat.seq_tile=8")
+    np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
+
+
 def _temp_bytes(n_layers: int) -> tuple[int, int]:
     prog = _program("parallel.fsdp=1", "train.micro_batch=1", "lora.base_dtype=nf4", "model.d_model=256",
                     "model.d_ff=2048", f"model.n_layers={n_layers}", "model.n_heads=4", "model.head_dim=64",

@@ -236,6 +236,8 @@ def test_load_balancing_gradient_balances_a_skewed_router():
      NotImplementedError),
     (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "optimizer.update_in_backward=true"],
      "optimizer.update_in_backward", NotImplementedError),
+    (["model.n_experts=4", "model.experts_per_token=2", "parallel.ep=2", "model.moe_capacity_factor=1.5",
+      "remat.seq_tile=8"], "remat.seq_tile", NotImplementedError),
 ])
 def test_bad_moe_settings_are_one_line_errors(overrides, key, kind):
     with pytest.raises(kind, match=key.replace(".", r"\.")) as e:
@@ -285,9 +287,11 @@ def test_moe_checkpoint_names_are_tagged_in_the_layer():
     (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=selective", "remat.granularity=segments"], 1),
     (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=full", "remat.seq_tile=16"], 1),
     (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8),
+    (["parallel.fsdp=4", "parallel.ep=2", "train.micro_batch=1", "remat.seq_tile=8"], 8),
 ])
 def test_moe_levers_keep_the_losses(overrides, mesh):
-    """Remat (segments, sequence tiles: the MoE MLP runs untiled) and fsdp x tp: the plain step's metrics."""
+    """Remat (segments; sequence tiles, each routing its own tokens, alone and with ep), fsdp x tp: the plain
+    step's loss and router losses."""
     plain = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1], steps=2)
     np.testing.assert_allclose(_train(overrides, jax.devices()[:mesh], steps=2), plain, rtol=2e-5)
 
