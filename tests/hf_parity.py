@@ -33,3 +33,12 @@ def saved_checkpoints(tmp_path_factory, names, build) -> dict:
         model.save_pretrained(directory, safe_serialization=True)
         out[name] = (directory, model)
     return out
+
+
+def meta_param_count(config) -> int:
+    """Parameters of the transformers model `config` builds, counted on the meta device (no memory)."""
+    import transformers
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    return sum(p.numel() for p in model.parameters())

@@ -1,4 +1,5 @@
-"""Shared helpers of the kernel tests: per-dtype tolerances and a relative max-error check."""
+"""Shared helpers of the kernel tests: per-dtype tolerances, a relative max-error check and attention inputs."""
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -13,6 +14,20 @@ def assert_close(actual, expected, tol, what):
     scale = max(float(np.max(np.abs(expected))), 1e-6)
     err = float(np.max(np.abs(actual - expected)))
     assert err <= tol * scale, f"{what}: max |err| {err:.3g} > {tol} x max |ref| {scale:.3g}"
+
+
+def attention_inputs(b, t, n, kv, h, dtype, segments, seed):
+    """Random q [B,T,N,H], k / v [B,T,K,H] in `dtype`, an fp32 output cotangent and, with `segments`, packed
+    segment ids (boundaries at random positions)."""
+    k = jax.random.split(jax.random.key(seed), 5)
+    q = jax.random.normal(k[0], (b, t, n, h), jnp.float32).astype(dtype)
+    key = jax.random.normal(k[1], (b, t, kv, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(k[2], (b, t, kv, h), jnp.float32).astype(dtype)
+    ct = jax.random.normal(k[3], (b, t, n, h), jnp.float32)
+    seg = None
+    if segments:
+        seg = jnp.cumsum(jax.random.bernoulli(k[4], 0.15, (b, t)), axis=1).astype(jnp.int32)
+    return q, key, v, ct, seg
 
 
 LLAMA3_LOSS_SHAPE = (8192, 4096, 128256)  # tokens, hidden, vocab

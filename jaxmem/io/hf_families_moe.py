@@ -120,22 +120,9 @@ class GptOssFamily(LlamaFamily):
     options: tuple = tuple(_GPT_OSS_FIXED.items())
     moe: bool = True
 
-    def param_maps(self, cfg):
-        layer = _LAYER
-        maps = [ParamMap(("embed",), "model.embed_tokens.weight", "same"),
-                ParamMap(("layers", "attn_norm"), layer + "input_layernorm.weight", "same")]
-        for ours, theirs in (("wq", "q"), ("wk", "k"), ("wv", "v")):
-            maps += [ParamMap(("layers", ours), layer + f"self_attn.{theirs}_proj.weight", "in_heads"),
-                     ParamMap(("layers", "b" + ours[1]), layer + f"self_attn.{theirs}_proj.bias", "bias_heads")]
-        maps += [ParamMap(("layers", "wo"), layer + "self_attn.o_proj.weight", "out_heads"),
-                 ParamMap(("layers", "bo"), layer + "self_attn.o_proj.bias", "same"),
-                 ParamMap(("layers", "sinks"), layer + "self_attn.sinks", "same"),
-                 ParamMap(("layers", "mlp_norm"), layer + "post_attention_layernorm.weight", "same"),
-                 *self.mlp_maps(cfg),
-                 ParamMap(("final_norm",), "model.norm.weight", "same")]
-        if not cfg.tie_embeddings:
-            maps.append(ParamMap(("lm_head",), "lm_head.weight", "transpose"))
-        return maps
+    def extra_layer_maps(self, cfg):  # the q/k/v biases come with qkv_bias (LlamaFamily.param_maps)
+        return [ParamMap(("layers", "bo"), _LAYER + "self_attn.o_proj.bias", "same"),
+                ParamMap(("layers", "sinks"), _LAYER + "self_attn.sinks", "same")]
 
     def mlp_maps(self, cfg):
         layer, experts = _LAYER, _LAYER + "mlp.experts."

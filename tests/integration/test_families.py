@@ -10,7 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
-from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, saved_checkpoints
+from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, saved_checkpoints
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -121,12 +121,6 @@ def test_gemma3_pallas_window_matches_xla(checkpoints):
     np.testing.assert_allclose(_logits(model, tokens, ctx), _logits(model, tokens), atol=2e-4, rtol=1e-4)
 
 
-def _meta_count(config):
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("preset", ["qwen3-8b", "qwen3-32b", "gemma3-12b", "gemma3-27b"])
 def test_presets_match_transformers_parameter_counts(preset):
     """Each preset, exported as a config.json, builds (on the meta device) a transformers model with exactly
@@ -134,7 +128,7 @@ def test_presets_match_transformers_parameter_counts(preset):
     cfg = resolve_model(ModelConfig(preset=preset), {})
     hf = hf_config_from_model(cfg, "bfloat16")
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-    assert _meta_count(config) == param_count(cfg)
+    assert meta_param_count(config) == param_count(cfg)
     assert param_count(cfg) == {**PUBLISHED_PARAM_COUNTS, **TEXT_DECODER_PARAM_COUNTS}[preset]
     assert model_config_from_hf(hf_config_from_model(cfg, "bfloat16")) == cfg.__class__(
         **{**cfg.__dict__, "preset": "custom"})

@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from hf_parity import hf_logits, jax_logits, saved_checkpoints
+from hf_parity import hf_logits, jax_logits, meta_param_count, saved_checkpoints
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -89,18 +89,12 @@ def test_export_reloads_in_transformers(checkpoint, tmp_path):
     assert jaxmem.load_hf(tmp_path).cfg == model.cfg
 
 
-def _meta_count(config) -> int:
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("preset", ["gpt-oss-20b", "gpt-oss-120b"])
 def test_presets_match_transformers_and_the_model_card(preset):
     cfg = resolve_model(ModelConfig(preset=preset), {})
     hf = hf_config_from_model(cfg, "bfloat16")
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-    assert _meta_count(config) == param_count(cfg) == PUBLISHED_PARAM_COUNTS[preset]
+    assert meta_param_count(config) == param_count(cfg) == PUBLISHED_PARAM_COUNTS[preset]
     # the card's active count leaves the input embedding table out (the unembedding counts): 3.61B, 5.13B
     active = active_param_count(cfg) - cfg.vocab_size * cfg.d_model
     assert abs(active / 1e9 - PUBLISHED_ACTIVE_PARAMS_B[preset]) < 0.005

@@ -8,21 +8,13 @@ from jaxmem.kernels import KernelUnavailable, select_attention
 from jaxmem.kernels.attention.config import SHARED_MEMORY_BUDGET, AttentionBlocks, fit_shared_memory
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.kernels.attention.reference import attention_reference
-from kernel_checks import TOLERANCES, assert_close
+from kernel_checks import TOLERANCES, assert_close, attention_inputs
 
 SMALL = AttentionBlocks(block_q=16, block_k=16)
 
 
 def _inputs(b, t, n, kv, h, dtype, segments):
-    k = jax.random.split(jax.random.key(t * n + kv), 5)
-    q = jax.random.normal(k[0], (b, t, n, h), jnp.float32).astype(dtype)
-    key = jax.random.normal(k[1], (b, t, kv, h), jnp.float32).astype(dtype)
-    v = jax.random.normal(k[2], (b, t, kv, h), jnp.float32).astype(dtype)
-    ct = jax.random.normal(k[3], (b, t, n, h), jnp.float32)
-    seg = None
-    if segments:  # packed sequences: segment boundaries at random positions
-        seg = jnp.cumsum(jax.random.bernoulli(k[4], 0.15, (b, t)), axis=1).astype(jnp.int32)
-    return q, key, v, ct, seg
+    return attention_inputs(b, t, n, kv, h, dtype, segments, seed=t * n + kv)
 
 
 class AttentionCases:

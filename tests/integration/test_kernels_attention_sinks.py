@@ -13,7 +13,7 @@ from jaxmem.kernels.attention.config import AttentionBlocks
 from jaxmem.kernels.attention.cudnn import cudnn_attention
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.kernels.attention.reference import attention_reference
-from kernel_checks import TOLERANCES, assert_close
+from kernel_checks import TOLERANCES, assert_close, attention_inputs
 
 SMALL = AttentionBlocks(block_q=16, block_k=16)
 B, T, N, K, H = 2, 40, 4, 2, 16  # T = 40: the kernel pads to 48, so padded rows are exercised
@@ -21,15 +21,7 @@ SINKS = {"large": (5.0, -1.0, 0.5, 2.5), "negative": (-30.0,) * N}
 
 
 def _inputs(b=B, t=T, n=N, kv=K, h=H, dtype=jnp.float32, segments=False, seed=0):
-    k = jax.random.split(jax.random.key(seed), 5)
-    q = jax.random.normal(k[0], (b, t, n, h), jnp.float32).astype(dtype)
-    key = jax.random.normal(k[1], (b, t, kv, h), jnp.float32).astype(dtype)
-    v = jax.random.normal(k[2], (b, t, kv, h), jnp.float32).astype(dtype)
-    ct = jax.random.normal(k[3], (b, t, n, h), jnp.float32)
-    seg = None
-    if segments:  # packed sequences: segment boundaries at random positions
-        seg = jnp.cumsum(jax.random.bernoulli(k[4], 0.15, (b, t)), axis=1).astype(jnp.int32)
-    return q, key, v, ct, seg
+    return attention_inputs(b, t, n, kv, h, dtype, segments, seed)
 
 
 def _keep(b, t, causal=True, window=None, seg=None):

@@ -10,7 +10,7 @@ import torch
 import transformers
 from flax import nnx
 
-from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, saved_checkpoints
+from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, saved_checkpoints
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig, load_config
@@ -147,18 +147,12 @@ def test_route_mixtral_softmax_of_topk_logits_equals_renormalized_probs():
     np.testing.assert_array_equal(np.asarray(experts), np.argsort(-logits, axis=-1)[:, :2])
 
 
-def _meta_count(config) -> int:
-    with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in model.parameters())
-
-
 @pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "mixtral-8x7b"])
 def test_presets_match_transformers_and_published_counts(preset):
     cfg = resolve_model(ModelConfig(preset=preset), {})
     hf = hf_config_from_model(cfg, "bfloat16")
     config = transformers.AutoConfig.for_model(hf.pop("model_type"), **hf)
-    assert _meta_count(config) == param_count(cfg) == PUBLISHED_PARAM_COUNTS[preset]
+    assert meta_param_count(config) == param_count(cfg) == PUBLISHED_PARAM_COUNTS[preset]
     assert abs(active_param_count(cfg) / 1e9 - PUBLISHED_ACTIVE_PARAMS_B[preset]) < 0.06  # cards: 3.3B, 12.9B
     assert model_config_from_hf(hf_config_from_model(cfg, "bfloat16")) == cfg.__class__(
         **{**cfg.__dict__, "preset": "custom"})
