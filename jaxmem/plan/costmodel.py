@@ -208,8 +208,15 @@ def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
     return ops
 
 
-def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None) -> list[str]:
-    """The forward ops one layer's backward runs again (one entry per op run), per the remat policy."""
+def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None,
+                 n_tiles: int = 1) -> list[str]:
+    """The forward ops one layer's backward runs again (one entry per op run), per the remat policy; with
+    sequence tiles (`n_tiles` > 1) the tiled ops once more (each tile reruns its forward in the backward)."""
+    ops = _policy_rebuilt_ops(cfg, saved, attention_kernel)
+    return ops + _TILED_OPS if n_tiles > 1 else ops
+
+
+def _policy_rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None) -> list[str]:
     if not remat.uses_checkpoint(cfg.remat):
         return []
     where = saved or remat.saved_across_backward(cfg.remat, fused_attention=True)
@@ -246,10 +253,7 @@ def recompute_flops_per_layer(cfg: Config, tokens: int, saved: dict[str, str] | 
     the per-token matmuls run once more.
     """
     ops = _op_flops(cfg, tokens)
-    rebuilt = _rebuilt_ops(cfg, saved, attention_kernel)
-    if n_tiles > 1:  # each sequence tile reruns its own forward inside the backward (jaxmem.core.seq_tiling)
-        rebuilt += _TILED_OPS
-    return sum(ops[op] for op in rebuilt)
+    return sum(ops[op] for op in _rebuilt_ops(cfg, saved, attention_kernel, n_tiles))
 
 
 def _elementwise_elems_per_token(cfg: Config) -> int:
@@ -315,7 +319,9 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     kernels = bill.layout.kernels
     attn_kernel, loss_kernel = kernels.get("attention", "xla"), kernels.get("loss", "chunked")
     ops = _op_flops(cfg, tokens)
-    rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel)
+    # the tiles rerun their forward in the backward: counted here as in the recompute FLOPs
+    rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel,
+                           tile_count(seq, bill.mesh.get("sp", 1), cfg.remat.seq_tile))
     cd = _itemsize(p.compute_dtype)
 
     # Projection / MLP matmuls: forward, backward (2 x; a frozen weight's 1 x, its input gradient), the remat

@@ -157,6 +157,28 @@ def test_flops_and_kernel_work_by_hand_for_a_small_config():
                                                                      "layer_overhead_seconds")))
 
 
+def test_sequence_tiles_rerun_their_forward_in_the_step_time_too():
+    """remat.seq_tile: each tile's projections and MLP run once more in the backward; the matmul FLOPs the
+    step time prices grow by exactly the recompute FLOPs' growth (they once did not, so a tiled step's time
+    was the untiled one's)."""
+    runs = {}
+    for tile in (0, 16):
+        cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=1", "train.micro_batch=2", "train.seq_len=64",
+                                                "remat.preset=full", f"remat.seq_tile={tile}"])
+        bill = compute_bill(cfg, 1, gpu=True)
+        runs[tile] = (estimate(cfg, bill, H100, 1, bill.layout.grad_accum, bill.layout.rows),
+                      time_breakdown(cfg, bill, H100, 1, 1, 2))
+    (plain, plain_parts), (tiled, tiled_parts) = runs[0], runs[16]
+    m = load_config("configs/tiny.yaml").model
+    t = 2 * 64
+    # q, k + v, o, gate + up, down
+    rerun = 2 * t * (m.d_model * m.n_heads * m.head_dim + 2 * m.d_model * m.n_kv_heads * m.head_dim
+                     + m.n_heads * m.head_dim * m.d_model + 2 * m.d_model * m.d_ff + m.d_ff * m.d_model)
+    assert tiled.recompute_flops - plain.recompute_flops == pytest.approx(rerun * m.n_layers)
+    assert tiled_parts["matmul_flops"] - plain_parts["matmul_flops"] == pytest.approx(rerun * m.n_layers)
+    assert tiled.step_seconds > plain.step_seconds
+
+
 def test_cudnn_attention_takes_less_time_than_pallas():
     pallas, cudnn = _cfg("selective"), _cfg("selective", ["kernels.attention=cudnn"])
     tp = time_breakdown(pallas, compute_bill(pallas, 1), H100, 1, 1, 1)["attention_seconds"]
