@@ -19,6 +19,7 @@ from jaxmem.core import sharding
 from jaxmem.config.schema import ConfigError, ParallelConfig
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
 from jaxmem.io.hf_layout import ParamMap, hf_shape, merge_hf, param_maps, read_slice, to_hf
+from jaxmem.io.hf_mxfp4 import checkpoint_reader
 from jaxmem.io.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
 from jaxmem.model.transformer import Transformer, abstract_model
 
@@ -118,7 +119,7 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     graphdef, state = nnx.split(abstract_model(cfg, param_dtype=jnp.dtype(DTYPES[dtype])))
     abstract = nnx.to_pure_dict(state)
     shardings = _target_shardings(state, mesh, parallel)
-    reader = CheckpointReader(path)
+    reader = checkpoint_reader(path, hf_cfg)
     maps = param_maps(cfg, hf_cfg["architectures"][0])
     _check_tensors(reader, maps, abstract, cfg.n_layers, path)
     values: dict = {}

@@ -113,8 +113,8 @@ class GptOssFamily(LlamaFamily):
     """gpt-oss (GptOssForCausalLM): q/k/v/o biases, a sink logit per head, local (sliding-window) and global
     layers alternating, YaRN RoPE, and in every layer a router with a bias (softmax over the top-k logits)
     over experts whose gate and up projections are one tensor with interleaved columns (gate even, up odd),
-    with biases, through the clamped SwiGLU. Read from bf16 / fp32 tensors: the Hub's MXFP4 experts are
-    refused with a pointer to a dequantized copy."""
+    with biases, through the clamped SwiGLU. Read from bf16 / fp32 tensors, or the Hub's MXFP4 experts
+    (jaxmem.io.hf_mxfp4: dequantized as they are read)."""
     architecture: str = "GptOssForCausalLM"
     model_type: str = "gpt_oss"
     options: tuple = tuple(_GPT_OSS_FIXED.items())
@@ -137,10 +137,9 @@ class GptOssFamily(LlamaFamily):
 
     def to_model(self, hf, where):
         quant = hf.get("quantization_config") or {}
-        if isinstance(quant, dict) and quant.get("quant_method"):
+        if isinstance(quant, dict) and quant.get("quant_method") not in (None, "mxfp4"):
             raise ConfigError(f"{where}: quantization_config.quant_method={quant['quant_method']!r}: jaxmem reads "
-                              "bf16 / fp32 weights; use a dequantized copy (e.g. unsloth/gpt-oss-20b-BF16, or "
-                              "transformers with Mxfp4Config(dequantize=True) and save_pretrained)")
+                              "bf16 / fp32 weights and MXFP4 experts (the Hub's gpt-oss); use a dequantized copy")
         if hf.get("attention_bias") is False:
             raise ConfigError(f"{where}: attention_bias=false is not supported for gpt-oss; use true")
         for key, ours in (("swiglu_limit", 7.0), ("swiglu_alpha", 1.702)):

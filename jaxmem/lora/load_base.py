@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmem.io.hf import _callback, _check_tensors, _get, _set
 from jaxmem.io.hf_config import model_config_from_hf, read_json_object
 from jaxmem.io.hf_layout import param_maps, read_slice
+from jaxmem.io.hf_mxfp4 import checkpoint_reader
 from jaxmem.io.hf_safetensors import CheckpointReader
 from jaxmem.lora import quant_host
 from jaxmem.lora.adapters import target_weights
@@ -107,7 +108,7 @@ class _HfSource:
 
     def __init__(self, path: Path, cfg: Config, maps, abstract):
         check_model(path, cfg)
-        self.reader = CheckpointReader(path)
+        self.reader = checkpoint_reader(path, read_json_object(path / "config.json"))
         _check_tensors(self.reader, maps, abstract, cfg.model.n_layers, path)
 
     def whole(self, pm, shape, sharding, np_dtype) -> jax.Array:

@@ -1,6 +1,7 @@
 """gpt-oss: logits parity with transformers' GptOssForCausalLM through `jaxmem.load_hf` and back out through
 `save_hf`, the published sizes of the presets, YaRN frequencies against transformers' own, the clamped SwiGLU's
-backward against autodiff, and the one-line refusals (MXFP4 checkpoints, PEFT files for stacked experts)."""
+backward against autodiff, MXFP4 checkpoints read as transformers dequantizes them, and the one-line refusals
+(other quantized checkpoints, PEFT files for stacked experts)."""
 import json
 
 import jax
@@ -136,11 +137,65 @@ def test_clamped_swiglu_backward_equals_autodiff():
     np.testing.assert_allclose(gated_reference("swiglu_clamped", gate, up), torch_out.numpy(), rtol=1e-6, atol=1e-6)
 
 
-def test_an_mxfp4_checkpoint_is_refused_in_one_line(checkpoint, tmp_path):
+def _mxfp4_pair(rng, experts, out, inputs):
+    """Random MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32] (exponents 2^-6 .. 2^-1)."""
+    blocks = rng.integers(0, 256, (experts, out, inputs // 32, 16), dtype=np.uint8)
+    scales = rng.integers(127 - 6, 127, (experts, out, inputs // 32), dtype=np.uint8)
+    return blocks, scales
+
+
+def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path):
+    """The Hub's gpt-oss format: each layer's experts as MXFP4 blocks + scales. load_hf reads them dequantized
+    (a slice at a time) to the weights transformers' own dequantizer gives, and the logits match transformers
+    with those weights."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from jaxmem.io.hf_mxfp4 import Mxfp4Reader
+    from jaxmem.io.hf_safetensors import CheckpointReader
+
+    config = dict(CONFIG, hidden_size=64, intermediate_size=64, head_dim=16, num_attention_heads=4,
+                  num_key_value_heads=2)  # MXFP4 groups of 32 along every input dim
+    torch.manual_seed(9)
+    hf_model = transformers.AutoModelForCausalLM.from_config(transformers.GptOssConfig(**config),
+                                                             attn_implementation="eager").eval()
+    hf_model.save_pretrained(tmp_path)
+    tensors, rng = load_file(str(tmp_path / "model.safetensors")), np.random.default_rng(0)
+    e, d, f = config["num_local_experts"], config["hidden_size"], config["intermediate_size"]
+    for layer, block in enumerate(hf_model.model.layers):
+        prefix = f"model.layers.{layer}.mlp.experts."
+        for proj, out, inputs in (("gate_up_proj", 2 * f, d), ("down_proj", d, f)):
+            blocks, scales = _mxfp4_pair(rng, e, out, inputs)
+            del tensors[prefix + proj]
+            tensors[prefix + proj + "_blocks"] = torch.from_numpy(blocks)
+            tensors[prefix + proj + "_scales"] = torch.from_numpy(scales)
+            with torch.no_grad():  # transformers' dequantizer: [E, in, out]
+                getattr(block.mlp.experts, proj).copy_(convert_moe_packed_tensors(
+                    torch.from_numpy(blocks), torch.from_numpy(scales), dtype=torch.float32))
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    hf = json.loads((tmp_path / "config.json").read_text())
+    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+
+    model = jaxmem.load_hf(tmp_path)
+    gate_up = hf_model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()
+    np.testing.assert_array_equal(np.asarray(model.layers.expert_gate[...][1]), gate_up[..., 0::2])
+    np.testing.assert_array_equal(np.asarray(model.layers.expert_up[...][1]), gate_up[..., 1::2])
+    tokens = _tokens(model.cfg.vocab_size)
+    np.testing.assert_allclose(jax_logits(model, tokens), hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
+    # a slice across MXFP4 groups, not aligned to them, reads what the whole tensor holds there
+    reader = Mxfp4Reader(CheckpointReader(tmp_path))
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    whole = reader.read(name, (slice(None),) * 3)
+    np.testing.assert_array_equal(reader.read(name, (slice(1, 3), slice(5, 40), slice(7, 70))),
+                                  whole[1:3, 5:40, 7:70])
+
+
+def test_another_quantized_checkpoint_is_refused_in_one_line(checkpoint):
     directory, _ = checkpoint
     hf = json.loads((directory / "config.json").read_text())
-    hf["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
-    with pytest.raises(ConfigError, match="quant_method='mxfp4'.*dequantized") as e:
+    hf["quantization_config"] = {"quant_method": "bitsandbytes"}
+    with pytest.raises(ConfigError, match="quant_method='bitsandbytes'") as e:
         model_config_from_hf(hf, where="config.json")
     assert "\n" not in str(e.value)
 
