@@ -59,6 +59,22 @@ def _max_diff(a, b):
                for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True))
 
 
+# How far the in-backward update may sit from the plain one after 3 steps (bf16 params, fp32 master). The two
+# run the same AdamW formula in another fusion order, so the fp32 master can differ in its last bits; a bf16
+# param whose master sits at a rounding tie then flips one bf16 ulp, and the next steps carry that on. jax
+# 0.10.2 gives the same bits; jax 0.12.0.1 flipped 217 of 803,968 params by one ulp (2.4e-4 at |w| ~ 0.03)
+# and moved the master 2.1e-5 (fsdp 8). One step's update is ~lr = 3e-3 an element: a wrong update (a
+# stale gradient, a missed bias correction, another clip) moves them by that much.
+MASTER_TOL, PARAMS_TOL, OPT_TOL = 1e-4, 5e-4, 1e-6
+
+
+def _assert_same_update(inside, plain, inside_state, plain_state):
+    np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
+    np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
+    for key, tol in (("params", PARAMS_TOL), ("master", MASTER_TOL), ("opt", OPT_TOL)):
+        assert _max_diff(inside_state[key], plain_state[key]) < tol, key
+
+
 @pytest.mark.parametrize("optimizer", ["device", "host"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_the_plain_update(layout, optimizer):
@@ -71,10 +87,7 @@ def test_matches_the_plain_update(layout, optimizer):
                                       _devices(layout))
     else:
         inside, inside_state = _in_backward(layout)
-    np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
-    np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
-    for key in ("params", "master", "opt"):
-        assert _max_diff(inside_state[key], plain_state[key]) < 1e-6, key
+    _assert_same_update(inside, plain, inside_state, plain_state)
     assert float(inside_state["grad_norm"]) == pytest.approx(inside[-1][1], rel=1e-6)
     state_kind = "pinned_host" if optimizer == "host" else "device"
     assert _kinds((inside_state["opt"], inside_state["master"])) == {state_kind}
@@ -87,10 +100,7 @@ def test_layer_inputs_in_host_memory_match_the_plain_update():
     plain, plain_state = _plain("fsdp8")
     inside, inside_state = _steps(NO_CLIP + LAYOUTS["fsdp8"] + HOST_OPT + [
         "optimizer.update_in_backward=true", "remat.preset=offload_layer_inputs"], _devices("fsdp8"))
-    np.testing.assert_allclose([m[0] for m in inside], [m[0] for m in plain], rtol=1e-6)
-    np.testing.assert_allclose([m[1] for m in inside], [m[1] for m in plain], rtol=1e-5)
-    for key in ("params", "master", "opt"):
-        assert _max_diff(inside_state[key], plain_state[key]) < 1e-6, key
+    _assert_same_update(inside, plain, inside_state, plain_state)
 
 
 def test_clips_by_the_previous_steps_norm():
@@ -196,6 +206,6 @@ def test_mixture_of_experts_matches_the_plain_update(layout, extra):
     inside, inside_master = steps(["optimizer.update_in_backward=true", *extra])
     np.testing.assert_allclose(inside, plain, rtol=1e-4)
     assert plain[0, 2] > 2.0 and plain[0, 3] > 0  # the router losses are in the loss (balanced aux: k = 2)
-    assert _max_diff(inside_master, plain_master) < 1e-5
+    assert _max_diff(inside_master, plain_master) < MASTER_TOL
     router_moved = np.abs(np.asarray(inside_master["layers"]["router"])).sum()
     assert router_moved > 0
