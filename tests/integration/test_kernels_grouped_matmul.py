@@ -206,7 +206,9 @@ def ragged_dot_losses():
 @pytest.mark.parametrize("impl", ["blocked", "pallas"])
 def test_tiny_moe_trains_the_same_as_with_ragged_dot(impl, ragged_dot_losses):
     assert ragged_dot_losses[-1, 0] < ragged_dot_losses[0, 0] - 0.2, ragged_dot_losses  # the loss falls
-    np.testing.assert_allclose(_train_losses(impl), ragged_dot_losses, rtol=1e-5)
+    # 3 steps' metrics through two implementations summing in another order: jax 0.10.2 agrees to 1e-5, jax
+    # 0.12.0.1 to 2.1e-5 (the last step's fourth metric, blocked)
+    np.testing.assert_allclose(_train_losses(impl), ragged_dot_losses, rtol=5e-5)
 
 
 def _compile_fwd_bwd_for_h100(fn, rows, d, f, groups):
