@@ -59,14 +59,13 @@ def _decay_mask(params):
 
 
 def _moments_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """Keeps Adam's second moment in `dtype` too (optax's mu_dtype only covers the first)."""
-    if jnp.dtype(dtype) == jnp.float32:
-        return inner
+    """Keeps Adam's second moment in `dtype` too (optax's mu_dtype only covers the first; its nu takes the
+    params' dtype, so bf16 params without a master kept v in bf16 under moment_dtype float32)."""
 
     def cast(state):
         def fix(s):
             if isinstance(s, optax.ScaleByAdamState):
-                return s._replace(nu=jax.tree.map(lambda v: v.astype(dtype), s.nu))
+                return s._replace(nu=jax.tree.map(lambda v: v if v.dtype == dtype else v.astype(dtype), s.nu))
             return s
 
         return jax.tree.map(fix, state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))

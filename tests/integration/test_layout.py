@@ -6,6 +6,7 @@ and per-device bytes, the remat policy jax applies, and which state entries sit 
 """
 import math
 import re
+import typing
 from pathlib import Path
 
 import jax
@@ -53,13 +54,21 @@ def program_and_bill(request):
     return prog, compute_bill(cfg, topo.n_devices, gpu=bool(topo.name)), trace
 
 
+def _dispatch_scopes() -> set[str]:
+    """Every "<op>_<implementation>" scope jaxmem.kernels can put on a call (KernelConfig's choices)."""
+    hints = typing.get_type_hints(KernelConfig)
+    return {f"{op}_{impl}" for op in ("attention", "loss", "norm", "grouped_matmul")
+            for impl in typing.get_args(hints[op]) if impl != "auto"}
+
+
 def _kernel_scopes(jaxpr, out=None) -> set[str]:
-    """The kernels' named scopes ("loss_chunked", ...) anywhere in a traced program's name stacks, also inside
-    autodiff's wrappers ("transpose(jvp(loss_chunked))") and sub-jaxprs."""
+    """The kernels' dispatch scopes ("loss_chunked", ...) anywhere in a traced program's name stacks, also inside
+    autodiff's wrappers ("transpose(jvp(loss_chunked))") and sub-jaxprs (a Pallas kernel's own names, such as
+    grouped_matmul_fwd, are not dispatch scopes)."""
     out = set() if out is None else out
+    scopes = _dispatch_scopes()
     for eqn in jaxpr.eqns:
-        out.update(re.findall(r"\b((?:attention|loss|norm)_[a-z]+|grouped_matmul_[a-z_]+)\b",
-                              str(eqn.source_info.name_stack)))
+        out.update(set(re.findall(r"\b([a-z]+(?:_[a-z]+)+)\b", str(eqn.source_info.name_stack))) & scopes)
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             _kernel_scopes(sub, out)
     return out
