@@ -257,7 +257,7 @@ def render(rows: list[dict]) -> str:
               "notes (ours: rank 16 on every linear, experts included). Ours are compiled deviceless, not "
               "measured: 131072 tokens untiled, 1048576 with 16384-token tiles (where the search's range ends), "
               "planned with jax 0.10.2, whose host-offload schedule came out 5 GiB leaner than jax 0.11.2's on the "
-              "dense 1-GPU 128K recipe: the 3 GiB of room at 1M may not hold on jax 0.11+."]
+              "dense 1-GPU 128K recipe: the 2.4 GiB of room at 1M may not hold on jax 0.11+."]
     if checks:
         lines += ["", "The bill against the compiled total on reduced models (2 layers: the layer scan compiles "
                   "one layer, so each layer's buffers are the full model's):", "",
