@@ -109,9 +109,12 @@ def _h100_bytes(preset: str, **extra) -> dict:
     from jaxmem.core.program import build_program
 
     # seq 4096: the saved activations must outweigh where XLA puts the peak; at 2048 jax 0.12's compile of
-    # `none` came out 14 MB below `selective` (24.69 vs 24.71 GB), at 4096 1.4 GB above it
+    # `none` came out 14 MB below `selective` (24.69 vs 24.71 GB), at 4096 1.4 GB above it. bf16 moments: with
+    # fp32 ones the peak is the update's, where every preset holds the same (full and offload_layer_inputs
+    # 1280 bytes apart)
     overrides = ["model.preset=llama3-8b", "model.n_layers=4", "train.seq_len=4096", "train.micro_batch=1",
                  "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
+                 "precision.moment_dtype=bfloat16",
                  "parallel.fsdp=1", f"remat.preset={preset}"] + [f"{k}={v}" for k, v in extra.items()]
     cfg = load_config(None, overrides)
     prog = build_program(cfg, devices=aot.target_devices("h100-80g", 1))
