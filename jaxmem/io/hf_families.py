@@ -335,25 +335,20 @@ class Gemma3Family(LlamaFamily):
         if local_scaling:
             raise ConfigError(f"{where}: rope_parameters.sliding_attention: only rope_type 'default' is supported "
                               "for the local layers")
-        window = _int(hf.get("sliding_window"), "sliding_window", where, default=4096)
-        every = _global_every(hf, n_layers, where)
         fields.update(_GEMMA3_FIXED, rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
                       query_pre_attn_scalar=_number(hf.get("query_pre_attn_scalar"), "query_pre_attn_scalar",
                                                     where, default=256.0),
-                      sliding_window=0 if every == 1 else window, global_every=0 if every == 1 else every)
+                      **layer_kinds(hf, n_layers, where, default_window=4096, default_every=6))
         return ModelConfig(**fields)
 
     def to_hf(self, cfg, dtype):
         out = _hf_common(cfg, self.architecture, self.model_type, dtype)
         local_theta = cfg.rope_local_theta or cfg.rope_theta
-        full = [not cfg.sliding_window or (cfg.global_every and (i + 1) % cfg.global_every == 0)
-                for i in range(cfg.n_layers)]
         global_rope = _hf_rope(cfg.rope_theta, cfg.rope_scaling)
         out.update({
             "hidden_activation": "gelu_pytorch_tanh",
             "query_pre_attn_scalar": _int_if_whole(cfg.query_pre_attn_scalar or cfg.head_dim),
-            "sliding_window": cfg.sliding_window or cfg.max_seq_len,
-            "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+            **hf_layer_kinds(cfg),
             "rope_parameters": {"full_attention": global_rope,
                                 "sliding_attention": {"rope_type": "default", "rope_theta": local_theta}},
             "attention_bias": False, "attn_logit_softcapping": None, "final_logit_softcapping": None,
@@ -365,7 +360,23 @@ def _int_if_whole(x: float):
     return int(x) if float(x).is_integer() else x  # transformers' Gemma3TextConfig types this field int
 
 
-def _global_every(hf: dict, n_layers: int, where: str, default_every: int = 6) -> int:
+def layer_kinds(hf: dict, n_layers: int, where: str, *, default_window: int, default_every: int) -> dict:
+    """sliding_window and global_every (ModelConfig) from config.json's window and layer pattern; both 0 when
+    every layer is global."""
+    window = _int(hf.get("sliding_window"), "sliding_window", where, default=default_window)
+    every = _global_every(hf, n_layers, where, default_every)
+    return {"sliding_window": 0 if every == 1 else window, "global_every": 0 if every == 1 else every}
+
+
+def hf_layer_kinds(cfg: ModelConfig) -> dict:
+    """config.json's sliding_window and layer_types for `cfg`'s local and global layers (layer_kinds' inverse)."""
+    full = [not cfg.sliding_window or (cfg.global_every and (i + 1) % cfg.global_every == 0)
+            for i in range(cfg.n_layers)]
+    return {"sliding_window": cfg.sliding_window or cfg.max_seq_len,
+            "layer_types": ["full_attention" if f else "sliding_attention" for f in full]}
+
+
+def _global_every(hf: dict, n_layers: int, where: str, default_every: int) -> int:
     """The k of 'every k-th layer is global' from layer_types (or the older sliding_window_pattern); 1 when
     every layer is global (no window)."""
     types = hf.get("layer_types")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem.io.hf_families import (_LAYER, _LLAMA_OPTIONS, LlamaFamily, Qwen3Family, _cap_at_window, _common,
-                                   _global_every, _hf_common, _hf_rope, _int, _off, _rope)
+                                   _hf_common, _hf_rope, _int, _off, _rope, hf_layer_kinds, layer_kinds)
 from jaxmem.io.hf_tensors import ParamMap
 from jaxmem.config.schema import ConfigError, ModelConfig
 
@@ -151,24 +151,19 @@ class GptOssFamily(LlamaFamily):
         k = _int(hf.get("num_experts_per_tok", hf.get("experts_per_token")), "num_experts_per_tok", where,
                  default=4)
         _check_k(n, k, where)
-        every = _global_every(hf, fields["n_layers"], where, default_every=2)
-        window = _int(hf.get("sliding_window"), "sliding_window", where, default=128)
         fields.update(_GPT_OSS_FIXED, rope_theta=theta, rope_scaling=scaling, n_experts=n, experts_per_token=k,
                       expert_d_ff=fields["d_ff"], router_aux_loss_coef=_positive_coef(hf, where, 0.9),
-                      sliding_window=0 if every == 1 else window, global_every=0 if every == 1 else every)
+                      **layer_kinds(hf, fields["n_layers"], where, default_window=128, default_every=2))
         return ModelConfig(**fields)
 
     def to_hf(self, cfg, dtype):
         out = _hf_common(cfg, self.architecture, self.model_type, dtype)
-        full = [not cfg.sliding_window or (cfg.global_every and (i + 1) % cfg.global_every == 0)
-                for i in range(cfg.n_layers)]
         out.update({
             "hidden_act": "silu", "attention_bias": True, "swiglu_limit": 7.0, "rope_theta": cfg.rope_theta,
             "rope_parameters": _hf_rope(cfg.rope_theta, cfg.rope_scaling),
             "intermediate_size": cfg.expert_d_ff or cfg.d_ff, "num_local_experts": cfg.n_experts,
             "num_experts_per_tok": cfg.experts_per_token, "experts_per_token": cfg.experts_per_token,
-            "sliding_window": cfg.sliding_window or cfg.max_seq_len,
-            "layer_types": ["full_attention" if f else "sliding_attention" for f in full],
+            **hf_layer_kinds(cfg),
             "router_aux_loss_coef": cfg.router_aux_loss_coef, "output_router_logits": False})
         return out
 
