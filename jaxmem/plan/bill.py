@@ -58,15 +58,18 @@ class Bill:
     # layer's full gradients and next gathered layer (Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g:
     # the state, these copies and little else at the peak).
     moe_scratch: int = 0
+    # A flash kernel's attention backward (attention_phase_bytes): its own phase, beside working_set (the
+    # MLP backward's); the larger with sequence tiles, where the MLP runs a tile at a time.
+    attention_phase: int = 0
 
     @property
     def layer_phase(self) -> int:
-        """One layer's backward at its peak: the attention backward (working set with the S x S copies), the
-        MLP backward (working set without them, plus the gathered weights and full gradients), or a mixture
-        of experts' backward (with its expanded rows, without the temporaries)."""
+        """One layer's backward at its peak: the attention backward (working set with the S x S copies, or
+        a flash kernel's phase), the MLP backward (working set without them, plus the gathered weights and
+        full gradients), or a mixture of experts' backward (with its expanded rows, without the temporaries)."""
         d = self.device
         ws, attn, moe = d["working_set"], self.attention_scratch, self.moe_scratch
-        phases = [ws - moe, ws - attn - moe + d["temporaries"]]
+        phases = [ws - moe, ws - attn - moe + d["temporaries"], self.attention_phase]
         if moe:
             phases.append(ws - attn)
         return max(phases)
@@ -96,7 +99,7 @@ class Bill:
                 "offloaded_by_name": dict(self.offloaded_by_name), "notes": list(self.notes),
                 "attention_scratch": int(self.attention_scratch),
                 "absent_in_loss": int(self.absent_in_loss), "update_phase": int(self.update_phase),
-                "moe_scratch": int(self.moe_scratch),
+                "moe_scratch": int(self.moe_scratch), "attention_phase": int(self.attention_phase),
                 "label": "estimated (analytic)"}
 
 
@@ -208,6 +211,27 @@ def _working_elems(cfg: Config, layout: Layout, per_name: dict[str, int]) -> int
     if layout.mesh_sizes["sp"] > 1:
         total += sum(per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT))
     return total
+
+
+def attention_phase_bytes(cfg: Config, layout: Layout, per_name: dict[str, int], cd: int) -> int:
+    """Bytes per device live beyond the resident state in one layer's flash-attention backward: the layer
+    input (the q/k/v part reruns from it) and the residual stream's gradient, q, k, v, the context's
+    gradient, dq, dk, dv and two fp32 [T, heads] row statistics; with local and global layers in one body
+    (model.global_every: a lax.cond) one more q-sized buffer; in sequence tiles the layer input's gradient
+    in a buffer of its own where no q/k/v gradient has its size (_tiled_vjp writes it over one that has).
+    Read off `jaxmem explain` timelines at the Pallas backward kernels (1 x H100, deviceless, jax 0.10.2):
+    Llama-3-8B at 512K (full fine-tune) and 1M (QLoRA; full with the update in the backward) hold 5 [T, 4096]
+    and 4 [T, 1024] bf16 buffers; with 48 heads and sinks 3 [T, 6144], 3 [T, 4096] and 4 [T, 1024]; with
+    128-token local layers every other layer one [T, 4096] more; gpt-oss-20b QLoRA at 1M 4 [T, 4096],
+    3 [T, 2880] and 4 [T, 512]; with sequence parallelism (Llama-3-8B at 4M on 8 x H100, sp 8) the same per
+    device, head-split, no copies added. Without tiles the MLP backward's working set is the larger."""
+    m = cfg.model
+    q, kv, btd = (per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.LAYER_INPUT))
+    elems = 2 * btd + 3 * q + 4 * kv + (q if m.sliding_window and m.global_every else 0)
+    if tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile) > 1 \
+            and m.d_model not in (m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim):
+        elems += btd
+    return elems * cd + 2 * (q // m.head_dim) * 4
 
 
 def score_elems(cfg: Config, layout: Layout) -> int:
@@ -396,12 +420,16 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         device["temporaries"] += update_prefetch_bytes(cfg, layout, prec, device, memory)
     if not layout.host_state and not cfg.optimizer.update_in_backward:
         update_phase = plain_update_phase_bytes(cfg, layout, prec, device)
+    attention_phase = 0
+    if layout.kernels["attention"] != "xla":
+        attention_phase = attention_phase_bytes(cfg, layout, per_name, cd)
     absent_in_loss = 0
     if "opt" in layout.host_state and "params" not in layout.host_state \
             and not cfg.optimizer.update_in_backward:
         absent_in_loss = _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
     return Bill(device, host, saved_dev, saved_host, sizes, notes, layout, attention_scratch=scores_working,
-                absent_in_loss=absent_in_loss, update_phase=update_phase, moe_scratch=moe_scratch)
+                absent_in_loss=absent_in_loss, update_phase=update_phase, moe_scratch=moe_scratch,
+                attention_phase=attention_phase)
 
 
 def host_params_layer_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:
