@@ -115,7 +115,7 @@ def step_params(prog, grad_fn, params, micro_batches, denom, base):
 
     cfg, grad_reduce = prog.cfg, prog.precision.grad_reduce
     cast = offload.cast_for_grad(cfg, params, grad_reduce)
-    if prog.layout.lora is not None or cfg.offload.params == "host":
+    if cfg.offload.params == "host":
         return cast
     micro = jax.tree.map(lambda x: x[0], micro_batches)
     probe = lambda p, m, d: grad_fn(p, m, d, base, None)[0]  # noqa: E731
@@ -128,13 +128,24 @@ def abstract(tree):
 
 # The analytic mirror of `exact_dtypes` for the planner (jaxmem.plan.bill), which reads no jaxpr: the weights
 # the model uses only through `w.astype(compute)` in a projection (jaxmem.model.layers.einsum_project and the
-# LM head). tests/unit/test_lean_update.py checks it against `exact_dtypes` on the model.
+# LM head), and a LoRA run's adapters (jaxmem.lora.linear: `a.astype(compute)`, `b.astype(compute)`, every
+# adapter, experts' too) unless sequence tiles sum their gradient over the tiles in fp32. tests/unit/
+# test_lean_update.py checks it against `exact_dtypes` on the model.
 PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
+ADAPTERS = ("a", "b")
 
 
 def planned_dtype(name: str, cfg, prec):
-    """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation)."""
+    """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation); a
+    LoRA run's leaves are its adapters' `a` and `b`."""
+    from jaxmem.core.seq_tiling import tile_count  # (jaxmem.model's package init imports seq_tiling)
+
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
         jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize
-    lean = cfg.lora.rank == 0 and cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
-    return prec.param if lean and narrow and name in PROJECTIONS else prec.grad_reduce
+    plain = cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
+    if cfg.lora.rank > 0:
+        untiled = tile_count(cfg.train.seq_len, max(cfg.parallel.sp, 1), cfg.remat.seq_tile) == 1
+        lean = plain and untiled and name in ADAPTERS
+    else:
+        lean = plain and name in PROJECTIONS
+    return prec.param if lean and narrow else prec.grad_reduce

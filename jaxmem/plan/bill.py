@@ -394,6 +394,12 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         # 3.63 GiB for Llama-3.2-1B, 6.50 for the 8-layer 8B, and no bf16 layer weights).
         layers = _state_elems(layout, layout.param_specs, "layers")
         device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
+    elif layout.lora is not None and "params" not in layout.host_state \
+            and planned_dtype("a", cfg, prec) != prec.param != prec.grad_reduce:
+        # adapters whose gradient the step cannot keep at their dtype (in sequence tiles, summed over the tiles
+        # in fp32): an fp32 copy of them beside the stored ones (`jaxmem explain` of the gpt-oss-20b QLoRA
+        # recipe at 256K: each expert adapter's f32 copy from the cast and its bf16 original at the peak)
+        device["params_for_grad"] = _state_elems(layout, layout.param_specs) * _itemsize(prec.grad_reduce)
     streamed = layout.homes.update_streamed and not cfg.optimizer.update_in_backward
     if "params" in layout.host_state:
         # The decoder layers' gradients go straight to the host with their weights, whatever runs the update

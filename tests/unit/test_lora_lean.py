@@ -160,3 +160,59 @@ def test_cost_model_counts_4nt_plus_adapters_for_lora():
     adapters = adapter_param_count(m, resolve_targets("q_proj,v_proj"), 32)
     assert adapters == 32 * 32 * (2 * 4096 + 4096 + 1024)
     np.testing.assert_allclose(costs[0] - costs[1], 2 * matmul_params * tokens - 6 * adapters * tokens, rtol=1e-9)
+
+
+def _differentiated(prog, monkeypatch):
+    """The dtype of every adapter leaf as the step differentiates it (grad_dtype.step_params), per path."""
+    from jaxmem.core import grad_dtype
+
+    seen, inputs = {}, grad_dtype.grad_inputs
+
+    def spy(params, exact, dtype):
+        out = inputs(params, exact, dtype)
+        seen.update({jax.tree_util.keystr(p): x.dtype for p, x in jax.tree_util.tree_flatten_with_path(out)[0]})
+        return out
+
+    monkeypatch.setattr(grad_dtype, "grad_inputs", spy)
+    prog.lower()
+    return seen
+
+
+@pytest.mark.parametrize("tiles", [False, True], ids=["untiled", "seq_tile"])
+def test_adapters_are_differentiated_at_their_dtype_unless_tiles_sum_them(tiles, monkeypatch):
+    """An adapter is used only through a cast to the compute dtype: its fp32 gradient would be a widened bf16
+    value, so the step keeps it (and the adapter) at bf16: no fp32 copy of the adapters. Sequence tiles sum a
+    tile's adapter gradients in fp32: there they stay fp32. The planner (planned_dtype) says the same."""
+    from jaxmem.core.grad_dtype import planned_dtype
+
+    extra = ["remat.seq_tile=16"] if tiles else []
+    prog = _program("lora.targets=all-linear", "precision.param_dtype=bfloat16",
+                    "precision.compute_dtype=bfloat16", *extra)
+    seen = _differentiated(prog, monkeypatch)
+    assert len(seen) == 2 * len(LINEARS)
+    want = jnp.float32 if tiles else jnp.bfloat16
+    assert set(seen.values()) == {jnp.dtype(want)}
+    assert planned_dtype("a", prog.cfg, prog.precision) == planned_dtype("b", prog.cfg, prog.precision) == want
+
+
+def test_a_step_on_bf16_adapters_equals_the_fp32_cast_step(monkeypatch):
+    """Same adapters, moments and loss after two steps whether the adapters are differentiated at bf16 (the
+    default) or cast to fp32 first (the step before), bit for bit."""
+    from jaxmem.core import grad_dtype, offload
+
+    overrides = ("lora.targets=all-linear", "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16")
+
+    def run():
+        prog = _program(*overrides)
+        state, step = prog.init_state(), prog.jit_step()
+        tokens = np.random.default_rng(0).integers(0, 256, size=prog.batch_shape).astype(np.int32)
+        for _ in range(2):
+            state, metrics = step(state, prog.shard_batch(tokens))
+        return jax.device_get((state["params"], state["opt"], metrics["loss"]))
+
+    lean = run()
+    monkeypatch.setattr(grad_dtype, "step_params", lambda prog, grad_fn, params, *a: offload.cast_for_grad(
+        prog.cfg, params, prog.precision.grad_reduce))
+    cast = run()
+    for x, y in zip(jax.tree.leaves(lean), jax.tree.leaves(cast), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
