@@ -43,6 +43,9 @@ ROWS = [
     ("Llama-3-70B QLoRA (nf4, embedding + LM head in nf4 too), 1 x L40S 48GB, adapter optimizer state on the "
      "host, bf16 adapter gradients", Q70_L40S, [], [2048, 4096, 8192, 12288, 16384],
      "(QLoRA paper: a 65B model on one 48 GB GPU; Unsloth: 12,106 tokens for Llama-3.3-70B on 48 GB)"),
+    ("the same in 4096-token sequence tiles (the MLP's [T, d_ff] values a tile at a time; the tiles' forward "
+     "runs once more in the backward)", Q70_L40S, ["remat.seq_tile=4096"], [16384, 32768, 49152],
+     "Unsloth: 12,106 tokens for Llama-3.3-70B on 48 GB (measured; class in the text below)"),
 ]
 
 
@@ -71,9 +74,11 @@ def _recipe_md(name: str, before: str, goal: str, r: dict) -> str:
             f"{bill:.2f} ({total / bill:.3f}) | {r['model_flops']:.3g} | {goal}: {verdict} |")
 
 
-def _seq_overrides(seq: int) -> list[str]:
-    tile = 8192 if seq >= 32768 else 0
-    return [f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 8192)}", f"remat.seq_tile={tile}"]
+def _seq_overrides(seq: int, overrides: list[str]) -> list[str]:
+    """The length, and 8192-token sequence tiles from 32768 on unless the row names its own tile."""
+    tile = [] if any(o.startswith("remat.seq_tile=") for o in overrides) else \
+        [f"remat.seq_tile={8192 if seq >= 32768 else 0}"]
+    return [f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 8192)}", *tile]
 
 
 def _plan(config: str, overrides: list[str]) -> dict:
@@ -88,7 +93,7 @@ def probe(config: str, overrides: list[str], seqs: list[int]) -> list[dict]:
     """Plans each length in order until one does not fit; one record per length planned."""
     out = []
     for seq in seqs:
-        p = _plan(config, overrides + _seq_overrides(seq))
+        p = _plan(config, overrides + _seq_overrides(seq, overrides))
         c = p["compiled"]
         out.append({"seq": seq, "device_total": c["device_total"], "host_total": c["host_total"],
                     "fits": p["fits"], "host_fits": p["host_fits"], "usable": p["usable_device_bytes"],
@@ -136,11 +141,13 @@ each: the layer input, q, the attention output, the flash kernel's output and th
 at 2,097,152).
 The sequence tiler writes its tiles into one buffer per output and the input cotangents over the output
 cotangents, with no zero buffer shared between loops (`jaxmem/core/seq_tiling.py`): at 1,048,576 tokens that
-took Llama-3-8B QLoRA from 76.9 to 55.7 GiB. Llama-3-70B on a 48 GB GPU fits 8,192 tokens (Unsloth reports
-12,106); at 12,288 (41.7 GiB against 40.5 usable) the peak is the MLP of one layer's backward: the [T, d_ff]
-gate / up / activation values (672 MiB each; `remat.seq_tile` tiles them, but then the three rebuilt bf16
-MLP weights, 448 MiB each, are held twice, by the layer and by the tile loop: with `remat.seq_tile=4096`
-12,288 still plans at 41.2 GiB) on top of the 33.9 GiB NF4 base.
+took Llama-3-8B QLoRA from 76.9 to 55.7 GiB. Llama-3-70B on a 48 GB GPU fits 8,192 tokens untiled; at
+12,288 (40.7 GiB against 40.5 usable) the peak is the MLP of one layer's backward: the [T, d_ff] gate / up /
+activation values (672 MiB each) on top of the 33.9 GiB NF4 base. In 4096-token sequence tiles (the last row)
+they exist a tile at a time: 32,768 tokens at 39.9 GiB. Unsloth reports 12,106 tokens for Llama-3.3-70B on
+48 GB, measured; class: both 4-bit QLoRA with activation checkpoints in host memory and a chunked loss; ours
+also stores the embedding and LM head in NF4 and the adapters' optimizer state on the host, and its tiles rerun
+their forward in the backward (counted in the step time).
 
 Not built yet: `lora.quantize_embeddings` with more than one device (the sharded loss takes a
 plain head)."""
@@ -174,7 +181,8 @@ elementwise in the backward; the default (XLA) RMSNorm has one that keeps its in
 1/rms in the backward. Both are the same forward, and their gradients equal plain autodiff of the reference
 (tests/unit/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
 copies: all linears 14.64 -> 11.52 GiB, q,v 12.12 -> 9.01 GiB (compiled deviceless for rtx4090-24g, jax
-0.10.2). Cost: one more elementwise pass over [tokens, d_ff] (the activation) and over [tokens, d_model] per
+0.10.2); the adapters differentiated at bf16 (no fp32 copy of them, docs/lora.md) then took them to 11.04 and
+8.86 GiB. Cost: one more elementwise pass over [tokens, d_ff] (the activation) and over [tokens, d_model] per
 norm in the backward, fused by XLA; not timed on a GPU.
 
 What stops 10 GiB for all linears (`jaxmem explain configs/lora/llama3-8b-qlora-all-linear-seq512.yaml
