@@ -15,6 +15,7 @@ import types
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from jaxmem import kernels
@@ -23,6 +24,7 @@ from jaxmem.config.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.core.precision import Precision
+from jaxmem.core.step_state import batch_keys
 from jaxmem.lora.frozen import LoraSetup
 from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
 from jaxmem.config.validate import batch_layout, check_sequence_layout
@@ -106,7 +108,10 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
-    chosen = kernels.resolve(cfg.kernels, platform, n_devices)
+    compute = jnp.dtype(Precision.from_config(cfg.precision).compute)
+    cudnn_fits = compute in (jnp.bfloat16, jnp.float16) and not cfg.model.attention_sinks \
+        and "segment_ids" not in batch_keys(cfg)  # packed documents
+    chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
     check_sequence_layout(cfg, sizes, chosen["attention"])
     fused_attention = chosen["attention"] != "xla"
     saved = remat.saved_across_backward(cfg.remat, fused_attention)

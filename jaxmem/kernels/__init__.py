@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import jax
+import jax.numpy as jnp
 
 from jaxmem.config.schema import ConfigError, KernelConfig
 from jaxmem.kernels.attention.reference import attention_reference
@@ -54,14 +55,15 @@ def cudnn_present() -> bool:
     return ctypes.util.find_library("cudnn") is not None
 
 
-def resolve(cfg: KernelConfig, platform: str, n_devices: int) -> dict[str, str]:
+def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool = True) -> dict[str, str]:
     """The implementation each op runs on `platform` in a program over `n_devices` devices (its mesh; a
     pipeline stage's own): the one place `auto` is decided.
 
     attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
-    (docs/attention.md); a call with segment ids (packed documents) runs the Pallas kernel instead. XLA on
-    CPU, where Pallas would only interpret. A call with attention sinks (gpt-oss), which cuDNN does not take,
-    runs the Pallas kernel too. loss: chunked, the fastest on an H100 at the same scratch
+    (docs/attention.md), where the program's attention calls fit it (`cudnn_fits`, jaxmem.core.layout: fp16 /
+    bf16 compute, no packed documents, no attention sinks); else the Pallas kernel. XLA on CPU, where Pallas
+    would only interpret. A call that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel
+    whatever the program chose (select_attention). loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
     grouped_matmul: never ragged_dot, which XLA:GPU densifies (64 GiB of temporaries fwd+bwd at the
     Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md). On one GPU the Pallas
@@ -77,8 +79,9 @@ def resolve(cfg: KernelConfig, platform: str, n_devices: int) -> dict[str, str]:
     interpret.
     """
     gpu = _is_gpu(platform)
-    auto = {"attention": ("cudnn" if cudnn_present() else "pallas") if gpu else "xla", "loss": "chunked",
-            "norm": "xla", "grouped_matmul": "pallas" if gpu and n_devices == 1 else "blocked"}
+    cudnn = cudnn_fits and cudnn_present()
+    auto = {"attention": ("cudnn" if cudnn else "pallas") if gpu else "xla", "loss": "chunked", "norm": "xla",
+            "grouped_matmul": "pallas" if gpu and n_devices == 1 else "blocked"}
     return {op: auto[op] if getattr(cfg, op) == "auto" else getattr(cfg, op) for op in auto}
 
 
@@ -114,9 +117,14 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
         return sequence_parallel(chosen, mesh)
     # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
     # (docs/attention.md), so packed documents go to the Pallas kernel; so do attention sinks (none in cuDNN)
+    # and fp32 (cuDNN takes fp16 / bf16 / fp8 only)
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
-    return sequence_parallel(lambda q, k, v, seg, **kw: chosen(q, k, v, None, **kw)
-                             if seg is None and kw.get("sinks") is None else packed(q, k, v, seg, **kw), mesh)
+
+    def route(q, k, v, seg, **kw):
+        fits = seg is None and kw.get("sinks") is None and q.dtype in (jnp.bfloat16, jnp.float16)
+        return chosen(q, k, v, None, **kw) if fits else packed(q, k, v, seg, **kw)
+
+    return sequence_parallel(route, mesh)
 
 
 def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):

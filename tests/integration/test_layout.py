@@ -202,3 +202,21 @@ def test_a_one_gpu_mixture_of_experts_step_runs_the_pallas_grouped_matmul_its_bi
     assert prog.layout.kernels["grouped_matmul"] == bill.layout.kernels["grouped_matmul"] == "pallas"
     ran = _kernel_scopes(jax.make_jaxpr(prog.step_fn())(prog.abstract_state, prog.abstract_batch()).jaxpr)
     assert "grouped_matmul_pallas" in ran and "grouped_matmul_blocked" not in ran, ran
+
+
+@pytest.mark.parametrize("override,fits", [([], True), (["precision.compute_dtype=float32"], False),
+                                           (["data.kind=jsonl", "data.path=x.jsonl", "data.tokenizer=gpt2"], False), (["model.attention_sinks=true"], False)],
+                         ids=["bf16", "fp32", "packed", "sinks"])
+def test_auto_attention_is_cudnn_only_where_the_programs_calls_fit_it(monkeypatch, override, fits):
+    """With cuDNN present (every CUDA jax install) `auto` plans cuDNN only for fp16 / bf16 compute without
+    packed documents or sinks; a call that does not fit (fp32 q, segment ids, sinks) runs the Pallas kernel
+    whatever was chosen (cuDNN refuses fp32: "Q must be fp16/bf16/fp8", seen on jax 0.12 with the cuDNN
+    wheel installed)."""
+    monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
+    cfg = load_config(None, ["model.preset=tiny", "precision.param_dtype=bfloat16",
+                             "precision.compute_dtype=bfloat16", *override])
+    assert compute_bill(cfg, 1, gpu=True).layout.kernels["attention"] == ("cudnn" if fits else "pallas")
+    attend = kernels.select_attention(KernelConfig(), "gpu")
+    q = jnp.zeros((1, 64, 4, 32), jnp.float32)
+    scopes = _kernel_scopes(jax.make_jaxpr(lambda q: attend(q, q, q, None))(q).jaxpr)
+    assert scopes == {"attention_pallas"}
