@@ -126,15 +126,19 @@ def test_blocks_shrink_to_fit_the_smallest_shared_memory():
     assert bf16 == AttentionBlocks()  # the defaults already fit in bf16
     fp32 = fit_shared_memory(AttentionBlocks(), 128, 4)
     assert (fp32.block_q, fp32.block_k) == (64, 32)
-    assert 4 * 128 * (fp32.block_q + 2 * fp32.num_stages * fp32.block_k) <= SHARED_MEMORY_BUDGET
+    assert 4 * 128 * (fp32.block_q + 2 * fp32.num_stages * fp32.block_k) + 16 * 128 <= SHARED_MEMORY_BUDGET
+    wide = fit_shared_memory(AttentionBlocks(), 256, 2)  # Gemma 3's head_dim: 64 x 32 asked for 102400 bytes
+    assert (wide.block_q, wide.block_k) == (32, 32)
 
 
-def test_fp32_head_dim_128_compiles_for_rtx4090():
-    """Deviceless sm_89 compile (99 KiB shared memory): the default 64 x 64 fp32 tiles would not fit."""
+@pytest.mark.parametrize("dtype,head_dim", [(jnp.float32, 128), (jnp.bfloat16, 256)], ids=["fp32-128", "bf16-256"])
+def test_wide_tiles_compile_for_rtx4090(dtype, head_dim):
+    """Deviceless sm_89 compile (99 KiB shared memory): the default 64 x 64 tiles would not fit in fp32 at
+    head_dim 128, nor 64 x 32 in bf16 at Gemma 3's head_dim 256 (Triton asked for 102400 bytes)."""
     from jaxmem.runtime.aot import compile_abstract, target_devices
 
     sharding = jax.sharding.SingleDeviceSharding(target_devices("rtx4090-24g", 1)[0])
-    q = jax.ShapeDtypeStruct((1, 256, 4, 128), jnp.float32, sharding=sharding)
-    kv = jax.ShapeDtypeStruct((1, 256, 2, 128), jnp.float32, sharding=sharding)
-    loss = lambda q, k, v: flash_attention(q, k, v).sum()
+    q = jax.ShapeDtypeStruct((1, 256, 4, head_dim), dtype, sharding=sharding)
+    kv = jax.ShapeDtypeStruct((1, 256, 2, head_dim), dtype, sharding=sharding)
+    loss = lambda q, k, v: flash_attention(q, k, v).astype(jnp.float32).sum()
     compile_abstract(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv)  # lowered for the sm_89 device itself
