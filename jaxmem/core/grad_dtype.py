@@ -68,16 +68,21 @@ def _widened_from(var, jaxpr, producers, depth=0):
     return None
 
 
+def follows_scans() -> bool:
+    """Whether the walk reads through layer scans (jax < 0.12). jax 0.12 reads the same way, but there XLA:CPU
+    lets the params drift one ulp from round(master) with bf16 gradients (it recomputes the master inside the
+    params' cast), and a barrier that stops it moved the compiled bytes off the bill: not followed there yet
+    (the plain step's fp32 cast, same values), so the layers' gradients stay fp32 on jax 0.12."""
+    return compat.version_tuple(jax.__version__) < (0, 12, 0)
+
+
 def _num_carry(eqn):
     """How many of a scan's outputs are its loop carry (the rest are the stacked per-iteration outputs).
     jax 0.10 names the count (num_carry); jax 0.11 describes the outputs as a flat tree (ft_out = (carry,
     ys)) instead. None for a form this walk does not follow."""
     if "num_carry" in eqn.params:
         return eqn.params["num_carry"]
-    if compat.version_tuple(jax.__version__) >= (0, 12, 0):
-        # jax 0.12 reads the same way, but there XLA:CPU lets the params drift one ulp from round(master) with
-        # bf16 gradients (it recomputes the master inside the params' cast), and a barrier that stops it moved
-        # the compiled bytes off the bill: not followed there yet (the plain step's fp32 cast, same values)
+    if not follows_scans():
         return None
     ft_out = eqn.params.get("ft_out")
     try:
@@ -143,9 +148,10 @@ def planned_dtype(name: str, cfg, prec):
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
         jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize
     plain = cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
+    scanned = follows_scans()  # the adapters and every projection but the LM head live in the layer scan
     if cfg.lora.rank > 0:
         untiled = tile_count(cfg.train.seq_len, max(cfg.parallel.sp, 1), cfg.remat.seq_tile) == 1
-        lean = plain and untiled and name in ADAPTERS
+        lean = plain and untiled and scanned and name in ADAPTERS
     else:
-        lean = plain and name in PROJECTIONS
+        lean = plain and name in PROJECTIONS and (scanned or name == "lm_head")
     return prec.param if lean and narrow else prec.grad_reduce
