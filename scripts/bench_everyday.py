@@ -30,7 +30,8 @@ GIB, GB = 2**30, 1e9
 TOLERANCE, PEER_GOAL = 0.10, 0.8
 GPU = {24: "rtx4090-24g", 48: "l40s-48g", 80: "h100-80g"}
 MODEL = {"Llama-3-8B": "llama3-8b", "Llama-3.2-1B": "llama3.2-1b", "Qwen2.5-7B": "qwen2.5-7b",
-         "Mistral-7B": "mistral-7b", "tiny": "tiny"}
+         "Mistral-7B": "mistral-7b", "tiny": "tiny", "Qwen3-8B": "qwen3-8b", "Gemma-3-12B": "gemma3-12b",
+         "Qwen3-30B-A3B": "qwen3-30b-a3b", "gpt-oss-20b": "gpt-oss-20b"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +137,12 @@ RECIPES = [
     Recipe("llama3-8b-full-fsdp8-s2048-full-24g", "Llama-3-8B", "full", "full", 2048, 1, 8, 24),
     Recipe("qwen2.5-7b-full-host-s8192-full-80g", "Qwen2.5-7B", "full", "full", 8192, 1, 1, 80,
            extra=("offload.optimizer=host", "offload.params=host")),
+    # the families people fine-tune today (no peer publishes a measured peak for these recipes)
+    Recipe("qwen3-8b-qlora-all-s2048-sel-24g", "Qwen3-8B", "qlora", "selective", 2048, 1, 1, 24, "all"),
+    Recipe("gemma3-12b-qlora-all-s4096-full-24g", "Gemma-3-12B", "qlora", "full", 4096, 1, 1, 24, "all"),
+    Recipe("qwen3-8b-full-fsdp8-s8192-full-80g", "Qwen3-8B", "full", "full", 8192, 1, 8, 80),
+    Recipe("qwen3-30b-a3b-qlora-all-s4096-full-80g", "Qwen3-30B-A3B", "qlora", "full", 4096, 1, 1, 80, "all"),
+    Recipe("gpt-oss-20b-qlora-all-s8192-full-80g", "gpt-oss-20b", "qlora", "full", 8192, 1, 1, 80, "all"),
 ]
 
 
