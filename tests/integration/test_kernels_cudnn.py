@@ -133,6 +133,10 @@ def test_packed_cudnn_does_not_lower_deviceless():
     spec = _h100_specs()
     args = (spec(B, T, N, H), spec(B, T, K, H), spec(B, T, K, H), spec(B, T, dtype=jnp.int32))
     fn = jax.jit(lambda q, k, v, seg: cudnn_attention(q, k, v, seg))
+    if not compat.in_range(jax.__version__, cudnn.PACKED_RANGE):  # outside it, refused before jax is asked
+        with pytest.raises(compat.UnsupportedVersion, match="use kernels.attention='pallas' for segment ids"):
+            fn.lower(*args)
+        return
     with pytest.raises(NotImplementedError, match="Packed layout requires a GPU with at least Hopper"):
         fn.lower(*args)
 

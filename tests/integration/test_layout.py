@@ -185,9 +185,10 @@ def test_auto_is_decided_in_one_place(platform):
     gpu_attention = "cudnn" if kernels.cudnn_present() else "pallas"
     assert chosen == {"attention": gpu_attention if platform == "gpu" else "xla", "loss": "chunked", "norm": "xla",
                       "grouped_matmul": "blocked"}
-    cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp=8"])
+    half = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16"]  # what cuDNN takes
+    cfg = load_config(None, ["model.preset=tiny", "parallel.fsdp=8", *half])
     assert compute_bill(cfg, 8, gpu=platform == "gpu").layout.kernels == chosen
-    one = load_config(None, ["model.preset=tiny"])  # a one-device program: the Pallas grouped matmul on a GPU
+    one = load_config(None, ["model.preset=tiny", *half])  # a one-device program: the Pallas grouped matmul on a GPU
     assert compute_bill(one, 1, gpu=platform == "gpu").layout.kernels == dict(
         chosen, grouped_matmul="pallas" if platform == "gpu" else "blocked")
 
