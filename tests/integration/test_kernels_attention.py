@@ -95,11 +95,15 @@ def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
     monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
     assert kernels.resolve(KernelConfig(), "gpu", 1)["attention"] == "cudnn"
     fn = select_attention(KernelConfig(), "gpu")
-    q, kv = jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 1, 16))
+    q, kv = jnp.zeros((1, 32, 2, 16), jnp.bfloat16), jnp.zeros((1, 32, 1, 16), jnp.bfloat16)  # what cuDNN takes
     assert fn(q, kv, kv, None) is q and calls == [True]
     seg = jnp.zeros((1, 32), jnp.int32)
     jaxpr = str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, seg))(q, kv, kv))
     assert "pallas_call" in jaxpr and "flash_attention_fwd" in jaxpr and calls == [True]
+    # fp32 q, which cuDNN refuses, goes to the Pallas kernel too
+    q32, kv32 = q.astype(jnp.float32), kv.astype(jnp.float32)
+    jaxpr = str(jax.make_jaxpr(lambda q, k, v: fn(q, k, v, None))(q32, kv32, kv32))
+    assert "pallas_call" in jaxpr and calls == [True]
     monkeypatch.setattr(kernels, "cudnn_present", lambda: False)
     assert kernels.resolve(KernelConfig(), "gpu", 1)["attention"] == "pallas"
 

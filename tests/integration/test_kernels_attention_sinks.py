@@ -205,7 +205,7 @@ def test_auto_on_gpu_sends_sinks_to_pallas(monkeypatch):
     monkeypatch.setattr(cudnn_module, "cudnn_attention", lambda q, k, v, seg, **kw: calls.append(kw) or q)
     monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
     fn = select_attention(KernelConfig(), "gpu")
-    q, kv = jnp.zeros((1, 32, 2, 16)), jnp.zeros((1, 32, 1, 16))
+    q, kv = jnp.zeros((1, 32, 2, 16), jnp.bfloat16), jnp.zeros((1, 32, 1, 16), jnp.bfloat16)  # what cuDNN takes
     assert fn(q, kv, kv, None) is q and calls == [{}]
     assert fn(q, kv, kv, None, sinks=None) is q and calls == [{}, {"sinks": None}]
     jaxpr = str(jax.make_jaxpr(lambda q, k, v, s: fn(q, k, v, None, sinks=s))(q, kv, kv, jnp.zeros((2,))))
