@@ -140,9 +140,10 @@ PROJECTIONS = ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down", "lm_head")
 ADAPTERS = ("a", "b")
 
 
-def planned_dtype(name: str, cfg, prec):
+def planned_dtype(name: str, cfg, prec, sp: int = 1):
     """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation); a
-    LoRA run's leaves are its adapters' `a` and `b`."""
+    LoRA run's leaves are its adapters' `a` and `b`. `sp`: the resolved sequence-parallel axis (the tiles are
+    counted per device)."""
     from jaxmem.core.seq_tiling import tile_count  # (jaxmem.model's package init imports seq_tiling)
 
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
@@ -150,7 +151,7 @@ def planned_dtype(name: str, cfg, prec):
     plain = cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
     scanned = follows_scans()  # the adapters and every projection but the LM head live in the layer scan
     if cfg.lora.rank > 0:
-        untiled = tile_count(cfg.train.seq_len, max(cfg.parallel.sp, 1), cfg.remat.seq_tile) == 1
+        untiled = tile_count(cfg.train.seq_len, sp, cfg.remat.seq_tile) == 1
         lean = plain and untiled and scanned and name in ADAPTERS
     else:
         lean = plain and name in PROJECTIONS and (scanned or name == "lm_head")

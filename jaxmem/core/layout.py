@@ -15,7 +15,6 @@ import types
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from jaxmem import kernels
@@ -108,9 +107,8 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     graphdef, params_state = nnx.split(abstract_model(cfg.model, param_dtype=Precision.from_config(
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
-    compute = jnp.dtype(Precision.from_config(cfg.precision).compute)
-    cudnn_fits = compute in (jnp.bfloat16, jnp.float16) and not cfg.model.attention_sinks \
-        and "segment_ids" not in batch_keys(cfg)  # packed documents
+    cudnn_fits = kernels.cudnn_takes(Precision.from_config(cfg.precision).compute, sinks=cfg.model.attention_sinks,
+                                     segments="segment_ids" in batch_keys(cfg))  # packed documents
     chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
     check_sequence_layout(cfg, sizes, chosen["attention"])
     fused_attention = chosen["attention"] != "xla"

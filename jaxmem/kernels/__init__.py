@@ -55,13 +55,20 @@ def cudnn_present() -> bool:
     return ctypes.util.find_library("cudnn") is not None
 
 
+def cudnn_takes(dtype, *, segments: bool, sinks: bool) -> bool:
+    """Whether cuDNN attention takes a call: fp16 / bf16 (cuDNN refuses fp32), no segment ids (its packed path
+    needs a private jax API and a workspace max_segments times larger, docs/attention.md), no attention sinks
+    (none in cuDNN). The layout asks it of the program's config, select_attention of each call."""
+    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not segments and not sinks
+
+
 def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool = True) -> dict[str, str]:
     """The implementation each op runs on `platform` in a program over `n_devices` devices (its mesh; a
     pipeline stage's own): the one place `auto` is decided.
 
     attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
-    (docs/attention.md), where the program's attention calls fit it (`cudnn_fits`, jaxmem.core.layout: fp16 /
-    bf16 compute, no packed documents, no attention sinks); else the Pallas kernel. XLA on CPU, where Pallas
+    (docs/attention.md), where the program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute
+    dtype, packed documents and sinks, jaxmem.core.layout); else the Pallas kernel. XLA on CPU, where Pallas
     would only interpret. A call that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel
     whatever the program chose (select_attention). loss: chunked, the fastest on an H100 at the same scratch
     (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
@@ -115,13 +122,11 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     chosen = _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
     if cfg.attention != "auto" or impl != "cudnn":
         return sequence_parallel(chosen, mesh)
-    # auto: cuDNN's packed-sequence path needs a private jax API and a workspace max_segments times larger
-    # (docs/attention.md), so packed documents go to the Pallas kernel; so do attention sinks (none in cuDNN)
-    # and fp32 (cuDNN takes fp16 / bf16 / fp8 only)
+    # auto: a call cuDNN does not take (cudnn_takes: packed documents, sinks, fp32) goes to the Pallas kernel
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
 
     def route(q, k, v, seg, **kw):
-        fits = seg is None and kw.get("sinks") is None and q.dtype in (jnp.bfloat16, jnp.float16)
+        fits = cudnn_takes(q.dtype, segments=seg is not None, sinks=kw.get("sinks") is not None)
         return chosen(q, k, v, None, **kw) if fits else packed(q, k, v, seg, **kw)
 
     return sequence_parallel(route, mesh)

@@ -177,7 +177,8 @@ def _plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only
             # its touched rows (jaxmem.core.embed_grad): fp32 sums per distinct token, the rows' gradient
             total += embed_grad.rows_bytes(cfg, layout, prec)
             continue
-        total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(planned_dtype(name, cfg, prec))
+        dtype = planned_dtype(name, cfg, prec, sp=layout.mesh_sizes["sp"])
+        total += _shard_elems(x.shape, spec, layout.mesh_sizes) * _itemsize(dtype)
     return total
 
 
@@ -228,8 +229,7 @@ def attention_phase_bytes(cfg: Config, layout: Layout, per_name: dict[str, int],
     m = cfg.model
     q, kv, btd = (per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.LAYER_INPUT))
     elems = 2 * btd + 3 * q + 4 * kv + (q if m.sliding_window and m.global_every else 0)
-    if tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile) > 1 \
-            and m.d_model not in (m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim):
+    if bill_moe.seq_tiles(cfg, layout) > 1 and m.d_model not in (m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim):
         elems += btd
     return elems * cd + 2 * (q // m.head_dim) * 4
 
@@ -395,7 +395,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         layers = _state_elems(layout, layout.param_specs, "layers")
         device["params_for_grad"] = layers * (_itemsize(prec.grad_reduce) - _itemsize(prec.param))
     elif layout.lora is not None and "params" not in layout.host_state \
-            and planned_dtype("a", cfg, prec) != prec.param != prec.grad_reduce:
+            and planned_dtype("a", cfg, prec, sp=sizes["sp"]) != prec.param:
         # adapters whose gradient the step cannot keep at their dtype (in sequence tiles, summed over the tiles
         # in fp32): an fp32 copy of them beside the stored ones (`jaxmem explain` of the gpt-oss-20b QLoRA
         # recipe at 256K: each expert adapter's f32 copy from the cast and its bf16 original at the peak)

@@ -138,7 +138,7 @@ def test_state_specs_and_bytes_match(program_and_bill):
         from jaxmem.core.grad_dtype import planned_dtype
 
         paths = [str(getattr(p[-1], "key", p[-1])) for p, _ in jax.tree_util.tree_flatten_with_path(state["params"])[0]]
-        sizes = [n * np.dtype(planned_dtype(name, prog.cfg, prec)).itemsize
+        sizes = [n * np.dtype(planned_dtype(name, prog.cfg, prec, sp=lay.mesh_sizes["sp"])).itemsize
                  for name, n in zip(paths, shard_elems(state["params"], prog.grad_specs), strict=True)]
         if embed_grad.applies(prog.cfg, lay, prec):
             tokens, d = embed_grad.tokens_per_step(prog.cfg, lay), prog.cfg.model.d_model  # sums + rows' grads
@@ -205,8 +205,11 @@ def test_a_one_gpu_mixture_of_experts_step_runs_the_pallas_grouped_matmul_its_bi
     assert "grouped_matmul_pallas" in ran and "grouped_matmul_blocked" not in ran, ran
 
 
-@pytest.mark.parametrize("override,fits", [([], True), (["precision.compute_dtype=float32"], False),
-                                           (["data.kind=jsonl", "data.path=x.jsonl", "data.tokenizer=gpt2"], False), (["model.attention_sinks=true"], False)],
+PACKED = ["data.kind=jsonl", "data.path=x.jsonl", "data.tokenizer=gpt2"]  # records, packed by default
+
+
+@pytest.mark.parametrize("override,fits", [([], True), (["precision.compute_dtype=float32"], False), (PACKED, False),
+                                           (["model.attention_sinks=true"], False)],
                          ids=["bf16", "fp32", "packed", "sinks"])
 def test_auto_attention_is_cudnn_only_where_the_programs_calls_fit_it(monkeypatch, override, fits):
     """With cuDNN present (every CUDA jax install) `auto` plans cuDNN only for fp16 / bf16 compute without
