@@ -42,10 +42,11 @@ LATEST := .venv-latest
 # loaded two-worker run and never alone (docs in the closing note); it runs in `make test` on the tested jax.
 # test_update_in_backward runs here since 2026-11-27: its tolerances now allow the last-bit fp32 differences of
 # another fusion order (and the one-ulp bf16 param flips they cause), which jax 0.12 shows and jax 0.10.2 does not.
-# test_lean_update too since then: the default AdamW step against optax on the users' jax (grad_dtype.follows_scans).
+# test_lean_update too since then: the default AdamW step against optax on the users' jax. test_remat since
+# 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12.
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
-	tests/unit/test_lean_update.py
+	tests/unit/test_lean_update.py tests/integration/test_remat.py
 
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)

@@ -17,8 +17,6 @@ import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
 
-from jaxmem.runtime import compat
-
 # Ops that move or relabel a value without changing any element: a widened value stays a widened value.
 _PASS_THROUGH = {"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p", "sharding_constraint",
                  "mesh_cast", "reduce_precision_noop"}
@@ -68,22 +66,12 @@ def _widened_from(var, jaxpr, producers, depth=0):
     return None
 
 
-def follows_scans() -> bool:
-    """Whether the walk reads through layer scans (jax < 0.12). jax 0.12 reads the same way, but there XLA:CPU
-    lets the params drift one ulp from round(master) with bf16 gradients (it recomputes the master inside the
-    params' cast), and a barrier that stops it moved the compiled bytes off the bill: not followed there yet
-    (the plain step's fp32 cast, same values), so the layers' gradients stay fp32 on jax 0.12."""
-    return compat.version_tuple(jax.__version__) < (0, 12, 0)
-
-
 def _num_carry(eqn):
     """How many of a scan's outputs are its loop carry (the rest are the stacked per-iteration outputs).
-    jax 0.10 names the count (num_carry); jax 0.11 describes the outputs as a flat tree (ft_out = (carry,
-    ys)) instead. None for a form this walk does not follow."""
+    jax 0.10 names the count (num_carry); jax 0.11 and 0.12 describe the outputs as a flat tree (ft_out =
+    (carry, ys)) instead. None for a form this walk does not follow."""
     if "num_carry" in eqn.params:
         return eqn.params["num_carry"]
-    if not follows_scans():
-        return None
     ft_out = eqn.params.get("ft_out")
     try:
         return len(ft_out.unpack()[0])
@@ -149,10 +137,9 @@ def planned_dtype(name: str, cfg, prec, sp: int = 1):
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
         jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize
     plain = cfg.offload.params != "host" and not cfg.optimizer.update_in_backward
-    scanned = follows_scans()  # the adapters and every projection but the LM head live in the layer scan
     if cfg.lora.rank > 0:
         untiled = tile_count(cfg.train.seq_len, sp, cfg.remat.seq_tile) == 1
-        lean = plain and untiled and scanned and name in ADAPTERS
+        lean = plain and untiled and name in ADAPTERS
     else:
-        lean = plain and name in PROJECTIONS and (scanned or name == "lm_head")
+        lean = plain and name in PROJECTIONS
     return prec.param if lean and narrow else prec.grad_reduce

@@ -161,7 +161,6 @@ def test_deviceless_host_optimizer_leaves_the_device():
     device in the backward). The analytic bill follows both compiles within 5%."""
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.runtime import aot
-    from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.compiled import memory_figures
 
     figures = {}
@@ -169,7 +168,7 @@ def test_deviceless_host_optimizer_leaves_the_device():
         cfg = load_config(None, SMALL + extra)
         prog = build_program(cfg, devices=aot.target_devices("h100-80g", 1))
         figures[name] = memory_figures(prog.lower().compile())
-        assert compute_bill(cfg, 1).device_total == pytest.approx(figures[name]["device"], rel=0.05), name
+        _assert_billed(cfg, figures[name]["device"], streamed=name == "host")
     state = prog.abstract_state
     moved = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves((state["opt"], state["master"]))
                 if x.ndim)
@@ -181,7 +180,20 @@ def test_deviceless_host_optimizer_leaves_the_device():
     inputs = cfg.model.n_layers * cfg.train.seq_len * cfg.model.d_model * 2
     lean = memory_figures(build_program(cfg, devices=aot.target_devices("h100-80g", 1)).lower().compile())
     assert lean["host_temp"] >= inputs and lean["device"] <= host["device"] - inputs // 2, (host, lean, inputs)
-    assert compute_bill(cfg, 1).device_total == pytest.approx(lean["device"], rel=0.05)
+    _assert_billed(cfg, lean["device"], streamed=True)
+
+
+def _assert_billed(cfg, compiled: int, streamed: bool):
+    """The bill within 5% of the compiled device total. With the barrier before each new weight's cast (jax
+    0.12 on) XLA no longer prefetches the next leaf's streamed master, m and v (d_model x d_ff fp32 each, 9.4 MB
+    here) that the bill counts (bill.in_backward_stream_bytes): there over by up to that more, never under."""
+    from jaxmem.core.optim import _BARRIER_BEFORE_CAST
+    from jaxmem.plan.bill import compute_bill
+
+    billed = compute_bill(cfg, 1).device_total
+    slack = 3 * 4 * cfg.model.d_model * cfg.model.d_ff if _BARRIER_BEFORE_CAST and streamed else 0
+    assert billed == pytest.approx(compiled, rel=0.05) or compiled < billed <= compiled * 1.05 + slack, \
+        (billed, compiled)
 
 
 MOE = ["optimizer.clip_norm=1000", "model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]

@@ -183,14 +183,14 @@ def test_adapters_are_differentiated_at_their_dtype_unless_tiles_sum_them(tiles,
     """An adapter is used only through a cast to the compute dtype: its fp32 gradient would be a widened bf16
     value, so the step keeps it (and the adapter) at bf16: no fp32 copy of the adapters. Sequence tiles sum a
     tile's adapter gradients in fp32: there they stay fp32. The planner (planned_dtype) says the same."""
-    from jaxmem.core.grad_dtype import follows_scans, planned_dtype
+    from jaxmem.core.grad_dtype import planned_dtype
 
     extra = ["remat.seq_tile=16"] if tiles else []
     prog = _program("lora.targets=all-linear", "precision.param_dtype=bfloat16",
                     "precision.compute_dtype=bfloat16", *extra)
     seen = _differentiated(prog, monkeypatch)
     assert len(seen) == 2 * len(LINEARS)
-    want = jnp.bfloat16 if follows_scans() and not tiles else jnp.float32  # (jax 0.12: grad_dtype.follows_scans)
+    want = jnp.float32 if tiles else jnp.bfloat16
     assert set(seen.values()) == {jnp.dtype(want)}
     assert planned_dtype("a", prog.cfg, prog.precision) == planned_dtype("b", prog.cfg, prog.precision) == want
 
