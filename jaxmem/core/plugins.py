@@ -49,6 +49,9 @@ class ProgramPlugin:
         return None
 
     donates_params = True  # the loaded params' buffers may become the state's
+    # fresh_state is assemble_state of the model's params: jaxmem.core.host_init may fill its pinned-host layer
+    # stacks a layer at a time
+    assembles_state = True
 
     # ------------------------------------------------------------ forward
     def layer_fetch(self, cfg, layout, fetch):

@@ -22,7 +22,7 @@ from jaxmem import kernels
 from jaxmem.core import offload, remat, sharding
 from jaxmem.config import validate
 from jaxmem.config.schema import Config
-from jaxmem.core import embed_grad, expert_parallel, grad_dtype
+from jaxmem.core import embed_grad, expert_parallel, grad_dtype, host_init
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -100,6 +100,8 @@ class TrainProgram:
     # ------------------------------------------------------------ state
     def init_state(self, seed: int | None = None) -> dict:
         seed = self.cfg.train.seed if seed is None else seed
+        if self.plugin.assembles_state and host_init.host_layer_paths(self):
+            return host_init.fresh_state(self, seed=seed)
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
 
     def fresh_params(self, seed: int) -> dict:

@@ -15,6 +15,7 @@ import jax
 import orbax.checkpoint as ocp
 
 from jaxmem.config.schema import Config, ConfigError, config_hash
+from jaxmem.core import host_init
 from jaxmem.core.optim import schedule_steps
 from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN
@@ -305,6 +306,9 @@ def init_whole(prog, path: str | Path) -> dict:
     streamed = prog.plugin.streamed_state(prog, path)  # LoRA: an HF directory or import-hf output
     if streamed is not None:
         return streamed
+    if prog.plugin.assembles_state and host_init.host_layer_paths(prog):
+        check_model_json(path, prog.cfg)
+        return host_init.fresh_state(prog, restore_params(path, host_init.loading_targets(prog)))
     params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
     donate = (0,) if prog.plugin.donates_params else ()

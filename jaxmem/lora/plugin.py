@@ -73,6 +73,7 @@ class LoraPlugin(ProgramPlugin):
         return dict(state, **{FROZEN: stream_base(prog, path)})
 
     donates_params = False  # the stored base cannot reuse the loaded params' buffers
+    assembles_state = False  # adapters on a frozen base (its layers are seeded one at a time already)
 
     # ------------------------------------------------------------ forward
     def layer_fetch(self, cfg, layout, fetch):

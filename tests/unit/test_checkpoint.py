@@ -133,7 +133,12 @@ def _write_params_checkpoint(directory, cfg, seed):
     return jax.tree.map(np.asarray, params)
 
 
-@pytest.mark.parametrize("precision", [[], ["precision.param_dtype=bfloat16", "precision.master_weights=true"]])
+MIXED = ["precision.param_dtype=bfloat16", "precision.master_weights=true"]
+
+
+# the last: state and layers in pinned host memory, restored there and assembled a layer at a time (host_init)
+@pytest.mark.parametrize("precision", [[], MIXED, MIXED + ["offload.optimizer=host", "offload.params=host", "remat.preset=full"]],
+                         ids=["fp32", "mixed", "mixed_host"])
 def test_init_from_loads_params_with_fresh_optimizer_state(tmp_path, precision):
     cfg = _cfg(tmp_path / "run", *precision)
     saved = _write_params_checkpoint(tmp_path / "hf", cfg, seed=7)
@@ -146,6 +151,10 @@ def test_init_from_loads_params_with_fresh_optimizer_state(tmp_path, precision):
     assert int(state["step"]) == 0
     adam = _adam(state["opt"]["rest"])
     assert int(adam.count) == 0 and all(not np.asarray(m).any() for m in jax.tree.leaves(adam.mu))
+    layers = _adam(state["opt"]["layers"])
+    assert all(not np.asarray(m).any() for m in jax.tree.leaves((layers.mu, layers.nu)))
+    if "offload.params=host" in precision:
+        assert {x.sharding.memory_kind for x in jax.tree.leaves(state["params"]["layers"])} == {"pinned_host"}
 
 
 def test_training_starts_from_init_from_params(tmp_path):
