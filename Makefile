@@ -43,10 +43,11 @@ LATEST := .venv-latest
 # test_update_in_backward runs here since 2026-11-27: its tolerances now allow the last-bit fp32 differences of
 # another fusion order (and the one-ulp bf16 param flips they cause), which jax 0.12 shows and jax 0.10.2 does not.
 # test_lean_update too since then: the default AdamW step against optax on the users' jax. test_remat since
-# 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12.
+# 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12;
+# test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax.
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
-	tests/unit/test_lean_update.py tests/integration/test_remat.py
+	tests/unit/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py
 
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)
