@@ -379,7 +379,9 @@ class Config:
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
     distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
     remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")
-    offload: OffloadConfig = _f(OffloadConfig(), "host memory for optimizer state and parameters")
+    offload: OffloadConfig = _f(OffloadConfig(), "host memory for optimizer state and parameters; a fresh state's "
+                                  "host parts are built a layer at a time (jaxmem.core.host_init), so init "
+                                  "holds one layer's worth on the device")
     kernels: KernelConfig = _f(KernelConfig(), "fused kernel choices and tile sizes")
     target: TargetConfig = _f(TargetConfig(), "the GPU target a plan compiles for and its fit rule")
 

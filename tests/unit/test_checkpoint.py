@@ -137,8 +137,10 @@ MIXED = ["precision.param_dtype=bfloat16", "precision.master_weights=true"]
 
 
 # the last: state and layers in pinned host memory, restored there and assembled a layer at a time (host_init)
-@pytest.mark.parametrize("precision", [[], MIXED, MIXED + ["offload.optimizer=host", "offload.params=host", "remat.preset=full"]],
-                         ids=["fp32", "mixed", "mixed_host"])
+HOST = ["offload.optimizer=host", "offload.params=host", "remat.preset=full"]
+
+
+@pytest.mark.parametrize("precision", [[], MIXED, MIXED + HOST], ids=["fp32", "mixed", "mixed_host"])
 def test_init_from_loads_params_with_fresh_optimizer_state(tmp_path, precision):
     cfg = _cfg(tmp_path / "run", *precision)
     saved = _write_params_checkpoint(tmp_path / "hf", cfg, seed=7)
