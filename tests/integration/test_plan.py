@@ -245,9 +245,11 @@ def test_cost_model_counts_recompute_and_labels_estimates():
     assert cost.recompute_flops == layer_recompute * m.n_layers
     assert 0 < cost.mfu < 0.7 and cost.step_seconds >= cost.compute_seconds
     assert cost.to_json()["label"] == "estimated (cost model)"
-    # fp32 matmuls run as TF32, at half the bf16 peak: the same FLOPs take twice as long
-    fp32 = load_config(None, base + ["remat.preset=full", "precision.compute_dtype=float32"])
-    bf16 = load_config(None, base + ["remat.preset=full", "precision.compute_dtype=bfloat16"])
+    # fp32 matmuls run as TF32, at half the bf16 peak: the same FLOPs take twice as long (the same attention
+    # kernel for both: with the cuDNN library present `auto` gives bf16 cuDNN and fp32 Pallas, priced apart)
+    same = ["remat.preset=full", "kernels.attention=pallas"]
+    fp32 = load_config(None, base + same + ["precision.compute_dtype=float32"])
+    bf16 = load_config(None, base + same + ["precision.compute_dtype=bfloat16"])
     flop_bound = ("matmul_seconds", "attention_seconds", "loss_seconds")  # memory-bound parts do not double
     t32 = sum(estimate(fp32, compute_bill(fp32, 8), TARGETS["h100-80g"], 8, 1, 8).breakdown[k] for k in flop_bound)
     t16 = sum(estimate(bf16, compute_bill(bf16, 8), TARGETS["h100-80g"], 8, 1, 8).breakdown[k] for k in flop_bound)
