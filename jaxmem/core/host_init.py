@@ -19,6 +19,12 @@ from jaxmem.core.step_state import assemble_state
 from jaxmem.runtime.memory_kinds_shim import is_host
 
 
+def applies(prog) -> bool:
+    """Whether the program's fresh state is built here: its plug-in assembles the state from the model's params
+    (not LoRA's frozen base) and some layer stack lives in pinned host memory."""
+    return prog.plugin.assembles_state and bool(host_layer_paths(prog))
+
+
 def host_layer_paths(prog, from_params: bool = False) -> list:
     """Key paths of the state's layer-stacked leaves that live in pinned host memory (empty: nothing to do).
     from_params: the params' own are not among them (the loaded ones, already in place, become the state's)."""
@@ -47,17 +53,13 @@ def _zeros(abstract, sharding):
 def fresh_state(prog, params=None, seed: int | None = None) -> dict:
     """The program's step-0 state, its host layer stacks filled layer by layer: from `params` (the model's,
     donated: a loaded checkpoint) or else initialized from `seed` as init_model would."""
-    paths = host_layer_paths(prog, params is not None)
-    abstract, shardings = _by_path(prog.abstract_state), _by_path(prog.state_shardings)
-    zeros = [_zeros(abstract[p], shardings[p]) for p in paths]
+    zeros = [_zeros(a, s) for a, s in _host_stacks(prog, params is not None)]
     return init_program(prog, params is not None, seed)(zeros, params)
 
 
 def lower(prog, from_params: bool = False):
     """The init program lowered on abstract inputs (a plan's or a test's compile)."""
-    paths = host_layer_paths(prog, from_params)
-    abstract, shardings = _by_path(prog.abstract_state), _by_path(prog.state_shardings)
-    zeros = [jax.ShapeDtypeStruct(abstract[p].shape, abstract[p].dtype, sharding=shardings[p]) for p in paths]
+    zeros = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s) for a, s in _host_stacks(prog, from_params)]
     with prog.lowering():
         return init_program(prog, from_params).lower(zeros, loading_targets(prog) if from_params else None)
 
@@ -67,6 +69,12 @@ def loading_targets(prog) -> dict:
     host memory directly where offload.params=host, never whole on the device."""
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         prog.abstract_model_params(), prog.state_shardings["params"])
+
+
+def _host_stacks(prog, from_params: bool) -> list:
+    """(abstract value, sharding) of each leaf of host_layer_paths, in its order."""
+    abstract, shardings = _by_path(prog.abstract_state), _by_path(prog.state_shardings)
+    return [(abstract[p], shardings[p]) for p in host_layer_paths(prog, from_params)]
 
 
 def _by_path(tree) -> dict:
@@ -87,9 +95,12 @@ def init_program(prog, from_params: bool, seed: int | None = None):
         if params is None:
             whole = nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=seed, param_dtype=prec.param))[1])
             keys = layer_keys(cfg.model, seed)
-            layer_at = lambda i: init_layer(cfg.model, keys[i], param_dtype=prec.param)  # noqa: E731
-            stacked = jax.lax.map(lambda k: init_layer(cfg.model, k, param_dtype=prec.param), keys)
-            params = dict({k: v for k, v in whole.items() if k != "layers"}, layers=stacked)
+            layer_of = lambda key: init_layer(cfg.model, key, param_dtype=prec.param)  # noqa: E731
+            # the stack for the state's device-resident layer leaves (unused, so never computed, where all are
+            # on the host); the loop below initializes each host layer again rather than read it from here,
+            # which would hold the whole stack on the device
+            params = dict({k: v for k, v in whole.items() if k != "layers"}, layers=jax.lax.map(layer_of, keys))
+            layer_at = lambda i: layer_of(keys[i])  # noqa: E731
         else:
             layer_at = lambda i: jax.tree.map(lambda x: jax.device_put(x, DEVICE),  # noqa: E731
                                               take_layer(params["layers"], i))

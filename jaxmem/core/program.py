@@ -100,7 +100,7 @@ class TrainProgram:
     # ------------------------------------------------------------ state
     def init_state(self, seed: int | None = None) -> dict:
         seed = self.cfg.train.seed if seed is None else seed
-        if self.plugin.assembles_state and host_init.host_layer_paths(self):
+        if host_init.applies(self):
             return host_init.fresh_state(self, seed=seed)
         return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
 

@@ -306,7 +306,7 @@ def init_whole(prog, path: str | Path) -> dict:
     streamed = prog.plugin.streamed_state(prog, path)  # LoRA: an HF directory or import-hf output
     if streamed is not None:
         return streamed
-    if prog.plugin.assembles_state and host_init.host_layer_paths(prog):
+    if host_init.applies(prog):
         check_model_json(path, prog.cfg)
         return host_init.fresh_state(prog, restore_params(path, host_init.loading_targets(prog)))
     params = model_params_from(prog, path)

@@ -33,7 +33,7 @@ def _assert_same(a, b):
 def test_seeded_and_loaded_states_equal_the_plain_assembly(offload):
     prog = build_program(load_config(None, TINY + offload), devices=jax.devices()[:2])
     paths = host_init.host_layer_paths(prog)
-    assert paths and all(jax.tree_util.keystr(p).startswith(("['params']", "['master']", "['opt']")) for p in paths)
+    assert host_init.applies(prog) and paths and all(jax.tree_util.keystr(p).startswith(("['params']", "['master']", "['opt']")) for p in paths)
     seeded = prog.init_state()  # host_init's path: host layer stacks present
     _assert_same(seeded, _plain(prog))
     kinds = {x.sharding.memory_kind for x in jax.tree.leaves(seeded["master"]["layers"])}
@@ -46,7 +46,7 @@ def test_seeded_and_loaded_states_equal_the_plain_assembly(offload):
 
 def test_all_device_state_keeps_the_plain_path():
     prog = build_program(load_config(None, TINY), devices=jax.devices()[:2])
-    assert host_init.host_layer_paths(prog) == []
+    assert host_init.host_layer_paths(prog) == [] and not host_init.applies(prog)
 
 
 @pytest.mark.slow

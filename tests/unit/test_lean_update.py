@@ -64,8 +64,7 @@ def _reference_step(prog):
     """One step of the plain whole-model update, written here from optax: the loss differentiated with
     respect to the params cast to fp32 (every gradient fp32), summed over micro-batches in fp32, then
     optax.chain(clip_by_global_norm, AdamW) over the whole model at once. Returns
-    fn(master, mu, nu, count, tokens, params) -> (new master, new mu, new nu, loss): `params` are the bf16
-    params the step differentiates (round(master) exactly on jax < 0.12; see _check)."""
+    fn(master, mu, nu, count, tokens) -> (new master, new mu, new nu, loss)."""
     loss = loss_sum_fn(prog)
     opt = optax.chain(optax.clip_by_global_norm(prog.cfg.optimizer.clip_norm), prog.optimizer)
 
@@ -78,10 +77,10 @@ def _reference_step(prog):
         return jax.tree.map(put, fresh, is_leaf=lambda x: isinstance(x, kinds))
 
     @jax.jit
-    def step(master, mu, nu, count, tokens, params):
+    def step(master, mu, nu, count, tokens):
         inputs, labels, _, _ = split_batch({"tokens": tokens})
         n_valid = jnp.float32(labels.size)
-        params32 = jax.tree.map(lambda w: w.astype(jnp.float32), params)
+        params32 = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32), master)
 
         def micro(carry, batch):
             g, l = jax.grad(lambda p: (lambda s: (s / n_valid, s))(loss(p, *batch)[0]), has_aux=True)(params32)
@@ -111,9 +110,8 @@ def _check(prog, batches, states, losses):
     for k, tokens in enumerate(batches):
         before, after = states[k], states[k + 1]
         mu, nu, count = _adam_fields(before["opt"])
-        # from the params the step held (they must be round(master), below)
         ref_master, ref_mu, ref_nu, ref_loss = reference(before["master"], mu, nu, count,
-                                                         prog.shard_batch(tokens)["tokens"], before["params"])
+                                                         prog.shard_batch(tokens)["tokens"])
         assert losses[k] == pytest.approx(float(ref_loss), rel=1e-6)
         new_mu, new_nu, new_count = _adam_fields(after["opt"])
         assert int(new_count) == k + 1
