@@ -89,8 +89,13 @@ def _moments_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTra
 
 
 def init_opt_state(opt: optax.GradientTransformation, weights: dict) -> dict:
+    """The layer-wise state of `weights`; a part of a params tree (host_init builds a state piece by piece)
+    gets the parts it has: no "layers" entry without a layer stack."""
     rest = {k: v for k, v in weights.items() if k != "layers"}
-    return {"rest": opt.init(rest), "layers": jax.vmap(opt.init)(weights["layers"])}
+    state = {"rest": opt.init(rest)}
+    if "layers" in weights:
+        state["layers"] = jax.vmap(opt.init)(weights["layers"])
+    return state
 
 
 def opt_state_specs(opt: optax.GradientTransformation, abstract_opt: dict, weight_specs: dict, non_param_spec):
@@ -153,6 +158,12 @@ def put_layer(stacked, new, i):
     carry)."""
     return jax.tree.map(lambda a, n: jax.lax.dynamic_update_index_in_dim(a, _same_space(n.astype(a.dtype), a), i, 0),
                         stacked, new)
+
+
+def put_slice(whole, part, start, axis: int):
+    """`whole` with [start, start + part's length) along `axis` replaced by `part`, in whole's dtype and memory
+    space (in place in a loop carry)."""
+    return jax.lax.dynamic_update_slice_in_dim(whole, _same_space(part.astype(whole.dtype), whole), start, axis)
 
 
 def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
