@@ -2,7 +2,8 @@
 # One device call: train-step benches (`jaxmem bench`, each case in its own process), results under $1 (default $OUT).
 # Run from the repo root on a GPU machine: PYTHONPATH=. bash scripts/gpu_session.sh OUTDIR [CASE ...]
 # With no CASE, every case below runs in order; GMM=1 also runs scripts/bench_grouped_matmul.py (GMM_ARGS: its
-# extra flags), KERNELS=1 scripts/bench_kernels_gpu.py. The device tool brings back 8 files at most: tar OUTDIR.
+# extra flags), KERNELS=1 scripts/bench_kernels_gpu.py, NUMERICS=1 (first) scripts/gpu_kernel_numerics.py.
+# The device tool brings back 8 files at most: tar OUTDIR.
 set -u
 out=${1:-$OUT}; shift || true
 export PYTHONPATH=. XLA_PYTHON_CLIENT_PREALLOCATE=false XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONUNBUFFERED=1
@@ -24,10 +25,19 @@ declare -A CASES=(
   [mixtral_x2_s8k_full_blocked]="configs/tiny.yaml $common $mixtral kernels.grouped_matmul=blocked"
   [mixtral_x2_s8k_full_auto]="configs/tiny.yaml $common $mixtral"
   [qlora_8b_qv_s512]="configs/lora/llama3-8b-qlora-qv-seq512.yaml checkpoint.every=0 data.kind=synthetic"
+  [4090_8bx8_s4k]="configs/llama3-8b-1x4090.yaml model.n_layers=8 checkpoint.every=0 data.kind=synthetic"
+  [gptoss_x2_s64k_qlora]="configs/moe/gpt-oss-20b-qlora-1xh100.yaml model.n_layers=2 checkpoint.every=0
+    data.kind=synthetic"
+  [gemma3_x6_s8k_host]="configs/gemma3-12b-1xh100.yaml model.n_layers=6 checkpoint.every=0 data.kind=synthetic"
 )
 ORDER=(8bx8_s8k_full_auto qwen3moe_x2_s4k_full qlora_8b_qv_s512 1b_s8k_sel_auto 1b_s8k_sel_pallas)
 [ $# -gt 0 ] && ORDER=("$@")
 python3 -c 'import jax; print("jax", jax.__version__, jax.devices()[0].device_kind)'
+if [ "${NUMERICS:-0}" = 1 ]; then
+  timeout "${NUMERICS_TIMEOUT:-150}" python3 scripts/gpu_kernel_numerics.py "$out/kernel_numerics.json" \
+    > "$out/kernel_numerics.txt" 2>&1
+  echo "numerics rc=$?"; grep -E ": (ok|FAIL)" "$out/kernel_numerics.txt"
+fi
 for name in "${ORDER[@]}"; do
   # shellcheck disable=SC2086
   timeout "${CASE_TIMEOUT:-150}" python3 -m jaxmem.cli bench ${CASES[$name]} --steps "${STEPS:-8}" \

@@ -317,8 +317,11 @@ class OffloadConfig:
                                                         "weights) lives between steps, one of device, host "
                                                         "(pinned host memory)")
     optimizer_update: Literal["host", "device"] = _f(
-        "host", "with optimizer=host, where the AdamW update runs, one of host (XLA host compute), device "
-                "(the state is streamed in and out)")
+        "host", "with optimizer=host, where the AdamW update runs, one of host (XLA host compute: the "
+                "leanest on the GPU, but slow: about 5.4 s per billion trained params per step on one H200 "
+                "machine's host, 13.17 s against 1.21 s streamed for a 2.35B-param step, measured; the plan's "
+                "cost model prices it), device (the state is streamed in and out over the host link, a layer at "
+                "a time, the embedding and LM head whole)")
     params: Literal["device", "host"] = _f(
         "device", "where the parameters live, one of device, host (each layer's weights are fetched inside "
                   "the layer scan; needs a remat preset other than none, remat.granularity=layer and "

@@ -16,7 +16,8 @@ achieved rate:
   per layer    LAYER_OVERHEAD_SECONDS per decoder layer per micro-batch (kernel launches, scan slicing)
 Collectives and host transfers that run inside the forward/backward (FSDP gathers, fetched host weights,
 offloaded layer inputs) overlap with compute (step = max of them); the optimizer state streamed through
-the device when it lives on the host (update on device) moves after the backward, serially, and adds.
+the device when it lives on the host (update on device) moves after the backward, serially, and adds; an
+update run on the host (offload.optimizer_update=host) adds its CPU time, HOST_UPDATE_SECONDS_PER_PARAM.
 Host bytes are counted as they cross the link: master, m and v in AND out, grads, fetched weights.
 
 Fitting (benchmarks/calibration/h100_measured.json, benchmarks/costmodel.md): the per-kernel
@@ -97,6 +98,13 @@ def grouped_matmul_efficiency(kernel: str, rows_per_expert: float, d: int, f: in
 # with it, the 4090 recipe on the H100 (~92 GB over the link per step) comes to 1.67 s, measured 1.86 s.
 HOST_LINK_EFFICIENCY = 1.0
 
+# AdamW on the host CPU (XLA:CPU under compute_on) per trained parameter, serial after the backward. Measured
+# once: Gemma 3 12B widths x 6 layers (2.35B params) on one H200's host (16 cores, jax 0.11.2; 1-2 cores busy)
+# stepped in 13.17 s with the update on the host against 1.21 s with the state streamed through the GPU
+# (benchmarks/bench_h200/run7): 12.71 s over the model without this term. A host CPU of other cores or memory
+# bandwidth runs at another rate; the figure is the one measured host's.
+HOST_UPDATE_SECONDS_PER_PARAM = 12.71 / 2_351_776_512
+
 # One layer's forward as a graph: value -> (producer, its inputs). Recompute walks it back to saved values.
 _GRAPH = {
     CN.ATTN_NORM: ("norm", (CN.LAYER_INPUT,)),
@@ -136,14 +144,16 @@ class Cost:
     mfu: float
     tokens_per_step: int
     breakdown: dict = dataclasses.field(default_factory=dict)  # seconds per compute part, host bytes
-    serial_host_seconds: float = 0.0  # the part of host_link_seconds that does not overlap (optimizer stream)
+    # the serial host work: the optimizer state streamed over the link (host_link_seconds' part that does not
+    # overlap) or the update run on the host CPU
+    serial_host_seconds: float = 0.0
 
     def to_json(self) -> dict:
         out = {k: (float(v) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items()}
         out["label"] = "estimated (cost model)"
         out["matmul_efficiency_assumed"] = MATMUL_EFFICIENCY
         # compute overlaps collectives and in-step host transfers (step = their max); the optimizer
-        # state streamed through the device after the backward adds (serial_host_seconds)
+        # state streamed through the device after the backward, or the host's update, adds (serial_host_seconds)
         out["overlap_assumed"] = "perfect"
         out["constants"] = {"matmul_efficiency": MATMUL_EFFICIENCY, "hbm_efficiency": HBM_EFFICIENCY,
                             "layer_overhead_seconds": LAYER_OVERHEAD_SECONDS,
@@ -155,6 +165,7 @@ class Cost:
                             "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
                                                                 in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
+                            "host_update_seconds_per_param": HOST_UPDATE_SECONDS_PER_PARAM,
                             "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
 
@@ -392,11 +403,13 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
                 serial += layer_params * (2 * grad_b + 2 * param_b)
         else:  # grads go down, new params come back
             serial = bill.device["grads"] + opt_elems * param_b
+    host_update_s = opt_elems * HOST_UPDATE_SECONDS_PER_PARAM if homes.update_on_host else 0.0
     compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
     return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
             "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
             "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
             "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
+            "host_update_seconds": host_update_s,
             "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops,
             "loss_flops": loss_flops,
             "hbm_bytes": elementwise_bytes + update_bytes, "attention_kernel": attn_kernel,
@@ -471,7 +484,8 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     collective += sequence_parallel_seconds(cfg, bill, gpu, grad_accum)
     collective += expert_parallel_seconds(cfg, bill, gpu, grad_accum)
     host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]
-    step = max(compute, collective, parts["host_overlapped_seconds"]) + parts["host_serial_seconds"]
+    serial = parts["host_serial_seconds"] + parts["host_update_seconds"]
+    step = max(compute, collective, parts["host_overlapped_seconds"]) + serial
     mfu = model_flops / (step * n_devices * peak) if step else 0.0
     return Cost(n_params, model_flops, hardware, recompute, compute, collective, host_link, step, mfu, tokens,
-                breakdown=parts, serial_host_seconds=parts["host_serial_seconds"])
+                breakdown=parts, serial_host_seconds=serial)
