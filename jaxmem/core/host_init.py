@@ -6,7 +6,7 @@ temporaries at init (22.96 GiB in all, compiled deviceless) against its 14.68 Gi
 loaded model held the loaded bf16 layers on the device beside 7.0 GiB more. Here those stacks start as host
 zeros made outside any program, are donated, and a loop over the layers writes each layer's slice in place
 (optim.put_layer): the device holds one layer's worth. The host leaves outside the layer stack (the
-embedding's and LM head's master, m and v) are filled the same way in row chunks of at most CHUNK_BYTES:
+embedding's and LM head's master, m and v) are filled the same way in pieces of at most CHUNK_BYTES:
 built whole, Gemma 3's 262k x 3840 embedding alone put 12 GiB of fp32 on the device (12.03 GiB measured on
 one H200 for a 9.33 GiB step). The values are the plain assembly's, bit for bit.
 """
@@ -19,12 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.core.offload import DEVICE
-from jaxmem.core.optim import put_layer, put_slice, take_layer
+from jaxmem.core.optim import CHUNK_BYTES, chunking, put_layer, put_slice, take_layer
 from jaxmem.core.step_state import assemble_state
 from jaxmem.runtime.memory_kinds_shim import is_host
 
 
-CHUNK_BYTES = 256 * 2**20  # the most fp32 bytes of one non-layer leaf's state built on the device at a time
 
 
 def applies(prog) -> bool:
@@ -99,9 +98,7 @@ def _nested(path, leaf) -> dict:
 
 def _rest_plan(prog, paths) -> dict:
     """Each non-layer params leaf with host state built from it (its master, m, v, ...) -> (those state paths,
-    the axis it is built along in chunks, the chunk's length, how many). The axis is the first one the
-    sharding leaves whole (chunks along a split axis would gather the host array); the count the fewest
-    (a power of two dividing the axis) that keeps a chunk's fp32 bytes per device within CHUNK_BYTES."""
+    the axis it is built along in pieces, a piece's length, how many: optim.chunking under CHUNK_BYTES)."""
     cfg, prec, opt = prog.cfg, prog.precision, prog.optimizer
     shardings = _by_path(prog.state_shardings)
     plan = {}
@@ -112,12 +109,8 @@ def _rest_plan(prog, paths) -> dict:
         if not targets:
             continue
         sharding = shardings[targets[0]]
-        spec = tuple(sharding.spec) + (None,) * (leaf.ndim - len(sharding.spec))
-        whole = [i for i, part in enumerate(spec) if part is None]
-        per_device = 4 * math.prod(sharding.shard_shape(leaf.shape))
-        axis, count = (whole[0] if whole else 0), 1
-        while whole and per_device > count * CHUNK_BYTES and leaf.shape[axis] % (2 * count) == 0:
-            count *= 2
+        shards = math.prod(leaf.shape) // math.prod(sharding.shard_shape(leaf.shape))
+        axis, count = chunking(leaf.shape, sharding.spec, CHUNK_BYTES, shards)
         plan[q] = (targets, axis, leaf.shape[axis] // count, count)
     return plan
 

@@ -7,6 +7,8 @@ host computation cannot mix with host values.
 """
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -166,15 +168,91 @@ def put_slice(whole, part, start, axis: int):
     return jax.lax.dynamic_update_slice_in_dim(whole, _same_space(part.astype(whole.dtype), whole), start, axis)
 
 
+# The most fp32 bytes per device of one leaf's chunk where a large non-layer leaf (the embedding, the LM head) is
+# handled in pieces: its host state built at init (jaxmem.core.host_init) and streamed through the update.
+CHUNK_BYTES = 256 * 2**20
+
+
+def chunking(shape: tuple, spec, limit: int = CHUNK_BYTES, shards: int = 1) -> tuple[int, int]:
+    """(axis, count) to handle a leaf of `shape` split by partition `spec` (`shards` devices hold a piece
+    each) in `count` equal pieces along `axis`: the first axis the spec leaves whole (pieces along a split axis
+    would gather it) and the fewest pieces, a power of two dividing that axis, of at most `limit` fp32 bytes
+    per device. (0, 1) for a leaf that needs no pieces or has no whole axis."""
+    spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+    whole = [i for i, part in enumerate(spec) if part is None]
+    if not whole:
+        return 0, 1
+    axis, count, per_device = whole[0], 1, 4 * math.prod(shape) // shards
+    while per_device > count * limit and shape[axis] % (2 * count) == 0:
+        count *= 2
+    return axis, count
+
+
+def rest_chunks(abstract_rest: dict, rest_specs: list, mesh_sizes: dict, limit: int | None = None):
+    """(axes, count) for `layerwise_update(rest_chunks=)`: every non-layer leaf cut in `count` pieces along its
+    `axes` leaf, count the largest any leaf needs under `limit` (CHUNK_BYTES by default). `rest_specs`: each
+    leaf's partition spec, in leaf order; `mesh_sizes`: devices per mesh axis. None where no leaf needs pieces
+    or some leaf cannot be cut so (its whole axis does not divide by count)."""
+    limit = CHUNK_BYTES if limit is None else limit
+    leaves, treedef = jax.tree.flatten(abstract_rest)
+    shards = [math.prod(mesh_sizes[str(a)] for part in spec if part is not None
+                        for a in (part if isinstance(part, tuple) else (part,))) for spec in rest_specs]
+    plans = [chunking(x.shape, spec, limit, n) if x.ndim else (0, 1)
+             for x, spec, n in zip(leaves, rest_specs, shards, strict=True)]
+    count = max((c for _, c in plans), default=1)
+    if count == 1 or not all(x.ndim and x.shape[axis] % count == 0 for x, (axis, _) in zip(leaves, plans)):
+        return None
+    return treedef.unflatten([axis for axis, _ in plans]), count
+
+
+def _rest_in_chunks(one, opt, chunks, g, s, w, p_old, home, param_dtype):
+    """`one` over the non-layer leaves a piece at a time (chunks = rest_chunks(...)): each leaf's state, weights
+    and gradient sliced along its axis, updated, and written back in place, so a host-resident state streams
+    through the device a piece at a time instead of whole (the embedding's fp32 master, m and v)."""
+    axes, count = chunks
+    state_axes = optax.tree_utils.tree_map_params(opt, lambda _, axis: axis, s, axes,
+                                                  transform_non_params=lambda _: -1)
+    size = lambda x, axis: x.shape[axis] // count  # noqa: E731
+    take = lambda x, axis, i: x if axis < 0 else jax.lax.dynamic_slice_in_dim(  # noqa: E731
+        x, i * size(x, axis), size(x, axis), axis)
+    put = lambda x, part, axis, i: x if axis < 0 else put_slice(x, part, i * size(x, axis), axis)  # noqa: E731
+
+    def grad_piece(x, axis, i):  # an embedding's rows (embed_grad: never with the layers on the host) widened whole
+        return take(embed_grad.dense(x) if embed_grad.is_rows(x) else x, axis, i)
+
+    def body(carry, i):
+        s_all, w_all, p_all = carry
+        g_i = jax.tree.map(lambda x, axis: grad_piece(x, axis, i), g, axes, is_leaf=embed_grad.is_rows)
+        new_p, new_s, new_w = one(g_i, jax.tree.map(lambda x, a: take(x, a, i), s_all, state_axes),
+                                  jax.tree.map(lambda x, a: take(x, a, i), w_all, axes),
+                                  None if p_old is None else jax.tree.map(lambda x, a: take(x, a, i), p_all, axes),
+                                  home)
+        scalars = [n for n, a in zip(jax.tree.leaves(new_s), jax.tree.leaves(state_axes), strict=True) if a < 0]
+        return (jax.tree.map(lambda x, n, a: put(x, n, a, i), s_all, new_s, state_axes),
+                jax.tree.map(lambda x, n, a: put(x, n, a, i), w_all, new_w, axes),
+                jax.tree.map(lambda x, n, a: put(x, n, a, i), p_all, new_p, axes)), scalars
+
+    # the new params are written over the old ones in place (without old params, an update that makes its own,
+    # into zeros); stacked out of the loop or written into fresh zeros, they took 2-3 GiB more at the
+    # backward's peak (compiled for the 1-GPU 128k recipe)
+    p_all = p_old if p_old is not None else jax.tree.map(lambda x: jnp.zeros(x.shape, param_dtype), w)
+    (new_s, new_w, new_p), scalars = jax.lax.scan(body, (s, w, p_all), jnp.arange(count))
+    leaves, treedef = jax.tree.flatten(new_s)
+    last = iter(x[-1] for x in scalars)
+    new_s = treedef.unflatten([next(last) if a < 0 else x for x, a in zip(leaves, jax.tree.leaves(state_axes))])
+    return new_p, new_s, new_w
+
+
 def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
-                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None):
+                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None, rest_chunks=None):
     """AdamW over the non-layer params, then layer by layer.
 
     grads are unscaled by `scale`, clipped by their global norm (optax's rule), and with
     `skip_nonfinite` an inf/nan anywhere keeps every old value. `fetch(tree)` brings a slice to where the
     math runs; `homes[part]` = (params, opt, weights) functions put the results of part "rest" or "layers"
     back where that state lives. `norm`: the global gradient norm when these grads are one part of the model's
-    (a pipeline stage's), else it is computed here.
+    (a pipeline stage's), else it is computed here. `rest_chunks` (optim.rest_chunks): the non-layer leaves are
+    updated a piece at a time (a host-resident state streamed through the device).
     Returns (new_params, new_opt_state, new_weights, (grad_norm, finite)).
     """
     same = (lambda t: t,) * 3
@@ -231,5 +309,9 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     # Then the embedding, final norm and LM head, once the layers' gradients are dead (the barrier orders it):
     # the largest of them is widened to its full fp32 shape only here.
     _, g_rest = jax.lax.optimization_barrier((done, g_rest))
-    new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
+    if rest_chunks is None:
+        new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
+    else:
+        new_p, new_s, new_w = _rest_in_chunks(one, opt, rest_chunks, g_rest, opt_state["rest"], w_rest, p_rest,
+                                              homes["rest"], param_dtype)
     return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))

@@ -14,7 +14,7 @@ from jaxmem.config.schema import Config
 from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
-from jaxmem.core.optim import split_layers
+from jaxmem.core.optim import rest_chunks, split_layers
 from jaxmem.core import embed_grad
 from jaxmem.plan import bill_moe
 from jaxmem.core.grad_dtype import planned_dtype
@@ -481,14 +481,15 @@ def in_backward_stream_bytes(cfg: Config, layout: Layout, prec: Precision, devic
 def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int],
                        device_memory: int) -> int:
     """Device bytes at the peak of an optimizer update streamed from the host (state on the host, update on
-    the device). The non-layer leaves (embedding, LM head, final norm) are updated whole: at the largest
-    one's update (compiled llama3-8b 1 x 4090 recipe, 8 and 32 layers, read with `jaxmem explain
-    --dump-dir`, device buffers only) the device holds its fp32 master, m and v brought in, their three
-    updated copies, its new bf16 weight, and every gradient not yet consumed (its own, the embedding's);
-    activations, the layer phase and the old weights are dead. XLA's scheduler also prefetches the next
+    the device). The non-layer leaves (embedding, LM head, final norm) are updated whole, or a piece at a time
+    with the layers' weights on the host too (_streamed_rest_elems; the figures below are of whole leaves,
+    before that): at the largest one's update (compiled llama3-8b 1 x 4090 recipe, 8 and 32 layers, read
+    with `jaxmem explain --dump-dir`, device buffers only) the device holds its fp32 master, m and v brought
+    in, their three updated copies, its new bf16 weight, and every gradient not yet consumed (its own, the
+    embedding's); activations, the layer phase and the old weights are dead. XLA's scheduler also prefetches the next
     leaf's state while that fits under its memory limit (`SCHEDULER_*`): on an 80 GB H100 all three
     copies (+5.87 GiB: 20.55 GiB compiled on the GPU), on a 24 GB RTX 4090 none (14.68 GiB)."""
-    leaves = _rest_leaf_elems(layout)
+    leaves = _streamed_rest_elems(layout)
     largest = leaves[0] if leaves else 0
     state = [largest * _itemsize(d) for d in _state_dtypes(prec)]
     peak = device["grads"] + largest * _itemsize(prec.param) + 2 * sum(state)
@@ -524,6 +525,16 @@ def _rest_leaf_elems(layout: Layout) -> list[int]:
                    for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), reverse=True)
 
 
+def _streamed_rest_elems(layout: Layout) -> list[int]:
+    """_rest_leaf_elems as a streamed update moves them: a piece at a time where it cuts them
+    (StateHomes.rest_in_pieces, jaxmem.core.optim.rest_chunks), each piece then a leaf's count-th."""
+    rest, _ = split_layers(layout.abstract_params)
+    rest_specs, _ = split_layers(layout.opt_specs)
+    chunks = rest_chunks(rest, spec_leaves(rest_specs), layout.mesh_sizes) if layout.homes.rest_in_pieces else None
+    count = chunks[1] if chunks else 1
+    return [elems // count for elems in _rest_leaf_elems(layout)]
+
+
 def _state_dtypes(prec: Precision) -> list:
     """The optimizer state kept per weight: fp32 master (if any), Adam's m and v."""
     return ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
@@ -542,7 +553,7 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
     leaf's fp32 master, m and v (the largest non-layer leaf) and the buffer the layers' new weights are
     written into (`jaxmem explain` of the 1-GPU 128k recipe, jax 0.11.2: the LM head's three fp32 copies,
     5.87 GiB, and the new bf16 layer weights, 1.63 GiB, live at the device peak in the MLP backward)."""
-    largest = next(iter(_rest_leaf_elems(layout)), 0)
+    largest = next(iter(_streamed_rest_elems(layout)), 0)
     new_layers = _state_bytes(layout, layout.param_specs, prec.param, part="layers")
     prefetch = largest * sum(_itemsize(d) for d in _state_dtypes(prec)) + new_layers
     phase = sum(device.values())  # an upper bound of the backward's own peak

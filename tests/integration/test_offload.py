@@ -22,8 +22,8 @@ VARIANTS = {
 }
 
 
-def _train(overrides, steps=2):
-    prog = build_program(load_config(None, TINY + overrides), devices=jax.devices()[:2])
+def _train(overrides, steps=2, devices=2):
+    prog = build_program(load_config(None, TINY + overrides), devices=jax.devices()[:devices])
     state = prog.init_state()
     tokens = np.random.RandomState(0).randint(0, 256, prog.batch_shape).astype(np.int32)
     step = prog.jit_step()
@@ -43,15 +43,19 @@ def _kinds(tree):
     return {leaf.sharding.memory_kind for leaf in jax.tree.leaves(tree)}
 
 
-@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "device"])
-def test_offloaded_training_matches_all_device(name, all_device):
-    state, losses = _train(VARIANTS[name])
-    ref_state, ref_losses = all_device
+def _assert_same_training(trained, reference):
+    (state, losses), (ref_state, ref_losses) = trained, reference
     assert losses[1] < losses[0]
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-6)
     for key in ("params", "master", "opt"):
         jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
                                                              rtol=1e-6, atol=1e-7), state[key], ref_state[key])
+
+
+@pytest.mark.parametrize("name", [n for n in VARIANTS if n != "device"])
+def test_offloaded_training_matches_all_device(name, all_device):
+    state, losses = _train(VARIANTS[name])
+    _assert_same_training((state, losses), all_device)
     if "offload.optimizer=host" in VARIANTS[name]:
         arrays = [x for x in jax.tree.leaves((state["opt"], state["master"])) if x.ndim]
         assert {x.sharding.memory_kind for x in arrays} == {"pinned_host"}
@@ -60,6 +64,28 @@ def test_offloaded_training_matches_all_device(name, all_device):
         assert _kinds(state["params"]["embed"]) == {"device"}
     else:
         assert _kinds(state["params"]) == {"device"}
+
+
+@pytest.mark.parametrize("fsdp", [2, 1], ids=["pieces_along_d", "pieces_along_vocab"])
+def test_streamed_update_in_pieces_matches_all_device(fsdp, monkeypatch):
+    """Params and optimizer state on the host, the update on the device: the embedding's and LM head's state
+    streams through it a piece at a time (as at full size, where one piece is CHUNK_BYTES), with the same
+    training as moved whole (which test_offloaded_training_matches_all_device holds to the all-device one).
+    Split over fsdp the embedding is cut along d, whole along its vocabulary."""
+    from jaxmem.core import optim
+    from jaxmem.core.program import _streamed_rest_chunks
+
+    layout = [f"parallel.fsdp={fsdp}"]
+    overrides = layout + VARIANTS["params_and_optimizer_host"] + ["offload.optimizer_update=device"]
+    reference = _train(overrides, devices=fsdp)  # the tiny leaves moved whole (under CHUNK_BYTES)
+    monkeypatch.setattr(optim, "CHUNK_BYTES", 4096)
+    axes, count = _streamed_rest_chunks(build_program(load_config(None, TINY + overrides),
+                                                      devices=jax.devices()[:fsdp]))
+    assert count >= 4 and axes["embed"] == (1 if fsdp == 2 else 0), (axes, count)
+    streamed_whole = build_program(load_config(None, TINY + layout + VARIANTS["optimizer_host_update_device"]),
+                                   devices=jax.devices()[:fsdp])
+    assert _streamed_rest_chunks(streamed_whole) is None  # layers on the device: moved whole (offload.py)
+    _assert_same_training(_train(overrides, devices=fsdp), reference)
 
 
 def test_bad_offload_combinations_fail_before_compile():
