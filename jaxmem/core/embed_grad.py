@@ -55,10 +55,9 @@ def rows_bytes(cfg, layout, prec) -> int:
 
 def table_bytes(cfg, layout, prec) -> int:
     """Per device: the table's gradient shard at grad_reduce_dtype."""
-    shards = 1
-    for axes in layout.grad_specs["embed"]:
-        for a in (axes if isinstance(axes, tuple) else (axes,)):
-            shards *= layout.mesh_sizes[str(a)] if a is not None else 1
+    from jaxmem.core.sharding import spec_ways
+
+    shards = spec_ways(layout.grad_specs["embed"], layout.mesh_sizes)
     return cfg.model.vocab_size * cfg.model.d_model * np.dtype(prec.grad_reduce).itemsize // shards
 
 

@@ -24,8 +24,6 @@ from jaxmem.core.step_state import assemble_state
 from jaxmem.runtime.memory_kinds_shim import is_host
 
 
-
-
 def applies(prog) -> bool:
     """Whether the program's fresh state is built here: its plug-in assembles the state from the model's params
     (not LoRA's frozen base) and some layer stack lives in pinned host memory."""

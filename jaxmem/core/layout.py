@@ -22,6 +22,7 @@ from jaxmem.core import offload, remat, sharding
 from jaxmem.config.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
+from jaxmem.core.optim import rest_chunks, split_layers
 from jaxmem.core.precision import Precision
 from jaxmem.core.step_state import batch_keys
 from jaxmem.lora.frozen import LoraSetup
@@ -62,15 +63,23 @@ class Layout:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as
         sharding.logical_to_spec shards it in the step (a dim the mesh axes do not divide is replicated)."""
         spec = sharding.logical_to_spec(names, self.rules, _shape_only_mesh(self.mesh_sizes), shape)
-        ways = math.prod(self.mesh_sizes[str(a)] for axes in spec if axes is not None
-                         for a in (axes if isinstance(axes, tuple) else (axes,)))
-        return math.prod(shape) // ways
+        return math.prod(shape) // sharding.spec_ways(spec, self.mesh_sizes)
 
     def keeping(self, keys: tuple[str, ...]) -> "Layout":
         """This layout with the trainable trees cut to the top-level params `keys` (a pipeline stage's)."""
         cut = lambda tree: {k: v for k, v in tree.items() if k in keys}  # noqa: E731
         names = ("abstract_params", "param_specs", "grad_specs", "opt_specs", "gathered_specs")
         return dataclasses.replace(self, **{n: cut(getattr(self, n)) for n in names})
+
+    @property
+    def rest_pieces(self):
+        """The non-layer leaves' pieces (optim.rest_chunks: per-leaf axes, count) where a streamed update moves
+        them a piece at a time (offload.StateHomes.rest_in_pieces), else None."""
+        if not self.homes.rest_in_pieces:
+            return None
+        rest, _ = split_layers(self.abstract_params)
+        rest_specs, _ = split_layers(self.opt_specs)
+        return rest_chunks(rest, spec_leaves(rest_specs), self.mesh_sizes)
 
     @property
     def data_ways(self) -> int:

@@ -16,6 +16,7 @@ import optax
 from jaxmem.config.schema import Config
 from jaxmem.core.precision import Precision
 from jaxmem.core import embed_grad
+from jaxmem.core.sharding import spec_ways
 from jaxmem.runtime import compat
 
 
@@ -173,7 +174,7 @@ def put_slice(whole, part, start, axis: int):
 CHUNK_BYTES = 256 * 2**20
 
 
-def chunking(shape: tuple, spec, limit: int = CHUNK_BYTES, shards: int = 1) -> tuple[int, int]:
+def chunking(shape: tuple, spec, limit: int, shards: int = 1) -> tuple[int, int]:
     """(axis, count) to handle a leaf of `shape` split by partition `spec` (`shards` devices hold a piece
     each) in `count` equal pieces along `axis`: the first axis the spec leaves whole (pieces along a split axis
     would gather it) and the fewest pieces, a power of two dividing that axis, of at most `limit` fp32 bytes
@@ -195,10 +196,8 @@ def rest_chunks(abstract_rest: dict, rest_specs: list, mesh_sizes: dict, limit: 
     or some leaf cannot be cut so (its whole axis does not divide by count)."""
     limit = CHUNK_BYTES if limit is None else limit
     leaves, treedef = jax.tree.flatten(abstract_rest)
-    shards = [math.prod(mesh_sizes[str(a)] for part in spec if part is not None
-                        for a in (part if isinstance(part, tuple) else (part,))) for spec in rest_specs]
-    plans = [chunking(x.shape, spec, limit, n) if x.ndim else (0, 1)
-             for x, spec, n in zip(leaves, rest_specs, shards, strict=True)]
+    plans = [chunking(x.shape, spec, limit, spec_ways(spec, mesh_sizes)) if x.ndim else (0, 1)
+             for x, spec in zip(leaves, rest_specs, strict=True)]
     count = max((c for _, c in plans), default=1)
     if count == 1 or not all(x.ndim and x.shape[axis] % count == 0 for x, (axis, _) in zip(leaves, plans)):
         return None

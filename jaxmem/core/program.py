@@ -28,7 +28,7 @@ from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.axes import activation_rules
 from jaxmem.model.moe import ROUTER_METRICS
-from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, rest_chunks, schedule
+from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
 from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
@@ -289,17 +289,6 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     return run
 
 
-def _streamed_rest_chunks(prog: TrainProgram):
-    """The non-layer leaves' pieces (optim.rest_chunks) where a streamed update moves them a piece at a time
-    (offload.StateHomes.rest_in_pieces), else None."""
-    if not offload.StateHomes.from_config(prog.cfg).rest_in_pieces:
-        return None
-    key = "master" if "master" in prog.abstract_state else "params"
-    rest = lambda tree: {k: v for k, v in tree.items() if k != "layers"}  # noqa: E731
-    specs = [s.spec for s in jax.tree.leaves(rest(prog.state_shardings[key]))]
-    return rest_chunks(rest(prog.abstract_state[key]), specs, dict(prog.mesh.shape))
-
-
 def _make_step(prog: TrainProgram):
     replaced = prog.plugin.make_step(prog, loss_sum_fn)  # update-in-backward's
     if replaced is not None:
@@ -309,7 +298,6 @@ def _make_step(prog: TrainProgram):
     grad_shardings = sharding.named(mesh, prog.grad_specs)
     param_shardings = prog.state_shardings["params"]
     lr_at = schedule(cfg)
-    chunks = _streamed_rest_chunks(prog)
     scaling = cfg.precision.loss_scale
     keyed = prog.plugin.keys_micro_batches(cfg)  # LoRA dropout's masks
 
@@ -376,7 +364,8 @@ def _make_step(prog: TrainProgram):
                 grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
         weights = state["master"] if "master" in state else params
         update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
-                                   param_dtype=prec.param, skip_nonfinite=scaling.enabled, rest_chunks=chunks)
+                                   param_dtype=prec.param, skip_nonfinite=scaling.enabled,
+                                   rest_chunks=prog.layout.rest_pieces)
         # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
         # makes its own, and reads the old ones only to skip a non-finite fp16 step)
         host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"

@@ -105,6 +105,12 @@ def data_ways(mesh: Mesh) -> int:
     return batch_ways(mesh.shape)
 
 
+def spec_ways(spec, sizes) -> int:
+    """The devices a partition spec splits a value over (their product) for mesh axis sizes by name."""
+    return math.prod(sizes[str(a)] for axes in spec if axes is not None
+                     for a in (axes if isinstance(axes, tuple) else (axes,)))
+
+
 def batch_ways(sizes) -> int:
     """The ways the batch rows are split (dp x fsdp x ep) for mesh axis sizes by name."""
     return math.prod(sizes.get(a.value, 1) for a in DATA_AXES)

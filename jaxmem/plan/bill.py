@@ -14,7 +14,8 @@ from jaxmem.config.schema import Config
 from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
-from jaxmem.core.optim import rest_chunks, split_layers
+from jaxmem.core.optim import split_layers
+from jaxmem.core.sharding import spec_ways
 from jaxmem.core import embed_grad
 from jaxmem.plan import bill_moe
 from jaxmem.core.grad_dtype import planned_dtype
@@ -108,12 +109,7 @@ def _itemsize(dtype) -> int:
 
 
 def _shard_elems(shape, spec, sizes) -> int:
-    div = 1
-    for axes in spec:
-        for a in (axes if isinstance(axes, tuple) else (axes,)):
-            if a is not None:
-                div *= sizes[str(a)]
-    return math.prod(shape) // div
+    return math.prod(shape) // spec_ways(spec, sizes)
 
 
 def _per_device(tree, specs, sizes: dict[str, int], *, in_bytes: bool = False) -> int:
@@ -527,10 +523,8 @@ def _rest_leaf_elems(layout: Layout) -> list[int]:
 
 def _streamed_rest_elems(layout: Layout) -> list[int]:
     """_rest_leaf_elems as a streamed update moves them: a piece at a time where it cuts them
-    (StateHomes.rest_in_pieces, jaxmem.core.optim.rest_chunks), each piece then a leaf's count-th."""
-    rest, _ = split_layers(layout.abstract_params)
-    rest_specs, _ = split_layers(layout.opt_specs)
-    chunks = rest_chunks(rest, spec_leaves(rest_specs), layout.mesh_sizes) if layout.homes.rest_in_pieces else None
+    (Layout.rest_pieces), each piece then a leaf's count-th."""
+    chunks = layout.rest_pieces
     count = chunks[1] if chunks else 1
     return [elems // count for elems in _rest_leaf_elems(layout)]
 

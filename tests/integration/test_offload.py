@@ -73,18 +73,16 @@ def test_streamed_update_in_pieces_matches_all_device(fsdp, monkeypatch):
     training as moved whole (which test_offloaded_training_matches_all_device holds to the all-device one).
     Split over fsdp the embedding is cut along d, whole along its vocabulary."""
     from jaxmem.core import optim
-    from jaxmem.core.program import _streamed_rest_chunks
 
     layout = [f"parallel.fsdp={fsdp}"]
     overrides = layout + VARIANTS["params_and_optimizer_host"] + ["offload.optimizer_update=device"]
     reference = _train(overrides, devices=fsdp)  # the tiny leaves moved whole (under CHUNK_BYTES)
     monkeypatch.setattr(optim, "CHUNK_BYTES", 4096)
-    axes, count = _streamed_rest_chunks(build_program(load_config(None, TINY + overrides),
-                                                      devices=jax.devices()[:fsdp]))
+    axes, count = build_program(load_config(None, TINY + overrides), devices=jax.devices()[:fsdp]).layout.rest_pieces
     assert count >= 4 and axes["embed"] == (1 if fsdp == 2 else 0), (axes, count)
     streamed_whole = build_program(load_config(None, TINY + layout + VARIANTS["optimizer_host_update_device"]),
                                    devices=jax.devices()[:fsdp])
-    assert _streamed_rest_chunks(streamed_whole) is None  # layers on the device: moved whole (offload.py)
+    assert streamed_whole.layout.rest_pieces is None  # layers on the device: moved whole (offload.py)
     _assert_same_training(_train(overrides, devices=fsdp), reference)
 
 
