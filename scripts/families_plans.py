@@ -21,7 +21,8 @@ CONFIGS = {
     "configs/qwen3-8b-8xh100.yaml": "Qwen3-8B full fine-tune, FSDP 8 x h100-80g, seq 8192, micro-batch 2, "
                                     "selective remat (the llama3-8b-8xh100 recipe)",
     "configs/gemma3-12b-1xh100.yaml": "Gemma 3 12B (text decoder) full fine-tune, 1 x h100-80g, seq 8192: "
-                                      "optimizer state on the host (streamed through the GPU for the update), layer inputs offloaded",
+                                      "optimizer state on the host (streamed through the GPU for the "
+                                      "update), layer inputs offloaded",
 }
 
 
