@@ -38,6 +38,16 @@ CASES = {  # name: (config, overrides, GPU-measured bench JSON or None)
     "same, selective + MLP gate / up in pinned host memory (configs/llama3-8b-8xh100-selective-lean.yaml)": (
         "configs/llama3-8b-8xh100-selective-lean.yaml", [], None),
 }
+# The no-offload selective class against torchtitan's (issue #27 item 3): Llama-3-8B FSDP 8 x H100, nothing on
+# the host; Pallas attention pinned (its residuals carry checkpoint names, cuDNN's do not).
+SELECTIVE_CLASS = {
+    "`selective` (the shipped config)": ("configs/llama3-8b-8xh100.yaml", ["kernels.attention=pallas"],
+                                         "the flash forward reruns (counted unmasked)"),
+    "`alternate_matmuls` (torchtitan's class)": (
+        "configs/llama3-8b-8xh100.yaml", ["remat.preset=alternate_matmuls", "kernels.attention=pallas"],
+        "the k, o and up projections, as torchtitan"),
+}
+TORCHTITAN_GIB = 82.4
 # The same case before the lean default update (jaxmem at commit 2e38dd8: the layers cast to an fp32 copy
 # before the forward, every gradient fp32, the embedding's a [vocab, d_model] table), as this script wrote it
 # then: compiled deviceless with jax 0.10.2, and that step measured on an H100 (bench_8bx8_s8k_full_auto.json).
@@ -49,7 +59,8 @@ PEERS = [  # (what, GiB, how)
     ("8B widths x 8 layers, seq 8192: Hugging Face transformers + PyTorch, gradient checkpointing, fp32 "
      "weights + bf16 autocast + fused AdamW", 48.7,
      "measured on GPU (one H100, 2026-11-22, shared/docs/gpu-truth-h100.md section 2)"),
-    ("Llama-3-8B, FSDP 8 x H100, seq 8192, micro-batch 2, selective activation checkpointing: torchtitan", 82.4,
+    ("Llama-3-8B, FSDP 8 x H100, seq 8192, micro-batch 2, selective activation checkpointing: torchtitan",
+     TORCHTITAN_GIB,
      "published by torchtitan (measured on H100 there)"),
 ]
 
@@ -68,6 +79,7 @@ def compiled_case(config: str, overrides: list[str]) -> dict:
         os.chdir(cwd)
     c, cost = result["compiled"], result["cost"]
     return {"device_gib": c["device_total"] / GIB, "temp_gib": c["temp"] / GIB,
+            "saved_activations_gib": result["analytic"]["activations"] / GIB, "model_flops": cost["model_flops"],
             "arguments_gib": (c["argument"] - c["alias"]) / GIB, "host_gib": c["host_total"] / GIB,
             "how": c["label"], "step_seconds": cost["step_seconds"],
             "host_link_seconds": cost["host_link_seconds"], "recompute_flops": cost["recompute_flops"],
@@ -104,10 +116,32 @@ def markdown(rows: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def selective_class(rows: dict) -> str:
+    """The no-offload selective class section: its table and what it says, figures from `rows`."""
+    sel, alt = (rows[name]["compiled"] for name in SELECTIVE_CLASS)
+    ratio = lambda c: c["device_gib"] / TORCHTITAN_GIB  # noqa: E731
+    table = ["| remat | compiled GiB per GPU | x torchtitan's 82.4 | saved activations (bill) | recompute per step "
+             "(cost model) | estimated step |", "|---|---:|---:|---:|---|---:|"]
+    for name, (_, _, what) in SELECTIVE_CLASS.items():
+        c = rows[name]["compiled"]
+        table.append(f"| {name} | {c['device_gib']:.2f} | {ratio(c):.2f}x | {c['saved_activations_gib']:.1f} GiB | "
+                     f"+{c['recompute_flops']:.2e} FLOPs (+{c['recompute_flops'] / c['model_flops']:.1%}): {what} | "
+                     f"{c['step_seconds']:.2f} s |")
+    return SELECTIVE_CLASS_TEXT.format(
+        table="\n".join(table), alt=alt["device_gib"], alt_ratio=ratio(alt), sel=sel["device_gib"],
+        more=sel["device_gib"] - alt["device_gib"], sel_saved=sel["saved_activations_gib"],
+        alt_saved=alt["saved_activations_gib"], alt_flops=alt["recompute_flops"], sel_flops=sel["recompute_flops"],
+        alt_step=alt["step_seconds"], sel_step=sel["step_seconds"])
+
+
+def document(rows: dict, selective: dict) -> str:
+    return markdown(rows) + notes(rows) + selective_class(selective)
+
+
 def main():
     if "--from-json" in sys.argv:  # rewrite the markdown from benchmarks/memory_lead.json, no compile
-        rows = json.loads((OUT / "memory_lead.json").read_text())["rows"]
-        (OUT / "memory_lead.md").write_text(markdown(rows) + NOTES)
+        saved = json.loads((OUT / "memory_lead.json").read_text())
+        (OUT / "memory_lead.md").write_text(document(saved["rows"], saved["selective_class"]))
         return
     rows = {name: {"config": cfg, "overrides": over, "compiled": compiled_case(cfg, over),
                    "measured": measured_case(bench)} for name, (cfg, over, bench) in CASES.items()}
@@ -117,10 +151,26 @@ def main():
     rows = dict(first + [(BEFORE[0], before)] + rest)
     for name, r in rows.items():
         print(f"{name}: compiled {r['compiled']['device_gib']:.2f} GiB", flush=True)
-    result = {"rows": rows, "peers": [{"what": w, "gib": g, "how": h} for w, g, h in PEERS]}
+    selective = {name: {"config": cfg, "overrides": over, "compiled": compiled_case(cfg, over)}
+                 for name, (cfg, over, _) in SELECTIVE_CLASS.items()}
+    result = {"rows": rows, "selective_class": selective,
+              "peers": [{"what": w, "gib": g, "how": h} for w, g, h in PEERS]}
     (OUT / "memory_lead.json").write_text(json.dumps(result, indent=2) + "\n")
-    (OUT / "memory_lead.md").write_text(markdown(rows) + NOTES)
+    (OUT / "memory_lead.md").write_text(document(rows, selective))
     print(markdown(rows))
+
+
+PLAIN_8XH100 = "Llama-3-8B, FSDP 8 x H100, seq 8192, micro-batch 2, selective (configs/llama3-8b-8xh100.yaml)"
+LEAN_8XH100 = ("same, selective + MLP gate / up in pinned host memory "
+               "(configs/llama3-8b-8xh100-selective-lean.yaml)")
+
+
+def notes(rows: dict) -> str:
+    plain, lean = rows[PLAIN_8XH100]["compiled"], rows[LEAN_8XH100]["compiled"]
+    return NOTES.format(plain=plain["device_gib"], plain_ratio=plain["device_gib"] / TORCHTITAN_GIB,
+                        plain_saved=plain["saved_activations_gib"], lean=lean["device_gib"],
+                        lean_ratio=lean["device_gib"] / TORCHTITAN_GIB, lean_host=lean["host_gib"],
+                        lean_step=lean["step_seconds"])
 
 
 NOTES = """
@@ -155,22 +205,24 @@ NOTES = """
 - The price: gradients are clipped by the previous step's global norm (the current one is known only
   after every layer was updated), and the backward rebuilds each layer from its input (`remat.preset=full`
   at layer granularity), one micro-batch per step, state on the device.
-- **Llama-3-8B FSDP x 8, micro-batch 2**: the plain selective-remat config keeps 64 GiB on each GPU (0.78x
-  torchtitan's 82.4 GiB; goal <= 0.6x = 49.4 GiB), 46 GiB of it the saved matmul outputs of the 32 layers
-  (MLP gate and up alone 14 GiB each). With full remat and the update in the backward the same run is far
+- **Llama-3-8B FSDP x 8, micro-batch 2**: the plain selective-remat config keeps {plain:.2f} GiB on each GPU
+  ({plain_ratio:.2f}x torchtitan's 82.4 GiB; goal <= 0.6x = 49.4 GiB), {plain_saved:.0f} GiB of it the saved matmul
+  outputs of the 32 layers (the bill; MLP gate and up alone 14 GiB each). With full remat and the update in the
+  backward the same run is far
   below it, but that is another recompute class than torchtitan's selective AC (+33% FLOPs for the
   recomputed layer forward).
 - **Selective with the MLP gate / up on the host** (`configs/llama3-8b-8xh100-selective-lean.yaml`:
   `remat.names.mlp_gate=offload`, `remat.names.mlp_up=offload`): the same tensors are saved as by the
   selective preset and nothing more is recomputed (+7.4% recompute FLOPs in both); only gate and up
   (448 MiB per layer each) live in pinned host memory between the forward and the backward. Compiled for
-  8 x H100 (deviceless): **36.62 GiB per GPU, 0.44x torchtitan's 82.4 GiB** (goal <= 0.6x reached in the
-  selective class), with 28 GiB of host memory per GPU (224 GiB per node). The state (bf16 params, fp32
-  master, fp32 Adam) stays on the GPUs, unchanged. Estimated step time (cost model) 1.83 s, the same as the
-  plain selective config: the 56 GiB per step over PCIe (~1.09 s at 55 GB/s) is assumed to overlap with
+  8 x H100 (deviceless): **{lean:.2f} GiB per GPU, {lean_ratio:.2f}x torchtitan's 82.4 GiB** (goal <= 0.6x reached in
+  the selective class), with {lean_host:.0f} GiB of host memory per GPU. The state (bf16 params, fp32 master, fp32
+  Adam) stays on the GPUs, unchanged. Estimated step time (cost model) {lean_step:.2f} s, the same as the plain
+  selective config: the 56 GiB per step over PCIe (~1.09 s at 55 GB/s) is assumed to overlap with
   compute; fully serial it would be ~2.9 s. **Nothing of this row was measured on a GPU**: the deviceless
   plan has under-stated a host-offload recipe by 17% on a real H100 (`benchmarks/plan_accuracy.md`), which
-  is why this config offloads 28 GiB rather than the 18 GiB (mlp_up + attn_out: 47.87 GiB compiled before the lean default update) that
+  is why this config offloads 28 GiB rather than the 18 GiB (mlp_up + attn_out: 47.87 GiB compiled before the
+  lean default update) that
   would just pass; 8 GPUs moving ~30 GB/s each to and from host memory at once has not been tried either.
   Other levers compiled for the same run before the lean default update (deviceless, commit 2e38dd8; GiB
   per GPU device / host, estimated step): optimizer
@@ -178,6 +230,54 @@ NOTES = """
   after the backward does not overlap); mlp_up on host + bf16 Adam moments 48.28 / 14.00, 1.83 s (changes
   the optimizer's precision); every saved matmul output on host (`remat.preset=offload_selective`) 23.96 /
   42.00, 1.83 s (link busy 1.64 s of the 1.83 s).
+"""
+
+
+SELECTIVE_CLASS_TEXT = """
+## The no-offload selective class (issue #27 item 3)
+
+Llama-3-8B, FSDP over 8 x H100, micro-batch 2, seq 8192, bf16 params + fp32 master + fp32 AdamW, nothing on
+the host. **compiled** = `jaxmem plan configs/llama3-8b-8xh100.yaml remat.preset=P kernels.attention=pallas`
+compiled deviceless for 8 x H100 on this CPU machine (jax 0.10.2); the saved activations are the analytic
+bill's; recompute FLOPs and step time are **estimated** by the cost model; nothing here ran on a GPU.
+torchtitan's 82.4 GiB is its own measurement on H100 (`benchmarks/llama3_h100_202412_torchtitan.md`).
+
+{table}
+
+**torchtitan's class, exactly.** Its op-level selective AC as it stood for that table (the `_save_list`
+policy; today's `torchtitan/distributed/activation_checkpoint.py` has since moved to named save lists) wraps
+each transformer block in PyTorch's selective checkpoint with a policy that marks MUST_SAVE the outputs of
+every op in its save list (`aten.mm`, the SDPA flash / efficient kernels, `reduce_scatter_tensor`) except
+every second `aten.mm`, counted in the block's forward order. A Llama-3 block runs seven mms: wq (1), wk (2),
+wv (3), wo (4), w1 =
+gate (5), w3 = up (6), w2 = down (7). So torchtitan keeps q, v, gate and the down projection's output plus
+SDPA's outputs (the attention output and its logsumexp), and recomputes k, o and up (and the norms, RoPE and
+SiLU) in the backward; the attention forward does not run again.
+
+**What jaxmem's `selective` held that torchtitan's does not** (per GPU, per layer, [2 x 8192] tokens):
+the outputs of k (32 MiB), the output projection (128 MiB) and up (448 MiB): 608 MiB per layer, 19.0 GiB
+over 32 layers (the bill's saved activations drop from {sel_saved:.1f} to {alt_saved:.1f} GiB; `jaxmem explain`
+of the two rows in
+`benchmarks/everyday.md` shows the stacked [32, ...] buffers). And it could not keep what torchtitan keeps
+for attention: the Pallas flash kernel's logsumexp residual carried no checkpoint name, so every names-based
+policy reran the flash forward in the backward, and keeping `attn_context` saved none of that rerun.
+
+**The cut** (`jaxmem/core/remat.py`, `jaxmem/kernels/attention/pallas.py`): the kernel now names its residuals
+(output and logsumexp) `flash_residuals`, and the new preset `alternate_matmuls` keeps `layer_input`,
+`query_proj`, `value_proj`, `flash_residuals` and `mlp_gate` (its `mlp_out` choice is moot: autodiff never
+reads a layer's output in its own backward). Compiled: **{alt:.2f} GiB per GPU, {alt_ratio:.2f}x torchtitan's 82.4 GiB**
+(goal <= 0.6x = 49.4 GiB), with no host offload. Its recompute is torchtitan's, matmul for matmul:
+2 T D (K H + N H + F) per layer = {alt_flops:.2e} FLOPs per step (`tests/unit/test_remat_alternate.py` checks the count
+and that the compiled backward has no rerun of the flash forward; `selective` reruns it). `selective`
+({sel:.2f} GiB) stays the shipped config's choice: it recomputes less matmul work (the flash forward rerun
+is 2.8e14 causal FLOPs against {alt_flops:.2e}) for {more:.1f} GiB more.
+
+Where it does not hold: with cuDNN attention (`kernels.attention=auto` picks it on a GPU) the residuals
+are jax's own and unnamed, so its forward reruns: one attention forward more than torchtitan (+{sel_flops:.2e} as
+the cost model counts it); the row pins `kernels.attention=pallas`. The step time ({alt_step:.2f} s vs
+{sel_step:.2f} s) is the
+cost model's estimate; on the H100 the Pallas kernel was 1.4x cuDNN's time for attention
+(`benchmarks/kernels.md`), which the estimate includes.
 """
 
 

@@ -1,7 +1,9 @@
 """The headline configs, planned deviceless: writes benchmarks/headline/<config>.json (the `jaxmem plan`
 JSON) and benchmarks/headline.md. Each plan is exactly `jaxmem plan CONFIG --json FILE`.
 
-    JAX_PLATFORMS=cpu .venv/bin/python scripts/headline.py [config.yaml ...]
+    JAX_PLATFORMS=cpu .venv/bin/python scripts/headline.py [--from-json]
+
+The notes under the table quote variant plans (VARIANTS, benchmarks/headline/variants/) the same way.
 """
 from __future__ import annotations
 
@@ -33,57 +35,91 @@ HEADLINES = {
 }
 
 
-NOTES = """Notes:
+# Plans beside the headline ones that the notes quote (benchmarks/headline/variants/<name>.json).
+VARIANTS = {
+    "qwen2-72b-host-update": ("configs/qwen2-72b-8xh100.yaml", ["offload.optimizer_update=host"]),
+    "qwen2-72b-128k-untiled": ("configs/qwen2-72b-8xh100-128k.yaml", ["remat.seq_tile=0"]),
+    **{f"qwen2-72b-512k-recipe-at-{seq}": ("configs/qwen2-72b-8xh100-512k.yaml",
+                                            [f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 524288)}"])
+       for seq in (131072, 262144, 786432)},
+}
+
+
+def _remat_trim(plan: dict) -> str:
+    """XLA's rematerialization pass's own before -> after (GiB), from its warning in the plan."""
+    import re
+
+    for w in plan["warnings"]:
+        m = re.search(r"only reduced to ([\d.]+)GiB.*down from ([\d.]+)GiB", w)
+        if m:
+            return f"{m.group(2)} -> {m.group(1)} GiB"
+    return "no trim reported"
+
+
+def notes(plans: dict, variants: dict) -> str:
+    """The notes under the table; every figure read from a plan here (compiled deviceless or estimated)."""
+    dev = lambda p: p["compiled"]["device_total"] / GIB  # noqa: E731
+    host = lambda p: p["compiled"]["host_total"] / GIB  # noqa: E731
+    node = lambda p: p["host_bytes_per_node"] / GIB  # noqa: E731
+    q32, q128 = plans["configs/qwen2-72b-8xh100.yaml"], plans["configs/qwen2-72b-8xh100-128k.yaml"]
+    q128b, q512 = plans["configs/qwen2-72b-8xh100-128k-inbackward.yaml"], plans["configs/qwen2-72b-8xh100-512k.yaml"]
+    l8 = plans["configs/llama3-8b-8xh100.yaml"]
+    hu, untiled = variants["qwen2-72b-host-update"], variants["qwen2-72b-128k-untiled"]
+    at = {seq: variants[f"qwen2-72b-512k-recipe-at-{seq}"] for seq in (131072, 262144, 786432)}
+    state = q32["params"] * 12 / 8 / GIB  # fp32 master + Adam m, v, sharded 8 ways
+    inputs = lambda seq: 80 * seq * 8192 * 2 / GIB  # noqa: E731  (80 layers' bf16 inputs, d_model 8192)
+    step = lambda p: p["cost"]["step_seconds"]  # noqa: E731
+    serial, no_sp_node = q32["cost"]["serial_host_seconds"], (state + inputs(131072)) * 8
+    return f"""Notes (every GiB figure compiled for 8 x h100-80g (deviceless) unless marked estimated):
 - Qwen2-72B fits at the full sequence 32768 (no fallback to a shorter sequence was needed). Its host side
-  holds the fp32 master + Adam m, v (12 bytes per parameter, sharded 8 ways: 101.6 GiB per GPU) and the
-  offloaded layer inputs (40 GiB per GPU) once: 1.00x the host-resident bytes, ~1.11 TiB per node. The
-  AdamW update streams each layer's state through the GPU (`offload.optimizer_update=device`); with the
-  update run on the host instead (`=host`), XLA's host computation writes its results into a host temp pool
-  (a second copy of the state) and the node needs 1.72 TiB (220.1 GiB per GPU, compiled). The price of
-  streaming: the device total rises from 45.6 to ~62.5 GiB (the per-layer state buffers) and the cost model
-  adds ~4 s of serial PCIe traffic to a ~46 s step (estimated).
+  holds the fp32 master + Adam m, v (12 bytes per parameter, sharded 8 ways: {state:.1f} GiB per GPU) and the
+  offloaded layer inputs ({inputs(32768):.0f} GiB per GPU) once: {node(q32) / 1024:.2f} TiB per node. The AdamW
+  update streams each layer's state through the GPU (`offload.optimizer_update=device`); with the update
+  run on the host instead (`=host`), XLA's host computation writes its results into a host temp pool (a
+  second copy of the state) and the node needs {node(hu) / 1024:.2f} TiB ({host(hu):.1f} GiB per GPU). The price of
+  streaming: the device total is {dev(q32):.2f} GiB against {dev(hu):.2f} with the host update, and the cost model
+  adds {serial:.1f} s of serial PCIe traffic to a {step(q32):.1f} s step (estimated; the host update's own CPU time is
+  priced as measured on one H200's host: benchmarks/costmodel.md).
 - Qwen2-72B at seq 131072 (issue #12) fits with sequence parallelism instead of FSDP: `parallel.sp=8`
   (Ulysses; attention runs on whole sequences with 64 / 8 = 8 query heads and 1 kv head per GPU, so the
   Pallas kernel takes it) shards weights, gradients and optimizer state over the same 8 GPUs and leaves
   131072 / 8 = 16384 tokens per GPU outside attention, half the 32768 of the FSDP config. Host side: the
-  fp32 master + Adam m, v (101.6 GiB per GPU) and the offloaded layer inputs (80 x 16384 x 8192 bf16 =
-  20 GiB per GPU) once, 1.00x the host-resident bytes, 972.7 GiB per node (compiled). Without sequence
-  parallelism (fsdp=8, 131072 tokens per GPU) the offloaded layer inputs alone would be 160 GiB per GPU
-  and the host side ~2,093 GiB per node, over the 2,048 GiB node (estimated: 12 B/param / 8 + 80 x 131072
-  x 8192 x 2 B). `remat.seq_tile=4096` trims the device total from 57.73 GiB (`remat.seq_tile=0`, compiled
-  for 8 x H100 (deviceless)) to 55.30 GiB; the cost model gives the same step time for both (~55 s,
-  estimated).
+  fp32 master + Adam m, v ({state:.1f} GiB per GPU) and the offloaded layer inputs (80 x 16384 x 8192 bf16 =
+  {inputs(16384):.0f} GiB per GPU) once, {node(q128):.1f} GiB per node. Without sequence parallelism (fsdp=8, 131072
+  tokens per GPU) the offloaded layer inputs alone would be {inputs(131072):.0f} GiB per GPU and the host side
+  ~{no_sp_node:,.0f} GiB per node, over the 2,048 GiB node (estimated: 12 B/param / 8 + 80 x 131072 x 8192
+  x 2 B). `remat.seq_tile=4096` trims the device total from {dev(untiled):.2f} GiB (`remat.seq_tile=0`) to
+  {dev(q128):.2f} GiB; the cost model gives {step(untiled):.1f} s and {step(q128):.1f} s per step (estimated).
 - The same 131072-token run with the AdamW update inside the backward (`optimizer.update_in_backward`,
-  `configs/qwen2-72b-8xh100-128k-inbackward.yaml`): 43.92 GiB per GPU and 812.7 GiB of host per node,
-  compiled for 8 x H100 (deviceless): the host holds the fp32 master + Adam m, v once (1.00x the state)
-  and nothing else, because the layer inputs stay on the GPU (the backward rebuilds each layer from its
-  input), and no whole-model gradient exists. The price: clipping by the previous step's global norm.
+  `configs/qwen2-72b-8xh100-128k-inbackward.yaml`): {dev(q128b):.2f} GiB per GPU and {node(q128b):.1f} GiB of host per
+  node: the host holds the fp32 master + Adam m, v once and nothing else, because the layer inputs stay on
+  the GPU (the backward rebuilds each layer from its input), and no whole-model gradient exists. The price:
+  clipping by the previous step's global norm.
 - Qwen2-72B at seq 524288 (`configs/qwen2-72b-8xh100-512k.yaml`): the in-backward run with the layer inputs
   in pinned host memory too (`remat.preset=offload_layer_inputs`; the backward fetches each layer's input
-  when it rebuilds that layer): 29.60 GiB per GPU and 1452.7 GiB of host per node, compiled for 8 x H100
-  (deviceless). The host holds the state (812.7 GiB per node) and the layer inputs (80 x 65536 x 8192 bf16
-  = 80 GiB per GPU). The same recipe at 131072 tokens compiles to 25.31 GiB per GPU (972.7 GiB host per
-  node), at 262144 to 25.98, at 786432 to 33.24 (1772.7 GiB host per node, still inside a 2 TB node).
-  For scale: ALST reports Llama-3-70B at 200K tokens on 8 x H100 (measured there; compiled here, not the
-  same kind of figure). The cost model estimates 651 s per 524288-token step (MFU 46%, estimated); the
-  host link carries the state and the layer inputs each step.
+  when it rebuilds that layer): {dev(q512):.2f} GiB per GPU and {node(q512):.1f} GiB of host per node. The host holds
+  the state and the layer inputs (80 x 65536 x 8192 bf16 = {inputs(65536):.0f} GiB per GPU). The same recipe at
+  131072 tokens compiles to {dev(at[131072]):.2f} GiB per GPU ({node(at[131072]):.1f} GiB host per node), at
+  262144 to {dev(at[262144]):.2f}, at 786432 to {dev(at[786432]):.2f} ({node(at[786432]):.1f} GiB host per node).
+  For scale: ALST reports Llama-3-70B at 200K tokens on 8 x H100 (measured there; compiled here, not the same kind of
+  figure). The cost model estimates {step(q512):.0f} s per 524288-token step (MFU {q512["cost"]["mfu"]:.0%}, estimated);
+  the host link carries the state and the layer inputs each step.
 - Llama-3-8B on 8 x h100-80g (FSDP, seq 8192, micro-batch 2, selective remat, no offload): compare with
   the 82.4 GiB torchtitan reports for FSDP + selective activation checkpointing on H100 (measured on GPU
   there, compiled deviceless here: not the same kind of figure). XLA's rematerialization pass trimmed
-  ~0.7 GiB (66.42 -> 65.70 GiB by its own count) to approach its budget (see that section).
+  {_remat_trim(l8)} by its own count to approach its budget (see that section).
 - The RTX 4090 recipe streams the optimizer state through the GPU a layer at a time instead of running
   AdamW on the host: the host-side update needs a second copy of the state in host memory (~210 GiB in
-  all), which a 128 GiB workstation (the target's assumed host RAM) does not have.
+  all, estimated), which a 128 GiB workstation (the target's assumed host RAM) does not have.
 - XLA's `hlo_rematerialization` warnings quote totals that include pinned-host bytes; where it says
   "down from X originally" with the same X, it changed nothing."""
 
 
-def run_plan(config: str) -> dict:
+def run_plan(config: str, out: Path, overrides: tuple = ()) -> dict:
     from jaxmem.plan import cli
 
-    out = OUT / "headline" / f"{Path(config).stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    cli.main([str(ROOT / config), "--json", str(out)])
+    cli.main([str(ROOT / config), *overrides, "--json", str(out)])
     return json.loads(out.read_text())
 
 
@@ -125,11 +161,17 @@ def section(config: str, plan: dict) -> str:
 
 def main(argv: list[str]) -> int:
     from_json = "--from-json" in argv  # re-render the markdown from the saved plans, no compiles
-    configs = [a for a in argv if a != "--from-json"] or list(HEADLINES)
+    unknown = [a for a in argv if a != "--from-json"]
+    if unknown:
+        raise SystemExit(f"headline.py: takes only --from-json (got {unknown}); the notes read every config's plan")
     sections, summary = [], ["| config | device GiB per GPU | fits | host GiB per node |", "|---|---:|---|---:|"]
-    for config in configs:
+    plans, variants = {}, {}
+    for name, (config, overrides) in VARIANTS.items():
+        saved = OUT / "headline" / "variants" / f"{name}.json"
+        variants[name] = json.loads(saved.read_text()) if from_json else run_plan(config, saved, tuple(overrides))
+    for config in HEADLINES:
         saved = OUT / "headline" / f"{Path(config).stem}.json"
-        plan = json.loads(saved.read_text()) if from_json else run_plan(config)
+        plan = plans[config] = json.loads(saved.read_text()) if from_json else run_plan(config, saved)
         sections.append(section(config, plan))
         summary.append(f"| `{config}` | {plan['compiled']['device_total'] / GIB:.2f} | {plan['fits']} | "
                        f"{plan['host_bytes_per_node'] / GIB:.1f} |")
@@ -141,7 +183,7 @@ def main(argv: list[str]) -> int:
             "(device = argument + output - alias + temp, per GPU; host = pinned host memory). Nothing here "
             "was measured on a GPU. The plan JSON of each config is in `benchmarks/headline/`.",
             "Regenerate: `JAX_PLATFORMS=cpu .venv/bin/python scripts/headline.py` (about 5 minutes).", "",
-            *summary, "", NOTES, ""]
+            *summary, "", notes(plans, variants), ""]
     (OUT / "headline.md").write_text("\n".join(head) + "\n" + "\n".join(sections))
     return 0
 

@@ -242,6 +242,17 @@ def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
 END_PARAMS = ("embed", "final_norm", "lm_head")
 
 
+def _head_grad_axes(prog: TrainProgram) -> tuple | None:
+    """The mesh axes the LM head's gradient is kept split over along d_model (FSDP, ZeRO-2/3; none where it is
+    replicated): a fused loss reduce-scatters its dW over them. None: the head is not trained."""
+    tied = prog.cfg.model.tie_embeddings
+    spec = prog.layout.grad_specs.get("embed" if tied else "lm_head")
+    if spec is None:  # a LoRA step: the head is frozen
+        return None
+    entry = (tuple(spec) + (None, None))[1 if tied else 0]  # embed is [V, D], lm_head [D, V]
+    return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+
+
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
              router_carry: bool = False):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
@@ -255,7 +266,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh) if last else None
+    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh,
+                                    dw_axes=_head_grad_axes(prog)) if last else None
 
     plugin = prog.plugin
     plugin.check_mesh(mesh)

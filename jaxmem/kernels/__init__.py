@@ -222,15 +222,17 @@ def loss_blocks(cfg: KernelConfig) -> CrossEntropyBlocks:
                               pallas_block_d=cfg.fused_loss_block_d)
 
 
-def select_loss(cfg: KernelConfig, platform: str, mesh=None):
+def select_loss(cfg: KernelConfig, platform: str, mesh=None, dw_axes: tuple | None = None):
     """fn(h, w_dv, labels) -> (loss_sum, n_valid), h [T, D] with labels [T] or [B, T, D] with [B, T].
 
     With a mesh, the fused kernels run per shard (rows over the data axes, the
     sequence over sp, vocab over tp) inside shard_map instead of being
-    replicated by GSPMD.
+    replicated by GSPMD; `dw_axes`: the mesh axes the head's gradient is kept
+    split over along D, where dW is reduce-scattered (sharded.shard_loss), None
+    where the head is not trained.
     """
     impl = resolve(cfg, platform, _devices(mesh))["loss"]
-    return _scoped(f"loss_{impl}", _loss(impl, cfg, platform, mesh))
+    return _scoped(f"loss_{impl}", _loss(impl, cfg, platform, mesh, dw_axes))
 
 
 def _flattening(loss):
@@ -243,7 +245,7 @@ def _flattening(loss):
     return run
 
 
-def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
+def _loss(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | None = None):
     blocks = loss_blocks(cfg)
     if impl == "naive":
         return _flattening(functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX,
@@ -266,7 +268,7 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh):
     forward = functools.partial(module.forward_stats, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
     backward = functools.partial(module.backward_grads, blocks=blocks, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss,
                                  **extra)
-    return shard_loss(forward, backward, mesh, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss)
+    return shard_loss(forward, backward, mesh, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss, dw_axes=dw_axes)
 
 
 def platform_of(devices) -> str:

@@ -26,7 +26,9 @@ def pipelined_cost(cost, bubble: float, pp: int):
                                mfu=mfu, breakdown=breakdown)
 
 
-def _as_compiled(fig: StageFigures, topo, pp: int):
+def _as_compiled(fig: StageFigures, topo, pp: int, host: int):
+    """The worst stage's device figures as the plan's compiled figure; `host`: the largest stage's host bytes
+    (a node's GPUs may hold another stage than the worst, with more host state: the first's embedding)."""
     from jaxmem.plan.compiled import CompiledFigures
 
     if fig.layer_phase >= fig.update_total:
@@ -34,10 +36,11 @@ def _as_compiled(fig: StageFigures, topo, pp: int):
                       alias=0, temp=max(fig.forward_peak, fig.backward_peak))
     else:
         fields = dict(argument=fig.update_total, output=0, alias=0, temp=0)
-    fields.update(generated_code=0, host_argument=fig.host_total, host_output=0, host_alias=0, host_temp=0,
+    fields.update(generated_code=0, host_argument=host, host_output=0, host_alias=0, host_temp=0,
                   host_generated_code=0)
     label = (f"compiled for {topo.label} (deviceless), pipeline stage {fig.stage} of {pp} (the largest): state + "
-             f"{fig.in_flight} micro-batches' residuals + its largest pass, from its programs' memory analyses")
+             f"{fig.in_flight} micro-batches' residuals + its largest pass, from its programs' memory analyses; "
+             f"host: the largest stage's")
     return CompiledFigures(fields, list(fig.warnings), fig.compile_seconds, label, jax.__version__)
 
 
@@ -69,7 +72,7 @@ def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
     cost = estimate(cfg, whole, topo.gpu, topo.n_devices, whole.layout.grad_accum, whole.layout.rows)
     if topo.gpu is not None:
         cost = pipelined_cost(cost, pipe.schedule.bubble, pp)
-    compiled = _as_compiled(figures[worst], topo, pp) if figures else None
+    compiled = _as_compiled(figures[worst], topo, pp, max(f.host_total for f in figures)) if figures else None
     out = build_plan(cfg, topo, bill, compiled, cost, source)
     usable = out["usable_device_bytes"]
     info = {"schedule": cfg.parallel.pp_schedule, "stages": pp, "micro_batches": pipe.schedule.micro,

@@ -296,6 +296,46 @@ def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
     assert stage_warnings(bills, max(totals)) == []
 
 
+def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages(auto_plan):
+    """A node may hold another stage than the one with the largest device total: the plan's host bytes (and
+    so its host RAM per node) are the largest stage's (the first stage's embedding state on the host made
+    2 x 8 H100 pp=2 need 726 GiB per node where the plan said 566)."""
+    import dataclasses
+
+    from jaxmem.pipeline.plan import StageFigures, _as_compiled
+    from jaxmem.runtime.aot import resolve_topology
+
+    bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
+             for b in auto_plan["pipeline"]["stage_bills"]]
+    worst = max(range(2), key=lambda i: bills[i].device_total)
+    bills[1 - worst] = dataclasses.replace(bills[1 - worst], state_host=3 * 2**30)
+    host = max(f.host_total for f in bills)
+    cfg = load_config("configs/tiny.yaml", PLAN)
+    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host)
+    assert compiled.host_total == 3 * 2**30 > bills[worst].host_total
+    assert compiled.device_total == bills[worst].device_total
+
+
+def test_a_stage_compiled_for_two_topologies_gets_each_ones_devices():
+    """The per-process stage compile cache hands back output shardings on the devices asked for: 8 x H100 and
+    2 x 8 x H100 number their compile-only devices alike, and a stage program shared by two plans (same text,
+    same ids) came back on the first topology's devices ("incompatible devices" in the next lowering)."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from jaxmem.pipeline.figures import _compile
+    from jaxmem.runtime.aot import target_devices
+
+    def compiled(devices):
+        mesh = jax.sharding.Mesh(np.array(devices[:4]), ("fsdp",))
+        x = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
+        return _compile(jax.jit(lambda a: a * 2).lower(x), devices[:4])
+
+    one, two = target_devices("h100-80g", 8), target_devices("h100-80g", 8, hosts=2)
+    for devices in (one, two):
+        assert set(compiled(list(devices)).output_shardings.device_set) == set(devices[:4])
+
+
 def test_eval_through_the_stages_equals_one_device():
     from jaxmem.core.evaluate import eval_step
 

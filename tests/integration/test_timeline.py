@@ -140,6 +140,19 @@ def test_an_offloaded_step_has_a_host_lane_and_host_copies(compared):
     assert "offload.optimizer=host" in off["config"]
 
 
+def test_the_lm_heads_gradient_is_reduced_before_the_layers_backward(compared):
+    """The fused loss's per-device partial dW [D, V] dies before the layers' backward starts, in both steps:
+    XLA left its reduction until the update reads it (Llama-3-8B on 8 x H100, ladder rung 5: 1 GiB more at
+    the peak) until the loss's backward released dh only with the reduced dW."""
+    _, timelines = compared
+    m = load_config("configs/tiny.yaml").model
+    for tl in timelines:
+        start = next(p["first"] for p in tl["phases"] if p["name"] == "backward layers")
+        partial = [b for b in tl["bands"] if b["memory"] == "device" and b["category"] == "grad"
+                   and b["shape"] == [m.d_model, m.vocab_size] and "shard_map" in b["op"]]
+        assert partial and all(b["last"] < start for b in partial), [(b["first"], b["last"], start) for b in partial]
+
+
 # ------------------------------------------------------------------ pure functions on small inputs
 
 

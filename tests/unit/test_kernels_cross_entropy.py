@@ -87,17 +87,51 @@ def test_all_tokens_masked_gives_zero_loss_and_grads():
 
 
 @pytest.mark.parametrize("impl", ["chunked", "pallas"])
-@pytest.mark.parametrize("shape", [(1, 8, 1), (1, 4, 2)])
-def test_sharded_loss_matches_reference(impl, shape):
+@pytest.mark.parametrize(("shape", "dw_axes"), [((1, 8, 1), ()), ((1, 4, 2), ("fsdp",)), ((2, 2, 2), ("dp", "fsdp")),
+                                                ((2, 2, 2), ("fsdp",))])
+def test_sharded_loss_matches_reference(impl, shape, dw_axes):
     mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
     cfg = KernelConfig(loss=impl, loss_block_t=16, loss_block_v=64, z_loss=1e-4)
-    fn = select_loss(cfg, "cpu", mesh=mesh)
+    fn = select_loss(cfg, "cpu", mesh=mesh, dw_axes=dw_axes)
     h, w, labels = _inputs(64, 32, 200, jnp.float32, seed=3)
     loss, grads = jax.jit(jax.value_and_grad(lambda h, w: fn(h, w, labels)[0], (0, 1)))(h, w)
     ref_loss, ref_grads = _reference(h, w, labels, 1e-4)
     assert_close(loss, ref_loss, 2e-5, "loss")
     assert_close(grads[0], ref_grads[0], 2e-5, "dh")
     assert_close(grads[1], ref_grads[1], 2e-5, "dW")
+
+
+@pytest.mark.parametrize(("d_model", "scattered"), [(32, True), (36, False)])
+def test_sharded_loss_reduce_scatters_dw_where_the_token_axes_divide_d(d_model, scattered):
+    """Asked to (the head's gradient kept split along D), dW leaves the kernel reduce-scattered over the token
+    axes; where they do not divide D it is summed whole, and both equal the reference."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(1, 8, 1), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    fn = select_loss(KernelConfig(loss="chunked", loss_block_t=16, loss_block_v=64), "cpu", mesh=mesh,
+                     dw_axes=("fsdp",))
+    h, w, labels = _inputs(64, d_model, 200, jnp.float32, seed=5)
+    grad = jax.jit(jax.grad(lambda w: fn(h, w, labels)[0]))
+    text = grad.lower(w).as_text()
+    assert ("reduce_scatter" in text) is scattered
+    assert_close(grad(w), _reference(h, w, labels, 0.0)[1][1], 2e-5, "dW")
+
+
+@pytest.mark.parametrize(("overrides", "axes"), [
+    (["parallel.fsdp=8"], ("fsdp",)),
+    (["parallel.fsdp=8", "parallel.zero_stage=1"], ()),
+    (["parallel.fsdp=4", "parallel.dp=2"], ("fsdp",)),
+    (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp"], ("fsdp",)),
+    (["parallel.fsdp=8", "model.tie_embeddings=true"], ()),
+    (["parallel.fsdp=8", "lora.rank=4"], None),
+])
+def test_the_step_asks_the_loss_to_scatter_dw_where_the_head_gradient_is_split(overrides, axes):
+    """The program passes the axes its LM head gradient is split over along d_model: FSDP's state axes at ZeRO
+    2/3; none where the gradient is replicated (ZeRO-1) or split along the vocabulary (tied: the embedding);
+    None where the head is frozen (LoRA), so the loss leaves dW for XLA to drop."""
+    from jaxmem.config import load_config
+    from jaxmem.core.program import _head_grad_axes, build_program
+
+    prog = build_program(load_config("configs/tiny.yaml", overrides), devices=jax.devices())
+    assert _head_grad_axes(prog) == axes
 
 
 def test_dispatch_choices_and_errors():
