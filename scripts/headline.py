@@ -145,6 +145,8 @@ def section(config: str, plan: dict) -> str:
              f"| of which arguments (params, {'' if cfg.offload.optimizer == 'host' else 'optimizer, '}...) "
              f"| {(c['argument']) / GIB:.2f} GiB |",
              f"| of which temporaries (grads, activations, workspace) | {c['temp'] / GIB:.2f} GiB |",
+             *([f"| init: building the step-0 state from {c['init']['source']} ({label}) "
+                f"| {c['init']['device_total'] / GIB:.2f} GiB |"] if c.get("init") else []),
              f"| usable per GPU (capacity x (1 - headroom {plan['target']['headroom']})) "
              f"| {plan['usable_device_bytes'] / GIB:.2f} GiB |",
              f"| fits | {plan['fits']} |",

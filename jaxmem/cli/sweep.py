@@ -160,7 +160,9 @@ def _row(overrides: list[str], key: str, p: dict, cached: bool) -> dict:
     compiled = p.get("compiled")
     row.update({"status": "planned", "error": None})
     row.update({
-        "device_bytes": compiled["device_total"] if compiled else p["analytic"]["device_total"],
+        # what the run needs: the step's total, or its init's where larger (a plan cached before it had none)
+        "device_bytes": p.get("device_need_bytes") or (compiled["device_total"] if compiled
+                                                       else p["analytic"]["device_total"]),
         "device_bytes_basis": p["fits_basis"],
         "analytic_device_bytes": p["analytic"]["device_total"],
         "host_bytes": compiled["host_total"] if compiled else p["analytic"]["host_total"],

@@ -43,6 +43,10 @@ class ProgramPlugin:
         params-only checkpoint. None: the state has no frozen part."""
         return None
 
+    def streams_state(self, path) -> bool:
+        """Whether streamed_state loads `path` itself (so no one program builds the state a plan could compile)."""
+        return False
+
     def streamed_state(self, prog, path):
         """A step-0 state read from `path` (checkpoint.init_from) its own way; None: the program loads the
         model's params and calls fresh_state."""

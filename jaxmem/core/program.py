@@ -162,6 +162,23 @@ class TrainProgram:
         with self.lowering():
             return self.jit_step().lower(self.abstract_state, self.abstract_batch())
 
+    def lower_init(self):
+        """The program that builds the run's step-0 state, lowered on abstract inputs (a plan compiles it):
+        around the loaded params where checkpoint.init_from names a checkpoint, else from train.seed. None where
+        the plug-in loads the state itself, outside one program (LoRA streams a Hugging Face base per layer)."""
+        path = self.cfg.checkpoint.init_from
+        if path and self.plugin.streams_state(path):
+            return None
+        if host_init.applies(self):
+            return host_init.lower(self, from_params=bool(path))
+        with self.lowering():
+            if path:
+                donate = (0,) if self.plugin.donates_params else ()
+                assemble = jax.jit(self.state_from_params, out_shardings=self.state_shardings, donate_argnums=donate)
+                return assemble.lower(self.abstract_model_params())
+            seed = self.cfg.train.seed
+            return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings).lower()
+
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     @property
     def state_item(self):

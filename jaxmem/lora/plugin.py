@@ -62,6 +62,11 @@ class LoraPlugin(ProgramPlugin):
         return jax.jit(lambda: frozen.base_from_seed(setup, cfg, cfg.train.seed, prog.precision.param),
                        out_shardings=out)()
 
+    def streams_state(self, path) -> bool:
+        from jaxmem.lora.load_base import streams
+
+        return streams(path)
+
     def streamed_state(self, prog, path):
         """An HF directory or import-hf output: the base streamed and quantized a layer at a time."""
         from jaxmem.lora.load_base import stream_base, streams

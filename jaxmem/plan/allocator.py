@@ -4,8 +4,8 @@ The trap: XLA's GPU client takes `XLA_PYTHON_CLIENT_MEM_FRACTION` (0.75 when uns
 and caps every allocation there, preallocating it unless `XLA_PYTHON_CLIENT_PREALLOCATE=false`. A step that
 the plan says needs 67 GiB of an 80 GB H100 then runs out of memory at 59 GiB. `jaxmem train` and
 `jaxmem bench` derive the settings from the plan before the backend starts: preallocation off, and a
-fraction that covers the plan's device total plus `target.headroom`, never below XLA's default and never
-above `MAX_FRACTION`. The device total is the compiled one for this config and GPU: from the plan cache
+fraction that covers the plan's device total (its step's, or its init's where larger) plus `target.headroom`,
+never below XLA's default and never above `MAX_FRACTION`. The device total is the compiled one for this config and GPU: from the plan cache
 (`jaxmem plan` writes it there, keyed by the config hash and topology), else from a deviceless compile in a
 subprocess (cached in turn), else, if that fails, the analytic bill, labeled as such. Whatever the user exported wins; a one-line warning says when it cannot hold the plan.
 `XLA_PYTHON_CLIENT_ALLOCATOR=platform` (allocate on demand, no pool) has no cap.
@@ -89,7 +89,14 @@ def attached_gpus() -> tuple[int, int, str] | None:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("JAXMEM_PLAN_CACHE", Path.home() / ".cache" / "jaxmem" / "plans"))
+    """Where `jaxmem plan` keeps compiled totals by config hash (`JAXMEM_PLAN_CACHE`; empty or unset: the
+    default, never the working directory)."""
+    return Path(os.environ.get("JAXMEM_PLAN_CACHE") or Path.home() / ".cache" / "jaxmem" / "plans")
+
+
+def run_peak(plan: dict) -> int:
+    """A compiled plan's device bytes for the run: the step's, or the step-0 state's build where larger."""
+    return plan.get("device_need_bytes") or plan["compiled"]["device_total"]
 
 
 def remember(plan: dict) -> None:
@@ -98,8 +105,7 @@ def remember(plan: dict) -> None:
         path = cache_dir() / f"{plan['config_hash']}.json"
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps({"device_total": plan["compiled"]["device_total"],
-                                        "label": plan["compiled"]["label"]}))
+            path.write_text(json.dumps({"device_total": run_peak(plan), "label": plan["compiled"]["label"]}))
         except OSError:
             pass  # a read-only home: the next run compiles again
 
@@ -130,7 +136,7 @@ def compiled_device_total(cfg, target: str, n_devices: int, run=subprocess.run) 
         return None
     plan["config_hash"] = path.stem  # the run's own key (the config file path differs, not the config)
     remember(plan)
-    return plan["compiled"]["device_total"], plan["compiled"]["label"]
+    return run_peak(plan), plan["compiled"]["label"]
 
 
 def settings_for_run(cfg, environ: Mapping[str, str] | None = None) -> AllocatorSettings | None:

@@ -50,14 +50,13 @@ def memory_figures(compiled) -> dict[str, int]:
 
 
 @dataclasses.dataclass
-class CompiledFigures:
-    """memory_analysis() of the compiled step, per device; device and host bytes kept apart."""
+class InitFigures:
+    """memory_analysis() of the compiled program that builds the step-0 state (from `source`), per device."""
 
     fields: dict[str, int]
-    warnings: list[str]
     compile_seconds: float
+    source: str  # "train.seed" or "checkpoint.init_from"
     label: str
-    jax_version: str = ""  # the XLA that compiled it decides the figure (offload_version_warning)
 
     @property
     def device_total(self) -> int:
@@ -70,7 +69,39 @@ class CompiledFigures:
     def to_json(self) -> dict:
         return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
                 "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
-                "label": self.label, "jax": self.jax_version}
+                "source": self.source, "label": self.label}
+
+
+@dataclasses.dataclass
+class CompiledFigures:
+    """memory_analysis() of the compiled step, per device; device and host bytes kept apart; `init`: the
+    program that builds the step-0 state (None: not compiled)."""
+
+    fields: dict[str, int]
+    warnings: list[str]
+    compile_seconds: float
+    label: str
+    jax_version: str = ""  # the XLA that compiled it decides the figure (offload_version_warning)
+    init: InitFigures | None = None
+
+    @property
+    def device_total(self) -> int:
+        return device_bytes(self.fields)
+
+    @property
+    def host_total(self) -> int:
+        return host_bytes(self.fields)
+
+    @property
+    def run_device_peak(self) -> int:
+        """The larger of the step's and the init's device totals: what a run needs on each device."""
+        return max(self.device_total, self.init.device_total if self.init else 0)
+
+    def to_json(self) -> dict:
+        return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
+                "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
+                "label": self.label, "jax": self.jax_version,
+                "init": self.init.to_json() if self.init else None}
 
 
 @contextlib.contextmanager
@@ -101,39 +132,64 @@ def memory_warnings(lines: list[str]) -> list[str]:
     return out
 
 
-def compile_for_plan(cfg: Config, topo: Topology):
+def compile_for_plan(cfg: Config, topo: Topology, init: bool = True):
     """(compiled executable, figures) for the train step of `cfg` on `topo`: builds the program for the
-    topology's (compile-only) devices, compiles it and reads its memory analysis and XLA's memory warnings.
-    With the figure cache on (jaxmem.plan.figure_cache) a deviceless compile of the same lowered step for the
-    same target earlier gives the figures, and the executable is None."""
-    from jaxmem.plan import figure_cache
+    topology's (compile-only) devices, compiles it and reads its memory analysis and XLA's memory warnings;
+    `init`: the program that builds the step-0 state too (figures.init). With the figure cache on
+    (jaxmem.plan.figure_cache) a deviceless compile of the same lowered step for the same target earlier gives
+    the figures, and the executable is None."""
     from jaxmem.core.program import build_program
 
     start = time.perf_counter()
-    compiled = hit = cache_key = None
     with captured_stderr() as lines:
         prog = build_program(cfg, devices=list(topo.devices()))
         lowered = prog.lower()
-        if topo.name and figure_cache.directory() is not None:
-            cache_key = figure_cache.key(lowered.as_text(), f"{topo.label}\n{topo.gpu.target_config_text()}")
-            hit = figure_cache.lookup(cache_key)
-        if hit is None:
-            compiled = lowered.compile()
-    if hit is None:
-        seconds = time.perf_counter() - start
-        fields, xla_warnings = read_fields(compiled), memory_warnings(lines)
-        if cache_key:
-            figure_cache.store(cache_key, fields, xla_warnings, seconds)
-    else:  # the figures of the same compile, made earlier
-        seconds, fields, xla_warnings = hit["compile_seconds"], hit["fields"], hit["warnings"]
-    where = "(deviceless)" if topo.name else "(attached devices)"
+    compiled, fields, xla_warnings, seconds = _figures(lowered, topo, start, lines)
     warnings = list(xla_warnings)
     if topo.name and prog.layout.kernels["attention"] == "cudnn":
         warnings.append(cudnn_workspace_warning(cfg, prog.layout))
     old_xla = offload_version_warning(jax.__version__, host_bytes(fields))
     warnings += [old_xla] if topo.name and old_xla else []
-    figures = CompiledFigures(fields, warnings, seconds, f"compiled for {topo.label} {where}", jax.__version__)
+    figures = CompiledFigures(fields, warnings, seconds, _label(topo), jax.__version__,
+                              init=compile_init(prog, topo) if init else None)
     return compiled, figures
+
+
+def compile_init(prog, topo: Topology) -> InitFigures | None:
+    """The figures of the program that builds the run's step-0 state (TrainProgram.lower_init); None where a
+    plug-in loads it outside one program."""
+    start = time.perf_counter()
+    with captured_stderr() as lines:
+        lowered = prog.lower_init()
+    if lowered is None:
+        return None
+    fields, seconds = _figures(lowered, topo, start, lines)[1::2]
+    source = "checkpoint.init_from" if prog.cfg.checkpoint.init_from else "train.seed"
+    return InitFigures(fields, seconds, source, _label(topo))
+
+
+def _label(topo: Topology) -> str:
+    return f"compiled for {topo.label} {'(deviceless)' if topo.name else '(attached devices)'}"
+
+
+def _figures(lowered, topo: Topology, start: float, lines: list[str]):
+    """(executable or None, memory analysis fields, XLA's memory warnings, seconds since `start`) of `lowered`
+    compiled for `topo`; from the figure cache where it holds the same compile (executable None)."""
+    from jaxmem.plan import figure_cache
+
+    compiled = hit = cache_key = None
+    if topo.name and figure_cache.directory() is not None:
+        cache_key = figure_cache.key(lowered.as_text(), f"{topo.label}\n{topo.gpu.target_config_text()}")
+        hit = figure_cache.lookup(cache_key)
+    if hit is not None:  # the figures of the same compile, made earlier
+        return None, hit["fields"], hit["warnings"], hit["compile_seconds"]
+    with captured_stderr() as more:
+        compiled = lowered.compile()
+    seconds = time.perf_counter() - start
+    fields, xla_warnings = read_fields(compiled), memory_warnings(lines + more)
+    if cache_key:
+        figure_cache.store(cache_key, fields, xla_warnings, seconds)
+    return compiled, fields, xla_warnings, seconds
 
 
 def offload_version_warning(jax_version: str, host: int) -> str | None:

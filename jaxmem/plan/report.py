@@ -43,14 +43,20 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
     capacity = gpu.hbm_bytes if gpu else None
     usable = int(capacity * (1 - topo.headroom)) if capacity else None
     basis = "compiled" if compiled is not None else "analytic"
-    device_need = compiled.device_total if compiled is not None else bill.device_total
+    device_need = compiled.run_device_peak if compiled is not None else bill.device_total
     warnings = list(compiled.warnings) if compiled is not None else []
+    init = compiled.init if compiled is not None else None
+    if init is not None and init.device_total > compiled.device_total:
+        warnings.append(f"the run's peak is its start: building the step-0 state from {init.source} holds "
+                        f"{init.device_total / GIB:.2f} GiB per device against the step's "
+                        f"{compiled.device_total / GIB:.2f} GiB (both compiled); the verdict uses the larger")
     fits = None if usable is None else device_need <= usable
     if fits is False:
         warnings.append(f"does not fit: {device_need / GIB:.2f} GiB per device ({basis}) > "
                         f"{usable / GIB:.2f} GiB usable ({capacity / GIB:.2f} GiB x (1 - headroom {topo.headroom}))")
     # Host RAM: every GPU on a node parks its share there; take the larger of estimate and compile.
-    host_per_device = max(bill.host_total, compiled.host_total if compiled is not None else 0)
+    host_per_device = max(bill.host_total, compiled.host_total if compiled is not None else 0,
+                          init.host_total if init is not None else 0)
     host_need = host_per_device * topo.gpus_per_host
     host_fits = None if not topo.host_ram_bytes else host_need <= topo.host_ram_bytes
     if host_fits is False:
@@ -82,6 +88,7 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         "compiled": compiled.to_json() if compiled is not None else None,
         "fits": fits,
         "fits_basis": basis,
+        "device_need_bytes": int(device_need),
         "usable_device_bytes": usable,
         "host_fits": host_fits,
         "host_bytes_per_node": int(host_need),
@@ -175,6 +182,9 @@ def render(plan: dict, console=None) -> None:
         for k in ("argument", "output", "alias", "temp"):
             comp.add_row(k, _gib(c[k]), _gib(c[f"host_{k}"]))
         comp.add_row("total", _gib(c["device_total"]), _gib(c["host_total"]), style="bold")
+        if c.get("init"):
+            comp.add_row(f"init (the step-0 state from {c['init']['source']})", _gib(c["init"]["device_total"]),
+                         _gib(c["init"]["host_total"]))
         console.print(comp)
     from jaxmem.pipeline.render import render_pipeline
 

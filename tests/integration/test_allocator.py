@@ -115,3 +115,13 @@ def test_prepare_writes_the_settings_and_leaves_a_started_backend_alone(tmp_path
 def test_an_unparsable_fraction_counts_as_the_default(fraction):
     s = allocator.derive(67 * GIB, H100, 0.1, "x", environ={"XLA_PYTHON_CLIENT_MEM_FRACTION": fraction})
     assert s.limit_bytes == int(0.75 * H100) and "lets XLA use 59.3 GiB" in s.warning
+
+
+@pytest.mark.parametrize("value", ["", None])
+def test_an_empty_or_unset_cache_variable_means_the_default_directory(value, monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    if value is None:
+        monkeypatch.delenv("JAXMEM_PLAN_CACHE", raising=False)
+    else:
+        monkeypatch.setenv("JAXMEM_PLAN_CACHE", value)
+    assert allocator.cache_dir() == tmp_path / ".cache" / "jaxmem" / "plans"

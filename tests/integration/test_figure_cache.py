@@ -37,10 +37,11 @@ def test_a_second_plan_of_the_same_step_reads_the_first_compiles_figures(monkeyp
     cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=2", "train.seq_len=32"])
     topo = resolve_topology(cfg, "h100-80g", 2, 1)
     compiled, first = compile_for_plan(cfg, topo)
-    assert compiled is not None and len(list(tmp_path.glob("*.json"))) == 1
+    assert compiled is not None and len(list(tmp_path.glob("*.json"))) == 2  # the step and its init
     again, second = compile_for_plan(cfg, topo)
     assert again is None  # nothing compiled
     assert second.fields == first.fields and second.warnings == first.warnings and second.label == first.label
+    assert second.init.fields == first.init.fields and first.init.device_total > 0
     assert first.fields["temp"] > 0 and first.device_total == compiled.memory_analysis().temp_size_in_bytes + \
         compiled.memory_analysis().argument_size_in_bytes + compiled.memory_analysis().output_size_in_bytes - \
         compiled.memory_analysis().alias_size_in_bytes

@@ -75,6 +75,7 @@ def test_deviceless_init_device_bytes_do_not_grow_with_layers():
 
     two, whole = program(2), program(32)
     lean = device(host_init.lower(whole))
+    assert device(whole.lower_init()) == lean  # what a plan compiles as the run's init
     assert abs(device(host_init.lower(two)) - lean) < 2**20  # a few scalars apart
     assert abs(device(host_init.lower(whole, from_params=True)) - lean) < 2**26  # a [4096, 4096] bf16 weight
     with whole.lowering():

@@ -19,7 +19,7 @@ TINY_FP32 = ["parallel.fsdp=8", "parallel.zero_stage=3", "precision.param_dtype=
              "precision.master_weights=false", "target.name=h100-80g"]
 SCHEMA_KEYS = {"schema_version", "config", "config_hash", "model", "params", "target", "devices", "mesh",
                "analytic", "compiled", "fits", "fits_basis", "usable_device_bytes", "host_fits",
-               "host_bytes_per_node", "offload", "analytic_vs_compiled", "cost", "warnings"}
+               "host_bytes_per_node", "offload", "analytic_vs_compiled", "cost", "warnings", "device_need_bytes"}
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,47 @@ def test_analytic_state_bytes_equal_compiled_arguments(tiny_plan):
     a = p["analytic"]
     assert a["master"] == 0 and a["params"] == a["opt_m"] == a["opt_v"]
     assert a["params"] + a["opt_m"] + a["opt_v"] + a["inputs"] == p["compiled"]["argument"]
+
+
+def test_the_plan_compiles_the_init_too_and_needs_the_larger(tiny_plan):
+    """The program that builds the step-0 state is compiled beside the step: from the seed it takes nothing
+    and returns the state the step takes (params + m + v), and the plan needs the larger."""
+    _, p = tiny_plan
+    a, c = p["analytic"], p["compiled"]
+    init = c["init"]
+    assert init["source"] == "train.seed" and init["label"] == c["label"] and init["argument"] == 0
+    # params, m and v, plus counters and XLA's output tuple (a pointer per leaf): under a KiB
+    assert 0 <= init["output"] - 3 * a["params"] < 1024
+    assert abs(c["argument"] - init["output"]) < 1024  # the step takes that state (and a device's tokens)
+    assert p["device_need_bytes"] == max(c["device_total"], init["device_total"]) == c["device_total"]
+
+
+def test_an_init_above_the_step_decides_the_verdict_and_the_allocator():
+    """Synthetic figures: where building the state holds more than the step, `fits` and the allocator's
+    device need are the init's, and a warning says the run's peak is its start."""
+    from jaxmem.plan.allocator import run_peak
+    from jaxmem.plan.compiled import InitFigures
+    from jaxmem.plan.costmodel import estimate
+    from jaxmem.plan.report import build_plan
+
+    cfg = load_config("configs/tiny.yaml", ["target.name=h100-80g", "target.gpus_per_host=1", "parallel.fsdp=1"])
+    topo, gib = resolve_topology(cfg), 2**30
+    fields = dict.fromkeys(("argument", "output", "alias", "temp", "generated_code", "host_argument",
+                            "host_output", "host_alias", "host_temp", "host_generated_code"), 0)
+    bill = compute_bill(cfg, 1, gpu=True)
+    cost = estimate(cfg, bill, topo.gpu, 1, 1, bill.layout.rows)
+
+    def verdict(step_gib, init_gib):
+        init = InitFigures(dict(fields, temp=init_gib * gib), 0.0, "train.seed", "x")
+        return build_plan(cfg, topo, bill, CompiledFigures(dict(fields, temp=step_gib * gib), [], 0.0, "x",
+                                                           init=init), cost)
+
+    low, high = verdict(60, 10), verdict(60, 75)
+    assert low["fits"] is True and low["device_need_bytes"] == run_peak(low) == 60 * gib
+    assert not any("peak is its start" in w for w in low["warnings"])
+    assert high["fits"] is False and high["device_need_bytes"] == run_peak(high) == 75 * gib
+    assert any("the run's peak is its start" in w and "75.00 GiB" in w for w in high["warnings"])
+    assert high["compiled"]["device_total"] == 60 * gib and high["compiled"]["init"]["device_total"] == 75 * gib
 
 
 def test_analytic_total_within_tolerance_of_compiled(tiny_plan):
