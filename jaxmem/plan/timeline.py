@@ -182,6 +182,16 @@ def phases(labels: list[str], min_run: int | None = None) -> list[dict]:
     return [{"name": n, "first": a, "last": b} for n, a, b in merged]
 
 
+def _defining_value(module, values: list) -> tuple:
+    """The value a band is classified by: a step argument where one shares the region (a parameter updated in
+    place is the parameter, not the update's output that XLA writes over it), else the region's first."""
+    for name, index in values:
+        ins = module.instrs.get(name)
+        if ins is not None and ins.opcode == "parameter" and ins.computation == module.entry:
+            return name, index
+    return values[0]
+
+
 def build(cfg: Config, dump_dir: Path, label: str = "", config: str = "") -> dict:
     """The timeline of the step compiled into `dump_dir` (see the module docstring and docs/plan_schema.md)."""
     hlo_path, live_path, _ = hlo_dump.find_dump(Path(dump_dir))
@@ -200,7 +210,7 @@ def build(cfg: Config, dump_dir: Path, label: str = "", config: str = "") -> dic
     host = {c: [0] * (n + 1) for c in CATEGORIES}
     out_bands = []
     for band in found:
-        name, index = band.values[0]
+        name, index = _defining_value(module, band.values)
         info = classify(cfg, module, name, index, band.region.bytes, state)
         cat = info["category"]
         if not band.region.host and any(_is_host_transfer(module, v) for v, _ in band.values):

@@ -94,6 +94,19 @@ def test_the_maximum_is_explains_device_peak_and_lists_its_buffers(run):
     assert tl["compiled_device_bytes"] == top["compiled_device_bytes"] >= top["peak_live_bytes"]
 
 
+def test_a_parameter_updated_in_place_is_drawn_as_a_parameter(run):
+    """A band whose region holds a step argument is classified by it: the bf16 params, which the update
+    writes over in place, are parameters for the whole step (they were drawn as optimizer state)."""
+    d, tl, _ = run
+    module = hlo_dump.HloModuleText(hlo_dump.find_dump(d / "dump")[0].read_text())
+    entry = {name: ins.op_name for name, ins in module.instrs.items()
+             if ins.opcode == "parameter" and ins.computation == module.entry}
+    holding = [(b, entry[v.split("{")[0]]) for b in tl["bands"] for v in b["values"] if v.split("{")[0] in entry]
+    params = [b for b, path in holding if path.startswith("state['params']")]
+    assert params and all(b["category"] == "param" for b in params), {b["category"] for b in params}
+    assert any(b["category"] == "optimizer" for b, path in holding if path.startswith("state['opt']"))
+
+
 def test_categories_sum_to_the_total_everywhere(run):
     _, tl, _ = run
     for pool in ("device", "host"):
