@@ -26,6 +26,7 @@ from jaxmem.core import embed_grad, expert_parallel, grad_dtype, host_init
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
+from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 from jaxmem.model.axes import activation_rules
 from jaxmem.model.moe import ROUTER_METRICS
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
@@ -239,7 +240,10 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          norm=kernels.select_norm(cfg.kernels, platform, mesh), scan_layers=scan_layers,
                          grouped_matmul=kernels.select_grouped_matmul(cfg.kernels, platform, mesh),
                          segment=segment, per_token=per_token_tiles(cfg.remat.seq_tile, layout.mesh_sizes["sp"]),
-                         per_token_tiled=tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile) > 1)
+                         per_token_tiled=tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile) > 1,
+                         # where the mesh sums gradients over devices, the embedding gradient's zeros wait for the
+                         # backward (one device: no collective to hide, and the scheduler's choice was as lean)
+                         lookup=take_rows_late_zeros if layout.data_ways * layout.mesh_sizes["sp"] > 1 else take_rows)
     if cfg.model.n_experts and mesh.shape.get(sharding.MeshAxis.EP.value, 1) > 1:
         ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)
@@ -273,8 +277,8 @@ def _head_grad_axes(prog: TrainProgram) -> tuple | None:
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
              router_carry: bool = False):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
-    model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then the layers
-    `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
+    model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then
+    the layers `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
     With first = last = True this is loss_sum_fn; a pipeline stage runs its part (jaxmem.pipeline).
     `base` is the state's frozen part and `dropout_key` the train step's per micro-batch key, both read by the
     program's plug-in (jaxmem.core.plugins; LoRA: its base, and its adapters' input dropout).

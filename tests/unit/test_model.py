@@ -36,3 +36,28 @@ def test_every_checkpoint_name_is_tagged_in_the_layer():
     untagged = set(MOE_NAMES) | {CheckpointName.FLASH_RESIDUALS.value}
     for name in ALL_NAMES:
         assert (f"name={name}" in jaxpr) == (name not in untagged), name
+
+
+def test_the_late_zeros_lookup_is_take_with_its_zeros_made_after_the_cotangent():
+    """take_rows_late_zeros is jnp.take along the rows, gradient included (repeated and out-of-order ids, bf16
+    and fp32); in its backward the scatter target's zeros come out of a barrier that waits for the cotangent.
+    A program on a mesh uses it, one on a single device the plain lookup."""
+    import jax.numpy as jnp
+
+    from jaxmem.core.program import build_program
+    from jaxmem.model.transformer import take_rows, take_rows_late_zeros
+
+    ids = jnp.array([[1, 3, 3, 49], [0, 0, 7, 2]])
+    weights = jnp.arange(8, dtype=jnp.float32)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        table = jax.random.normal(jax.random.key(0), (50, 8)).astype(dtype)
+        ours = jax.value_and_grad(lambda t: (jnp.sin(take_rows_late_zeros(t, ids)) * weights).sum())(table)
+        take = jax.value_and_grad(lambda t: (jnp.sin(jnp.take(t, ids, axis=0)) * weights).sum())(table)
+        np.testing.assert_array_equal(np.asarray(ours[0], np.float32), np.asarray(take[0], np.float32))
+        np.testing.assert_array_equal(np.asarray(ours[1], np.float32), np.asarray(take[1], np.float32))
+        assert ours[1].dtype == dtype
+    text = str(jax.make_jaxpr(jax.grad(lambda t: take_rows_late_zeros(t, ids).sum()))(table))
+    assert "optimization_barrier" in text and "scatter-add" in text
+    mesh = build_program(load_config("configs/tiny.yaml", ["parallel.fsdp=8"]), devices=jax.devices())
+    one = build_program(load_config("configs/tiny.yaml", ["parallel.fsdp=1"]), devices=jax.devices()[:1])
+    assert mesh.ctx.lookup is take_rows_late_zeros and one.ctx.lookup is take_rows
