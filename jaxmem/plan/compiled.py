@@ -49,14 +49,11 @@ def memory_figures(compiled) -> dict[str, int]:
     return dict(f, device=device_bytes(f), host=host_bytes(f))
 
 
-@dataclasses.dataclass
-class InitFigures:
-    """memory_analysis() of the compiled program that builds the step-0 state (from `source`), per device."""
+class _Totals:
+    """Device and host totals of a compiled program's memory analysis `fields`."""
 
     fields: dict[str, int]
     compile_seconds: float
-    source: str  # "train.seed" or "checkpoint.init_from"
-    label: str
 
     @property
     def device_total(self) -> int:
@@ -66,14 +63,26 @@ class InitFigures:
     def host_total(self) -> int:
         return host_bytes(self.fields)
 
-    def to_json(self) -> dict:
+    def _json(self) -> dict:
         return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
-                "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
-                "source": self.source, "label": self.label}
+                "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2)}
 
 
 @dataclasses.dataclass
-class CompiledFigures:
+class InitFigures(_Totals):
+    """memory_analysis() of the compiled program that builds the step-0 state (from `source`), per device."""
+
+    fields: dict[str, int]
+    compile_seconds: float
+    source: str  # "train.seed" or "checkpoint.init_from"
+    label: str
+
+    def to_json(self) -> dict:
+        return {**self._json(), "source": self.source, "label": self.label}
+
+
+@dataclasses.dataclass
+class CompiledFigures(_Totals):
     """memory_analysis() of the compiled step, per device; device and host bytes kept apart; `init`: the
     program that builds the step-0 state (None: not compiled)."""
 
@@ -85,22 +94,12 @@ class CompiledFigures:
     init: InitFigures | None = None
 
     @property
-    def device_total(self) -> int:
-        return device_bytes(self.fields)
-
-    @property
-    def host_total(self) -> int:
-        return host_bytes(self.fields)
-
-    @property
     def run_device_peak(self) -> int:
         """The larger of the step's and the init's device totals: what a run needs on each device."""
         return max(self.device_total, self.init.device_total if self.init else 0)
 
     def to_json(self) -> dict:
-        return {**{k: int(v) for k, v in self.fields.items()}, "device_total": int(self.device_total),
-                "host_total": int(self.host_total), "compile_seconds": round(self.compile_seconds, 2),
-                "label": self.label, "jax": self.jax_version,
+        return {**self._json(), "label": self.label, "jax": self.jax_version,
                 "init": self.init.to_json() if self.init else None}
 
 
