@@ -103,7 +103,17 @@ class TrainProgram:
         seed = self.cfg.train.seed if seed is None else seed
         if host_init.applies(self):
             return host_init.fresh_state(self, seed=seed)
-        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)()
+        return self.seeded_state_fn(seed)()
+
+    def seeded_state_fn(self, seed: int):
+        """jit of () -> the step-0 state from `seed`, on the state's shardings (where host_init does not apply)."""
+        return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings)
+
+    def assembled_state_fn(self):
+        """jit of the model's params -> the step-0 state around them, donating them where the plug-in's state
+        reuses their buffers (checkpoint.init_from where host_init does not apply)."""
+        donate = (0,) if self.plugin.donates_params else ()
+        return jax.jit(self.state_from_params, out_shardings=self.state_shardings, donate_argnums=donate)
 
     def fresh_params(self, seed: int) -> dict:
         """The model's params as initialized from `seed`."""
@@ -174,11 +184,8 @@ class TrainProgram:
             return host_init.lower(self, from_params=bool(path))
         with self.lowering():
             if path:
-                donate = (0,) if self.plugin.donates_params else ()
-                assemble = jax.jit(self.state_from_params, out_shardings=self.state_shardings, donate_argnums=donate)
-                return assemble.lower(self.abstract_model_params())
-            seed = self.cfg.train.seed
-            return jax.jit(lambda: self._fresh_state(seed), out_shardings=self.state_shardings).lower()
+                return self.assembled_state_fn().lower(self.abstract_model_params())
+            return self.seeded_state_fn(self.cfg.train.seed).lower()
 
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     @property
@@ -270,8 +277,7 @@ def _head_grad_axes(prog: TrainProgram) -> tuple | None:
     spec = prog.layout.grad_specs.get("embed" if tied else "lm_head")
     if spec is None:  # a LoRA step: the head is frozen
         return None
-    entry = (tuple(spec) + (None, None))[1 if tied else 0]  # embed is [V, D], lm_head [D, V]
-    return tuple(a for a in (entry if isinstance(entry, tuple) else (entry,)) if a is not None)
+    return sharding.entry_axes((tuple(spec) + (None, None))[1 if tied else 0])  # embed is [V, D], lm_head [D, V]
 
 
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,

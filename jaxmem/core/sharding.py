@@ -105,10 +105,14 @@ def data_ways(mesh: Mesh) -> int:
     return batch_ways(mesh.shape)
 
 
+def entry_axes(entry) -> tuple:
+    """The mesh axis names one partition-spec entry splits its dim over (none for None)."""
+    return () if entry is None else entry if isinstance(entry, tuple) else (entry,)
+
+
 def spec_ways(spec, sizes) -> int:
     """The devices a partition spec splits a value over (their product) for mesh axis sizes by name."""
-    return math.prod(sizes[str(a)] for axes in spec if axes is not None
-                     for a in (axes if isinstance(axes, tuple) else (axes,)))
+    return math.prod(sizes[str(a)] for entry in spec for a in entry_axes(entry))
 
 
 def batch_ways(sizes) -> int:

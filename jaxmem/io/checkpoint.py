@@ -309,8 +309,5 @@ def init_whole(prog, path: str | Path) -> dict:
     if host_init.applies(prog):
         check_model_json(path, prog.cfg)
         return host_init.fresh_state(prog, restore_params(path, host_init.loading_targets(prog)))
-    params = model_params_from(prog, path)
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
-    donate = (0,) if prog.plugin.donates_params else ()
-    assemble = jax.jit(prog.state_from_params, out_shardings=prog.state_shardings, donate_argnums=donate)
-    return assemble(params)
+    return prog.assembled_state_fn()(model_params_from(prog, path))

@@ -26,6 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
 from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
 from jaxmem.config.schema import Config
+from jaxmem.core.sharding import entry_axes
 
 NF4_BLOCK = 64
 
@@ -128,7 +129,7 @@ def base_specs(setup: LoraSetup, cfg: Config, model_specs: dict, abstract_base: 
     offset of double-quantized scales)."""
 
     def ways(axes) -> int:
-        return math.prod(mesh_sizes.get(a, 1) for a in (axes if isinstance(axes, tuple) else (axes,)))
+        return math.prod(mesh_sizes.get(a, 1) for a in entry_axes(axes))
 
     layers = dict(model_specs["layers"])
     for name in setup.frozen:

@@ -69,9 +69,9 @@ class LoraPlugin(ProgramPlugin):
 
     def streamed_state(self, prog, path):
         """An HF directory or import-hf output: the base streamed and quantized a layer at a time."""
-        from jaxmem.lora.load_base import stream_base, streams
+        from jaxmem.lora.load_base import stream_base
 
-        if not streams(path):
+        if not self.streams_state(path):
             return None
         rest = {k: v for k, v in prog.state_shardings.items() if k != FROZEN}
         state = jax.jit(lambda: adapter_state(prog), out_shardings=rest)()

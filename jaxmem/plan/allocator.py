@@ -5,9 +5,10 @@ and caps every allocation there, preallocating it unless `XLA_PYTHON_CLIENT_PREA
 the plan says needs 67 GiB of an 80 GB H100 then runs out of memory at 59 GiB. `jaxmem train` and
 `jaxmem bench` derive the settings from the plan before the backend starts: preallocation off, and a
 fraction that covers the plan's device total (its step's, or its init's where larger) plus `target.headroom`,
-never below XLA's default and never above `MAX_FRACTION`. The device total is the compiled one for this config and GPU: from the plan cache
-(`jaxmem plan` writes it there, keyed by the config hash and topology), else from a deviceless compile in a
-subprocess (cached in turn), else, if that fails, the analytic bill, labeled as such. Whatever the user exported wins; a one-line warning says when it cannot hold the plan.
+never below XLA's default and never above `MAX_FRACTION`. The device total is the compiled one for this
+config and GPU: from the plan cache (`jaxmem plan` writes it there, keyed by the config hash and topology),
+else from a deviceless compile in a subprocess (cached in turn), else, if that fails, the analytic bill,
+labeled as such. Whatever the user exported wins; a one-line warning says when it cannot hold the plan.
 `XLA_PYTHON_CLIENT_ALLOCATOR=platform` (allocate on demand, no pool) has no cap.
 """
 from __future__ import annotations
