@@ -271,6 +271,16 @@ def no_checkpoint_residuals(per_name: dict[str, int], cd: int, model=None, lora=
     return out
 
 
+def _head_grad_itemsize(layout: Layout, prec: Precision) -> int:
+    """Bytes per element of the LM head's whole gradient in the loss's backward. A fused loss (chunked, Pallas)
+    writes dW in the dtype the head is used in, the compute dtype: with weights stored in that dtype it stays
+    so (`jaxmem explain` of Qwen2.5-7B, 8 x H100 FSDP, full remat: one bf16 [3584, 152064] dW at the loss's
+    peak, reduce-scattered before the layers' backward). The plain-XLA loss's dot with the fp32 logits
+    gradient makes it fp32, as does the cast back to wider stored weights."""
+    cd, param = _itemsize(prec.compute), _itemsize(prec.param)
+    return cd if layout.kernels["loss"] != "naive" and param == cd else 4
+
+
 def logits_bytes(cfg: Config, layout: Layout) -> int:
     """Live loss-side bytes per device beyond the LM head: the resolved loss kernel's own scratch formula."""
     tokens = layout.per_device_elems(ACT_BTD[:2], (layout.rows, cfg.train.seq_len))
@@ -341,13 +351,23 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         vocab = layout.per_device_elems(("act_vocab",), (m.vocab_size,))
         working += tokens * vocab * 4
 
-    # FSDP all-gathers a full layer in the compute dtype (the next one is prefetched) and its gradient
-    # arrives full before the reduce-scatter; the loss phase does the same for the LM head.
+    # A layer's full weight gradients (one device: written whole, then stored), and under FSDP its weights
+    # all-gathered in the compute dtype; the loss phase gathers the LM head alike.
     gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
     layer_full = _model_elems(layout, "layers") // m.n_layers - bill_moe.ungathered_expert_elems(cfg, layout)
     head_full = _model_elems(layout, "embed" if m.tie_embeddings else "lm_head")
     layer_grad = _itemsize(planned_dtype("w_gate", cfg, prec))  # a projection's gradient (jaxmem.core.grad_dtype)
-    temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)
+    if gathered and not bill_moe.is_moe(cfg):
+        # A dense layer under FSDP: each weight's gradient is reduce-scattered as its dot makes it and the
+        # weights are gathered one by one, so at the MLP backward's peak at most the layer's gathered weights
+        # are held, no whole gradient (`jaxmem explain`, 8 x H100 FSDP, full remat, seq 8192: Llama-3-8B holds
+        # its gathered w_gate and attention weights, 0.18 GiB; Qwen2.5-7B w_gate, w_up and attention, 0.31 GiB;
+        # one gathered layer is 0.41 / 0.43 GiB).
+        temporaries = layer_full * cd
+    else:
+        # A mixture of experts gathers each layer whole and its gradient arrives whole before the reduce-scatter,
+        # both double-buffered (jaxmem.plan.bill_moe; Mixtral and Qwen3-30B-A3B widths, `jaxmem explain`).
+        temporaries = 2 * layer_full * layer_grad + (2 * layer_full * cd if gathered else 0)
     if layout.lora is not None:
         # No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
         # matmul reads it, forward or backward (jaxmem.lora.linear), one at the peak (`jaxmem explain`, QLoRA
@@ -360,8 +380,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
         temporaries -= layer_full * _itemsize(prec.grad_reduce)
         if "opt" in layout.host_state:  # one layer's state streamed through the device, leaf by leaf
             temporaries += in_backward_stream_bytes(cfg, layout, prec, _device_memory(cfg, device_memory))
-    if layout.lora is None:  # the LM head's fp32 gradient (a LoRA head is frozen: no dW, whatever its dtype)
-        logits += head_full * 4
+    if layout.lora is None:  # the LM head's gradient (a LoRA head is frozen: no dW, whatever its dtype)
+        logits += head_full * _head_grad_itemsize(layout, prec)
     if gathered and (layout.lora is None or not layout.lora.quantize_embeddings):  # a stored head is never whole
         logits += head_full * cd
     if accum > 1:
@@ -488,7 +508,11 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
     leaves = _streamed_rest_elems(layout)
     largest = leaves[0] if leaves else 0
     state = [largest * _itemsize(d) for d in _state_dtypes(prec)]
-    peak = device["grads"] + largest * _itemsize(prec.param) + 2 * sum(state)
+    # in pieces the new weights are written over the old ones, which stay live through the loop (optim.
+    # _rest_in_chunks; explain of the 1 x 4090 recipe: the bf16 embedding and LM head, 1.96 GiB, at its
+    # 6.12 GiB peak, with the gradients, a piece's state in and out and the next piece's state prefetched)
+    weights = device["params"] if layout.rest_pieces else largest * _itemsize(prec.param)
+    peak = device["grads"] + weights + 2 * sum(state)
     limit = _scheduler_limit(device, device_memory)
     for copy in ([leaves[1] * _itemsize(d) for d in _state_dtypes(prec)] if len(leaves) > 1 else []):
         if peak + copy > limit:

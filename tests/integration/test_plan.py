@@ -405,10 +405,12 @@ def test_bill_streamed_update_phase_and_the_scheduler_prefetch():
     # weights on the host: only the embedding / norm / LM head gradients are device buffers, and the layers'
     # gradients are never on the device (nothing is absent at the loss phase)
     assert on_4090.device["grads"] == (2 * V * D + D) * 2 and on_4090.absent_in_loss == 0
-    # a piece of the LM head's update: its master, m, v in and their updated copies (fp32), its new bf16 weight
-    # and the gradients not yet consumed; under either GPU's scheduler limit XLA also brings in the next piece's
-    # master, m and v (3 x fp32: whole leaves, only the H100's limit let the next one in)
-    at_update = on_4090.device["grads"] + head * 2 + 2 * 3 * head * 4
+    # a piece of the LM head's update: its master, m, v in and their updated copies (fp32), the gradients not yet
+    # consumed and the old bf16 embedding, norm and LM head the pieces are written over (live through the loop);
+    # under either GPU's scheduler limit XLA also brings in the next piece's master, m and v (3 x fp32: whole
+    # leaves, only the H100's limit let the next one in)
+    assert on_4090.device["params"] == (2 * V * D + D) * 2
+    at_update = on_4090.device["grads"] + on_4090.device["params"] + 2 * 3 * head * 4
     assert pieces > 1
     for bill in (on_4090, on_h100):
         assert bill.update_phase == at_update + 3 * head * 4 <= bill.device_total
