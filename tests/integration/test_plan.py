@@ -392,6 +392,27 @@ def test_bill_optimizer_on_host_moves_exactly_the_state_and_the_phase_terms():
         assert b.device_total == max(steady + max(layer, d["logits"] - b.absent_in_loss), b.update_phase)
 
 
+def test_bill_holds_the_lm_heads_gradient_in_the_dtype_the_loss_writes_and_fsdp_layers_ungathered_gradients():
+    from jaxmem.kernels import loss_scratch_bytes
+
+    def loss_extra(b):  # the loss phase beyond the kernel's own scratch: the head's whole dW (and, gathered, W)
+        lay = b.layout
+        return b.device["logits"] - loss_scratch_bytes(lay.kernels["loss"], S, V, _small_llama().kernels, D, 2)
+
+    # a fused loss writes dW in the dtype it uses the head in: bf16 weights keep it bf16 (explain of Qwen2.5-7B
+    # FSDP: one bf16 [d, vocab] dW at the loss's peak); the plain-XLA loss's dot with the fp32 logits gradient
+    # makes it fp32, and so does the cast back to fp32 weights
+    assert loss_extra(compute_bill(_small_llama(["kernels.loss=chunked"]), 1)) == V * D * 2
+    assert loss_extra(compute_bill(_small_llama(), 1)) == V * D * 4
+    fp32 = compute_bill(_small_llama(["kernels.loss=chunked", "precision.param_dtype=float32"]), 1)
+    assert loss_extra(fp32) == V * D * 4
+    # one device: a layer's whole weight gradients, twice (written, then stored); a dense layer under FSDP holds
+    # its gathered bf16 weights and no whole gradient (each reduce-scattered as its dot makes it)
+    one, fsdp = compute_bill(_small_llama(), 1), compute_bill(_small_llama(["parallel.fsdp=8"]), 8)
+    assert one.device["temporaries"] == 2 * LAYER * 2
+    assert fsdp.device["temporaries"] == LAYER * 2
+
+
 def test_bill_streamed_update_phase_and_the_scheduler_prefetch():
     cfg = _small_llama(["offload.optimizer=host", "offload.optimizer_update=device", "offload.params=host"])
     on_4090 = compute_bill(cfg, 1, device_memory=TARGETS["rtx4090-24g"].hbm_bytes)
