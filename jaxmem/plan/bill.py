@@ -428,7 +428,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
             # (explain: the LM head's bf16 gradient is live at the layer peak, the donated embedding is not)
             device["grads"] = 0
             if layout.lora is None:  # and the LM head's gradient stays in the compute dtype (explain: bf16)
-                device["logits"] -= head_full * (4 - cd)
+                device["logits"] -= head_full * (_head_grad_itemsize(layout, prec) - cd)
         device["temporaries"] = host_params_layer_bytes(cfg, layout, prec)
         # the layer's weight gradients complete after the MLP's gate / up input gradients are dead
         device["working_set"] -= 2 * per_name[CN.MLP_GATE.value] * cd

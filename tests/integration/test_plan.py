@@ -406,6 +406,9 @@ def test_bill_holds_the_lm_heads_gradient_in_the_dtype_the_loss_writes_and_fsdp_
     assert loss_extra(compute_bill(_small_llama(), 1)) == V * D * 4
     fp32 = compute_bill(_small_llama(["kernels.loss=chunked", "precision.param_dtype=float32"]), 1)
     assert loss_extra(fp32) == V * D * 4
+    # and with the weights and the update on the host it is the same bf16 dW, once
+    on_host = ["kernels.loss=chunked", "offload.optimizer=host", "offload.params=host", "offload.optimizer_update=host"]
+    assert loss_extra(compute_bill(_small_llama(on_host), 1)) == V * D * 2
     # one device: a layer's whole weight gradients, twice (written, then stored); a dense layer under FSDP holds
     # its gathered bf16 weights and no whole gradient (each reduce-scattered as its dot makes it)
     one, fsdp = compute_bill(_small_llama(), 1), compute_bill(_small_llama(["parallel.fsdp=8"]), 8)
