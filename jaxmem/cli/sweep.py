@@ -14,6 +14,7 @@ from pathlib import Path
 
 
 from jaxmem.config import ConfigError, config_hash, load_config, parse_yaml_file
+from jaxmem.plan import figure_cache
 from jaxmem.runtime import ptxas_cache
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores
@@ -110,21 +111,22 @@ def plan_points(config: str, point_overrides: list[list[str]], base_overrides: l
             results[key] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
         print(f"{'FAILED ' if 'error' in results[key] else 'planned'} {' '.join(o)}", flush=True)
 
-    if todo and workers <= 0:  # in this process, one point after another (debugging, tests)
-        for o, key, path in todo:
-            record(o, key, path, lambda o=o: _plan_here(config, base_overrides + o, target, compile))
-    elif todo:
-        ctx = multiprocessing.get_context("spawn")
-        # A fresh process per point: compiles with host memory placement misbehave after other compiles in the
-        # same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
-        # The points' deviceless compiles share ptxas's cubins of the kernels they have in common.
-        with ptxas_cache.defaulted_to(cache_dir / "ptxas"), futures.ProcessPoolExecutor(
-                max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx, max_tasks_per_child=1) as pool:
-            running = {pool.submit(_plan_point, config, base_overrides + o, target, compile): (o, k, p)
-                       for o, k, p in todo}
-            for fut in futures.as_completed(running):
-                o, key, path = running[fut]
-                record(o, key, path, fut.result)
+    with figure_cache.defaulted_to(cache_dir / "figures"):  # points share the init compile (same state layout)
+        if todo and workers <= 0:  # in this process, one point after another (debugging, tests)
+            for o, key, path in todo:
+                record(o, key, path, lambda o=o: _plan_here(config, base_overrides + o, target, compile))
+        elif todo:
+            ctx = multiprocessing.get_context("spawn")
+            # A fresh process per point: compiles with host memory placement misbehave after other compiles in
+            # the same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
+            # The points' deviceless compiles share ptxas's cubins of the kernels they have in common.
+            with ptxas_cache.defaulted_to(cache_dir / "ptxas"), futures.ProcessPoolExecutor(
+                    max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx, max_tasks_per_child=1) as pool:
+                running = {pool.submit(_plan_point, config, base_overrides + o, target, compile): (o, k, p)
+                           for o, k, p in todo}
+                for fut in futures.as_completed(running):
+                    o, key, path = running[fut]
+                    record(o, key, path, fut.result)
     for overrides, key, path in jobs:
         cached = key not in results
         rows.append(_row(overrides, key, json.loads(path.read_text()) if cached else results[key], cached))

@@ -8,8 +8,9 @@ device count), the target's description, the jax / jaxlib / CUDA-plugin versions
 jax settings of this process. Same key, same compile, same figures; any difference is a new entry.
 
 Off unless `JAXMEM_FIGURE_CACHE` names a directory (the test suite sets it, so that a figure is compiled
-once per run; sweep and tune workers inherit it). Entries are small JSON files, written atomically; each
-hit appends the seconds of the compile it saved to hits.log there.
+once per run); `jaxmem sweep` and `jaxmem tune` turn it on in their cache folder (its figures/) for their
+points. Entries are small JSON files, written atomically; each hit appends the seconds of the compile it saved
+to hits.log there.
 """
 from __future__ import annotations
 
@@ -18,9 +19,18 @@ import json
 import os
 from pathlib import Path
 
+from jaxmem.runtime import env_folder
+
 ENV = "JAXMEM_FIGURE_CACHE"
 # process settings a compile reads besides the program (jax's own and XLA's)
 _SETTINGS = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_PYTHON_CLIENT_MEM_FRACTION")
+
+
+def defaulted_to(folder: Path):
+    """Within the block, the cache is on in `folder` unless JAXMEM_FIGURE_CACHE already names one: sweep and tune
+    hand it to their worker processes, whose points share the program that builds the step-0 state (the remat
+    presets of one model: the same init compile) and, across runs, every step already compiled."""
+    return env_folder.defaulted(ENV, folder)
 
 
 def directory() -> Path | None:

@@ -22,12 +22,13 @@ stored). The cache is not pruned: it holds each distinct kernel once (62 MB afte
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import os
 import shlex
 import subprocess
 from pathlib import Path
+
+from jaxmem.runtime import env_folder
 
 ENV = "JAXMEM_PTXAS_CACHE"
 
@@ -145,18 +146,10 @@ def install() -> Path | None:
     return cache
 
 
-@contextlib.contextmanager
 def defaulted_to(folder: Path):
     """Within the block, the cache is on in `folder` unless JAXMEM_PTXAS_CACHE already names one: sweep and
     tune hand it to their worker processes, whose deviceless compiles of one model share most kernels."""
-    if os.environ.get(ENV):
-        yield Path(os.environ[ENV])
-        return
-    os.environ[ENV] = str(Path(folder).absolute())
-    try:
-        yield Path(folder)
-    finally:
-        os.environ.pop(ENV, None)
+    return env_folder.defaulted(ENV, folder)
 
 
 def hits(cache: Path) -> int:

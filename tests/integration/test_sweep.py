@@ -1,6 +1,7 @@
 """`jaxmem sweep`: grid points compiled in worker processes, cached by config hash, CSV/JSON/Pareto PNG."""
 import csv
 import json
+import os
 
 import pytest
 
@@ -106,3 +107,18 @@ def test_best_point_rule_and_legible_figures(tmp_path, capsys):
     assert "best under the budget" in text and text.count("ValueError: boom") == 1
     plot_pareto(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5000
+
+
+def test_points_share_the_init_compile_through_the_sweeps_figure_cache(tmp_path, monkeypatch):
+    # with no figure cache of the user's, the sweep keeps one in its cache folder: two remat presets lower the same
+    # step-0 state program, so the second point reads the first one's init figures instead of compiling again
+    monkeypatch.delenv("JAXMEM_FIGURE_CACHE", raising=False)
+    out, cache = tmp_path / "out", tmp_path / "cache"
+    assert main(["configs/tiny.yaml", "parallel.fsdp=8", "--grid", "remat.preset=full,none", "--target", "h100-80g",
+                 "--out", str(out), "--cache", str(cache), "--workers", "0"]) == 0
+    figures = cache / "figures"
+    assert len(list(figures.glob("*.json"))) == 3  # two steps and one init
+    assert len((figures / "hits.log").read_text().splitlines()) == 1
+    rows = json.loads((out / "sweep.json").read_text())
+    assert len({r["device_bytes"] for r in rows}) == 2  # the steps themselves were compiled each
+    assert "JAXMEM_FIGURE_CACHE" not in os.environ  # handed back as it was
