@@ -389,7 +389,15 @@ def test_bill_optimizer_on_host_moves_exactly_the_state_and_the_phase_terms():
         steady = sum(v for k, v in d.items() if k not in ("working_set", "logits", "temporaries"))
         layer = max(d["working_set"], d["working_set"] - b.attention_scratch + d["temporaries"])
         assert b.layer_phase == layer
-        assert b.device_total == max(steady + max(layer, d["logits"] - b.absent_in_loss), b.update_phase)
+        assert b.device_total == max(steady + max(layer - b.absent_in_layers, d["logits"] - b.absent_in_loss),
+                                     b.update_phase)
+    # the donated bf16 embedding, final norm and LM head are dead through the layers' backward where the update
+    # writes new ones from the fp32 master; not with the state on the host, nor with fp16 loss scaling (a skipped
+    # step keeps the old ones), nor without a master (the update reads them)
+    assert dev.absent_in_layers == (2 * V * D + D) * 2 and host.absent_in_layers == 0
+    fp16 = ["precision.param_dtype=float16", "precision.compute_dtype=float16", "precision.loss_scale.enabled=true"]
+    for extra in (fp16, ["precision.master_weights=false"]):
+        assert compute_bill(_small_llama(extra), 1).absent_in_layers == 0, extra
 
 
 def test_bill_holds_the_lm_heads_gradient_in_the_dtype_the_loss_writes_and_fsdp_layers_ungathered_gradients():
