@@ -288,12 +288,12 @@ def _head_grad_itemsize(layout: Layout, prec: Precision) -> int:
 def _rest_weights_dead_in_layers(cfg: Config, layout: Layout, prec: Precision) -> bool:
     """Whether the stored embedding / final norm / LM head weights are dead through the layers' backward: the
     step donates them and the loss reads them last, where the update writes fresh ones from the fp32 master
-    without reading the old (no fp16 loss scaling, whose skipped step keeps them; no pieces written over them;
-    not the in-backward update). `jaxmem explain` of the 8-layer Llama-3-8B full fine-tune on one H100: the
-    bf16 embedding's buffer ends at instruction 17 of 733, the LM head's at 199, the layers' backward peaks
-    at 282. A LoRA base is not donated: it stays."""
+    without reading the old (no fp16 loss scaling, whose skipped step keeps them; no state on the host, which
+    also rules out the pieces written over them; not the in-backward update). `jaxmem explain` of the 8-layer
+    Llama-3-8B full fine-tune on one H100: the bf16 embedding's buffer ends at instruction 17 of 733, the LM
+    head's at 199, the layers' backward peaks at 282. A LoRA base is not donated: it stays."""
     return (layout.lora is None and prec.master and not cfg.precision.loss_scale.enabled
-            and not layout.host_state and not layout.rest_pieces and not cfg.optimizer.update_in_backward)
+            and not layout.host_state and not cfg.optimizer.update_in_backward)
 
 
 def logits_bytes(cfg: Config, layout: Layout) -> int:
@@ -464,12 +464,12 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     if "opt" in layout.host_state and "params" not in layout.host_state \
             and not cfg.optimizer.update_in_backward:
         absent_in_loss = _state_bytes(layout, layout.grad_specs, prec.grad_reduce, part="layers")
-    absent_in_layers = _state_bytes(layout, layout.param_specs, prec.param) - _state_bytes(
-        layout, layout.param_specs, prec.param, part="layers") if _rest_weights_dead_in_layers(cfg, layout, prec) else 0
+    absent_in_layers = 0
+    if _rest_weights_dead_in_layers(cfg, layout, prec):  # the stored weights less the layers'
+        absent_in_layers = params - _state_bytes(layout, layout.param_specs, prec.param, part="layers")
     return Bill(device, host, saved_dev, saved_host, sizes, notes, layout, attention_scratch=scores_working,
                 absent_in_loss=absent_in_loss, absent_in_layers=absent_in_layers, update_phase=update_phase,
-                moe_scratch=moe_scratch,
-                attention_phase=attention_phase)
+                moe_scratch=moe_scratch, attention_phase=attention_phase)
 
 
 def host_params_layer_bytes(cfg: Config, layout: Layout, prec: Precision) -> int:

@@ -28,8 +28,8 @@ _SETTINGS = ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS", "XLA_PYTHON_CLIENT_M
 
 def defaulted_to(folder: Path):
     """Within the block, the cache is on in `folder` unless JAXMEM_FIGURE_CACHE already names one: sweep and tune
-    hand it to their worker processes, whose points share the program that builds the step-0 state (the remat
-    presets of one model: the same init compile) and, across runs, every step already compiled."""
+    hand it to their points (in worker processes or in-process), which share the program that builds the step-0
+    state (the remat presets of one model: the same init compile) and, across runs, every step already compiled."""
     return env_folder.defaulted(ENV, folder)
 
 
