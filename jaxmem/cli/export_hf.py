@@ -17,6 +17,8 @@ from pathlib import Path
 import jax
 
 from jaxmem.config.schema import ConfigError, DistributedConfig, ParallelConfig
+from jaxmem.io.fresh_folder import check_target, written_whole
+from jaxmem.io.run_folder import resolved_config
 
 _EXAMPLES = """\
 examples:
@@ -34,11 +36,11 @@ def _shard_bytes(text: str) -> int:
 
 
 def run_config(run_dir: str | Path):
-    """The run's resolved config (RUN_DIR/config.yaml) laid out for this machine: one process, the default mesh
+    """The run's resolved config (RUN_DIR/config.resolved.yaml) laid out for this machine: one process, the default mesh
     (checkpoints restore onto any layout, a pipeline's re-cut into one model)."""
     from jaxmem.config import load_config
 
-    path = Path(run_dir) / "config.yaml"
+    path = resolved_config(run_dir)
     if not path.is_file():
         raise ConfigError(f"RUN_DIR: {path} not found; give the out_dir of a `jaxmem train` run")
     cfg = load_config(path, [f"out_dir={Path(run_dir)}"])
@@ -55,13 +57,15 @@ def exported_params(prog, state: dict) -> dict:
 
 
 def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str | None = None,
-           max_shard_bytes: int | None = None) -> tuple[int, str]:
-    """Writes the folder; returns (the step exported, a line on the tokenizer files)."""
+           max_shard_bytes: int | None = None, overwrite: bool = False) -> tuple[int, str]:
+    """Writes the folder whole (jaxmem.io.fresh_folder: a non-empty `out` only with `overwrite`, then replaced);
+    returns (the step exported, a line on the tokenizer files)."""
     from jaxmem.io.checkpoint import Checkpoints, restore_run
     from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
     from jaxmem.io.hf_companions import write_companions
     from jaxmem.core.program import build_program
 
+    check_target(out, overwrite=overwrite)  # before anything is read
     cfg = run_config(run_dir)
     ckpts = Checkpoints.for_run(cfg)
     try:
@@ -76,9 +80,11 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
         ckpts.close()
     params = exported_params(prog, state)
     model = prog.model(jax.device_get(params) if prog.layout.lora is None else params)
-    save_hf(model, out, dtype=dtype or cfg.precision.param_dtype,
-            max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
-    return int(meta.get("step", step or steps[-1])), write_companions(cfg, out)
+    with written_whole(out, overwrite=overwrite) as staging:
+        save_hf(model, staging, dtype=dtype or cfg.precision.param_dtype,
+                max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
+        note = write_companions(cfg, staging)
+    return int(meta.get("step", step or steps[-1])), note
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -90,14 +96,16 @@ def main(argv: list[str] | None = None) -> int:
                     "shards (+ index), config.json with bos/eos/pad ids, the run's tokenizer files and chat "
                     "template, generation_config.json (eos includes the chat template's end-of-turn token). A "
                     "LoRA run is exported merged (W + scale * A B), like merge-lora.")
-    ap.add_argument("run_dir", metavar="RUN_DIR", help="the out_dir of a `jaxmem train` run (holds config.yaml)")
-    ap.add_argument("--out", required=True, help="folder to write (created if missing)")
+    ap.add_argument("run_dir", metavar="RUN_DIR", help="the out_dir of a `jaxmem train` run (holds config.resolved.yaml)")
+    ap.add_argument("--out", required=True, help="folder to write: new or empty (created if missing)")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out whole")
     ap.add_argument("--step", type=int, default=None, help="the checkpoint step to export (default: the latest)")
     ap.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                     help="tensor dtype of the files (default: the run's precision.param_dtype)")
     ap.add_argument("--max-shard-size", default="2GB", help="largest safetensors shard (default 2GB)")
     args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    step, note = export(args.run_dir, args.out, args.step, args.dtype, _shard_bytes(args.max_shard_size))
+    step, note = export(args.run_dir, args.out, args.step, args.dtype, _shard_bytes(args.max_shard_size),
+                        overwrite=args.overwrite)
     print(f"jaxmem export-hf: step {step} of {args.run_dir} written to {args.out}; {note}")
     return 0
 

@@ -1,6 +1,6 @@
 """`jaxmem train CONFIG [key=value ...]`: a config-driven, resumable training run.
 
-A run writes to `out_dir`: `config.yaml` (the resolved config), `metrics.jsonl`
+A run writes to `out_dir`: `config.resolved.yaml` (the resolved config), `metrics.jsonl`
 (one JSON object per logged step: step, loss, grad_norm, lr, tokens_per_sec,
 step_time_s, tokens; on backends that report allocator stats also mem/* and plan/*
 device-memory figures, see jaxmem.io.telemetry) and `checkpoints/`. Times and tokens/s are wall-clock figures
@@ -27,6 +27,7 @@ import jax
 
 from jaxmem.runtime import distributed, peer_watch
 from jaxmem.io import run_lock
+from jaxmem.io.run_folder import RESOLVED_CONFIG
 from jaxmem.io.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
@@ -47,7 +48,7 @@ _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 _USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (overrides only: CONFIG is configs/tiny.yaml)"
 _DESCRIPTION = """\
 Train a config: load CONFIG (YAML) with dotted key=value overrides, validate every key before anything is
-built, then train on the attached devices. The run writes out_dir/config.yaml (the resolved config),
+built, then train on the attached devices. The run writes out_dir/config.resolved.yaml (the resolved config),
 out_dir/metrics.jsonl (one record per logged step) and out_dir/checkpoints/; starting again in an out_dir
 that holds checkpoints resumes from the latest complete one. With overrides but no CONFIG, the embedded
 tiny config (configs/tiny.yaml) is used. Key reference: docs/config.md, `jaxmem config`, `jaxmem list`."""
@@ -172,7 +173,7 @@ class _Outputs:
         if self.lead:
             out = Path(cfg.out_dir)
             out.mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, out / "config.yaml")
+            dump_yaml(cfg, out / RESOLVED_CONFIG)
             if cfg.train.tensorboard:
                 self.writers.append(TensorBoardWriter(out / "tensorboard"))
             if cfg.train.wandb:
@@ -387,7 +388,8 @@ def main(argv: list[str] | None = None) -> int:
 
     distributed.initialize(cfg.distributed)  # starts no backend; the lock needs the process index
     try:
-        with run_lock.owned(cfg.out_dir):  # before anything is written into out_dir
+        # before anything is written into out_dir, which is never the config file's folder nor someone else's
+        with run_lock.owned(cfg.out_dir, config_path=path):
             allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (README, allocator)
             summary = run(cfg)
     except run_lock.RunLockError as e:

@@ -252,6 +252,11 @@ def _target(cfg: Config) -> None:
         get_target(t.name)  # "target.name: ... is unknown; use one of ..."
 
 
+def require_out_dir(out_dir: str) -> None:
+    if not str(out_dir).strip():
+        raise ConfigError("out_dir: empty; name the folder for the run's outputs (e.g. out_dir=runs/NAME)")
+
+
 # Each takes the whole Config (a section's rules may read the sections it depends on) and raises a one-line
 # ConfigError naming the key. Run in this order (remat before offload: offload reads the remat preset).
 SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
@@ -267,6 +272,7 @@ SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "offload": _offload,
     "kernels": lambda cfg: kernels.check_block_sizes(cfg.kernels),
     "target": _target,
+    "out_dir": lambda cfg: require_out_dir(cfg.out_dir),
 }
 
 

@@ -17,6 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from jaxmem.config.schema import ConfigError
+from jaxmem.io.run_folder import check_out_dir
+
 LOCK_NAME = ".jaxmem.lock"
 _held: dict[Path, "RunLock"] = {}  # out_dir -> the lock this process holds (a nested `hold` is a no-op)
 _owned: set[Path] = set()  # out_dirs inside an `owned` block of this process (any process of a group)
@@ -65,13 +68,15 @@ class RunLock:
 
     def acquire(self) -> None:
         self.created = not self.out_dir.exists()  # removed again on release if the run wrote nothing
-        self.out_dir.mkdir(parents=True, exist_ok=True)
         for _ in range(3):  # a takeover races with another starter at most a couple of times
             try:
+                self.out_dir.mkdir(parents=True, exist_ok=True)
                 fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 self._take_over_if_stale()
                 continue
+            except OSError as e:  # read-only mount, a file in the way, /proc: one line, not a traceback
+                raise ConfigError(f"out_dir: {self.out_dir} cannot be written ({e.strerror or e})") from None
             with os.fdopen(fd, "w") as f:
                 f.write(json.dumps(self.me) + "\n")
             return
@@ -139,9 +144,10 @@ class hold:
 
 
 @contextlib.contextmanager
-def owned(out_dir: str | Path):
+def owned(out_dir: str | Path, config_path: str | Path | None = None):
     """Holds out_dir's lock for the block: on process 0 of a multi-process run (the others learn whether it
-    was refused and raise the same RunLockError), on the one process otherwise."""
+    was refused and raise the same RunLockError or ConfigError), on the one process otherwise. First, out_dir
+    must be free for a run (jaxmem.io.run_folder.check_out_dir; `config_path`: the run's config file)."""
     from jaxmem.runtime import distributed
 
     key = Path(out_dir).absolute()
@@ -150,7 +156,12 @@ def owned(out_dir: str | Path):
         return
     index, _ = distributed.process_group()
     guard = hold(key, enabled=index == 0)
-    distributed.decided_on_lead(f"lock:{key}", guard.__enter__, RunLockError)
+
+    def claim():
+        check_out_dir(key, config_path)
+        guard.__enter__()
+
+    distributed.decided_on_lead(f"lock:{key}", claim, RunLockError, ConfigError)
     _owned.add(key)
     try:
         yield

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jaxmem.io.checkpoint import Checkpoints, restore_run
     from jaxmem.config import load_config
+    from jaxmem.io.fresh_folder import check_target, written_whole
     from jaxmem.io.hf import save_hf
     from jaxmem.io.hf_companions import write_companions
     from jaxmem.lora.adapters import hf_target_names
@@ -65,10 +66,14 @@ def main(argv: list[str] | None = None) -> int:
                "  jaxmem merge-lora run.yaml out_dir=runs/r1 --out merged/ --peft adapters/ --dtype bfloat16")
     ap.add_argument("config", help="the run's config YAML")
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides (e.g. out_dir=...)")
-    ap.add_argument("--out", required=True, help="folder for the merged Hugging Face checkpoint")
+    ap.add_argument("--out", required=True, help="folder for the merged Hugging Face checkpoint: new or empty")
     ap.add_argument("--peft", default=None, help="also write the adapters in PEFT's format to this folder")
+    ap.add_argument("--overwrite", action="store_true", help="replace a non-empty --out (and --peft) whole")
     ap.add_argument("--dtype", default=None, help="tensor dtype of the merged files (default: the params')")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
+    check_target(args.out, overwrite=args.overwrite)  # before anything is read
+    if args.peft:
+        check_target(args.peft, overwrite=args.overwrite, key="--peft")
     cfg = load_config(args.config, args.overrides)
     if cfg.lora.rank <= 0:
         raise ConfigError("lora.rank: merge-lora needs a LoRA run (lora.rank > 0)")
@@ -79,14 +84,16 @@ def main(argv: list[str] | None = None) -> int:
     state, meta = restore_run(prog, ckpts)
     ckpts.close()
     params = merged_params(prog, state)
-    save_hf(nnx.merge(prog.graphdef, params), args.out, dtype=args.dtype)
-    note = write_companions(cfg, args.out)  # tokenizer files, special ids, generation_config.json
+    with written_whole(args.out, overwrite=args.overwrite) as staging:
+        save_hf(nnx.merge(prog.graphdef, params), staging, dtype=args.dtype)
+        note = write_companions(cfg, staging)  # tokenizer files, special ids, generation_config.json
     print(f"jaxmem merge-lora: step {int(meta.get('step', 0))} of {cfg.out_dir} merged into {args.out}; {note}")
     if args.peft:
         lo = cfg.lora
-        save_peft(jax.device_get(state["params"]), cfg.model, args.peft, rank=lo.rank, alpha=lo.alpha,
-                  rslora=lo.rslora, dropout=lo.dropout,
-                  targets=tuple(hf_target_names(prog.layout.lora.targets, cfg.model)),
-                  base_model=cfg.checkpoint.init_from)
+        with written_whole(args.peft, overwrite=args.overwrite, key="--peft") as staging:
+            save_peft(jax.device_get(state["params"]), cfg.model, staging, rank=lo.rank, alpha=lo.alpha,
+                      rslora=lo.rslora, dropout=lo.dropout,
+                      targets=tuple(hf_target_names(prog.layout.lora.targets, cfg.model)),
+                      base_model=cfg.checkpoint.init_from)
         print(f"jaxmem merge-lora: adapters in PEFT's format in {args.peft}")
     return 0

@@ -99,11 +99,13 @@ def process_group() -> tuple[int, int]:
     return 0, 1
 
 
-def decided_on_lead(key: str, decide: Callable[[], None], error: type[Exception]) -> None:
-    """Runs `decide` on process 0 only; if it raises `error`, every process raises it with the same message.
+def decided_on_lead(key: str, decide: Callable[[], None], *errors: type[Exception]) -> None:
+    """Runs `decide` on process 0 only; if it raises one of `errors`, every process raises it with the same
+    message (and the same type).
 
-    One process: `decide()` as is. Several: process 0 publishes "" or the message in the coordination
-    service's key-value store and the others wait for it (so a refused lock stops every process at once).
+    One process: `decide()` as is. Several: process 0 publishes "" or the error's type and message in the
+    coordination service's key-value store and the others wait for it (so a refused lock stops every process
+    at once).
     """
     client = runtime_client()
     index, count = process_group()
@@ -114,11 +116,13 @@ def decided_on_lead(key: str, decide: Callable[[], None], error: type[Exception]
     if index == 0:
         try:
             decide()
-        except error as e:
-            client.key_value_set(key, str(e) or type(e).__name__)
+        except errors as e:
+            which = next(i for i, error in enumerate(errors) if isinstance(e, error))
+            client.key_value_set(key, f"{which}:{e}")
             raise
         client.key_value_set(key, "")
         return
     message = client.blocking_key_value_get(key, 600_000)
     if message:
-        raise error(message)
+        which, _, text = message.partition(":")
+        raise errors[int(which)](text or errors[int(which)].__name__)

@@ -193,3 +193,34 @@ def test_an_export_imports_back_and_the_log_confirms_init_from(full_run, tmp_pat
     assert (f"jaxmem train: loaded checkpoint.init_from {tmp_path / 'ckpt'}: {param_count(cfg.model):,} model "
             "parameters (params only: the optimizer starts fresh at step 0)") in err
     assert summary["final_step"] == 1
+
+
+def test_a_second_export_into_a_used_folder_is_refused_and_overwrite_replaces_it_whole(full_run, tmp_path, capsys):
+    out = tmp_path / "hf"
+    assert cli.main(["export-hf", str(full_run), "--out", str(out), "--max-shard-size", "300KB"]) == 0
+    sharded = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors.index.json" in sharded
+    capsys.readouterr()
+    assert cli.main(["export-hf", str(full_run), "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"jaxmem export-hf: config error: --out: {out} is not empty; name a new folder, or pass "
+                   "--overwrite to replace it whole"]
+    assert sorted(p.name for p in out.iterdir()) == sharded  # untouched
+    assert cli.main(["export-hf", str(full_run), "--out", str(out), "--overwrite"]) == 0
+    whole = sorted(p.name for p in out.iterdir())
+    assert "model.safetensors" in whole and not any(n.startswith("model-0") or n.endswith(".index.json")
+                                                    for n in whole)  # no shard of the first export is left
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".hf.")]  # no staging folder left behind
+
+
+def test_an_export_never_writes_over_a_users_files(full_run, tmp_path, capsys):
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "config.json").write_text('{"mine": true}')
+    assert cli.main(["export-hf", str(full_run), "--out", str(out)]) == 2
+    assert (out / "config.json").read_text() == '{"mine": true}' and len(list(out.iterdir())) == 1
+    (tmp_path / "file").write_text("x")
+    assert cli.main(["export-hf", str(full_run), "--out", str(tmp_path / "file")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"jaxmem export-hf: config error: --out: {tmp_path / 'file'} is a file; name a folder")
+    assert (tmp_path / "file").read_text() == "x"

@@ -38,8 +38,8 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
         assert r["tokens"] == 16 * 32  # 2 rows x 8 data ways x seq 32
         assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0 and math.isfinite(r["grad_norm"])
         assert r["lr"] == pytest.approx(float(lr_at(r["step"] - 1)), rel=1e-6)
-    assert load_config(tmp_path / "config.yaml") == cfg
-    assert yaml.safe_load((tmp_path / "config.yaml").read_text()) == to_dict(cfg)
+    assert load_config(tmp_path / "config.resolved.yaml") == cfg
+    assert yaml.safe_load((tmp_path / "config.resolved.yaml").read_text()) == to_dict(cfg)
     assert summary["checkpoint_steps"] == [30]  # every=0: only at the end
 
 
