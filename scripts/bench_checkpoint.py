@@ -38,7 +38,7 @@ from jaxmem.io.checkpoint import Checkpoints, run_meta  # noqa: E402
 from jaxmem.config import load_config  # noqa: E402
 from jaxmem.model.presets import param_count  # noqa: E402
 from jaxmem.core.program import build_program  # noqa: E402
-from jaxmem.cli.train import run  # noqa: E402
+from jaxmem.train import run  # noqa: E402
 
 STEPS, EVERY = 26, 5
 MODELS = {"tiny": [], "small": ["model.d_model=512", "model.n_layers=8", "model.d_ff=1408", "model.n_heads=8",

@@ -8,14 +8,14 @@ import sys
 
 COMMANDS = {
     "train": ("jaxmem.cli.train", "run a config-driven training run"),
-    "plan": ("jaxmem.plan.cli", "per-device memory bill for a target GPU (deviceless compile)"),
-    "explain": ("jaxmem.plan.explain", "which source lines own the biggest buffers at the peak"),
+    "plan": ("jaxmem.cli.plan", "per-device memory bill for a target GPU (deviceless compile)"),
+    "explain": ("jaxmem.cli.explain", "which source lines own the biggest buffers at the peak"),
     "bench": ("jaxmem.cli.bench", "run the train step here: planned vs measured memory, step time, MFU"),
     "sweep": ("jaxmem.cli.sweep", "plan the cross product of config overrides"),
     "tune": ("jaxmem.cli.tune", "walk the memory decision flow for a target; write the fastest config that fits"),
     "data": ("jaxmem.cli.data_cmd", "preview the training data: a rendered sample, its loss mask, packing stats"),
-    "import-hf": ("jaxmem.io.hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
-    "merge-lora": ("jaxmem.lora.export", "a LoRA run's checkpoint as a merged Hugging Face checkpoint (+ PEFT)"),
+    "import-hf": ("jaxmem.cli.import_hf", "convert a Hugging Face checkpoint into an orbax params checkpoint"),
+    "merge-lora": ("jaxmem.cli.merge_lora", "a LoRA run's checkpoint as a merged Hugging Face checkpoint (+ PEFT)"),
     "export-hf": ("jaxmem.cli.export_hf", "a run's checkpoint as a Hugging Face folder with its tokenizer (LoRA merged)"),
     "config": ("jaxmem.cli.config_cmd:config_main", "print a resolved config as YAML, each key with its description"),
     "list": ("jaxmem.cli.config_cmd:list_main", "list model presets, remat presets and names, GPU targets, kernels"),

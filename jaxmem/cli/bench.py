@@ -56,7 +56,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
     from jaxmem.plan.report import cost_assumptions
     from jaxmem.core.program import build_program
     from jaxmem.config.schema import config_hash
-    from jaxmem.cli.train import _oom_error, compile_train_step
+    from jaxmem.train.loop import _oom_error, compile_train_step
 
     prog = build_program(cfg)
     n = prog.mesh.size
@@ -151,7 +151,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
         "losses": _fig(losses, measured, "the step's loss at every step, warm-up included"),
         "memory_per_step": _fig([{"step": i + 1, **{f"mem/{k}": v for k, v in (s or {}).items()}}
                                  for i, s in enumerate(per_step)], measured,
-                                f"after each step: {stats_how} (jaxmem.io.telemetry's metrics keys)",
+                                f"after each step: {stats_how} (jaxmem.train.telemetry's metrics keys)",
                                 **({} if after_steps else {"note": na})),
         "warnings": list(figures.warnings),
     }
@@ -201,7 +201,7 @@ def render(r: dict, console=None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem bench", formatter_class=HelpFormatter,
@@ -243,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmem.runtime import distributed
     from jaxmem.config import load_config
     from jaxmem.config.schema import ConfigError
-    from jaxmem.cli.train import TrainError
+    from jaxmem.train import TrainError
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.warmup is None:

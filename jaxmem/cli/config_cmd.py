@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import yaml
 
+from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import Config, ModelConfig, field_docs, to_dict
 
 DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "config.md"
@@ -62,17 +63,6 @@ KERNEL_HELP = {
     ("grouped_matmul", "pallas"): "Pallas (Triton) grouped GEMM over the same blocks (compiled on GPU, "
                                   "interpreted on CPU)",
 }
-
-
-class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every command's --help: the description's paragraphs wrapped to the terminal, the epilog (examples, whose
-    lines are indented) kept as written."""
-
-    def _fill_text(self, text, width, indent):
-        if any(line.startswith(" ") for line in text.splitlines()):
-            return super()._fill_text(text, width, indent)
-        return "\n\n".join(textwrap.fill(" ".join(p.split()), width, initial_indent=indent, subsequent_indent=indent)
-                           for p in text.split("\n\n"))
 
 
 # ---------------------------------------------------------------- rendering values and types

@@ -18,7 +18,7 @@ examples:
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.config import load_config
     from jaxmem.io.data import RecordSource, make_source, packing_summary
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(prog="jaxmem data", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=HelpFormatter)

@@ -208,7 +208,7 @@ def render(checks: list[dict], console=None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
     ap = argparse.ArgumentParser(
         prog="jaxmem doctor", formatter_class=HelpFormatter,
         description="Checks this machine for a run: platform and devices, jax / jaxlib / CUDA plugin / cuDNN "

@@ -18,7 +18,7 @@ import jax
 
 from jaxmem.config.schema import ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.io.fresh_folder import check_target, written_whole
-from jaxmem.io.run_folder import resolved_config
+from jaxmem.train.run_folder import resolved_config
 
 _EXAMPLES = """\
 examples:
@@ -88,7 +88,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem export-hf", formatter_class=HelpFormatter, epilog=_EXAMPLES,

@@ -296,7 +296,7 @@ def print_summary(rows: list[dict]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem sweep", formatter_class=HelpFormatter,

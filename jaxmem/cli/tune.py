@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     import sys
 
     from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem tune", formatter_class=HelpFormatter,

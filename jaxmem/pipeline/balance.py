@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem.pipeline import partition
-from jaxmem.pipeline.figures import StageFigures, stage_figures
+from jaxmem.plan.pipeline_figures import StageFigures, stage_figures
 from jaxmem.config.schema import Config
 
 _LINEAR = ("state", "grads", "params_for_grad", "residuals", "residuals_host", "forward_peak", "backward_peak",

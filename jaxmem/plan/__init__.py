@@ -7,8 +7,8 @@ from jaxmem.config.schema import Config
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:
     """The full plan dict (schema: docs/plan_schema.md) for `cfg` on `topo`."""
-    if cfg.parallel.pp > 1:  # one program per stage: jaxmem.pipeline.plan compiles each
-        from jaxmem.pipeline.plan import pipeline_plan
+    if cfg.parallel.pp > 1:  # one program per stage: jaxmem.plan.pipeline compiles each
+        from jaxmem.plan.pipeline import pipeline_plan
 
         return pipeline_plan(cfg, topo, compile=compile, source=source)
     from jaxmem.plan.bill import compute_bill

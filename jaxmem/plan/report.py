@@ -186,7 +186,7 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(f"init (the step-0 state from {c['init']['source']})", _gib(c["init"]["device_total"]),
                          _gib(c["init"]["host_total"]))
         console.print(comp)
-    from jaxmem.pipeline.render import render_pipeline
+    from jaxmem.plan.pipeline_render import render_pipeline
 
     render_pipeline(plan, console)
     avc = plan.get("analytic_vs_compiled")

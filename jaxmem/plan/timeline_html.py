@@ -84,7 +84,7 @@ def write(path: str | Path, timelines: list[dict], title: str = "", measured: di
 
 
 def measured_from_rows(rows: list[dict], planned_bytes: int | None, source: str, planned_label: str = "") -> dict:
-    """The measured panel's data from metrics rows (jaxmem.io.telemetry's keys: step, mem/bytes_in_use,
+    """The measured panel's data from metrics rows (jaxmem.train.telemetry's keys: step, mem/bytes_in_use,
     mem/peak_bytes_in_use, plan/device_bytes). `source` says where the rows come from ("measured on GPU ...",
     "synthetic"): the figure prints it."""
     points = [{"step": int(r.get("step", i)), "bytes_in_use": r.get("mem/bytes_in_use"),

@@ -5,7 +5,7 @@ and cannot join a cluster afterwards.
 
 Failure settings (docs/lifecycle.md): jax's coordination service declares a process dead after
 HEARTBEAT_S seconds without a heartbeat (jax's default: 100 s) and a finishing process waits at most
-SHUTDOWN_S seconds for the others at the exit barrier (jax's default: 300 s). jaxmem.runtime.peer_watch notices a
+SHUTDOWN_S seconds for the others at the exit barrier (jax's default: 300 s). jaxmem.train.peer_watch notices a
 dead peer sooner (10 s) and ends the survivors with one line; the heartbeat is the backstop.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@ stderr.
 
 When process 0 of a multi-process run dies, the coordination service it hosted goes with it; jax's runtime
 client in every survivor then aborts from C++ (LOG(FATAL): "Terminating process because the JAX distributed
-service detected fatal errors", a check-failure stack trace, SIGABRT), faster than jaxmem.runtime.peer_watch can act and
+service detected fatal errors", a check-failure stack trace, SIGABRT), faster than jaxmem.train.peer_watch can act and
 with no Python hook (jax 0.10.2 cannot hand the error to a Python callback). So a multi-process run's fd 2 goes
 through this helper (`start`). It passes every line through, holds back jax's coordination-service log lines
 until it knows whether they end in that abort, and, if they do, swallows the trace and prints one line naming

@@ -6,7 +6,7 @@ import pytest
 
 from jaxmem import cli
 from jaxmem.config import ConfigError
-from jaxmem.io.run_folder import check_out_dir
+from jaxmem.train.run_folder import check_out_dir
 
 from tiny_config import TINY
 

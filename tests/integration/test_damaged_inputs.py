@@ -16,10 +16,11 @@ from jaxmem.io.checkpoint import Checkpoints, init_from, run_meta
 from jaxmem.cli import main as cli_main
 from jaxmem.config import ConfigError, ModelConfig, load_config, to_dict
 from jaxmem.io.data import make_source
-from jaxmem.io.hf import load_hf, main as import_hf, save_hf
+from jaxmem.io.hf import load_hf, save_hf
+from jaxmem.cli.import_hf import main as import_hf
 from jaxmem.model.transformer import abstract_model
 from jaxmem.core.program import build_program
-from jaxmem.cli.train import initial_state, run
+from jaxmem.train import initial_state, run
 
 GARBAGE = bytes(range(128, 256)) + bytes(range(128))  # invalid UTF-8 from byte 0 on
 

@@ -16,7 +16,8 @@ from jaxmem.config import load_config
 from jaxmem.model.names import ALL_NAMES, MOE_NAMES, CheckpointName, name_in_op, scope_name
 from jaxmem.plan import attribution, buffer_kinds, categories
 from jaxmem.plan.buffer_kinds import CATEGORIES, SUGGESTIONS, classify, state_shapes
-from jaxmem.plan.explain import explain_dump, main, report_oom
+from jaxmem.plan.explain import explain_dump, report_oom
+from jaxmem.cli.explain import main
 from jaxmem.plan.oom import is_oom
 from jaxmem.plan import hlo_dump
 

@@ -19,7 +19,7 @@ from jaxmem.io.checkpoint import Checkpoints, restore_run
 from jaxmem.config import load_config
 from jaxmem.cli.export_hf import run_config
 from jaxmem.core.program import build_program
-from jaxmem.cli.train import run
+from jaxmem.train import run
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -13,7 +13,7 @@ import jaxmem
 from jaxmem import api
 from jaxmem.config import load_config
 from jaxmem.model import init_model
-from jaxmem.cli.train import initial_state, run
+from jaxmem.train import initial_state, run
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = str(REPO / "configs" / "tiny.yaml")

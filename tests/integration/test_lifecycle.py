@@ -17,11 +17,11 @@ from cpu_env import cpu_env
 
 from jaxmem.io.checkpoint import Checkpoints
 from jaxmem.config import ConfigError, load_config
-from jaxmem.io.metrics import read_jsonl
+from jaxmem.train.metrics import read_jsonl
 from jaxmem.core.program import build_program
-from jaxmem.io.run_lock import LOCK_NAME, RunLock, RunLockError
-from jaxmem.runtime.signals import EXIT_LOCKED, EXIT_PEER_LOST, EXIT_SAVED
-from jaxmem.cli.train import run
+from jaxmem.train.run_lock import LOCK_NAME, RunLock, RunLockError
+from jaxmem.train.signals import EXIT_LOCKED, EXIT_PEER_LOST, EXIT_SAVED
+from jaxmem.train import run
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"

@@ -176,7 +176,7 @@ def lora_run(tmp_path_factory):
     import contextlib
     import io
 
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     out_dir, err = tmp_path_factory.mktemp("lora_run"), io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -226,7 +226,7 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path, lo
     import shutil
 
     from jaxmem.io.checkpoint import _saved_shapes
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     shutil.copytree(lora_run[0] / "checkpoints", tmp_path / "checkpoints")
     cfg, straight = _lora_run_cfg(tmp_path), lora_run[1]
@@ -422,7 +422,7 @@ def test_dropout_is_deterministic_per_step_and_differs_between_steps(dropout_ste
 
 
 def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout(dropout_steps):
-    from jaxmem.core.evaluate import eval_step
+    from jaxmem.train.evaluate import eval_step
 
     (plain, _, hlo), (dropped, _, dropped_hlo) = dropout_steps[0.0], dropout_steps[DROPOUT_P]
     assert "rng_bit_generator" not in hlo and "threefry" not in hlo  # no mask is drawn at dropout 0
@@ -440,7 +440,7 @@ def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout(dropout_ste
 def test_lora_dropout_resumes_exactly(tmp_path):
     import shutil
 
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     cfg = _lora_run_cfg(tmp_path, "lora.dropout=0.2", "train.grad_accum=2")
     straight = run(cfg)

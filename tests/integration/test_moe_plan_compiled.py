@@ -9,7 +9,7 @@ import pytest
 from jaxmem.config import load_config
 from jaxmem.plan import bill_moe
 from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.explain import main
+from jaxmem.cli.explain import main
 
 OVERRIDES = ["target.name=h100-80g", "target.gpus_per_host=8", "remat.preset=full", "precision.param_dtype=bfloat16",
              "precision.compute_dtype=bfloat16", "precision.master_weights=true"]

@@ -12,7 +12,7 @@ from cpu_env import cpu_env
 
 from jaxmem.config import ConfigError, DistributedConfig
 from jaxmem.runtime.distributed import init_settings
-from jaxmem.io.metrics import read_jsonl
+from jaxmem.train.metrics import read_jsonl
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

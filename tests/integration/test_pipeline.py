@@ -161,7 +161,7 @@ FLAT = ["parallel.fsdp=8", "train.micro_batch=1"]  # the same 8 rows per micro-b
 
 
 def _run(out_dir, steps, layout):
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     cfg = load_config("configs/tiny.yaml", RUN + layout + [f"out_dir={out_dir}", f"train.steps={steps}",
                                                            "optimizer.decay_steps=4"])
@@ -204,7 +204,8 @@ def test_checkpoints_resume_across_layouts(tmp_path, first, then, straight_pipel
 
 def test_hf_export_and_init_from_for_a_pipeline(tmp_path):
     from jaxmem.io.checkpoint import init_from
-    from jaxmem.io.hf import load_hf, main as import_hf_main, save_hf
+    from jaxmem.io.hf import load_hf, save_hf
+    from jaxmem.cli.import_hf import main as import_hf_main
 
     cfg, pipe = _pipeline(LAYOUTS["pp2_fsdp4"], ["model.tie_embeddings=true"])
     _, state = _train(pipe, cfg, steps=1)
@@ -251,7 +252,7 @@ def _stage_totals(bills):
 
 def test_moving_a_layer_off_the_heavy_stage_lowers_its_compiled_peak(auto_plan):
     from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.pipeline.plan import stage_figures
+    from jaxmem.plan.pipeline import stage_figures
 
     even = _stage_totals(auto_plan["pipeline"]["even_stage_bills"])
     assert auto_plan["pipeline"]["even_layers"] == [4, 4]
@@ -282,7 +283,7 @@ def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan,
 
 
 def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
-    from jaxmem.pipeline.plan import StageFigures, stage_warnings
+    from jaxmem.plan.pipeline import StageFigures, stage_warnings
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
              for b in auto_plan["pipeline"]["stage_bills"]]
@@ -302,7 +303,7 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     2 x 8 H100 pp=2 need 726 GiB per node where the plan said 566)."""
     import dataclasses
 
-    from jaxmem.pipeline.plan import StageFigures, _as_compiled
+    from jaxmem.plan.pipeline import StageFigures, _as_compiled
     from jaxmem.runtime.aot import resolve_topology
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
@@ -323,7 +324,7 @@ def test_a_stage_compiled_for_two_topologies_gets_each_ones_devices():
     pytest.importorskip("jax_cuda12_plugin")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxmem.pipeline.figures import _compile
+    from jaxmem.plan.pipeline_figures import _compile
     from jaxmem.runtime.aot import target_devices
 
     def compiled(devices):
@@ -337,7 +338,7 @@ def test_a_stage_compiled_for_two_topologies_gets_each_ones_devices():
 
 
 def test_eval_through_the_stages_equals_one_device():
-    from jaxmem.core.evaluate import eval_step
+    from jaxmem.train.evaluate import eval_step
 
     cfg, pipe = _pipeline(LAYOUTS["pp2_fsdp2_tp2"])
     one = build_program(load_config("configs/tiny.yaml", BASE + ["parallel.fsdp=1", f"train.micro_batch={ROWS}",
@@ -392,8 +393,8 @@ def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_refere
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their
     cotangents back, so losses, gradient norms, router losses and params equal one device's; evaluation
     through the stages and each stage's compiled figures work too."""
-    from jaxmem.core.evaluate import eval_step
-    from jaxmem.pipeline.figures import stage_figures
+    from jaxmem.train.evaluate import eval_step
+    from jaxmem.plan.pipeline_figures import stage_figures
 
     one, want, one_state = moe_reference
     cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + [f"train.grad_accum={ACCUM}",

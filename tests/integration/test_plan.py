@@ -131,7 +131,7 @@ def test_plot_writes_png(tiny_plan, tmp_path):
 
 
 def test_cli_ladder_json_and_plot_without_compile(tmp_path, capsys):
-    from jaxmem.plan.cli import main
+    from jaxmem.cli.plan import main
 
     js, png = tmp_path / "p.json", tmp_path / "ladder.png"
     rc = main(["configs/tiny.yaml", "configs/tiny.yaml", "parallel.fsdp=8", "--target", "a100-40g",
@@ -161,7 +161,7 @@ def test_topology_flags_override_config_and_bad_values_are_rejected():
         resolve_topology(load_config("configs/tiny.yaml", ["parallel.fsdp=8"]), "h100-80g", hosts=3)
 
 
-@pytest.mark.parametrize("cli", ["jaxmem.plan.cli", "jaxmem.plan.explain", "jaxmem.cli.sweep"])
+@pytest.mark.parametrize("cli", ["jaxmem.cli.plan", "jaxmem.cli.explain", "jaxmem.cli.sweep"])
 def test_target_flags_are_the_same_in_every_cli(cli, capsys, monkeypatch):
     import argparse
     import importlib

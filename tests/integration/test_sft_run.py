@@ -13,8 +13,8 @@ import pytest
 
 from chat_fixtures import chat, write_tokenizer
 from jaxmem.config import load_config
-from jaxmem.io.metrics import read_jsonl
-from jaxmem.cli.train import run
+from jaxmem.train.metrics import read_jsonl
+from jaxmem.train import run
 
 ROOT = Path(__file__).resolve().parents[2]
 

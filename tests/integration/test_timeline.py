@@ -14,7 +14,7 @@ import pytest
 
 from jaxmem.config import load_config
 from jaxmem.plan import hlo_dump, timeline as tl_mod, timeline_html
-from jaxmem.plan.explain import main
+from jaxmem.cli.explain import main
 
 OVERRIDES = ["parallel.fsdp=8", "model.vocab_size=32768", "train.seq_len=256", "kernels.loss=naive",
              "remat.preset=selective", "train.grad_accum=2", "target.name=h100-80g"]

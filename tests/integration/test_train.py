@@ -12,11 +12,11 @@ import yaml
 from jaxmem import cli
 from jaxmem.io.checkpoint import Checkpoints
 from jaxmem.config import ConfigError, load_config, to_dict
-from jaxmem.io.metrics import REQUIRED_KEYS, read_jsonl
+from jaxmem.train.metrics import REQUIRED_KEYS, read_jsonl
 from jaxmem.core.optim import schedule
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import build_program
-from jaxmem.cli.train import TrainError, compile_train_step, run
+from jaxmem.train import TrainError, compile_train_step, run
 
 from tiny_config import TINY, tiny_config
 

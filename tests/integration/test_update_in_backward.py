@@ -10,7 +10,7 @@ import pytest
 
 from jaxmem.config import ConfigError, load_config
 from jaxmem.core.program import build_program
-from jaxmem.cli.train import run
+from jaxmem.train import run
 
 TINY = "configs/tiny.yaml"
 BASE = ["remat.preset=full", "train.micro_batch=1", "optimizer.warmup_steps=0", "precision.param_dtype=bfloat16",

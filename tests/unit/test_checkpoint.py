@@ -16,7 +16,7 @@ from jaxmem.config import ConfigError, load_config, to_dict
 from jaxmem.io.data import batches
 from jaxmem.kernels.cross_entropy.reference import cross_entropy_from_logits
 from jaxmem.core.program import build_program
-from jaxmem.cli.train import initial_state, resume_schedule, run
+from jaxmem.train import initial_state, resume_schedule, run
 
 BASE = ["train.seq_len=32", "train.micro_batch=2", "train.progress=false", "train.log_every=1",
         "optimizer.decay_steps=10"]

@@ -22,7 +22,7 @@ def test_every_lever_config_loads_and_builds_before_any_compile():
 @pytest.mark.slow
 @pytest.mark.parametrize("path", LEVERS, ids=[p.stem for p in LEVERS])
 def test_lever_config_trains_on_cpu(path, tmp_path):
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     cfg = load_config(path, [f"out_dir={tmp_path}"])
     summary = run(cfg)

@@ -72,7 +72,7 @@ def test_streamed_base_equals_the_base_built_from_whole_params(tmp_path, base_dt
     want = jax.jit(lambda p: make_base(prog.layout.lora, cfg, p, prog.precision.param),
                    out_shardings=prog.state_shardings["base"])(params)
     if base_dtype == "nf4":  # the same base streamed from a `jaxmem import-hf` output (orbax) of that directory
-        from jaxmem.io.hf import main as import_hf
+        from jaxmem.cli.import_hf import main as import_hf
 
         import_hf([str(hf), str(tmp_path / "imported"), f"--dtype={param_dtype}"])
         imported = stream_base(prog, tmp_path / "imported")
@@ -138,7 +138,7 @@ def test_a_lora_run_trains_from_a_hugging_face_directory_and_resumes_exactly(tmp
     import shutil
 
     from jaxmem.io.checkpoint import Checkpoints
-    from jaxmem.cli.train import run
+    from jaxmem.train import run
 
     hf = _hf_dir(tmp_path / "hf", _cfg())
     cfg = _run_cfg(tmp_path / "run", hf)

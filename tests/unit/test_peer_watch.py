@@ -4,7 +4,7 @@ import io
 import threading
 import time
 
-from jaxmem.runtime.peer_watch import _DONE, _PREFIX, PeerWatch
+from jaxmem.train.peer_watch import _DONE, _PREFIX, PeerWatch
 from jaxmem.runtime.stderr_guard import filter_stream
 
 

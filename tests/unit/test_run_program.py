@@ -10,7 +10,7 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import SingleDeviceSharding
 
-from jaxmem.cli import train
+from jaxmem.train import loop as train
 from jaxmem.config import ConfigError, load_config
 from jaxmem.io.checkpoint import RUN_META_KEYS, Checkpoints, WHOLE_STATE, init_from, restore_run, run_meta
 

@@ -1,10 +1,10 @@
 """Device-memory telemetry of `jaxmem train`: stubbed allocator stats, warnings once, CPU run, memory profile."""
 import jax
 
-from jaxmem.io import telemetry
-from jaxmem.io.metrics import read_jsonl
-from jaxmem.io.telemetry import MemoryTelemetry
-from jaxmem.cli.train import run
+from jaxmem.train import telemetry
+from jaxmem.train.metrics import read_jsonl
+from jaxmem.train.telemetry import MemoryTelemetry
+from jaxmem.train import run
 
 from tiny_config import tiny_config as _cfg
 

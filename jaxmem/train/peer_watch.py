@@ -5,7 +5,7 @@ Why not leave it to jax: its coordination service notices a dead process only af
 (100 s by default), and the survivors then abort from C++ with a check-failure trace, after collectives have
 hung on the dead peer. Here a peer whose beat has not moved for STALE_S seconds (or a coordinator that no
 longer answers, when process 0 is the one that died) ends this process at once with one line naming the lost
-process and the last saved step, exit code 76 (jaxmem.runtime.signals). jax.distributed's own heartbeat is set to
+process and the last saved step, exit code 76 (jaxmem.train.signals). jax.distributed's own heartbeat is set to
 HEARTBEAT_S as a backstop (jaxmem.runtime.distributed).
 """
 from __future__ import annotations
@@ -119,7 +119,7 @@ def exit_on_lost(checkpoint_dir: str | Path | None, code: int) -> Callable[[int,
                          "restart every process with the same command to resume\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        from jaxmem.io.run_lock import release_all
+        from jaxmem.train.run_lock import release_all
 
         release_all()
         os._exit(code)
@@ -134,7 +134,7 @@ _guards: list = []  # the stderr helper of this process (jaxmem.runtime.stderr_g
 def start_for_run(cfg) -> PeerWatch | None:
     """Starts the watch for a run of a multi-process group (once per process); None for one process."""
     from jaxmem.runtime import distributed
-    from jaxmem.runtime.signals import EXIT_PEER_LOST
+    from jaxmem.train.signals import EXIT_PEER_LOST
 
     index, count = distributed.process_group()
     client = runtime_client()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.config_cmd import HelpFormatter
+    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem plan", formatter_class=HelpFormatter,

@@ -1,8 +1,8 @@
 """The pipeline section of `jaxmem plan`'s report: one row per stage, from the plan dict's "pipeline" entry
-(jaxmem.pipeline.plan writes it; jaxmem.plan.report prints it)."""
+(jaxmem.plan.pipeline writes it; jaxmem.plan.report prints it)."""
 from __future__ import annotations
 
-from jaxmem.pipeline.figures import GIB
+from jaxmem.plan.pipeline_figures import GIB
 
 STAGE_COLUMNS = ("stage", "layers", "micro-batches in flight", "state", "grads (fp32 accumulator, cast params)",
                  "residuals x in flight (device)", "largest pass", "update", "device total", "host")

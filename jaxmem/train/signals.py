@@ -4,7 +4,7 @@ Exit codes of `jaxmem train` (README, docs/lifecycle.md):
   0   trained to train.steps
   1   stopped by a problem the message names (NaN loss, out of memory)
   2   bad config or input (one line naming the key or file)
-  3   out_dir is in use by another live run (the lock, jaxmem.io.run_lock)
+  3   out_dir is in use by another live run (the lock, jaxmem.train.run_lock)
   75  stopped by SIGTERM or a first Ctrl-C after saving a checkpoint of the current step: rerun to resume
   76  another process of a multi-process run died or hung: this one stopped (the last saved step is named)
   134 process 0 of a multi-process run died: jax aborts the others (SIGABRT); jaxmem.runtime.stderr_guard prints the line
@@ -58,7 +58,7 @@ class StopRequest:
                 sys.stderr.write("\njaxmem train: second Ctrl-C: stopped at once, nothing saved since the last "
                                  "checkpoint\n")
                 sys.stderr.flush()
-                from jaxmem.io.run_lock import release_all
+                from jaxmem.train.run_lock import release_all
 
                 release_all()
                 os._exit(EXIT_ABORTED)

@@ -1,13 +1,13 @@
 """`jaxmem plan` for a pipeline (parallel.pp > 1): the worst stage's compiled figure as the plan's, every stage's
-bill beside it (jaxmem.pipeline.figures compiles them; jaxmem.pipeline.render prints them)."""
+bill beside it (jaxmem.plan.pipeline_figures compiles them; jaxmem.plan.pipeline_render prints them)."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 
-from jaxmem.pipeline.figures import GIB, StageFigures, compile_stage, stage_figures  # noqa: F401 (re-exported)
-from jaxmem.pipeline.render import STAGE_COLUMNS, render_pipeline, stage_row  # noqa: F401 (re-exported)
+from jaxmem.plan.pipeline_figures import GIB, StageFigures, compile_stage, stage_figures  # noqa: F401 (re-exported)
+from jaxmem.plan.pipeline_render import STAGE_COLUMNS, render_pipeline, stage_row  # noqa: F401 (re-exported)
 
 
 # ---------------------------------------------------------------- `jaxmem plan` with parallel.pp > 1

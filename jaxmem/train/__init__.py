@@ -1,0 +1,6 @@
+"""Training as a library: the loop (`run`), resuming, and the run's lifecycle in its out_dir (the lock, the
+save clock, signals, a dead peer), evaluation and telemetry."""
+from jaxmem.train.loop import (TrainError, compile_train_step, initial_state, parameter_counts,  # noqa: F401
+                               resume_schedule, run)
+
+__all__ = ["TrainError", "compile_train_step", "initial_state", "parameter_counts", "resume_schedule", "run"]
