@@ -31,7 +31,7 @@ LONG_GEMMA = ("configs/gemma3-12b-1xh100.yaml", ["train.seq_len=65536"], "gemma3
 
 
 def run_plan(config: str, compile_: bool = True, overrides=(), name: str = "") -> dict:
-    from jaxmem.cli import plan
+    from jaxmem.cli import plan as cli
 
     out = OUT / "families" / f"{name or Path(config).stem}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -116,7 +116,7 @@ def notes(plans: dict, variants: dict) -> str:
 
 
 def run_plan(config: str, out: Path, overrides: tuple = ()) -> dict:
-    from jaxmem.cli import plan
+    from jaxmem.cli import plan as cli
 
     out.parent.mkdir(parents=True, exist_ok=True)
     cli.main([str(ROOT / config), *overrides, "--json", str(out)])

@@ -44,7 +44,7 @@ def _slug(name: str) -> str:
 
 
 def run_row(name: str, config: str, overrides: list[str]) -> dict:
-    from jaxmem.cli import plan
+    from jaxmem.cli import plan as cli
 
     out = OUT / "long_context" / f"{_slug(name)}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import textwrap
 import types
 import typing
 from pathlib import Path

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from jaxmem.runtime.aot import Topology, resolve_topology
-from jaxmem.config import Config, ConfigError, from_dict, load_config, to_dict
+from jaxmem.config import Config, from_dict, to_dict
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
 

@@ -35,8 +35,8 @@ from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
 from jaxmem.core.program_registry import build_run_program
-from jaxmem.train.save_clock import SaveClock, stopped_line
-from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, StopRequest
+from jaxmem.train.save_clock import SaveClock
+from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile
 
 # Fault-injection hook for the kill-and-resume tests: seconds to wait before each step (0: none).
