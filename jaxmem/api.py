@@ -28,7 +28,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.core import offload, sharding
+from jaxmem.core import offload
+
+from jaxmem.mesh import sharding
 from jaxmem.io.checkpoint import Checkpoints, run_meta
 from jaxmem.config import load_config
 from jaxmem.io.data import batches

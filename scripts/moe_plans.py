@@ -126,7 +126,7 @@ def analytic(row: dict, seq: int | None, ep: int) -> dict:
 
     cfg, over = _load(row, seq, ep)
     p = plan(cfg, resolve_topology(cfg), compile=False, source=row["config"])
-    from jaxmem.core.sharding import mesh_shape
+    from jaxmem.mesh.sharding import mesh_shape
 
     n_devices = cfg.target.gpus_per_host * cfg.target.hosts
     sizes = mesh_shape(cfg.parallel, n_devices)

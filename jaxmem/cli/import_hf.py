@@ -13,7 +13,7 @@ from flax import nnx
 
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import ConfigError, ParallelConfig
-from jaxmem.core import sharding
+from jaxmem.mesh import sharding
 from jaxmem.io.hf import DTYPES, load_hf
 
 

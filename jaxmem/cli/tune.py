@@ -238,7 +238,7 @@ class Tuner:
 
 
 def _data_ways(cfg, n_devices: int) -> int:
-    from jaxmem.core.sharding import batch_ways, mesh_shape
+    from jaxmem.mesh.sharding import batch_ways, mesh_shape
 
     return batch_ways(mesh_shape(cfg.parallel, n_devices))  # dp x fsdp x ep: ep devices hold different tokens
 

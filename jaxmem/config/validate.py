@@ -11,7 +11,7 @@ the modules that own a vocabulary (`jaxmem.model.presets`, `jaxmem.core.remat`, 
 The rules that need the device count live here too, as functions called once it is known:
 `batch_layout` (jaxmem.core.layout, which program and the bill share) and `check_grad_accum` (build_program),
 `per_host_from_mesh` and `check_topology` (jaxmem.runtime.aot.resolve_topology). With a mesh that has no -1 axis
-the batch rules already run at load. (Filling a -1 mesh axis is jaxmem.core.sharding.mesh_shape's.)
+the batch rules already run at load. (Filling a -1 mesh axis is jaxmem.mesh.sharding.mesh_shape's.)
 """
 from __future__ import annotations
 

@@ -55,7 +55,7 @@ def rows_bytes(cfg, layout, prec) -> int:
 
 def table_bytes(cfg, layout, prec) -> int:
     """Per device: the table's gradient shard at grad_reduce_dtype."""
-    from jaxmem.core.sharding import spec_ways
+    from jaxmem.mesh.sharding import spec_ways
 
     shards = spec_ways(layout.grad_specs["embed"], layout.mesh_sizes)
     return cfg.model.vocab_size * cfg.model.d_model * np.dtype(prec.grad_reduce).itemsize // shards
@@ -68,8 +68,8 @@ def tokens_per_step(cfg, layout) -> int:
 def lookup(prog, embed, inputs):
     """The model's own embedding of `inputs` by the table `embed` (Transformer.embed_tokens, under the
     program's activation rules)."""
-    from jaxmem.core import sharding
-    from jaxmem.model.axes import activation_rules
+    from jaxmem.mesh import sharding
+    from jaxmem.mesh.axes import activation_rules
     from jaxmem.model.transformer import Transformer
 
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[prog.cfg.parallel.rules], prog.mesh)

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmem.core.sharding import TOKEN_AXES, MeshAxis
+from jaxmem.mesh.axes import TOKEN_AXES, MeshAxis
 from jaxmem.model.moe import combine
 from jaxmem.model.names import CheckpointName as CN, scope
 

@@ -18,7 +18,8 @@ import jax
 from flax import nnx
 
 from jaxmem import kernels
-from jaxmem.core import offload, remat, sharding
+from jaxmem.core import offload, remat
+from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count

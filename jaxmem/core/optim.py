@@ -16,7 +16,7 @@ import optax
 from jaxmem.config.schema import Config
 from jaxmem.core.precision import Precision
 from jaxmem.core import embed_grad
-from jaxmem.core.sharding import spec_ways
+from jaxmem.mesh.sharding import spec_ways
 from jaxmem.runtime import compat
 
 

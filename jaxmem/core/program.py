@@ -19,7 +19,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.runtime import aot, memory_kinds_shim
 from jaxmem import kernels
-from jaxmem.core import offload, remat, sharding
+from jaxmem.core import offload, remat
+from jaxmem.mesh import sharding
 from jaxmem.config import validate
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad, expert_parallel, grad_dtype, host_init
@@ -27,7 +28,8 @@ from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.transformer import take_rows, take_rows_late_zeros
-from jaxmem.model.axes import activation_rules
+from jaxmem.mesh import axes
+from jaxmem.mesh.axes import activation_rules
 from jaxmem.model.moe import ROUTER_METRICS
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
 from jaxmem.core.plugin_registry import plugin_for
@@ -218,7 +220,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
     layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
-                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in sharding.MESH_AXES})
+                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in axes.MESH_AXES})
     if keep is not None:
         layout = layout.keeping(keep)
     prec = Precision.from_config(cfg.precision)
@@ -251,7 +253,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          # where the mesh sums gradients over devices, the embedding gradient's zeros wait for the
                          # backward (one device: no collective to hide, and the scheduler's choice was as lean)
                          lookup=take_rows_late_zeros if layout.data_ways * layout.mesh_sizes["sp"] > 1 else take_rows)
-    if cfg.model.n_experts and mesh.shape.get(sharding.MeshAxis.EP.value, 1) > 1:
+    if cfg.model.n_experts and mesh.shape.get(axes.MeshAxis.EP.value, 1) > 1:
         ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)
 

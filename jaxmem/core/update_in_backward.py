@@ -169,7 +169,9 @@ def make_step(prog, loss_sum_fn):
     `loss_sum_fn(prog, ctx)` is the program's loss (jaxmem.core.program.loss_sum_fn), handed in by the program."""
     import dataclasses
 
-    from jaxmem.core import offload, sharding
+    from jaxmem.core import offload
+
+    from jaxmem.mesh import sharding
     from jaxmem.core.optim import adam_count, schedule
     from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
     from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX

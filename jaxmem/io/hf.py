@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, SingleDeviceSharding
 
-from jaxmem.core import sharding
+from jaxmem.mesh import sharding
 from jaxmem.config.schema import ConfigError, ParallelConfig
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
 from jaxmem.io.hf_layout import ParamMap, hf_shape, merge_hf, param_maps, read_slice, to_hf
@@ -99,7 +99,7 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     Args:
       path: directory with config.json and *.safetensors shards (with or without the index file).
       dtype: parameter dtype, one of float32, bfloat16, float16.
-      mesh: place params with jaxmem.core.sharding.param_specs and the rules of `parallel`
+      mesh: place params with jaxmem.mesh.sharding.param_specs and the rules of `parallel`
         (default: fsdp rules, ZeRO-3); None puts them on one local device.
     Returns:
       The model; `model(tokens_bt)` gives fp32 logits [B, T, V]. Each parameter is built

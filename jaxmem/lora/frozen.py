@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
 from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
 from jaxmem.config.schema import Config
-from jaxmem.core.sharding import entry_axes
+from jaxmem.mesh.sharding import entry_axes
 
 NF4_BLOCK = 64
 

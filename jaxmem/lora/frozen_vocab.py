@@ -44,7 +44,7 @@ def embed_rows(stored: dict, tokens, d: int, dtype) -> jax.Array:
 
 def embed_tokens(stored: dict, tokens_bt, d: int, dtype) -> jax.Array:
     """What Transformer.embed_tokens computes, from the stored table: [B, T, D] in the compute dtype."""
-    from jaxmem.model.axes import constrain
+    from jaxmem.mesh.axes import constrain
     from jaxmem.model.layers import ACT_BTD
 
     tokens_bt = constrain(tokens_bt, ACT_BTD[:2])

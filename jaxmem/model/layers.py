@@ -16,7 +16,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.schema import ModelConfig
-from jaxmem.model.axes import constrain
+from jaxmem.mesh.axes import constrain
 from jaxmem.model.names import CheckpointName as CN, scope
 from jaxmem.model.mlp import MLP_KINDS, mlp_kind
 from jaxmem.model.moe import sum_token_stats

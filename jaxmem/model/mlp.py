@@ -11,7 +11,7 @@ import dataclasses
 from typing import Callable
 
 from jaxmem.config.schema import ModelConfig
-from jaxmem.model.axes import constrain
+from jaxmem.mesh.axes import constrain
 from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
 from jaxmem.model.names import CheckpointName as CN, scope
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jaxmem.config.schema import ModelConfig
 from jaxmem.model.names import CheckpointName as CN, scope
 
-# logical axes of the expert weights (the expert dim leads; jaxmem.core.sharding maps "experts")
+# logical axes of the expert weights (the expert dim leads; jaxmem.mesh.sharding maps "experts")
 EXPERT_DF = ("experts", "embed", "mlp")
 EXPERT_FD = ("experts", "mlp", "embed")
 ROUTER_DE = ("embed", "experts")

@@ -13,7 +13,7 @@ from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.model import moe as moe_stats
-from jaxmem.model.axes import constrain
+from jaxmem.mesh.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
 from jaxmem.core.seq_tiling import run_whole

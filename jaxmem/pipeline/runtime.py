@@ -16,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.core import sharding
+from jaxmem.mesh import sharding
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout
 from jaxmem.model import init_model

@@ -21,7 +21,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.core import offload, sharding
+from jaxmem.core import offload
+
+from jaxmem.mesh import sharding
 from jaxmem.model.layers import ACT_BTD
 from jaxmem.core.optim import layerwise_update
 from jaxmem.core.program import TrainProgram, build_program, stage_fn

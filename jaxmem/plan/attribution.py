@@ -11,12 +11,12 @@ from types import ModuleType
 
 import jaxmem
 import jaxmem.kernels.attention
-import jaxmem.model.axes
+import jaxmem.mesh.axes
 import jaxmem.model.layers
 import jaxmem.model.moe
 import jaxmem.core.program
 import jaxmem.core.remat
-import jaxmem.core.sharding
+import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
 from jaxmem.model.names import MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
@@ -44,8 +44,8 @@ def module_path(module: ModuleType | str) -> str:
 
 
 # Frames of step/scan plumbing: a buffer is attributed to the model code they call.
-PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat, jaxmem.core.sharding, jaxmem.model.axes,
-                                          "jaxmem.plan.explain"))  # (the dump compile's caller; imports us)
+PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat, jaxmem.mesh.sharding,
+                                          jaxmem.mesh.axes, "jaxmem.plan.explain"))  # (the dump compile's caller; imports us)
 # Helpers that only tag a value (their frame is the checkpoint_name call, not the op that made it).
 _TAG_HELPERS = (jaxmem.model.layers.tag.__qualname__,)
 ATTENTION_CODE = module_path(jaxmem.kernels.attention)

@@ -15,7 +15,7 @@ from jaxmem.core.layout import Layout, resolve, spec_leaves
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.names import CheckpointName as CN
 from jaxmem.core.optim import split_layers
-from jaxmem.core.sharding import spec_ways
+from jaxmem.mesh.sharding import spec_ways
 from jaxmem.core import embed_grad
 from jaxmem.plan import bill_moe
 from jaxmem.core.grad_dtype import planned_dtype

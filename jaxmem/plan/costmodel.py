@@ -40,7 +40,7 @@ from jaxmem.model.presets import active_param_count, param_count
 from jaxmem.plan import bill_moe
 from jaxmem.plan.bill import Bill, name_shapes
 from jaxmem.core.seq_tiling import tile_count
-from jaxmem.core.sharding import batch_ways
+from jaxmem.mesh.sharding import batch_ways
 from jaxmem.config.targets import GpuTarget
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound

@@ -18,7 +18,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmem import cli
 from jaxmem.config import ConfigError, load_config
 from jaxmem.config.schema import ParallelConfig
-from jaxmem.core import expert_parallel, sharding
+from jaxmem.core import expert_parallel
+from jaxmem.mesh import sharding
 from jaxmem.core.layout import state_specs
 from jaxmem.core.program import build_program
 from jaxmem.model.moe import dispatch_local, grouped_linear, grouped_mlp

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 
 from jaxmem import kernels
-from jaxmem.core import sharding
+from jaxmem.mesh import sharding
 from jaxmem.config import load_config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.model.axes import activation_rules
+from jaxmem.mesh.axes import activation_rules
 from jaxmem.core.program import build_program
 from kernel_checks import assert_close
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem.kernels.mesh_axes import data_axes, head_axes, seq_axis, tp_axis
+from jaxmem.mesh.axes import data_axes, head_axes, seq_axis, tp_axis
 
 
 def head_split(mesh: Mesh) -> int:

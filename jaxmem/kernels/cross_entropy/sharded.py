@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmem.kernels.cross_entropy.vjp import loss_sum
-from jaxmem.kernels.mesh_axes import data_axes, seq_axis, token_axes, tp_axis
+from jaxmem.mesh.axes import data_axes, seq_axis, token_axes, tp_axis
 
 
 def _local_labels(labels_t, v_local: int, tp, ignore_index: int):

@@ -15,7 +15,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.kernels.mesh_axes import data_axes, is_sharded, seq_axis, token_axes
+from jaxmem.mesh.axes import data_axes, is_sharded, seq_axis, token_axes
 from jaxmem.kernels.rms_norm.config import RmsNormBlocks
 
 

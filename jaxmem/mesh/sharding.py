@@ -1,12 +1,11 @@
-"""Mesh axes, logical-to-mesh rule tables, and the shardings of params and activations.
+"""Logical-to-mesh rule tables, and the shardings of params and activations (the axis names: jaxmem.mesh.axes).
 
-The only module that knows mesh axis names. Rules are ordered (logical, mesh axes)
+Rules are ordered (logical, mesh axes)
 pairs; a logical dim takes the first rule whose mesh axes are still free in that
 tensor's spec and have size > 1 (so one table serves any mesh shape).
 """
 from __future__ import annotations
 
-import enum
 import math
 from typing import Sequence
 
@@ -16,23 +15,9 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.config.schema import ConfigError, ParallelConfig
+from jaxmem.mesh.axes import DATA_AXES, MESH_AXES, TOKEN_AXES, MeshAxis
 
 
-class MeshAxis(enum.StrEnum):
-    DP = "dp"
-    FSDP = "fsdp"
-    EP = "ep"
-    SP = "sp"
-    TP = "tp"
-
-
-MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP, MeshAxis.TP)
-# The batch rows split over these. ep is one of them: outside the experts' matmuls an expert-parallel group
-# holds different rows (jaxmem.core.expert_parallel trades them with all-to-alls for the experts).
-DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP)
-# Axes whose devices hold different tokens: gradients are summed over them, and ZeRO shards state over them
-# (a sequence-parallel group holds one sequence's tokens, so it shards weights like fsdp does).
-TOKEN_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP)
 _STATE = (MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP)
 _STATE_BUT_EP = (MeshAxis.FSDP, MeshAxis.SP)  # an expert weight's other dims (ep holds its expert dim)
 # The expert dim of the experts' weights over ep, at every ZeRO stage; then the state axes as for any weight.
@@ -178,7 +163,7 @@ def named(mesh: Mesh, specs, memory_kind: str | None = None):
 
 
 def activation_constrainer(rules, mesh: Mesh):
-    """The function jaxmem.model.axes.activation_rules installs while tracing the step."""
+    """The function jaxmem.mesh.axes.activation_rules installs while tracing the step."""
 
     def constrain(x, names):
         spec = logical_to_spec(names, rules, mesh, x.shape)

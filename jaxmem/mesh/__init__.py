@@ -1,0 +1,1 @@
+"""Mesh axes and the sharding rules that map logical axes onto them."""
