@@ -31,11 +31,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmem.core import offload
 
 from jaxmem.mesh import sharding
-from jaxmem.io.checkpoint import Checkpoints, run_meta
-from jaxmem.config import load_config
+from jaxmem.core.checkpoint import Checkpoints, run_meta
+from jaxmem.features import load_config
 from jaxmem.io.data import batches
 from jaxmem.core.optim import make_optimizer
-from jaxmem.core.program import TrainProgram, build_program, loss_sum_fn
+from jaxmem.core.program import TrainProgram, loss_sum_fn
+from jaxmem.features import build_program
 from jaxmem.config.schema import Config
 
 __all__ = ["Checkpoints", "TrainProgram", "batches", "build_program", "load_config", "loss_fn", "optimizer",

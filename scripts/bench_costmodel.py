@@ -31,7 +31,7 @@ def load_cases(path: Path = DATA) -> list[dict]:
 
 def estimate_case(case: dict):
     """(cfg, bill, Cost) for one measured case, estimated for the device it was measured on."""
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.costmodel import estimate
     from jaxmem.config.targets import get_target

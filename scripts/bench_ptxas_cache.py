@@ -28,9 +28,9 @@ import json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 jax.config.update("jax_enable_compilation_cache", False)
-from jaxmem.config import load_config
-from jaxmem.core.program import build_program
-from jaxmem.plan.compiled import read_fields
+from jaxmem.features import load_config
+from jaxmem.features import build_program
+from jaxmem.runtime.compiled_memory import read_fields
 from jaxmem.runtime.aot import resolve_topology
 cfg = load_config(None, sys.argv[1:])
 prog = build_program(cfg, devices=list(resolve_topology(cfg, None, None, None).devices()))

@@ -82,7 +82,7 @@ def _seq_overrides(seq: int, overrides: list[str]) -> list[str]:
 
 
 def _plan(config: str, overrides: list[str]) -> dict:
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(ROOT / config, overrides)
@@ -140,7 +140,7 @@ H100 the per-layer working set of [T, 4096] bf16 values while the base is fixed 
 each: the layer input, q, the attention output, the flash kernel's output and their cotangents; they double
 at 2,097,152).
 The sequence tiler writes its tiles into one buffer per output and the input cotangents over the output
-cotangents, with no zero buffer shared between loops (`jaxmem/core/seq_tiling.py`): at 1,048,576 tokens that
+cotangents, with no zero buffer shared between loops (`jaxmem/model/seq_tiling.py`): at 1,048,576 tokens that
 took Llama-3-8B QLoRA from 76.9 to 55.7 GiB. Llama-3-70B on a 48 GB GPU fits 8,192 tokens untiled; at
 12,288 (40.7 GiB against 40.5 usable) the peak is the MLP of one layer's backward: the [T, d_ff] gate / up /
 activation values (672 MiB each) on top of the 33.9 GiB NF4 base. In 4096-token sequence tiles (the last row)

@@ -56,7 +56,10 @@ assert Path(jaxmem.__file__).resolve().is_relative_to(repo.resolve()), (jaxmem._
 cfg = jaxmem.load_config(str(repo / config), sys.argv[6:])
 if cfg.parallel.pp > 1:
     import jax.numpy as jnp
-    from jaxmem.pipeline.runtime import build_pipeline
+    try:  # the registry's (features handed to the stages), else an older checkout's
+        from jaxmem.features import build_pipeline
+    except ImportError:
+        from jaxmem.pipeline.runtime import build_pipeline
     pipe, steps, inits = build_pipeline(cfg, jax.devices()[:n]), [], []
     for st in pipe.stages:
         sp = st.prog

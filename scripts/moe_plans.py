@@ -101,7 +101,7 @@ SEQ_RANGE = [2**k for k in range(6, 21)]  # 64 ... 1048576
 
 
 def _load(row: dict, seq: int | None, ep: int):
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
 
     over = list(row["overrides"]) + ([f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 4096)}"] if seq else [])
     if ep > 1 and not row.get("lora"):
@@ -272,7 +272,7 @@ def render(rows: list[dict]) -> str:
             lines.append(f"| {r['what']} | {r.get('kernel', '-')} | {_gib(r['compiled_bytes'])} | "
                          f"{_gib(r['analytic_bytes'])} | {r['analytic_bytes'] / r['compiled_bytes']:.2f} | "
                          f"{_size(top['bytes'])} {top['dtype']} {top['shape']} |")
-    lines += ["", "How the bill counts the experts (`jaxmem/plan/bill_moe.py`, per `kernels.grouped_matmul` as "
+    lines += ["", "How the bill counts the experts (`jaxmem/moe/bill.py`, per `kernels.grouped_matmul` as "
               "`jaxmem.kernels.resolve` picks it):", "",
               "- **blocked** (the default): each expert's rows padded to blocks of "
               "`kernels.grouped_matmul_block_rows`; at ep 1 GSPMD splits the kernel's expert-width values and its "

@@ -23,7 +23,7 @@ HEADLINE = OUT / "headline" / "qwen2-72b-8xh100.json"  # the one-node FSDP-only 
 
 
 def _plan(config: str) -> dict:
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(ROOT / config)

@@ -12,10 +12,10 @@ import jax
 import numpy as np
 
 from jaxmem.runtime import distributed
-from jaxmem.io.checkpoint import Checkpoints, run_meta
-from jaxmem.config import load_config
+from jaxmem.core.checkpoint import Checkpoints, run_meta
+from jaxmem.features import load_config
 from jaxmem.io.data import batches
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from jaxmem.cli.train import parse_args
 
 

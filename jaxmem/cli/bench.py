@@ -51,10 +51,11 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
     """Compiles, inits and runs `steps` train steps of `cfg` on the attached devices; the bench dict."""
     from jaxmem.io.data import batches
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.compiled import CompiledFigures, captured_stderr, memory_warnings, read_fields
+    from jaxmem.plan.compiled import CompiledFigures
+    from jaxmem.runtime.compiled_memory import captured_stderr, memory_warnings, read_fields
     from jaxmem.plan.costmodel import estimate
     from jaxmem.plan.report import cost_assumptions
-    from jaxmem.core.program import build_program
+    from jaxmem.features import build_program
     from jaxmem.config.schema import config_hash
     from jaxmem.train.loop import _oom_error, compile_train_step
 
@@ -241,7 +242,7 @@ def write_html(result: dict, path: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     from jaxmem.runtime import distributed
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.config.schema import ConfigError
     from jaxmem.train import TrainError
 

@@ -23,7 +23,7 @@ from jaxmem.config.schema import Config, ModelConfig, field_docs, to_dict
 DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 REGENERATE = "jaxmem config --markdown docs/config.md"
 
-# What each tagged value is (jaxmem.model.names.CheckpointName), for `jaxmem list remat`.
+# What each tagged value is (jaxmem.config.names.CheckpointName), for `jaxmem list remat`.
 CHECKPOINT_NAME_HELP = {
     "layer_input": "residual stream entering a decoder layer",
     "attn_norm": "RMSNorm output feeding the q/k/v projections",
@@ -187,7 +187,7 @@ def _config_parser() -> argparse.ArgumentParser:
 
 
 def config_main(argv: list[str] | None = None) -> int:
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
 
     args = _config_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.markdown is not None:
@@ -278,7 +278,7 @@ def list_presets() -> str:
 
 def list_remat() -> str:
     from jaxmem.core import remat
-    from jaxmem.model.names import ALL_NAMES
+    from jaxmem.config.names import ALL_NAMES
     from jaxmem.config.schema import RematConfig
 
     lines = ["remat presets (remat.preset): what each keeps between the forward and the backward pass, besides "

@@ -16,7 +16,7 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.io.data import RecordSource, make_source, packing_summary
     from jaxmem.cli.help import HelpFormatter
 

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("doctor: overrides need a config file")
     cfg = None
     if configs:
-        from jaxmem.config import load_config
+        from jaxmem.features import load_config
         if not Path(configs[0]).is_file():
             raise ConfigError(f"{configs[0]}: config file not found")
         cfg = load_config(configs[0], overrides)

@@ -38,7 +38,7 @@ def _shard_bytes(text: str) -> int:
 def run_config(run_dir: str | Path):
     """The run's resolved config (RUN_DIR/config.resolved.yaml) laid out for this machine: one process, the default mesh
     (checkpoints restore onto any layout, a pipeline's re-cut into one model)."""
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
 
     path = resolved_config(run_dir)
     if not path.is_file():
@@ -60,10 +60,10 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
            max_shard_bytes: int | None = None, overwrite: bool = False) -> tuple[int, str]:
     """Writes the folder whole (jaxmem.io.fresh_folder: a non-empty `out` only with `overwrite`, then replaced);
     returns (the step exported, a line on the tokenizer files)."""
-    from jaxmem.io.checkpoint import Checkpoints, restore_run
+    from jaxmem.core.checkpoint import Checkpoints, restore_run
     from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
     from jaxmem.io.hf_companions import write_companions
-    from jaxmem.core.program import build_program
+    from jaxmem.features import build_program
 
     check_target(out, overwrite=overwrite)  # before anything is read
     cfg = run_config(run_dir)

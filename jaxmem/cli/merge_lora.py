@@ -10,10 +10,10 @@ import jax
 from flax import nnx
 
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.config.schema import ConfigError
-from jaxmem.core.program import build_program
-from jaxmem.io.checkpoint import Checkpoints, restore_run
+from jaxmem.features import build_program
+from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.io.hf import save_hf
 from jaxmem.io.hf_companions import write_companions

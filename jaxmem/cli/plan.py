@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxmem.plan import plan, resolve_topology
     from jaxmem.plan.allocator import remember
     from jaxmem.plan.report import render
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
 
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs, overrides = split_items(args.items)

@@ -13,7 +13,10 @@ import sys
 from pathlib import Path
 
 
-from jaxmem.config import ConfigError, config_hash, load_config, parse_yaml_file
+from jaxmem.config import ConfigError, config_hash, parse_yaml_file
+
+
+from jaxmem.features import load_config
 from jaxmem.plan import figure_cache
 from jaxmem.runtime import ptxas_cache
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.runtime import distributed
 from jaxmem.train import TrainError, run, run_lock
 from jaxmem.train.save_clock import stopped_line

@@ -15,7 +15,9 @@ import dataclasses
 import time
 from pathlib import Path
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.cli.ep_search import ep_mesh_options
 
 # How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill

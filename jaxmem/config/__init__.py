@@ -1,6 +1,7 @@
-"""The run configuration as users load it: `load_config(path, overrides)` reads YAML and dotted overrides
-into the typed schema (jaxmem.config.schema), fills `model.*` from its preset, and runs every check
-(jaxmem.config.validate) in one pass, so a bad config is a one-line ConfigError before anything is built.
+"""The run configuration's schema (jaxmem.config.schema), its config-only rules (jaxmem.config.validate), the
+checkpoint names (jaxmem.config.names) and the GPU targets (jaxmem.config.targets): the floor every other
+package stands on. Loading a config with every rule, the features' included, is the registry's:
+`jaxmem.load_config` (jaxmem.features.load_config).
 
 The schema's names (Config, ConfigError, the section dataclasses, to_dict, ...) are re-exported here.
 """
@@ -34,17 +35,13 @@ _ORIGIN = {
     "parse_raw": "jaxmem.config.schema",
     "config_hash": "jaxmem.config.schema",
     "dump_yaml": "jaxmem.config.schema",
-    "check": "jaxmem.config.validate",
-    "from_dict": "jaxmem.config.validate",
-    "load_config": "jaxmem.config.validate",
 }
 
 __all__ = [
     "ConfigError", "Dtype", "ModelConfig", "ParallelConfig", "LossScaleConfig", "PrecisionConfig",
     "OptimizerConfig", "TrainConfig", "DataConfig", "CheckpointConfig", "DistributedConfig", "RematConfig",
     "OffloadConfig", "KernelConfig", "TargetConfig", "Config", "to_dict", "apply_overrides",
-    "parse_yaml_file", "read_yaml", "parse_raw", "config_hash", "dump_yaml", "check", "from_dict",
-    "load_config",
+    "parse_yaml_file", "read_yaml", "parse_raw", "config_hash", "dump_yaml",
 ]
 
 

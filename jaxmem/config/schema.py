@@ -195,6 +195,10 @@ class TrainConfig:
                                    "out_dir/memory_profile_step<N>.prof; 0: off")
 
 
+# data.kind values that read records (chat or prompt/completion documents), not a token stream
+RECORD_KINDS = ("jsonl", "parquet", "hf")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     kind: Literal["synthetic", "text", "bin", "jsonl", "parquet", "hf"] = _f(

@@ -132,7 +132,7 @@ def planned_dtype(name: str, cfg, prec, sp: int = 1):
     """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation); a
     LoRA run's leaves are its adapters' `a` and `b`. `sp`: the resolved sequence-parallel axis (the tiles are
     counted per device)."""
-    from jaxmem.core.seq_tiling import tile_count  # (jaxmem.model's package init imports seq_tiling)
+    from jaxmem.model.seq_tiling import tile_count  # (jaxmem.model's package init imports seq_tiling)
 
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
         jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 from typing import Any
 
 import jax
@@ -25,10 +24,10 @@ from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.core.optim import rest_chunks, split_layers
 from jaxmem.core.precision import Precision
-from jaxmem.core.step_state import batch_keys
-from jaxmem.lora.frozen import LoraSetup
-from jaxmem.core.seq_tiling import INSIDE_TILES, tile_count
-from jaxmem.config.validate import batch_layout, check_sequence_layout
+from jaxmem.io.data import batch_keys
+from jaxmem.model.seq_tiling import INSIDE_TILES, tile_count
+from jaxmem.config.validate import batch_layout
+from jaxmem.core.plugins import Features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,19 +50,31 @@ class Layout:
     homes: offload.StateHomes  # where params / optimizer state live and where the update runs
     layer_param_elems: int  # parameters of one decoder layer
     rules: tuple  # the logical-axis rule table (parallel.rules) that shards weights and activations
-    # The model's own parameters (with LoRA the trainable tree above is the adapters, and these are the
-    # frozen base's shapes before quantization).
+    # The model's own parameters (where a feature trains other trees, LoRA's adapters, the trainable trees above
+    # are those, and these are the model's shapes before the feature stored them its way).
     model_abstract_params: dict = None
     model_gathered_specs: dict = None
     model_param_specs: dict = None
-    lora: Any = None  # jaxmem.lora.frozen.LoraSetup, or None for a full fine-tune
-    base_abstract: dict | None = None  # the frozen base in its stored form (quantized leaves)
-    base_specs: dict | None = None
+    frozen_abstract: dict | None = None  # the state's frozen part in its stored form (a LoRA base), or None
+    frozen_specs: dict | None = None
+    # Each active feature's own decisions by its name (LoRA: its setup); `layout.NAME` reads them, None for a
+    # feature the registry knows that the config leaves off.
+    parts: dict = dataclasses.field(default_factory=dict)
+    part_names: tuple = ()
+
+    def __getattr__(self, name: str):
+        if name in ("parts", "part_names"):  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        if name in self.parts:
+            return self.parts[name]
+        if name in self.part_names:
+            return None
+        raise AttributeError(f"Layout has no attribute or feature part {name!r}")
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as
         sharding.logical_to_spec shards it in the step (a dim the mesh axes do not divide is replicated)."""
-        spec = sharding.logical_to_spec(names, self.rules, _shape_only_mesh(self.mesh_sizes), shape)
+        spec = sharding.logical_to_spec(names, self.rules, sharding.shape_only_mesh(self.mesh_sizes), shape)
         return math.prod(shape) // sharding.spec_ways(spec, self.mesh_sizes)
 
     def keeping(self, keys: tuple[str, ...]) -> "Layout":
@@ -91,26 +102,22 @@ class Layout:
         return self.kernels["attention"] != "xla"
 
 
-def _shape_only_mesh(sizes: dict[str, int]):
-    # partition specs only read mesh.shape, so the same specs serve real meshes and plans without devices
-    return types.SimpleNamespace(shape=dict(sizes))
-
-
 def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> tuple[dict, dict, dict, dict]:
     """(param, grad, optimizer-state, gathered) specs: ZeRO-1 shards the optimizer state, 2 also the
     gradients, 3 also the parameters; what is not sharded is replicated over the data axes (tp still
     applies), which is also how FSDP all-gathers a weight for use (`gathered`)."""
     rules = sharding.RULE_TABLES[cfg.parallel.rules]
-    mesh = _shape_only_mesh(sizes)
+    mesh = sharding.shape_only_mesh(sizes)
     sharded = sharding.param_specs(params_state, rules, mesh)
     replicated = sharding.param_specs(params_state, sharding.without_data_axes(rules), mesh)
     stage = cfg.parallel.zero_stage
     return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded, replicated
 
 
-def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None) -> Layout:
-    """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...); `mesh_sizes` when the
-    caller already holds a mesh (else from `parallel.*`)."""
+def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None, *,
+            features: Features) -> Layout:
+    """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...) with the active `features`
+    (jaxmem.features.for_config); `mesh_sizes` when the caller already holds a mesh (else from `parallel.*`)."""
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     sizes.setdefault("sp", 1)
     sizes.setdefault("ep", 1)
@@ -120,7 +127,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     cudnn_fits = kernels.cudnn_takes(Precision.from_config(cfg.precision).compute, sinks=cfg.model.attention_sinks,
                                      segments="segment_ids" in batch_keys(cfg))  # packed documents
     chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
-    check_sequence_layout(cfg, sizes, chosen["attention"])
+    features.check_layout(cfg, sizes, chosen)
     fused_attention = chosen["attention"] != "xla"
     saved = remat.saved_across_backward(cfg.remat, fused_attention)
     if tile_count(cfg.train.seq_len, sizes["sp"], cfg.remat.seq_tile) > 1:
@@ -129,45 +136,17 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     model_abstract = nnx.to_pure_dict(params_state)
     trainable = dict(abstract_params=model_abstract, param_specs=param_specs, grad_specs=grad_specs,
                      opt_specs=opt_specs, gathered_specs=gathered_specs)
-    lora_fields = {}
-    setup = LoraSetup.from_config(cfg)
-    if setup is not None:
-        trainable, lora_fields = _lora_layout(cfg, setup, sizes, model_abstract, param_specs)
+    trainable, feature_fields = features.layout_part(cfg, sizes, trainable)
     homes = offload.StateHomes.from_config(cfg)
     return Layout(
         mesh_sizes=sizes, platform=platform, kernels=chosen, graphdef=graphdef, **trainable,
         grad_accum=grad_accum, rows=rows, model_abstract_params=model_abstract,
-        model_gathered_specs=gathered_specs, model_param_specs=param_specs, **lora_fields,
+        model_gathered_specs=gathered_specs, model_param_specs=param_specs, **feature_fields,
         checkpointed=remat.uses_checkpoint(cfg.remat),
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=homes.host_keys(), homes=homes, layer_param_elems=layer_param_count(cfg.model),
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
-
-
-def _lora_layout(cfg: Config, setup, sizes: dict[str, int], model_abstract: dict, model_specs: dict):
-    """(trainable specs of the adapters per ZeRO stage, the frozen base's abstract form and specs)."""
-    from jaxmem.lora import frozen
-    from jaxmem.lora.adapters import adapter_axes, init_adapters
-
-    prec = Precision.from_config(cfg.precision)
-    adapters = jax.eval_shape(lambda: init_adapters(cfg.model, setup.targets, setup.rank, jax.random.key(0),
-                                                    prec.param))
-    base = jax.eval_shape(lambda p: frozen.make_base(setup, cfg, p, prec.param), model_abstract)
-    rules = sharding.RULE_TABLES[cfg.parallel.rules]
-    mesh = _shape_only_mesh(sizes)
-    axes = adapter_axes(setup.targets)
-
-    def specs(table):
-        return jax.tree.map(lambda names, x: sharding.logical_to_spec(names, table, mesh, x.shape), axes, adapters,
-                            is_leaf=lambda x: isinstance(x, tuple))
-
-    sharded, replicated = specs(rules), specs(sharding.without_data_axes(rules))
-    stage = cfg.parallel.zero_stage
-    trainable = dict(abstract_params=adapters, param_specs=sharded if stage == 3 else replicated,
-                     grad_specs=sharded if stage >= 2 else replicated, opt_specs=sharded, gathered_specs=replicated)
-    model_specs_base = frozen.base_specs(setup, cfg, model_specs, base, sizes)
-    return trainable, dict(lora=setup, base_abstract=base, base_specs=model_specs_base)
 
 
 def platform_of(devices) -> str:

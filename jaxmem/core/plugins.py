@@ -1,13 +1,17 @@
-"""The interface through which an add-on (LoRA, update-in-backward) changes how the train program is built,
-stepped and checkpointed, so the program and the checkpointer call hooks instead of branching on features.
+"""The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts, host
+offload, sequence parallelism) plugs into a run, so the core calls hooks instead of branching on features.
 
-A plug-in hands the program (jaxmem.core.program) its state layout, per-layer weight fetch, forward pieces,
-initial and restored state and step, and the checkpointer (jaxmem.io.checkpoint) what a checkpoint records
-and checks. `ProgramPlugin`'s hooks are a full fine-tune's (the identity); a plug-in overrides the few it
-changes. jaxmem.core.plugin_registry picks the one a config asks for.
+`Feature` is what a feature package hands the registry (jaxmem.features, the only module that imports every
+feature): its rules, its part of the layout, its program hooks, the checkpoints it reads, and, for the
+planner, its bill terms, explain rules and search axes. `Features` is the set a config turns on, as the core
+is handed it. `ProgramPlugin` is the program-level part: it hands the program (jaxmem.core.program) its state
+layout, per-layer weight fetch, forward pieces, initial and restored state and step, and the checkpointer
+(jaxmem.core.checkpoint) what a checkpoint records and checks. Its hooks are a full fine-tune's (the
+identity); a plug-in overrides the few it changes.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 from jaxmem.core.step_state import assemble_state
@@ -122,7 +126,7 @@ class StateItem(Protocol):
 
 
 class RunProgram(Protocol):
-    """What the train loop (jaxmem.cli.train) and the checkpointer (jaxmem.io.checkpoint) ask of a program,
+    """What the train loop (jaxmem.cli.train) and the checkpointer (jaxmem.core.checkpoint) ask of a program,
     so they call methods instead of branching on its kind: TrainProgram (one program) and PipelineProgram
     (one per stage) both satisfy it."""
 
@@ -141,3 +145,109 @@ class RunProgram(Protocol):
 
     def compile_step(self):
         """The train step, step(state, batch) -> (state, metrics), compiled or compiling at its first call."""
+
+
+# ---------------------------------------------------------------- features
+
+
+class Feature:
+    """A lever a config turns on, with everything it brings; every hook defaults to "nothing to add"."""
+
+    name = ""
+
+    def applies(self, cfg) -> bool:
+        """Whether `cfg` turns this feature on (its hooks run only then; `check` runs for every config)."""
+        return False
+
+    def check(self, cfg) -> None:
+        """The feature's rules at load, refused combinations included: a one-line ConfigError naming the key."""
+
+    def check_micro_batches(self, cfg, grad_accum: int) -> None:
+        """Rules on the number of micro-batches per step (known once the data ways are)."""
+
+    def check_layout(self, cfg, sizes: dict[str, int], kernels: dict[str, str]) -> None:
+        """Rules on the mesh sizes and the kernels `auto` resolved to."""
+
+    def layout_part(self, cfg, sizes: dict[str, int], trainable: dict) -> dict | None:
+        """This feature's part of the Layout, or None: any of the trainable trees (abstract_params, param_specs,
+        grad_specs, opt_specs, gathered_specs) it replaces, the state's frozen part (frozen_abstract,
+        frozen_specs), and under "part" its own decisions (the layout's attribute of the feature's name)."""
+        return None
+
+    def program_plugin(self, cfg) -> ProgramPlugin | None:
+        """The program-level hooks, or None (at most one active feature brings them)."""
+        return None
+
+    def forward_context(self, cfg, mesh, ctx):
+        """The forward context with this feature's pieces (an expert dispatcher, ...)."""
+        return ctx
+
+    def run_program(self, cfg, features: "Features"):
+        """A program that replaces the one-program run (a pipeline: one per stage), or None."""
+        return None
+
+    foreign_layouts: tuple = ()  # checkpoints of this feature's layout that a one-program run reads and re-cuts
+
+    # The planner's terms (jaxmem.plan, which asks the registry for them): (phase, fn(draft)) pairs the analytic
+    # bill runs in its phases (jaxmem.plan.bill.PHASES), rules that name what a compiled buffer is
+    # (jaxmem.plan.buffer_kinds), and the override axes a search adds (jaxmem.cli.tune).
+    bill_terms: tuple = ()
+    buffer_terms: tuple = ()
+    search_axes: tuple = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Features:
+    """The features a config turns on, in the registry's order, as the core and the planner are handed them."""
+
+    active: tuple = ()
+    known: tuple[str, ...] = ()  # every feature the registry holds, on or off
+
+    def names(self) -> tuple[str, ...]:
+        return tuple(f.name for f in self.active)
+
+    def has(self, name: str) -> bool:
+        return any(f.name == name for f in self.active)
+
+    def program_plugin(self, cfg) -> ProgramPlugin:
+        for feature in self.active:
+            plugin = feature.program_plugin(cfg)
+            if plugin is not None:
+                return plugin
+        return ProgramPlugin()
+
+    def forward_context(self, cfg, mesh, ctx):
+        for feature in self.active:
+            ctx = feature.forward_context(cfg, mesh, ctx)
+        return ctx
+
+    def check_micro_batches(self, cfg, grad_accum: int) -> None:
+        for feature in self.active:
+            feature.check_micro_batches(cfg, grad_accum)
+
+    def check_layout(self, cfg, sizes, kernels) -> None:
+        for feature in self.active:
+            feature.check_layout(cfg, sizes, kernels)
+
+    def layout_part(self, cfg, sizes, trainable: dict) -> tuple[dict, dict]:
+        """(the trainable trees, the Layout's other fields the features set: the frozen part, `parts`, and
+        `part_names`) after every active feature's layout_part."""
+        fields = {"parts": {}, "part_names": self.known}
+        for feature in self.active:
+            found = dict(feature.layout_part(cfg, sizes, trainable) or {})
+            if "part" in found:
+                fields["parts"][feature.name] = found.pop("part")
+            trainable = dict(trainable, **{k: v for k, v in found.items() if k in trainable})
+            fields.update({k: v for k, v in found.items() if k not in trainable})
+        return trainable, fields
+
+    def run_program(self, cfg):
+        return next((p for p in (f.run_program(cfg, self) for f in self.active) if p is not None), None)
+
+    @property
+    def foreign_layouts(self) -> tuple:
+        return tuple(layout for f in self.active for layout in f.foreign_layouts)
+
+    def terms(self, kind: str) -> tuple:
+        """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""
+        return tuple(term for f in self.active for term in getattr(f, kind))

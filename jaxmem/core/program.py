@@ -21,9 +21,8 @@ from jaxmem.runtime import aot, memory_kinds_shim
 from jaxmem import kernels
 from jaxmem.core import offload, remat
 from jaxmem.mesh import sharding
-from jaxmem.config import validate
 from jaxmem.config.schema import Config
-from jaxmem.core import embed_grad, expert_parallel, grad_dtype, host_init
+from jaxmem.core import embed_grad, grad_dtype, host_init
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -32,12 +31,11 @@ from jaxmem.mesh import axes
 from jaxmem.mesh.axes import activation_rules
 from jaxmem.model.moe import ROUTER_METRICS
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
-from jaxmem.core.plugin_registry import plugin_for
-from jaxmem.core.plugins import FROZEN, ProgramPlugin
+from jaxmem.core.plugins import FROZEN, Features, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
-from jaxmem.core.seq_tiling import per_token_tiles, tile_count
-from jaxmem.core.step_state import (GRADS_SCOPE, UPDATE_SCOPE, assemble_state, batch_keys,  # noqa: F401 (re-exported)
-                               split_batch)
+from jaxmem.model.seq_tiling import per_token_tiles, tile_count
+from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, assemble_state, split_batch
+from jaxmem.io.data import batch_keys
 
 
 @dataclasses.dataclass
@@ -51,6 +49,12 @@ class TrainProgram:
     ctx: ForwardContext
     layout: Layout  # every decision the step is built from, as the planner reads them
     plugin: ProgramPlugin = dataclasses.field(default_factory=ProgramPlugin)  # an add-on's hooks (core.plugins)
+    features: Features = dataclasses.field(default_factory=Features)  # what the program was built with
+
+    @property
+    def foreign_layouts(self) -> tuple:
+        """Checkpoint layouts of other programs this one reads and re-cuts (the features bring them)."""
+        return self.features.foreign_layouts
 
     # ------------------------------------------------------------ from the layout
     @property
@@ -140,7 +144,7 @@ class TrainProgram:
     def frozen_base(self):
         """The state's frozen part (state[FROZEN], a LoRA base) rebuilt where the config says; None if the
         state has none."""
-        from jaxmem.io.checkpoint import model_params_from
+        from jaxmem.core.checkpoint import model_params_from
 
         return self.plugin.frozen_part(self, model_params_from)
 
@@ -192,20 +196,21 @@ class TrainProgram:
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     @property
     def state_item(self):
-        from jaxmem.io.checkpoint import WHOLE_STATE
+        from jaxmem.core.checkpoint import WHOLE_STATE
 
         return WHOLE_STATE
 
     def checkpoint_meta(self) -> dict:
-        return {}
+        """What a checkpoint's meta records about this program beside the run's (LoRA: the base it trains)."""
+        return self.plugin.meta(self.cfg)
 
     def restore_run(self, ckpts, step: int | None, required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        from jaxmem.io.checkpoint import restore_whole
+        from jaxmem.core.checkpoint import restore_whole
 
         return restore_whole(self, ckpts, step, required_meta)
 
     def init_from(self, path) -> dict:
-        from jaxmem.io.checkpoint import init_whole
+        from jaxmem.core.checkpoint import init_whole
 
         return init_whole(self, path)
 
@@ -213,19 +218,21 @@ class TrainProgram:
         return self.lower().compile()
 
 
-def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None
-                  ) -> TrainProgram:
-    """Everything needed to init, step, checkpoint and plan a run, without allocating weights.
+def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None,
+                  features: Features) -> TrainProgram:
+    """Everything needed to init, step, checkpoint and plan a run, without allocating weights, with the active
+    `features` (the registry's: jaxmem.features.build_program hands them).
 
     `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
     layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
-                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in axes.MESH_AXES})
+                            mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in axes.MESH_AXES},
+                            features=features)
     if keep is not None:
         layout = layout.keeping(keep)
     prec = Precision.from_config(cfg.precision)
     opt = make_optimizer(cfg)
-    plugin = plugin_for(cfg)
+    plugin = features.program_plugin(cfg)
 
     abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
     specs = {"step": P(), "params": layout.param_specs}
@@ -241,7 +248,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    validate.check_grad_accum(cfg, layout.grad_accum)  # config rules ran at load; this one needs the data ways
+    features.check_micro_batches(cfg, layout.grad_accum)  # config rules ran at load; these need the data ways
     platform = layout.platform
     fetch = plugin.layer_fetch(cfg, layout, offload.layer_fetch(cfg, prec.grad_reduce))
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)
@@ -253,9 +260,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          # where the mesh sums gradients over devices, the embedding gradient's zeros wait for the
                          # backward (one device: no collective to hide, and the scheduler's choice was as lean)
                          lookup=take_rows_late_zeros if layout.data_ways * layout.mesh_sizes["sp"] > 1 else take_rows)
-    if cfg.model.n_experts and mesh.shape.get(axes.MeshAxis.EP.value, 1) > 1:
-        ctx = dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
-    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin)
+    ctx = features.forward_context(cfg, mesh, ctx)  # an expert-parallel dispatcher, ...
+    return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin,
+                        features)
 
 
 def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):

@@ -12,8 +12,8 @@ import jax
 import numpy as np
 
 from jaxmem.core import offload
-from jaxmem.config.schema import ConfigError, RematConfig
-from jaxmem.model.names import ALL_NAMES, CheckpointName as CN
+from jaxmem.config.schema import Config, ConfigError, RematConfig
+from jaxmem.config.names import ALL_NAMES, CheckpointName as CN
 
 CHOICES = ("remat", "device", "offload")
 
@@ -96,9 +96,26 @@ def _with_base(base, named, offloaded: set):
     return combined
 
 
+def check(cfg: Config) -> None:
+    """remat.* against the presets, the checkpoint names and the choices (one-line ConfigError)."""
+    r = cfg.remat
+    if r.preset not in PRESETS:
+        raise ConfigError(f"remat.preset: {r.preset!r} is unknown; use one of {', '.join(PRESETS)}")
+    for name, choice in r.names.items():
+        if name not in ALL_NAMES:
+            raise ConfigError(f"remat.names.{name}: unknown checkpoint name; use one of {', '.join(ALL_NAMES)}")
+        if choice not in CHOICES:
+            raise ConfigError(f"remat.names.{name}: {choice!r} is not allowed; use one of "
+                              f"{', '.join(CHOICES)}")
+    if r.every_k < 1:
+        raise ConfigError(f"remat.every_k: must be >= 1, got {r.every_k}")
+    if r.seq_tile < 0:
+        raise ConfigError(f"remat.seq_tile: must be >= 0 (0: off), got {r.seq_tile}")
+
+
 def group_size(cfg: RematConfig, n_layers: int) -> int:
-    """Layers per checkpointed group (every_k / nested; 1 otherwise). Its divisibility error is also the
-    load-time rule (jaxmem.config.validate.CROSS_CHECKS); remat.preset / remat.names are checked there too."""
+    """Layers per checkpointed group (every_k / nested; 1 otherwise). Its divisibility error is also a
+    load-time rule (jaxmem.features.CROSS_CHECKS)."""
     if cfg.granularity == "every_k":
         k = cfg.every_k
     elif cfg.granularity == "nested":

@@ -1,5 +1,5 @@
 """What the train step takes and gives by name: the state's layout (assemble_state), the batch's arrays
-(batch_keys, split_batch) and the named scopes of its two phases. The program builds its step from these;
+(split_batch; the batch's keys: jaxmem.io.data.batch_keys) and the named scopes of its two phases. The program builds its step from these;
 data sources, checkpoints and the planner read them without importing the program."""
 from __future__ import annotations
 
@@ -9,21 +9,11 @@ import jax.numpy as jnp
 from jaxmem.core.optim import init_opt_state
 from jaxmem.core.precision import Precision, init_loss_scale
 from jaxmem.config.schema import Config
-from jaxmem.config.validate import RECORD_KINDS
 
 # The jax.named_scope of the gradient computation (forward, backward, micro-batch accumulation) and of the
 # optimizer update in the step; they show up in the compiled HLO's op_name metadata.
 GRADS_SCOPE = "grads"
 UPDATE_SCOPE = "optimizer_update"
-
-
-def batch_keys(cfg: Config) -> tuple[str, ...]:
-    """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
-    masks), plus segment ids and positions when documents are packed (attention stays inside a document,
-    RoPE restarts). One document per row needs neither: right padding is never attended to."""
-    if cfg.data.kind not in RECORD_KINDS:
-        return ("tokens",)
-    return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
 
 
 def split_batch(batch: dict) -> tuple:

@@ -16,12 +16,32 @@ from typing import Protocol
 import numpy as np
 
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.config.validate import RECORD_KINDS, check_data_files
+from jaxmem.config.schema import RECORD_KINDS
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.
 _LANGUAGE_SEED = 20240607
 _SUCCESSORS = 2  # each token may be followed by this many tokens: loss floor ~ln 2
+
+
+def check_data_files(cfg: Config) -> None:
+    """The data files a run reads exist (one line naming the key); runs call it before anything compiles."""
+    d = cfg.data
+    for key, path in (("data.path", d.path if d.kind != "synthetic" else ""), ("data.tokenizer", d.tokenizer),
+                      ("data.chat_template", d.chat_template), ("eval.path", cfg.eval.path)):
+        if path and not Path(path).exists():
+            raise ConfigError(f"{key}: file {path} not found")
+    if d.kind in ("text", "bin") and d.path and not Path(d.path).is_file():
+        raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
+
+
+def batch_keys(cfg: Config) -> tuple[str, ...]:
+    """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
+    masks), plus segment ids and positions when documents are packed (attention stays inside a document,
+    RoPE restarts). One document per row needs neither: right padding is never attended to."""
+    if cfg.data.kind not in RECORD_KINDS:
+        return ("tokens",)
+    return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
 
 
 class TokenSource(Protocol):
@@ -171,7 +191,6 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path") ->
     kind, seed, vocab = cfg.data.kind, cfg.train.seed, cfg.model.vocab_size
     if kind in RECORD_KINDS:
         from jaxmem.io.documents import build_rows
-        from jaxmem.core.step_state import batch_keys
 
         log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,

@@ -201,8 +201,15 @@ _POWER_OF_TWO_KEYS = ("attn_block_q", "attn_block_k", "fused_loss_block_t", "fus
                       "fused_loss_block_d", "grouped_matmul_block_rows")
 
 
+def check_model_kernels(cfg) -> None:
+    """The attention kernel the config names takes the model (a run config: kernels vs model)."""
+    if cfg.model.attention_sinks and cfg.kernels.attention == "cudnn":
+        raise ConfigError("kernels.attention: cudnn has no attention sinks (model.attention_sinks, gpt-oss); use "
+                          "auto (the Pallas kernel on a GPU), pallas or xla")
+
+
 def check_block_sizes(cfg: KernelConfig) -> None:
-    """One-line ConfigError naming the key. Runs at load (jaxmem.config.validate.SECTION_VALIDATORS["kernels"]);
+    """One-line ConfigError naming the key. Runs at load (jaxmem.features.SECTION_VALIDATORS["kernels"]);
     the dispatch below runs it again for a KernelConfig built in code, before anything is traced."""
     for name in ("loss_block_t", "loss_block_v"):
         if getattr(cfg, name) < 0:

@@ -34,7 +34,7 @@ class LoraPlugin(ProgramPlugin):
 
     # ------------------------------------------------------------ state layout
     def frozen_layout(self, layout) -> dict:
-        return {FROZEN: (layout.base_abstract, layout.base_specs)}
+        return {FROZEN: (layout.frozen_abstract, layout.frozen_specs)}
 
     def fresh_state(self, prog, params, seed) -> dict:
         """The params become the frozen base and fresh adapters are trained."""

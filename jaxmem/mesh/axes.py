@@ -28,7 +28,7 @@ class MeshAxis(enum.StrEnum):
 
 MESH_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP, MeshAxis.SP, MeshAxis.TP)
 # The batch rows split over these. ep is one of them: outside the experts' matmuls an expert-parallel group
-# holds different rows (jaxmem.core.expert_parallel trades them with all-to-alls for the experts).
+# holds different rows (jaxmem.moe.expert_parallel trades them with all-to-alls for the experts).
 DATA_AXES = (MeshAxis.DP, MeshAxis.FSDP, MeshAxis.EP)
 # Axes whose devices hold different tokens: gradients are summed over them, and ZeRO shards state over them
 # (a sequence-parallel group holds one sequence's tokens, so it shards weights like fsdp does).

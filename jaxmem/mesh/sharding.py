@@ -7,6 +7,7 @@ tensor's spec and have size > 1 (so one table serves any mesh shape).
 from __future__ import annotations
 
 import math
+import types
 from typing import Sequence
 
 import jax
@@ -48,6 +49,12 @@ RULE_TABLES: dict[str, list[tuple[str, tuple]]] = {
     "dp": _EXPERTS + [("heads", (MeshAxis.TP,)), ("kv_heads", (MeshAxis.TP,)), ("mlp", (MeshAxis.TP,)),
                       ("vocab", (MeshAxis.TP,))] + _ACTIVATIONS,
 }
+
+
+def shape_only_mesh(sizes: dict[str, int]):
+    """A stand-in mesh of these axis sizes: partition specs only read mesh.shape, so the same specs serve real
+    meshes and plans without devices."""
+    return types.SimpleNamespace(shape=dict(sizes))
 
 
 def mesh_shape(par: ParallelConfig, n_devices: int) -> dict[str, int]:

@@ -17,7 +17,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.config.schema import ModelConfig
 from jaxmem.mesh.axes import constrain
-from jaxmem.model.names import CheckpointName as CN, scope
+from jaxmem.config.names import CheckpointName as CN, scope
 from jaxmem.model.mlp import MLP_KINDS, mlp_kind
 from jaxmem.model.moe import sum_token_stats
 from jaxmem.model.rope import apply_rope, attention_factor

@@ -13,7 +13,7 @@ from typing import Callable
 from jaxmem.config.schema import ModelConfig
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
-from jaxmem.model.names import CheckpointName as CN, scope
+from jaxmem.config.names import CheckpointName as CN, scope
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")

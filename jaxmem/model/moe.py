@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.schema import ModelConfig
-from jaxmem.model.names import CheckpointName as CN, scope
+from jaxmem.config.names import CheckpointName as CN, scope
 
 # logical axes of the expert weights (the expert dim leads; jaxmem.mesh.sharding maps "experts")
 EXPERT_DF = ("experts", "embed", "mlp")
@@ -60,7 +60,7 @@ def route(logits_ne: jax.Array, k: int, norm_topk: bool):
 
 def apply_moe(layer, normed_btd, ctx, *, activation: str, tag, token_stats: bool = False):
     """(out [B, T, D], router statistics) for the normed input of one layer. The routed rows run through
-    `ctx.experts` (dispatch_local here; jaxmem.core.expert_parallel over the ep mesh axis). `token_stats`:
+    `ctx.experts` (dispatch_local here; jaxmem.moe.expert_parallel over the ep mesh axis). `token_stats`:
     the statistics per token instead, a tuple of [B, T, ...] arrays (TOKEN_STATS order) that
     `sum_token_stats` adds up (a sequence tile returns them)."""
     cd = ctx.compute_dtype

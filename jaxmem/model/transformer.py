@@ -16,7 +16,7 @@ from jaxmem.model import moe as moe_stats
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
-from jaxmem.core.seq_tiling import run_whole
+from jaxmem.model.seq_tiling import run_whole
 
 
 def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
@@ -71,7 +71,7 @@ class ForwardContext:
     whether it splits the sequence, so that a mixture of experts returns per-token statistics);
     project(spec, x, w, compute_dtype) multiplies by a layer weight (LoRA dropout: jaxmem.lora.dropout);
     experts(x, weights, experts, expert_weights, ffn, tag) runs a mixture of experts' routed rows
-    (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.core.expert_parallel);
+    (jaxmem.model.moe.dispatch_local, or the all-to-all dispatch of jaxmem.moe.expert_parallel);
     grouped_matmul(lhs, rhs, group_sizes, *, preferred_element_type) is the experts' grouped matmul kernel
     (jaxmem.kernels.grouped_matmul; ragged_dot by default);
     grouped(rows, w, group_sizes, compute_dtype, *, kernel) multiplies expert-sorted rows by the experts'

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from jaxmem.pipeline import partition
-from jaxmem.plan.pipeline_figures import StageFigures, stage_figures
+from jaxmem.pipeline.figures import StageFigures, stage_figures
 from jaxmem.config.schema import Config
 
 _LINEAR = ("state", "grads", "params_for_grad", "residuals", "residuals_host", "forward_peak", "backward_peak",
@@ -58,7 +58,7 @@ def split(peaks, pp: int, n_layers: int, g: int) -> tuple[int, ...]:
     return tuple(counts)
 
 
-def balance(cfg: Config, devices=None) -> Balance:
+def balance(cfg: Config, devices=None, *, features) -> Balance:
     from jaxmem.pipeline.runtime import build_pipeline
 
     pp, n_layers, g = cfg.parallel.pp, cfg.model.n_layers, _group(cfg)
@@ -68,7 +68,7 @@ def balance(cfg: Config, devices=None) -> Balance:
         raise ConfigError(f"parallel.pp_layers: auto needs model.n_layers={n_layers} to be a multiple of the "
                           f"remat group {g} with at least one group per stage")
     # Probe pipelines: every stage at g layers, then at 2g (their sums need not be n_layers).
-    probes = [stage_figures(build_pipeline(cfg, devices, counts=(k,) * pp, check=False)) for k in (g, 2 * g)]
+    probes = [stage_figures(build_pipeline(cfg, devices, counts=(k,) * pp, check=False, features=features)) for k in (g, 2 * g)]
     in_flight = [f.in_flight for f in probes[0]]
 
     def choose(fits):
@@ -79,20 +79,20 @@ def balance(cfg: Config, devices=None) -> Balance:
     # The fit through the probes, then once more through the larger probe and the first choice's compile
     # (closer to the counts that matter); every candidate is compiled and the lowest worst stage kept.
     counts, predicted = choose([_fit(a, b) for a, b in zip(*probes)])
-    compiled = {counts: stage_figures(build_pipeline(cfg, devices, counts=counts))}
+    compiled = {counts: stage_figures(build_pipeline(cfg, devices, counts=counts, features=features))}
     refit = [_fit(b, c) if c.layers != b.layers else _fit(a, b) for a, b, c in zip(*probes, compiled[counts])]
     second, second_predicted = choose(refit)
     if second not in compiled:
-        compiled[second] = stage_figures(build_pipeline(cfg, devices, counts=second))
+        compiled[second] = stage_figures(build_pipeline(cfg, devices, counts=second, features=features))
     even = tuple(c * g for c in partition.even_counts(n_layers // g, pp))
     if even not in compiled:
-        compiled[even] = stage_figures(build_pipeline(cfg, devices, counts=even))
+        compiled[even] = stage_figures(build_pipeline(cfg, devices, counts=even, features=features))
     best = min(compiled, key=lambda c: (max(f.device_total for f in compiled[c]), c != even))
     return Balance(best, compiled[best], even, compiled[even], second_predicted if best == second else predicted)
 
 
-def stage_counts(cfg: Config, devices=None) -> tuple[int, ...]:
+def stage_counts(cfg: Config, devices=None, *, features) -> tuple[int, ...]:
     """Layers per stage for build_pipeline: parallel.pp_layers as written, or with `auto` the balancer's
     choice (compiles every stage: see balance)."""
     counts = partition.layer_counts(cfg)
-    return tuple(counts) if counts is not None else balance(cfg, devices).counts
+    return tuple(counts) if counts is not None else balance(cfg, devices, features=features).counts

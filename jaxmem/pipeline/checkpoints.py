@@ -74,7 +74,7 @@ def restore_pipeline(prog, ckpts, step: int, required_meta=()) -> tuple[dict, di
 
 
 class StagedLayout:
-    """A pipeline run's checkpoint as another program layout sees it (jaxmem.io.checkpoint.OTHER_LAYOUTS):
+    """A pipeline run's checkpoint as another program layout sees it (jaxmem.core.checkpoint.OTHER_LAYOUTS):
     a one-program run reads it whole on the host."""
 
     @staticmethod

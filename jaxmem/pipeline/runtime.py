@@ -26,9 +26,11 @@ from jaxmem.pipeline.checkpoints import PP_META, on_cpu_host, restore_pipeline
 from jaxmem.pipeline.stage_store import STAGES
 from jaxmem.pipeline.stage import Stage, stats_size
 from jaxmem.pipeline.transfer import Link, leads, owns
-from jaxmem.core.step_state import assemble_state, batch_keys, split_batch
+from jaxmem.core.step_state import assemble_state, split_batch
+from jaxmem.io.data import batch_keys
 from jaxmem.io.model_match import check_model_json
 from jaxmem.config.schema import Config, ConfigError
+from jaxmem.core.plugins import Features
 
 
 @dataclasses.dataclass
@@ -179,7 +181,7 @@ class PipelineProgram:
 
     def init_from(self, path) -> dict:
         """Read on the host, cut per stage."""
-        from jaxmem.io.checkpoint import restore_params
+        from jaxmem.core.checkpoint import restore_params
 
         check_model_json(path, self.cfg)
         params = restore_params(path, on_cpu_host(self.abstract_model_params()))
@@ -190,20 +192,21 @@ class PipelineProgram:
 
 
 def build_pipeline(cfg: Config, devices: Sequence | None = None, counts: Sequence[int] | None = None,
-                   *, check: bool = True) -> PipelineProgram:
+                   *, check: bool = True, features: Features) -> PipelineProgram:
     """The stages of `cfg` (parallel.pp > 1) on `devices` (default: all), with `counts` layers per stage
     (default: parallel.pp_layers; with `auto` the caller passes the balancer's counts,
     jaxmem.pipeline.balance.stage_counts). `check=False` lets the counts not sum to the model's layers (the
-    balancer's probes, which are compiled, never run)."""
+    balancer's probes, which are compiled, never run). `features`: the registry's, as each stage's program is
+    built with them (jaxmem.features.build_pipeline hands them)."""
     meshes = sharding.stage_meshes(cfg.parallel, devices)
     if counts is None:
         counts = partition.layer_counts(cfg)
     if counts is None:
         raise ConfigError("parallel.pp_layers=auto: build_pipeline needs the balancer's layer counts "
-                          "(counts=jaxmem.pipeline.balance.stage_counts(cfg, devices))")
+                          "(counts=jaxmem.pipeline.balance.stage_counts(cfg, devices, features))")
     if check:
         partition.check_counts(counts, cfg.parallel.pp, cfg.model.n_layers)
-    stages = [Stage(cfg, s, k, partition.stage_keys(cfg, s), mesh)
+    stages = [Stage(cfg, s, k, partition.stage_keys(cfg, s), mesh, features)
               for s, (k, mesh) in enumerate(zip(counts, meshes))]
     sched = schedules.build(cfg.parallel.pp_schedule, cfg.parallel.pp, stages[0].prog.grad_accum)
     return PipelineProgram(cfg, tuple(counts), stages, sched)

@@ -45,10 +45,10 @@ class _Residuals:
 
 
 class Stage:
-    def __init__(self, cfg: Config, index: int, n_layers: int, keys: tuple[str, ...], mesh):
+    def __init__(self, cfg: Config, index: int, n_layers: int, keys: tuple[str, ...], mesh, features):
         self.index, self.n_layers, self.keys = index, n_layers, keys
         self.first, self.last = index == 0, index == cfg.parallel.pp - 1
-        self.prog: TrainProgram = build_program(stage_config(cfg, n_layers), mesh=mesh, keep=keys)
+        self.prog: TrainProgram = build_program(stage_config(cfg, n_layers), mesh=mesh, keep=keys, features=features)
         self.cfg, self.mesh = cfg, mesh
         self._residuals = _Residuals()
         spec = sharding.logical_to_spec(ACT_BTD, sharding.RULE_TABLES[cfg.parallel.rules], mesh,

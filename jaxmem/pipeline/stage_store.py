@@ -25,12 +25,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
+from jaxmem.core.checkpoint import leaf_name
+
 SHAPES = "shapes.json"
-
-
-def leaf_name(path) -> str:
-    """'opt.layers.0.mu.wq' for a key path (the same names the run's shape checks use)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def _drives(sharding) -> bool:

@@ -18,7 +18,7 @@ import jaxmem.core.program
 import jaxmem.core.remat
 import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
-from jaxmem.model.names import MOE_NAMES, name_in_op
+from jaxmem.config.names import MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
 
 PACKAGE = jaxmem.__name__
@@ -113,7 +113,7 @@ _WRAPPERS = ("fusion", "async-start")
 def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, depth: int = 10) -> str | None:
     """The checkpoint name of the value `ins` holds or writes (e.g. into a scan's stacked residual).
 
-    The layers compute each tagged value inside a name scope carrying its name (jaxmem.model.names.scope),
+    The layers compute each tagged value inside a name scope carrying its name (jaxmem.config.names.scope),
     which XLA keeps in op_name. From `ins`, through ops that only move, cast or cut a value (into a fusion or
     async computation from its root, out of it through its parameters; a dynamic-update-slice: the value it
     writes), the first op whose op_name carries a name gives it. Several names (XLA merged ops of different

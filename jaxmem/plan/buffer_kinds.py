@@ -12,7 +12,7 @@ import jaxmem.model.rope
 import jaxmem.core.optim
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
-from jaxmem.model.names import ALL_NAMES, MOE_NAMES, name_in_op
+from jaxmem.config.names import ALL_NAMES, MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.attribution import (MOE_KINDS, defining, in_files, is_ours, is_scores, model_frame, module_path,
                                      moe_kind, rel_path, shape_name, tagged_name, vocab_dims)

@@ -35,11 +35,11 @@ import math
 
 from jaxmem.core import remat
 from jaxmem.config.schema import Config
-from jaxmem.model.names import CheckpointName as CN
+from jaxmem.config.names import CheckpointName as CN
 from jaxmem.model.presets import active_param_count, param_count
-from jaxmem.plan import bill_moe
-from jaxmem.plan.bill import Bill, name_shapes
-from jaxmem.core.seq_tiling import tile_count
+from jaxmem.moe import bill as bill_moe
+from jaxmem.plan.bill import Bill
+from jaxmem.model.seq_tiling import tile_count
 from jaxmem.mesh.sharding import batch_ways
 from jaxmem.config.targets import GpuTarget
 
@@ -126,7 +126,7 @@ _NEEDED = (CN.ATTN_NORM, CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONT
 # keep them, so the forward kernel reruns in the backward (benchmarks/remat.md shows it for pallas; cudnn's
 # custom call residuals are unnamed the same way).
 _RERUN_KERNELS = ("pallas", "cudnn")
-# The matmuls inside the per-token parts of a layer (jaxmem.core.seq_tiling): q, k, v, the output projection,
+# The matmuls inside the per-token parts of a layer (jaxmem.model.seq_tiling): q, k, v, the output projection,
 # gate, up and down.
 _TILED_OPS = ["q_proj", "kv_proj", "kv_proj", "o_proj", "up_proj", "up_proj", "down_proj"]
 
@@ -300,13 +300,13 @@ def _itemsize(dtype: str) -> int:
 
 def _opt_elems(bill: Bill) -> int:
     """Per-device parameters the optimizer updates (the master / moment shards)."""
-    from jaxmem.plan.bill import _state_elems
+    from jaxmem.core.accounting import state_elems as _state_elems
 
     return _state_elems(bill.layout, bill.layout.opt_specs)
 
 
 def _layer_elems(bill: Bill, specs) -> int:
-    from jaxmem.plan.bill import _state_elems
+    from jaxmem.core.accounting import state_elems as _state_elems
 
     return _state_elems(bill.layout, specs, "layers")
 
@@ -424,7 +424,7 @@ def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accu
     sp = bill.mesh.get("sp", 1)
     if sp == 1:
         return 0.0
-    per_name = name_shapes(cfg, bill.layout)
+    per_name = bill.per_name
     elems = sum(per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.VALUE_PROJ, CN.ATTN_CONTEXT))
     passes = 3 if bill.layout.checkpointed else 2
     cd = 2 if cfg.precision.compute_dtype != "float32" else 4
@@ -434,7 +434,7 @@ def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accu
 
 def expert_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:
     """The expert-parallel all-to-alls per step (dispatch and combine, forward and backward, every layer and
-    micro-batch; jaxmem.plan.bill_moe.all_to_all_bytes), at the interconnect bandwidth (estimated). 0 without
+    micro-batch; jaxmem.moe.bill.all_to_all_bytes), at the interconnect bandwidth (estimated). 0 without
     expert parallelism."""
     cd = 2 if cfg.precision.compute_dtype != "float32" else 4
     moved = grad_accum * cfg.model.n_layers * bill_moe.all_to_all_bytes(cfg, bill.layout, cd)

@@ -14,7 +14,8 @@ import tempfile
 from pathlib import Path
 
 from jaxmem.runtime.aot import Topology, resolve_topology
-from jaxmem.config import Config, from_dict, to_dict
+from jaxmem.config import Config, to_dict
+from jaxmem.features import from_dict
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
 
@@ -24,8 +25,8 @@ from jaxmem.plan.buffer_kinds import classify, state_shapes
 
 def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
-    from jaxmem.plan.compiled import memory_figures
-    from jaxmem.core.program import build_program
+    from jaxmem.runtime.compiled_memory import memory_figures
+    from jaxmem.features import build_program
 
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
@@ -35,7 +36,7 @@ def _worker(cfg_json: str, topo_json: str) -> None:
 
 def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> dict:
     """Compiles in a fresh process whose XLA_FLAGS ask for dumps into `dump_dir`; returns the compile's
-    memory figures (jaxmem.plan.compiled.memory_figures)."""
+    memory figures (jaxmem.runtime.compiled_memory.memory_figures)."""
     flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
     env = dict(os.environ, JAX_PLATFORMS="cpu" if topo.name else os.environ.get("JAX_PLATFORMS", ""),
                XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())

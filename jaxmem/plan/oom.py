@@ -103,7 +103,8 @@ def _candidates(cfg: Config, grad_accum: int) -> list[list[str]]:
 
 
 def _override(cfg: Config, overrides: list[str]) -> Config:
-    from jaxmem.config import apply_overrides, from_dict, to_dict
+    from jaxmem.config import apply_overrides, to_dict
+    from jaxmem.features import from_dict
 
     return from_dict(apply_overrides(to_dict(cfg), overrides))
 

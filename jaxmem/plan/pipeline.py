@@ -1,13 +1,21 @@
 """`jaxmem plan` for a pipeline (parallel.pp > 1): the worst stage's compiled figure as the plan's, every stage's
-bill beside it (jaxmem.plan.pipeline_figures compiles them; jaxmem.plan.pipeline_render prints them)."""
+bill beside it (jaxmem.pipeline.figures compiles them; jaxmem.plan.pipeline_render prints them)."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 
-from jaxmem.plan.pipeline_figures import GIB, StageFigures, compile_stage, stage_figures  # noqa: F401 (re-exported)
+from jaxmem import features as registry
+from jaxmem.pipeline import partition
+from jaxmem.pipeline.balance import balance
+from jaxmem.pipeline.figures import GIB, StageFigures, compile_stage, stage_figures  # noqa: F401 (re-exported)
+from jaxmem.pipeline.runtime import build_pipeline
+from jaxmem.plan.bill import compute_bill
+from jaxmem.plan.compiled import CompiledFigures
+from jaxmem.plan.costmodel import estimate
 from jaxmem.plan.pipeline_render import STAGE_COLUMNS, render_pipeline, stage_row  # noqa: F401 (re-exported)
+from jaxmem.plan.report import build_plan
 
 
 # ---------------------------------------------------------------- `jaxmem plan` with parallel.pp > 1
@@ -29,8 +37,6 @@ def pipelined_cost(cost, bubble: float, pp: int):
 def _as_compiled(fig: StageFigures, topo, pp: int, host: int):
     """The worst stage's device figures as the plan's compiled figure; `host`: the largest stage's host bytes
     (a node's GPUs may hold another stage than the worst, with more host state: the first's embedding)."""
-    from jaxmem.plan.compiled import CompiledFigures
-
     if fig.layer_phase >= fig.update_total:
         fields = dict(argument=fig.state + fig.grads + fig.params_for_grad, output=fig.in_flight * fig.residuals,
                       alias=0, temp=max(fig.forward_peak, fig.backward_peak))
@@ -47,23 +53,17 @@ def _as_compiled(fig: StageFigures, topo, pp: int, host: int):
 def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
     """The plan dict of a pipeline: the worst stage as the plan's compiled figure, every stage's bill under
     "pipeline", and with pp_layers=auto the even split next to the balanced one."""
-    from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.costmodel import estimate
-    from jaxmem.plan.report import build_plan
-    from jaxmem.pipeline import partition
-    from jaxmem.pipeline.balance import balance
-    from jaxmem.pipeline.runtime import build_pipeline
-
+    features = registry.for_config(cfg)
     pp = cfg.parallel.pp
     devices = list(topo.devices())
     even = None
     if compile and partition.layer_counts(cfg) is None:
-        chosen = balance(cfg, devices)
-        pipe = build_pipeline(cfg, devices, counts=chosen.counts)
+        chosen = balance(cfg, devices, features=features)
+        pipe = build_pipeline(cfg, devices, counts=chosen.counts, features=features)
         figures, even = chosen.figures, chosen.even_figures
     else:
         counts = partition.layer_counts(cfg) or partition.even_counts(cfg.model.n_layers, pp)
-        pipe = build_pipeline(cfg, devices, counts=counts)
+        pipe = build_pipeline(cfg, devices, counts=counts, features=features)
         figures = stage_figures(pipe) if compile else None
     worst = max(range(pp), key=lambda s: figures[s].device_total) if figures else 0
     stage = pipe.stages[worst]

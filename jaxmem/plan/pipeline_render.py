@@ -2,7 +2,7 @@
 (jaxmem.plan.pipeline writes it; jaxmem.plan.report prints it)."""
 from __future__ import annotations
 
-from jaxmem.plan.pipeline_figures import GIB
+from jaxmem.pipeline.figures import GIB
 
 STAGE_COLUMNS = ("stage", "layers", "micro-batches in flight", "state", "grads (fp32 accumulator, cast params)",
                  "residuals x in flight (device)", "largest pass", "update", "device total", "host")

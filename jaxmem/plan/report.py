@@ -9,7 +9,7 @@ from jaxmem.core.offload import StateHomes
 from jaxmem.runtime.aot import Topology
 from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
-from jaxmem.plan.bill_moe import parameter_counts
+from jaxmem.moe.bill import parameter_counts
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
 

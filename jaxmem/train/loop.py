@@ -6,8 +6,8 @@ stats also mem/* and plan/* device-memory figures, see jaxmem.train.telemetry) a
 tokens/s are wall-clock figures measured on the host the run ran on (over the steps since the previous record),
 on whatever devices it had: CPU figures say nothing about a GPU.
 
-For scripts, the pieces used here are importable: `jaxmem.config.load_config`, `jaxmem.core.program.build_program`,
-`jaxmem.io.data.batches`, `jaxmem.io.checkpoint.Checkpoints` and `jaxmem.train.resume` (see
+For scripts, the pieces used here are importable: `jaxmem.features.load_config`, `jaxmem.core.program.build_program`,
+`jaxmem.io.data.batches`, `jaxmem.core.checkpoint.Checkpoints` and `jaxmem.train.resume` (see
 scripts/train_example.py).
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import jax
 from jaxmem.runtime import distributed
 from jaxmem.train import peer_watch, run_lock
 from jaxmem.train.run_folder import RESOLVED_CONFIG
-from jaxmem.io.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
+from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
 from jaxmem.train.evaluate import Evaluator
@@ -34,7 +34,7 @@ from jaxmem.core.optim import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
-from jaxmem.core.program_registry import build_run_program
+from jaxmem.features import build_run_program
 from jaxmem.train.save_clock import SaveClock
 from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile

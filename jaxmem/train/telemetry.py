@@ -6,7 +6,7 @@ At every metrics record, each local device's `memory_stats()` is read. Keys adde
   mem/bytes_limit, mem/largest_free_block_bytes   the smallest value over the local devices (the tightest)
   mem/<stat>_per_device                      the per-device values, in `jax.local_devices()` order
   plan/argument_bytes                        the compiled step's argument bytes per device (the state + batch)
-  plan/device_bytes                          the compiled step's device total (`plan.compiled.device_bytes`)
+  plan/device_bytes                          the compiled step's device total (`runtime.compiled_memory.device_bytes`)
   mem/warnings                               names of the warnings first raised at this record (see below)
 
 A stat the backend does not report is left out; where no device reports any (CPU: memory_stats() is
@@ -28,7 +28,7 @@ from pathlib import Path
 
 import jax
 
-from jaxmem.plan.compiled import device_bytes, read_fields
+from jaxmem.runtime.compiled_memory import device_bytes, read_fields
 
 STATS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_free_block_bytes")
 _WORST = {"bytes_in_use": max, "peak_bytes_in_use": max, "bytes_limit": min, "largest_free_block_bytes": min}

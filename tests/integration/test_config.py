@@ -8,7 +8,9 @@ import pytest
 
 from flax import nnx
 
-from jaxmem.config import ConfigError, load_config, to_dict
+from jaxmem.config import ConfigError, to_dict
+
+from jaxmem.features import load_config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import PRESETS, PUBLISHED_PARAM_COUNTS, param_count
 
@@ -107,6 +109,7 @@ BAD_SECTION = {
                                                               "than none"),
     "kernels": (["kernels.attn_block_q=24"], "kernels.attn_block_q: 24 must be a power of two >= 16"),
     "target": (["target.headroom=1.5"], "target.headroom: must be in [0, 1), got 1.5"),
+    "out_dir": (["out_dir=''"], "out_dir: empty; name the folder for the run's outputs"),
 }
 BAD_CROSS = {
     "_seq_len_fits_model": (["train.seq_len=4096"], "train.seq_len: 4096 exceeds model.max_seq_len=2048"),
@@ -123,7 +126,7 @@ BAD_CROSS = {
 
 
 def test_every_validator_has_a_case():
-    from jaxmem.config import validate
+    from jaxmem import features as validate
 
     assert list(BAD_SECTION) == list(validate.SECTION_VALIDATORS)
     assert set(BAD_CROSS) == {rule.__name__ for rule in validate.CROSS_CHECKS}
@@ -138,7 +141,7 @@ def test_each_validator_and_cross_check_fails_at_load(rule):
 
 
 def test_load_config_runs_every_validator_once_in_order(monkeypatch):
-    from jaxmem.config import validate
+    from jaxmem import features as validate
 
     ran = []
     sections, cross = list(validate.SECTION_VALIDATORS), [rule.__name__ for rule in validate.CROSS_CHECKS]
@@ -167,7 +170,7 @@ def test_offload_and_kernel_errors_come_from_load_not_build(monkeypatch):
 
 
 def test_grad_accum_derived_from_the_devices_is_checked_by_build_program():
-    from jaxmem.core.program import build_program
+    from jaxmem.features import build_program
 
     # tiny.yaml fills fsdp (-1): the data ways, hence grad_accum = 32 / (2 x 8) = 2, are known only with devices
     cfg = load_config("configs/tiny.yaml", ["offload.params=host", "remat.preset=full", "train.global_batch=32"])
@@ -188,15 +191,15 @@ def test_imports_go_one_way():
     """The schema imports no other jaxmem module; the modules the validators import (presets, remat,
     kernels, targets, offload) never import the loader back (no config <-> presets/remat circle)."""
     assert _jaxmem_modules_after_import("jaxmem.config.schema") == ["jaxmem.config", "jaxmem.config.schema"]
-    below = _jaxmem_modules_after_import("jaxmem.config.validate")
+    below = _jaxmem_modules_after_import("jaxmem.features")
     assert "jaxmem.core.remat" in below and "jaxmem.model.presets" in below  # jaxmem.config: the lazy facade
 
 
 def test_config_load_config_is_the_validating_loader():
-    import jaxmem.config
-    from jaxmem.config import validate
+    import jaxmem
+    from jaxmem import features as validate
 
-    assert jaxmem.config.load_config is validate.load_config and jaxmem.config.from_dict is validate.from_dict
+    assert jaxmem.load_config is validate.load_config and jaxmem.features.from_dict is validate.from_dict
     cfg = load_config("configs/tiny.yaml")
     assert validate.from_dict(to_dict(cfg)) == cfg
 

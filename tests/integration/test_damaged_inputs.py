@@ -12,14 +12,15 @@ import pytest
 import safetensors.numpy
 from flax import nnx
 
-from jaxmem.io.checkpoint import Checkpoints, init_from, run_meta
+from jaxmem.core.checkpoint import Checkpoints, init_from, run_meta
 from jaxmem.cli import main as cli_main
-from jaxmem.config import ConfigError, ModelConfig, load_config, to_dict
+from jaxmem.config import ConfigError, ModelConfig, to_dict
+from jaxmem.features import load_config
 from jaxmem.io.data import make_source
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.cli.import_hf import main as import_hf
 from jaxmem.model.transformer import abstract_model
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from jaxmem.train import initial_state, run
 
 GARBAGE = bytes(range(128, 256)) + bytes(range(128))  # invalid UTF-8 from byte 0 on

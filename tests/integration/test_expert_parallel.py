@@ -1,4 +1,4 @@
-"""Expert parallelism (parallel.ep, jaxmem.core.expert_parallel): the all-to-all dispatch against the
+"""Expert parallelism (parallel.ep, jaxmem.moe.expert_parallel): the all-to-all dispatch against the
 single-device layer (forward and gradients, a router that sends everything to one device's experts),
 the capacity-factor mode against a numpy reference of what it drops, training on the 8-device CPU mesh
 with the losses of fsdp=8 (alone, with tp, with sp), the CLI, the weights' shardings, and the deviceless
@@ -16,14 +16,15 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem import cli
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+from jaxmem.features import load_config
 from jaxmem.config.schema import ParallelConfig
-from jaxmem.core import expert_parallel
+from jaxmem.moe import expert_parallel
 from jaxmem.mesh import sharding
 from jaxmem.core.layout import state_specs
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from jaxmem.model.moe import dispatch_local, grouped_linear, grouped_mlp
-from jaxmem.model.names import MOE_NAMES
+from jaxmem.config.names import MOE_NAMES
 from jaxmem.model.transformer import abstract_model
 
 E, K, D, F = 8, 2, 16, 12
@@ -224,7 +225,7 @@ def test_deviceless_h100x8_ep8_step():
     """tiny-moe with parallel.ep=8 builds for 8 x H100: all-to-alls in the HLO."""
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.runtime import aot
-    from jaxmem.plan.compiled import memory_figures
+    from jaxmem.runtime.compiled_memory import memory_figures
 
     figures = {}
     for ep in (1, 8):

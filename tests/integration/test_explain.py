@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from jaxmem.plan import explain as explain_mod
-from jaxmem.config import load_config
-from jaxmem.model.names import ALL_NAMES, MOE_NAMES, CheckpointName, name_in_op, scope_name
+from jaxmem.features import load_config
+from jaxmem.config.names import ALL_NAMES, MOE_NAMES, CheckpointName, name_in_op, scope_name
 from jaxmem.plan import attribution, buffer_kinds, categories
 from jaxmem.plan.buffer_kinds import CATEGORIES, SUGGESTIONS, classify, state_shapes
 from jaxmem.plan.explain import explain_dump, report_oom

@@ -15,10 +15,10 @@ import pytest
 
 from chat_fixtures import chat, write_tokenizer
 from jaxmem import cli
-from jaxmem.io.checkpoint import Checkpoints, restore_run
-from jaxmem.config import load_config
+from jaxmem.core.checkpoint import Checkpoints, restore_run
+from jaxmem.features import load_config
 from jaxmem.cli.export_hf import run_config
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from jaxmem.train import run
 
 torch = pytest.importorskip("torch")

@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.core import host_init
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=3", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "precision.param_dtype=bfloat16", "precision.master_weights=true", "remat.preset=full"]
@@ -64,7 +64,7 @@ def test_deviceless_init_device_bytes_do_not_grow_with_layers():
     (3.35)."""
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.runtime import aot
-    from jaxmem.plan.compiled import memory_figures
+    from jaxmem.runtime.compiled_memory import memory_figures
 
     def program(n_layers):
         cfg = load_config("configs/llama3-8b-1x4090.yaml", [f"model.n_layers={n_layers}"])

@@ -9,8 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, KernelConfig, load_config
-from jaxmem.core.program import build_program
+from jaxmem.config import ConfigError, KernelConfig
+
+from jaxmem.features import load_config
+from jaxmem.features import build_program
 from jaxmem.kernels import resolve, select_grouped_matmul
 from jaxmem.kernels.grouped_matmul import blocked, pallas
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks

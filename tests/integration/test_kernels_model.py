@@ -8,10 +8,10 @@ import pytest
 
 from jaxmem import kernels
 from jaxmem.mesh import sharding
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.mesh.axes import activation_rules
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from kernel_checks import assert_close
 
 SEQ = 32
@@ -108,7 +108,7 @@ def test_train_step_with_fused_kernels_matches_xla_on_fsdp_tp():
 def test_fused_kernels_shrink_the_compiled_h100_step():
     """The step `plan` compiles (deviceless, 8 x h100-80g) holds fewer bytes with the kernels than with XLA."""
     from jaxmem.runtime.aot import target_devices
-    from jaxmem.plan.compiled import memory_figures
+    from jaxmem.runtime.compiled_memory import memory_figures
 
     base = ["model.preset=llama3.2-1b", "train.seq_len=8192", "train.micro_batch=1", "remat.preset=full",
             "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16"]

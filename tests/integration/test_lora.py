@@ -7,10 +7,13 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.lora.adapters import merge
 from jaxmem.lora.frozen import layer_shapes, unstore
-from jaxmem.core.program import build_program, loss_sum_fn
+from jaxmem.core.program import loss_sum_fn
+from jaxmem.features import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 
@@ -206,7 +209,7 @@ def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_
     out, peft_dir = tmp_path / "merged", tmp_path / "peft"
     assert cli.main(["merge-lora", "configs/tiny.yaml", *overrides, "--out", str(out), "--peft", str(peft_dir)]) == 0
     prog = _program(*overrides[:-1], "parallel.fsdp=1", "train.micro_batch=2")
-    from jaxmem.io.checkpoint import Checkpoints, restore_run
+    from jaxmem.core.checkpoint import Checkpoints, restore_run
 
     ckpts = Checkpoints.for_run(prog.cfg)
     state, _ = restore_run(prog, ckpts)  # the adapters, and the base rebuilt from the seed
@@ -225,7 +228,7 @@ def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_
 def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path, lora_run):
     import shutil
 
-    from jaxmem.io.checkpoint import _saved_shapes
+    from jaxmem.core.checkpoint import _saved_shapes
     from jaxmem.train import run
 
     shutil.copytree(lora_run[0] / "checkpoints", tmp_path / "checkpoints")
@@ -246,7 +249,7 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path, lo
 def test_lora_starts_from_init_from_params(tmp_path):
     import orbax.checkpoint as ocp
 
-    from jaxmem.io.checkpoint import init_from
+    from jaxmem.core.checkpoint import init_from
     from jaxmem.config.schema import to_dict
     from jaxmem.model import init_model
 

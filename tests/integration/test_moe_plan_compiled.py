@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from jaxmem.config import load_config
-from jaxmem.plan import bill_moe
+from jaxmem.features import load_config
+from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import compute_bill
 from jaxmem.cli.explain import main
 

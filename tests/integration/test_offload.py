@@ -6,9 +6,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
-from jaxmem.plan.compiled import memory_figures
-from jaxmem.core.program import build_program
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
+from jaxmem.runtime.compiled_memory import memory_figures
+from jaxmem.features import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "precision.param_dtype=bfloat16", "precision.master_weights=true", "precision.grad_reduce_dtype=bfloat16",

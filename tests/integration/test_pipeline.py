@@ -7,10 +7,12 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.pipeline import partition, schedule
-from jaxmem.pipeline.runtime import build_pipeline
-from jaxmem.core.program import build_program
+from jaxmem.features import build_pipeline
+from jaxmem.features import build_program
 
 # As tests/integration/test_parallel.py: a large Adam eps makes params after a few steps compare gradients.
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-1", "optimizer.eps=1e-1",
@@ -203,7 +205,7 @@ def test_checkpoints_resume_across_layouts(tmp_path, first, then, straight_pipel
 
 
 def test_hf_export_and_init_from_for_a_pipeline(tmp_path):
-    from jaxmem.io.checkpoint import init_from
+    from jaxmem.core.checkpoint import init_from
     from jaxmem.io.hf import load_hf, save_hf
     from jaxmem.cli.import_hf import main as import_hf_main
 
@@ -324,7 +326,7 @@ def test_a_stage_compiled_for_two_topologies_gets_each_ones_devices():
     pytest.importorskip("jax_cuda12_plugin")
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from jaxmem.plan.pipeline_figures import _compile
+    from jaxmem.pipeline.figures import _compile
     from jaxmem.runtime.aot import target_devices
 
     def compiled(devices):
@@ -394,7 +396,7 @@ def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_refere
     cotangents back, so losses, gradient norms, router losses and params equal one device's; evaluation
     through the stages and each stage's compiled figures work too."""
     from jaxmem.train.evaluate import eval_step
-    from jaxmem.plan.pipeline_figures import stage_figures
+    from jaxmem.pipeline.figures import stage_figures
 
     one, want, one_state = moe_reference
     cfg = load_config("configs/tiny-moe.yaml", BASE + MOE + [f"train.grad_accum={ACCUM}",

@@ -8,10 +8,12 @@ import pytest
 from jaxmem.core import optim
 
 from jaxmem.runtime.aot import resolve_topology
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+from jaxmem.features import load_config
 from jaxmem.plan import plan
 from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.compiled import CompiledFigures, captured_stderr, device_bytes, memory_warnings, offload_version_warning
+from jaxmem.plan.compiled import CompiledFigures, offload_version_warning
+from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, memory_warnings
 from jaxmem.plan.report import offload_status
 from jaxmem.config.targets import TARGETS
 

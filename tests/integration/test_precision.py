@@ -7,9 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, LossScaleConfig, load_config
+from jaxmem.config import ConfigError, LossScaleConfig
+
+from jaxmem.features import load_config
 from jaxmem.core.precision import all_finite, init_loss_scale, update_loss_scale
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "optimizer.warmup_steps=0", "optimizer.lr=1e-2"]
@@ -71,7 +73,7 @@ def test_fp16_overflow_skips_the_update_and_backs_off_then_grows():
 
 
 def test_loss_scale_state_is_checkpointed(tmp_path):
-    from jaxmem.io.checkpoint import Checkpoints
+    from jaxmem.core.checkpoint import Checkpoints
 
     prog = _program(FP16 + [f"precision.loss_scale.init_scale={2.0**100}", "precision.loss_scale.backoff_factor=0.25"])
     state, _ = prog.jit_step()(prog.init_state(), _tokens(prog))

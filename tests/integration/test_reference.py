@@ -11,7 +11,8 @@ import yaml
 
 from jaxmem import cli
 from jaxmem.cli import config_cmd as reference
-from jaxmem.config import Config, load_config, to_dict
+from jaxmem.config import Config, to_dict
+from jaxmem.features import load_config
 from jaxmem.config.schema import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +170,7 @@ def test_list_names(what, names, capsys):
 
 def test_list_covers_every_name(capsys):
     from jaxmem.core import remat
-    from jaxmem.model.names import ALL_NAMES
+    from jaxmem.config.names import ALL_NAMES
     from jaxmem.model.presets import PRESETS
     from jaxmem.config.targets import TARGETS
 

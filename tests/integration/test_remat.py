@@ -9,10 +9,11 @@ import pytest
 from flax import nnx
 
 from jaxmem.core import remat
-from jaxmem.config import ConfigError, RematConfig, load_config
+from jaxmem.config import ConfigError, RematConfig
+from jaxmem.features import load_config
 from jaxmem.kernels.cross_entropy.reference import linear_cross_entropy_reference
 from jaxmem.model import ForwardContext, init_model
-from jaxmem.model.names import ALL_NAMES
+from jaxmem.config.names import ALL_NAMES
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = load_config(None, ["model.preset=tiny", "model.n_layers=4"]).model
@@ -105,8 +106,8 @@ def test_bad_remat_config_is_one_line_error():
 
 def _h100_bytes(preset: str, **extra) -> dict:
     from jaxmem.runtime import aot
-    from jaxmem.plan.compiled import memory_figures
-    from jaxmem.core.program import build_program
+    from jaxmem.runtime.compiled_memory import memory_figures
+    from jaxmem.features import build_program
 
     # seq 4096: the saved activations must outweigh where XLA puts the peak; at 2048 jax 0.12's compile of
     # `none` came out 14 MB below `selective` (24.69 vs 24.71 GB), at 4096 1.4 GB above it. bf16 moments: with

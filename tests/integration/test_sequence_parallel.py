@@ -7,8 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config, to_dict
-from jaxmem.core.program import build_program, loss_sum_fn
+from jaxmem.config import ConfigError, to_dict
+
+from jaxmem.features import load_config
+from jaxmem.core.program import loss_sum_fn
+from jaxmem.features import build_program
 
 # 8 query heads, 2 kv heads of width 16: sp=8 needs each kv head repeated 4 times; sp=2 splits them as is
 HEADS = ["model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=16"]
@@ -161,7 +164,7 @@ def test_bad_sequence_layouts_are_refused_by_name(overrides, key):
 
 def _h100x8_device_bytes(tile: int) -> tuple[int, str]:
     from jaxmem.runtime import aot
-    from jaxmem.plan.compiled import memory_figures
+    from jaxmem.runtime.compiled_memory import memory_figures
 
     cfg = load_config(None, ["model.preset=llama3-8b", "model.n_layers=1", "train.seq_len=131072",
                              "model.max_seq_len=131072", "train.micro_batch=1", "precision.param_dtype=bfloat16",

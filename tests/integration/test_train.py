@@ -10,12 +10,13 @@ import pytest
 import yaml
 
 from jaxmem import cli
-from jaxmem.io.checkpoint import Checkpoints
-from jaxmem.config import ConfigError, load_config, to_dict
+from jaxmem.core.checkpoint import Checkpoints
+from jaxmem.config import ConfigError, to_dict
+from jaxmem.features import load_config
 from jaxmem.train.metrics import REQUIRED_KEYS, read_jsonl
 from jaxmem.core.optim import schedule
 from jaxmem.core.precision import all_finite
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 from jaxmem.train import TrainError, compile_train_step, run
 
 from tiny_config import TINY, tiny_config

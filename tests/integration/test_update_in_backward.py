@@ -8,8 +8,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
-from jaxmem.core.program import build_program
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
+from jaxmem.features import build_program
 from jaxmem.train import run
 
 TINY = "configs/tiny.yaml"
@@ -161,7 +163,7 @@ def test_deviceless_host_optimizer_leaves_the_device():
     device in the backward). The analytic bill follows both compiles within 5%."""
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.runtime import aot
-    from jaxmem.plan.compiled import memory_figures
+    from jaxmem.runtime.compiled_memory import memory_figures
 
     figures = {}
     for name, extra in (("device", []), ("host", HOST_OPT)):

@@ -2,9 +2,11 @@
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.io.data import Batches, SyntheticSource, batches, make_source, process_rows
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 
 SEQ = 16
 

@@ -4,7 +4,7 @@ exists), never for a dense model."""
 import pytest
 
 from jaxmem.cli import ep_search
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.config.schema import ConfigError
 
 

@@ -3,8 +3,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
-from jaxmem.core.program import build_program
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
+from jaxmem.features import build_program
 
 BASE = ["train.seq_len=32", "train.micro_batch=1", "optimizer.warmup_steps=0", "optimizer.lr=3e-3"]
 STEPS = 4

@@ -11,14 +11,16 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.io.hf_safetensors import CheckpointReader
 from jaxmem.lora import quant, quant_host
 from jaxmem.lora.frozen import make_base
 from jaxmem.lora.load_base import stream_base
 from jaxmem.model import init_model
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 
@@ -137,7 +139,7 @@ def _run_cfg(tmp_path, hf, *extra):
 def test_a_lora_run_trains_from_a_hugging_face_directory_and_resumes_exactly(tmp_path):
     import shutil
 
-    from jaxmem.io.checkpoint import Checkpoints
+    from jaxmem.core.checkpoint import Checkpoints
     from jaxmem.train import run
 
     hf = _hf_dir(tmp_path / "hf", _cfg())

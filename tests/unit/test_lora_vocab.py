@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import load_config
 from jaxmem.lora.quant import NF4_CODES, SCALE_BLOCK
-from jaxmem.core.program import build_program, loss_sum_fn
+from jaxmem.core.program import loss_sum_fn
+from jaxmem.features import build_program
 
 BASE = ["train.seq_len=32", "lora.rank=4", "lora.alpha=8", "parallel.fsdp=1", "train.micro_batch=2",
         "kernels.loss=chunked", "kernels.loss_block_v=96"]  # 256 columns: chunks at 0, 96 and 160 (overlaps)

@@ -13,7 +13,8 @@ from flax import nnx
 from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, saved_checkpoints
 
 import jaxmem
-from jaxmem.config import ConfigError, ModelConfig, load_config
+from jaxmem.config import ConfigError, ModelConfig
+from jaxmem.features import load_config
 from jaxmem.io.hf import save_hf
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf
 from jaxmem.model.layers import Block
@@ -21,7 +22,7 @@ from jaxmem.model.moe import apply_moe, route, router_losses
 from jaxmem.model.presets import (PUBLISHED_ACTIVE_PARAMS_B, PUBLISHED_PARAM_COUNTS, active_param_count,
                                   param_count, resolve_model)
 from jaxmem.model.transformer import DEFAULT_CONTEXT, init_model
-from jaxmem.core.program import build_program
+from jaxmem.features import build_program
 
 SEQ = 20
 # Odd sizes: vocab 97, hidden 72 with 6 heads of 16, 5 experts of width 40 (Qwen3-MoE: d_ff 136 is the unused
@@ -267,7 +268,7 @@ def test_active_parameters_count_the_routed_experts_only():
 
 
 def test_moe_checkpoint_names_are_tagged_in_the_layer():
-    from jaxmem.model.names import MOE_NAMES
+    from jaxmem.config.names import MOE_NAMES
 
     model = init_model(resolve_model(ModelConfig(preset="tiny-moe"), {}))
     jaxpr = str(jax.make_jaxpr(lambda t: model(t))(np.zeros((1, 8), np.int32)))

@@ -1,4 +1,4 @@
-"""The planner knows a mixture of experts (jaxmem/plan/bill_moe.py): total vs active parameters, the expert state
+"""The planner knows a mixture of experts (jaxmem/moe/bill.py): total vs active parameters, the expert state
 per device, the routed rows' buffers in the bill, active-expert FLOPs and the expert-parallel all-to-alls in
 the cost model. Analytic only (no compile): tests/integration/test_moe_plan_compiled.py checks the bill against
 deviceless compiles."""
@@ -6,11 +6,12 @@ import dataclasses
 
 import pytest
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.config.targets import get_target
 from jaxmem.core.layout import spec_leaves
 from jaxmem.model.presets import active_param_count
-from jaxmem.plan import bill_moe, costmodel
+from jaxmem.plan import costmodel
+from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import compute_bill
 
 QWEN = ["model.preset=qwen3-30b-a3b", "parallel.fsdp=8", "parallel.rules=fsdp", "parallel.zero_stage=3",

@@ -1,5 +1,6 @@
 """Plug-ins (jaxmem.core.plugins): the registry picks one per config, and the program and the checkpointer
-reach an add-on only through its hooks (a plug-in defined here, unknown to jaxmem, changes them alone)."""
+reach an add-on only through its hooks (a feature defined here, unknown to jaxmem, handed to the core, changes
+them alone)."""
 import dataclasses
 from pathlib import Path
 
@@ -7,12 +8,13 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError, load_config
+from jaxmem.config import ConfigError
+
+from jaxmem.features import build_program, load_config, plugin_for, run_meta
 from jaxmem.core import program
-from jaxmem.core.plugin_registry import plugin_for
-from jaxmem.core.plugins import FROZEN, ProgramPlugin
-from jaxmem.core.update_in_backward import UpdateInBackward
-from jaxmem.io.checkpoint import Checkpoints, _saved_shapes, restore_run, run_meta
+from jaxmem.core.plugins import FROZEN, Feature, Features, ProgramPlugin
+from jaxmem.inbackward.step import UpdateInBackward
+from jaxmem.core.checkpoint import Checkpoints, _saved_shapes, restore_run
 from jaxmem.lora.plugin import LoraPlugin
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
@@ -42,7 +44,7 @@ class _DoubledHead(ProgramPlugin):
 
 @pytest.fixture(scope="module")
 def one_device_program():
-    return program.build_program(_cfg("parallel.fsdp=1"), devices=jax.devices()[:1])
+    return build_program(_cfg("parallel.fsdp=1"), devices=jax.devices()[:1])
 
 
 def test_the_forward_and_the_step_come_from_the_plugin(one_device_program):
@@ -83,9 +85,16 @@ class _FrozenCopy(ProgramPlugin):
         return jax.jit(lambda: prog.fresh_params(prog.cfg.train.seed), out_shardings=prog.state_shardings[FROZEN])()
 
 
-def test_the_checkpointer_saves_and_rebuilds_what_the_plugin_says(tmp_path, monkeypatch):
-    monkeypatch.setattr(program, "plugin_for", lambda cfg: _FrozenCopy())
-    prog = program.build_program(_cfg("parallel.fsdp=1", f"out_dir={tmp_path}"), devices=jax.devices()[:1])
+class _FrozenCopyFeature(Feature):
+    name = "frozen_copy"
+
+    def program_plugin(self, cfg):
+        return _FrozenCopy()
+
+
+def test_the_checkpointer_saves_and_rebuilds_what_the_plugin_says(tmp_path):
+    prog = program.build_program(_cfg("parallel.fsdp=1", f"out_dir={tmp_path}"), devices=jax.devices()[:1],
+                                 features=Features((_FrozenCopyFeature(),)))
     assert prog.abstract_state[FROZEN]["embed"].shape == (256, 128)  # the frozen entry of frozen_layout
     state = prog.init_state()
     ckpts = Checkpoints(tmp_path / "checkpoints", async_save=False)

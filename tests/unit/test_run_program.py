@@ -1,4 +1,4 @@
-"""Program-level hooks (jaxmem.core.plugins.RunProgram): the checkpointer (jaxmem.io.checkpoint) and the train
+"""Program-level hooks (jaxmem.core.plugins.RunProgram): the checkpointer (jaxmem.core.checkpoint) and the train
 loop (jaxmem.cli.train) reach a program's state layout, restore, init_from and compile only through them, so
 a program defined here, unknown to jaxmem, is saved, restored, resumed and compiled its own way."""
 from pathlib import Path
@@ -11,8 +11,9 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from jaxmem.train import loop as train
-from jaxmem.config import ConfigError, load_config
-from jaxmem.io.checkpoint import RUN_META_KEYS, Checkpoints, WHOLE_STATE, init_from, restore_run, run_meta
+from jaxmem.config import ConfigError
+from jaxmem.features import load_config
+from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, WHOLE_STATE, init_from, restore_run, run_meta
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 

@@ -14,9 +14,8 @@ import json
 from pathlib import Path
 from typing import Any, Iterator
 
-from jaxmem.config.schema import ConfigError
+from jaxmem.config.schema import RECORD_KINDS, ConfigError
 
-RECORD_KINDS = ("jsonl", "parquet", "hf")
 _SUFFIXES = {"jsonl": (".jsonl",), "parquet": (".parquet",)}
 
 Record = tuple[dict[str, Any], str]  # (the record, where it was read)

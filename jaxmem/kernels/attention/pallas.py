@@ -30,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.kernels.attention.config import AttentionBlocks, fit_shared_memory
 from jaxmem.mesh.axes import data_axes, head_axes, is_sharded
-from jaxmem.model.names import CheckpointName as CN
+from jaxmem.config.names import CheckpointName as CN
 
 MASK = -0.7 * float(np.finfo(np.float32).max)  # finite: a fully masked block must not produce NaN
 LOG2E = math.log2(math.e)

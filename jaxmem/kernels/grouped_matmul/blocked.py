@@ -45,7 +45,7 @@ def _forward(lhs, rhs, group_sizes, out_dtype, blocks):
         return jax.lax.dynamic_update_index_in_dim(y, y_chunk, i, 0)
 
     used_chunks = (layout.used_blocks + chunk - 1) // chunk
-    # the carry varies like the inputs inside a shard_map (jaxmem.core.expert_parallel)
+    # the carry varies like the inputs inside a shard_map (jaxmem.moe.expert_parallel)
     y0, *_ = compat.match_varying(jnp.zeros((n_chunks, chunk, block, f), out_dtype), lhs)
     y = jax.lax.fori_loop(0, used_chunks, step, y0)
     return take_rows(y.reshape(-1, f), layout.scatter_m)

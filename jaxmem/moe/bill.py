@@ -1,5 +1,6 @@
-"""The mixture-of-experts terms of the analytic bill and the cost model (jaxmem.model.moe): total vs active
-parameters, the expert state per device, the routed rows' buffers, and the expert-parallel all-to-all bytes.
+"""The mixture-of-experts terms of the analytic bill (jaxmem.plan.bill: BILL_TERMS) and the formulas the cost
+model reads (jaxmem.model.moe): total vs active parameters, the expert state per device, the routed rows'
+buffers, and the expert-parallel all-to-all bytes.
 
 What the compiled step holds (deviceless h100-80g compiles, jax 0.10.2, read with `jaxmem explain`;
 benchmarks/moe.md has the checks):
@@ -7,7 +8,7 @@ benchmarks/moe.md has the checks):
     rows, tokens x top-k of the whole micro-batch: R = N_global x k; the layer scan's saved copies of them
     are split over the data axes along their feature dim;
   * ep > 1: each device receives ep x C rows over an all-to-all (C from the capacity rule of
-    jaxmem.core.expert_parallel) and runs its E / ep experts on them, inside a shard_map (nothing split);
+    jaxmem.moe.expert_parallel) and runs its E / ep experts on them, inside a shard_map (nothing split);
   * with sequence tiles (`remat.seq_tile`) each tile routes its own tokens: the buffers of the kernel and the
     dispatch hold one tile's rows (`per_tile`), the saved names are recomputed tile by tile;
   * the experts' grouped matmul (`kernels.grouped_matmul`, resolved as jaxmem.kernels.resolve does) decides
@@ -18,12 +19,12 @@ benchmarks/moe.md has the checks):
 from __future__ import annotations
 
 from jaxmem.config.schema import Config
-from jaxmem.core.expert_parallel import capacity
-from jaxmem.core.seq_tiling import tile_count
+from jaxmem.moe.expert_parallel import capacity
+from jaxmem.model.seq_tiling import tile_count
 from jaxmem.kernels.grouped_matmul.blocked import MAX_CHUNK_BLOCKS
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.grouped_matmul.layout import padded_blocks
-from jaxmem.model.names import CheckpointName as CN
+from jaxmem.config.names import CheckpointName as CN
 from jaxmem.model.presets import param_count
 
 # the dense MLP's names a mixture of experts never tags (its experts tag the MoE names instead)
@@ -80,7 +81,7 @@ def tokens_per_device(cfg: Config, layout, per_tile: bool = False) -> int:
 
 
 def peer_capacity(cfg: Config, layout, per_tile: bool = False) -> int:
-    """C, the rows a device sends each ep peer (jaxmem.core.expert_parallel.capacity): dropless
+    """C, the rows a device sends each ep peer (jaxmem.moe.expert_parallel.capacity): dropless
     tokens x min(k, E / ep), or ceil(c x tokens x k / ep) with model.moe_capacity_factor c."""
     m = cfg.model
     return capacity(tokens_per_device(cfg, layout, per_tile), m.experts_per_token, m.n_experts,
@@ -289,3 +290,36 @@ def note(cfg: Config, layout) -> str:
             f"{counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active per token; "
             f"{routed_rows(cfg, layout):,} routed rows per device and layer ({where}){tiled}; {held} in the backward; "
             f"the step time counts the k active experts' FLOPs (estimated)")
+
+
+def _shapes(d) -> None:
+    """The experts' routed rows instead of the dense MLP's [tokens, d_ff] values."""
+    d.per_name.update(name_shapes(d.cfg, d.layout, d.cd))
+    d.working_names = working_names(d.cfg, d.per_name)
+
+
+def _state(d) -> None:
+    """A mixture of experts gathers each layer whole and its gradient arrives whole before the reduce-scatter,
+    both double-buffered (Mixtral and Qwen3-30B-A3B widths, `jaxmem explain`); the experts some layouts never
+    gather are left out."""
+    d.layer_elems_not_gathered = ungathered_expert_elems(d.cfg, d.layout)
+    d.gathers_layer_whole = True
+
+
+def _activations(d) -> None:
+    cfg, layout = d.cfg, d.layout
+    d.notes.append(note(cfg, layout))
+    if layout.checkpointed:
+        return
+    d.saved_dev = {k: v for k, v in d.saved_dev.items() if k not in DENSE_MLP}
+    if seq_tiles(cfg, layout) == 1:  # in sequence tiles they are recomputed, tile by tile
+        d.saved_dev.update({k: v * cfg.model.n_layers for k, v in residual_bytes(cfg, layout, d.cd).items()})
+
+
+def _working(d) -> None:
+    d.moe_scratch = kernel_scratch_bytes(d.cfg, d.layout, d.cd)
+    if d.moe_scratch:
+        d.device["working_set"] += working_bytes(d.cfg, d.layout, d.cd)
+
+
+BILL_TERMS = (("shapes", _shapes), ("state", _state), ("activations", _activations), ("working", _working))

@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.runtime import memory_kinds_shim
-from jaxmem.plan.compiled import captured_stderr, memory_warnings, read_fields
+from jaxmem.runtime.compiled_memory import captured_stderr, memory_warnings, read_fields
 
 GIB = 2**30
 

@@ -37,7 +37,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxmem.mesh.axes import TOKEN_AXES, MeshAxis
 from jaxmem.model.moe import combine
-from jaxmem.model.names import CheckpointName as CN, scope
+from jaxmem.config.names import CheckpointName as CN, scope
 
 EP = MeshAxis.EP.value
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 
-from jaxmem.model.names import CheckpointName as CN
+from jaxmem.config.names import CheckpointName as CN
 
 # Checkpoint names computed inside a tile and not tagged again outside: a remat policy cannot keep them
 # (they are recomputed tile by tile). q, k and v are tagged again whole and follow the policy.

@@ -17,12 +17,9 @@ import orbax.checkpoint as ocp
 from jaxmem.config.schema import Config, ConfigError, config_hash
 from jaxmem.core import host_init
 from jaxmem.core.optim import schedule_steps
-from jaxmem.core.plugin_registry import plugin_for
 from jaxmem.core.plugins import FROZEN
 from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
 from jaxmem.runtime.oom_text import is_oom
-from jaxmem.pipeline import stage_store
-from jaxmem.pipeline.checkpoints import StagedLayout
 from jaxmem.core.precision import all_finite
 
 _META = "meta"
@@ -45,9 +42,14 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
+def leaf_name(path) -> str:
+    """'opt.layers.0.mu.wq' for a key path (the names the shape checks and a pipeline's stage files use)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
 def _shapes(tree) -> dict[str, tuple]:
     """'opt.layers.0.mu.wq' -> shape for every leaf of a state, abstract state or orbax tree metadata."""
-    return {stage_store.leaf_name(path): tuple(getattr(leaf, "shape", ()))
+    return {leaf_name(path): tuple(getattr(leaf, "shape", ()))
             for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
 
 
@@ -81,9 +83,6 @@ class WholeStateItem:
 
 
 WHOLE_STATE = WholeStateItem()
-STATE_ITEMS = (WHOLE_STATE, stage_store.STAGES)  # the items a step directory may hold the state in (registry)
-# Checkpoints of other layouts that a one-program run reads through the host and re-cuts (registry).
-OTHER_LAYOUTS = (StagedLayout,)
 
 
 def _mismatch(saved: dict[str, tuple], wanted: dict[str, tuple]) -> str | None:
@@ -121,7 +120,6 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
     meta = {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
             "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
             "decay_steps": int(decay), "warmup_steps": int(warmup)}
-    meta.update(plugin_for(cfg).meta(cfg))  # LoRA: which base the adapters belong to
     return meta
 
 
@@ -135,8 +133,9 @@ class Checkpoints:
         # create=False: the directory appears with the first save, so a run that fails on bad input leaves none.
         options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save,
                                                create=False)
-        items = (*(item.name for item in STATE_ITEMS), _META)
-        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=items)
+        # no item names: each save and restore names its items (a program's state item, the meta), and orbax
+        # finds their handlers from the args' types
+        self._manager = ocp.CheckpointManager(self.directory, options=options)
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":
@@ -267,10 +266,11 @@ def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_me
 
 
 def restore_whole(prog, ckpts: "Checkpoints", step: int | None, required_meta: tuple[str, ...] = ()):
-    """TrainProgram.restore_run: (state, meta) of one program; a checkpoint of another layout (OTHER_LAYOUTS)
-    is read on the host and placed on the program's shardings."""
+    """TrainProgram.restore_run: (state, meta) of one program; a checkpoint of another layout (one of the
+    program's `foreign_layouts`, which its features bring: a pipeline's) is read on the host and placed on the
+    program's shardings."""
     meta = ckpts.meta(step) if step is not None else None
-    other = next((layout for layout in OTHER_LAYOUTS if meta and layout.saved(meta)), None)
+    other = next((layout for layout in prog.foreign_layouts if meta and layout.saved(meta)), None)
     if other is not None:
         return jax.device_put(other.read_whole(prog.cfg, ckpts, step, meta, required_meta),
                               prog.state_shardings), meta

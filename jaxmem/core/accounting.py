@@ -1,0 +1,113 @@
+"""Bytes per device of a layout's trees, as the step shards them: the arithmetic the analytic bill
+(jaxmem.plan.bill) and each feature's bill terms share."""
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from jaxmem.config.schema import Config
+from jaxmem.core import embed_grad
+from jaxmem.core.grad_dtype import planned_dtype
+from jaxmem.core.layout import Layout, spec_leaves
+from jaxmem.core.optim import split_layers
+from jaxmem.core.precision import Precision
+from jaxmem.mesh.sharding import spec_ways
+
+# XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): 80% of the device memory,
+# less the device-resident arguments, times xla_gpu_memory_limit_slop_factor (95 by default).
+SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP = 0.80, 0.95
+
+
+def itemsize(dtype) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def shard_elems(shape, spec, sizes) -> int:
+    return math.prod(shape) // spec_ways(spec, sizes)
+
+
+def per_device(tree, specs, sizes: dict[str, int], *, in_bytes: bool = False) -> int:
+    """Per-device elements (or bytes, each leaf at its own dtype) of `tree` sharded by `specs`."""
+    return sum(shard_elems(x.shape, s, sizes) * (x.dtype.itemsize if in_bytes else 1)
+               for x, s in zip(jax.tree.leaves(tree), spec_leaves(specs), strict=True))
+
+
+def model_elems(layout: Layout, part: str) -> int:
+    """Per-device elements of the model's `part` as the step uses it (all-gathered over the data axes)."""
+    return per_device(layout.model_abstract_params[part], layout.model_gathered_specs[part], layout.mesh_sizes)
+
+
+def frozen_bytes(layout: Layout) -> int:
+    """Per-device bytes of the state's frozen part in its stored form (a LoRA base; 0 without one)."""
+    if layout.frozen_abstract is None:
+        return 0
+    return per_device(layout.frozen_abstract, layout.frozen_specs, layout.mesh_sizes, in_bytes=True)
+
+
+def state_elems(layout: Layout, specs, part: str | None = None) -> int:
+    """Per-device elements of the params tree (or its `part` subtree), sharded by `specs`."""
+    params = layout.abstract_params if part is None else layout.abstract_params[part]
+    return per_device(params, specs if part is None else specs[part], layout.mesh_sizes)
+
+
+def state_bytes(layout: Layout, specs, dtype, part: str | None = None) -> int:
+    return state_elems(layout, specs, part) * itemsize(dtype)
+
+
+def plain_grad_bytes(cfg: Config, layout: Layout, prec: Precision, *, rest_only: bool = False) -> int:
+    """Gradient bytes per device of the default step: the projection weights' at the params' dtype where
+    their gradient is a widened one (jaxmem.core.grad_dtype), every other leaf's at grad_reduce_dtype
+    (`rest_only`: the embedding, final norm and LM head only)."""
+    flat = jax.tree_util.tree_flatten_with_path(layout.abstract_params)[0]
+    total = 0
+    for (path, x), spec in zip(flat, spec_leaves(layout.grad_specs), strict=True):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if rest_only and str(getattr(path[0], "key", path[0])) == "layers":
+            continue
+        if len(path) == 1 and name == "embed" and embed_grad.applies(cfg, layout, prec):
+            # its touched rows (jaxmem.core.embed_grad): fp32 sums per distinct token, the rows' gradient
+            total += embed_grad.rows_bytes(cfg, layout, prec)
+            continue
+        dtype = planned_dtype(name, cfg, prec, sp=layout.mesh_sizes["sp"])
+        total += shard_elems(x.shape, spec, layout.mesh_sizes) * itemsize(dtype)
+    return total
+
+
+def rest_leaf_elems(layout: Layout) -> list[int]:
+    """Elements per device of each non-layer leaf (embedding, final norm, LM head) as the optimizer state
+    shards it, largest first: a streamed update moves them whole, one at a time."""
+    rest, _ = split_layers(layout.abstract_params)
+    rest_specs, _ = split_layers(layout.opt_specs)
+    return sorted((shard_elems(x.shape, s, layout.mesh_sizes)
+                   for x, s in zip(jax.tree.leaves(rest), spec_leaves(rest_specs), strict=True)), reverse=True)
+
+
+def streamed_rest_elems(layout: Layout) -> list[int]:
+    """rest_leaf_elems as a streamed update moves them: a piece at a time where it cuts them
+    (Layout.rest_pieces), each piece then a leaf's count-th."""
+    chunks = layout.rest_pieces
+    count = chunks[1] if chunks else 1
+    return [elems // count for elems in rest_leaf_elems(layout)]
+
+
+def state_dtypes(prec: Precision) -> list:
+    """The optimizer state kept per weight: fp32 master (if any), Adam's m and v."""
+    return ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
+
+
+def scheduler_limit(device: dict[str, int], device_memory: int) -> float:
+    """XLA's GPU scheduler memory limit for this step (SCHEDULER_*): the device's share less the arguments."""
+    args = device["params"] + device["base"] + device["inputs"]
+    return (SCHEDULER_MEMORY_FRACTION * device_memory - args) * SCHEDULER_SLOP
+
+
+def head_grad_itemsize(layout: Layout, prec: Precision) -> int:
+    """Bytes per element of the LM head's whole gradient in the loss's backward. A fused loss (chunked, Pallas)
+    writes dW in the dtype the head is used in, the compute dtype: with weights stored in that dtype it stays
+    so (`jaxmem explain` of Qwen2.5-7B, 8 x H100 FSDP, full remat: one bf16 [3584, 152064] dW at the loss's
+    peak, reduce-scattered before the layers' backward). The plain-XLA loss's dot with the fp32 logits
+    gradient makes it fp32, as does the cast back to wider stored weights."""
+    cd, param = itemsize(prec.compute), itemsize(prec.param)
+    return cd if layout.kernels["loss"] != "naive" and param == cd else 4

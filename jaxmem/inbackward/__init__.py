@@ -1,0 +1,1 @@
+"""The optimizer update inside the backward pass (`optimizer.update_in_backward`)."""

@@ -1,0 +1,1 @@
+"""Host offload as a feature: params, optimizer state and activations in pinned host memory."""

@@ -1,0 +1,1 @@
+"""Sequence parallelism (`parallel.sp`) and sequence tiles (`remat.seq_tile`) as a feature."""
