@@ -8,19 +8,19 @@ if "JAX_PLATFORMS" not in _os.environ and not _os.path.exists("/proc/driver/nvid
     # ... and its loader logs "Could not find cuda drivers" at INFO level on every start.
     _os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
 
-__version__ = "0.1.0"
+from jaxmem.version import __version__  # noqa: E402,F401 (the package's version)
 
 
 def load_hf(path, dtype="float32", mesh=None, **kwargs):
     """Loads a local Hugging Face checkpoint; see jaxmem.io.hf.load_hf."""
-    from jaxmem.io.hf import load_hf as _load
+    from jaxmem.io.hf import load_hf as _load  # lazy: `import jaxmem` stays cheap (no jax until it is used)
 
     return _load(path, dtype=dtype, mesh=mesh, **kwargs)
 
 
 def save_hf(model, path, **kwargs):
     """Writes a model in Hugging Face format; see jaxmem.io.hf.save_hf."""
-    from jaxmem.io.hf import save_hf as _save
+    from jaxmem.io.hf import save_hf as _save  # lazy: as load_hf
 
     return _save(model, path, **kwargs)
 
@@ -33,7 +33,7 @@ _API = ("Checkpoints", "TrainProgram", "batches", "build_program", "load_config"
 
 def __getattr__(name):
     if name in _API:
-        from jaxmem import api
+        from jaxmem import api  # lazy: the library surface loads jax, flax and optax on first use
 
         return getattr(api, name)
     raise AttributeError(f"module 'jaxmem' has no attribute {name!r}")

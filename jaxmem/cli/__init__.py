@@ -6,6 +6,8 @@ import importlib
 import os
 import sys
 
+from jaxmem.version import __version__
+
 COMMANDS = {
     "train": ("jaxmem.cli.train", "run a config-driven training run"),
     "plan": ("jaxmem.cli.plan", "per-device memory bill for a target GPU (deviceless compile)"),
@@ -75,8 +77,6 @@ def version_text() -> str:
     import jax
     import jaxlib
 
-    from jaxmem import __version__  # the command line sits above the package root; nothing below imports it
-
     return f"jaxmem {__version__} (jax {jax.__version__}, jaxlib {jaxlib.__version__})"
 
 
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         with _quiet_native_stderr():
             import jax  # noqa: F401
     entry = _entry(name)
-    from jaxmem.runtime.compat import UnsupportedVersion
-    from jaxmem.config.schema import ConfigError
+    from jaxmem.config.schema import ConfigError  # lazy: after the CPU flags are set and jax's start is quieted
+    from jaxmem.runtime.compat import UnsupportedVersion  # lazy: as ConfigError
 
     try:
         return entry(rest) or 0

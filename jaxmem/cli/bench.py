@@ -19,6 +19,23 @@ import jax
 
 from jaxmem.plan.oom import is_oom
 from jaxmem.config.targets import target_for_device_kind
+from jaxmem.io.data import batches
+from jaxmem.plan.bill import compute_bill
+from jaxmem.plan.compiled import CompiledFigures
+from jaxmem.runtime.compiled_memory import captured_stderr, memory_warnings, read_fields
+from jaxmem.plan.costmodel import estimate
+from jaxmem.plan.report import cost_assumptions
+from jaxmem.features import build_program
+from jaxmem.config.schema import config_hash
+from jaxmem.train.loop import _oom_error, compile_train_step
+from jaxmem.plan.report import _fmt, _unit, fmt_seconds
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.plan.timeline_html import measured_from_rows, write
+from jaxmem.runtime import distributed
+from jaxmem.features import load_config
+from jaxmem.config.schema import ConfigError
+from jaxmem.train import TrainError
+from jaxmem.plan import allocator
 
 SCHEMA_VERSION = 1
 MFU_FORMULA = ("MFU = model FLOPs per step / (median step time x devices x peak FLOP/s per device for "
@@ -49,16 +66,6 @@ def _ratio(a, b):
 
 def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tuple[str, ...] = ()) -> dict:
     """Compiles, inits and runs `steps` train steps of `cfg` on the attached devices; the bench dict."""
-    from jaxmem.io.data import batches
-    from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.compiled import CompiledFigures
-    from jaxmem.runtime.compiled_memory import captured_stderr, memory_warnings, read_fields
-    from jaxmem.plan.costmodel import estimate
-    from jaxmem.plan.report import cost_assumptions
-    from jaxmem.features import build_program
-    from jaxmem.config.schema import config_hash
-    from jaxmem.train.loop import _oom_error, compile_train_step
-
     prog = build_program(cfg)
     n = prog.mesh.size
     local = [d for d in prog.mesh.devices.flat if d.process_index == jax.process_index()]
@@ -163,7 +170,6 @@ def render(r: dict, console=None) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from jaxmem.plan.report import _fmt, _unit, fmt_seconds
 
     console = console or Console()
     mem, st, mfu, d, c = r["memory"], r["step_time"], r["mfu"], r["device"], r["compiled"]
@@ -202,8 +208,6 @@ def render(r: dict, console=None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.cli.help import HelpFormatter
-
     ap = argparse.ArgumentParser(
         prog="jaxmem bench", formatter_class=HelpFormatter,
         usage="jaxmem bench CONFIG [key=value ...] [--steps N] [--warmup W] [--json FILE] [--html FILE]",
@@ -228,8 +232,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def write_html(result: dict, path: str) -> Path:
     """The measured per-step device memory next to the compiled (planned) device bytes, as one HTML page."""
-    from jaxmem.plan.timeline_html import measured_from_rows, write
-
     mem = result["memory"]
     rows = result["memory_per_step"]
     source = f"{rows['label']}, {rows['how']}" + (f" ({rows['note']})" if rows.get("note") else "")
@@ -241,11 +243,6 @@ def write_html(result: dict, path: str) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.runtime import distributed
-    from jaxmem.features import load_config
-    from jaxmem.config.schema import ConfigError
-    from jaxmem.train import TrainError
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     if args.warmup is None:
         args.warmup = max(0, min(3, args.steps - 1))
@@ -260,8 +257,6 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(path).is_file():
         raise ConfigError(f"{path}: config file not found")
     cfg = load_config(path, overrides)
-    from jaxmem.plan import allocator
-
     allocator.prepare(cfg, "bench")  # before the backend starts
     distributed.initialize(cfg.distributed)
     try:

@@ -19,6 +19,14 @@ import yaml
 
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import Config, ModelConfig, field_docs, to_dict
+from jaxmem.features import load_config
+from jaxmem.core import remat
+from jaxmem.config.names import ALL_NAMES
+from jaxmem.config.schema import RematConfig
+from jaxmem.config.targets import TARGETS
+from jaxmem import kernels
+from jaxmem.config.schema import KernelConfig
+from jaxmem.model.presets import PRESETS, param_count, resolve_model
 
 DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 REGENERATE = "jaxmem config --markdown docs/config.md"
@@ -113,8 +121,6 @@ def _owner(key: str) -> type:
 def baseline(cfg: Config) -> Config:
     """What `cfg` is compared against: the schema's defaults, with model.* filled from the config's own
     model.preset (a key the preset fills is a default, not a choice), model.preset itself left at its default."""
-    from jaxmem.model.presets import resolve_model
-
     model = resolve_model(ModelConfig(preset=cfg.model.preset), {}) if cfg.model.preset != "custom" \
         else ModelConfig(preset="custom")
     return dataclasses.replace(Config(), model=dataclasses.replace(model, preset=ModelConfig().preset))
@@ -187,8 +193,6 @@ def _config_parser() -> argparse.ArgumentParser:
 
 
 def config_main(argv: list[str] | None = None) -> int:
-    from jaxmem.features import load_config
-
     args = _config_parser().parse_args(sys.argv[1:] if argv is None else argv)
     if args.markdown is not None:
         text = config_markdown()
@@ -265,8 +269,6 @@ def _attention_kinds(m: ModelConfig) -> str:
 
 
 def list_presets() -> str:
-    from jaxmem.model.presets import PRESETS, param_count, resolve_model
-
     rows = [("preset", "d_model", "n_layers", "heads/kv x head_dim", "d_ff", "vocab", "max_seq_len", "attention",
              "params")]
     for name in PRESETS:
@@ -277,10 +279,6 @@ def list_presets() -> str:
 
 
 def list_remat() -> str:
-    from jaxmem.core import remat
-    from jaxmem.config.names import ALL_NAMES
-    from jaxmem.config.schema import RematConfig
-
     lines = ["remat presets (remat.preset): what each keeps between the forward and the backward pass, besides "
              "each checkpointed group's input; everything else is recomputed"]
     rows = []
@@ -309,8 +307,6 @@ def list_remat() -> str:
 
 
 def list_targets() -> str:
-    from jaxmem.config.targets import TARGETS
-
     rows = [("target", "device", "memory", "HBM bandwidth", "bf16 dense", "host RAM", "sm")]
     for name, t in TARGETS.items():
         rows.append((name, t.description, f"{t.hbm_bytes / 1024**3:.1f} GiB", f"{t.hbm_bandwidth / 1e12:.2f} TB/s",
@@ -320,9 +316,6 @@ def list_targets() -> str:
 
 
 def list_kernels() -> str:
-    from jaxmem import kernels
-    from jaxmem.config.schema import KernelConfig
-
     hints = _hints(KernelConfig)
     one_gpu, gpus, cpu = (kernels.resolve(KernelConfig(), platform, n) for platform, n in
                           (("gpu", 1), ("gpu", 8), ("cpu", 1)))

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from jaxmem.features import load_config
+from jaxmem.io.data import RecordSource, make_source, packing_summary
+from jaxmem.cli.help import HelpFormatter
 
 _DESCRIPTION = """\
 Read the config's training data as a run would (records tokenized and packed into rows of train.seq_len,
@@ -16,10 +19,6 @@ examples:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.features import load_config
-    from jaxmem.io.data import RecordSource, make_source, packing_summary
-    from jaxmem.cli.help import HelpFormatter
-
     ap = argparse.ArgumentParser(prog="jaxmem data", description=_DESCRIPTION, epilog=_EPILOG,
                                  formatter_class=HelpFormatter)
     ap.add_argument("config", help="a config YAML file")

@@ -14,6 +14,19 @@ from pathlib import Path
 from typing import Mapping
 
 from jaxmem.plan.allocator import ENV_KEYS as ALLOCATOR_VARS, derive
+from jaxmem.runtime.compat import JAX_RANGE, in_range, version_tuple
+from jaxmem.runtime.compat import UnsupportedVersion, installed_version, require_matching_cuda_plugin
+from jaxmem.kernels import cudnn_present
+from jaxmem.runtime.distributed import slurm_tasks
+from jaxmem.config.schema import ConfigError
+from jaxmem.config.validate import check_distributed as rules
+from jaxmem.cli import _quiet_native_stderr
+from jaxmem.runtime.aot import resolve_topology
+from jaxmem.plan.bill import compute_bill
+from jaxmem.plan.report import offload_requested
+from jaxmem.config.targets import target_for_device_kind
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.features import load_config
 
 GIB = 1024**3
 NO_CONFIG = "no config given"
@@ -36,7 +49,6 @@ def check_platform(devices) -> dict:
 def check_jax() -> dict:
     import jax
     import jaxlib
-    from jaxmem.runtime.compat import JAX_RANGE, in_range, version_tuple
     found = f"jax {jax.__version__}, jaxlib {jaxlib.__version__}"
     for name, version in (("jax", jax.__version__), ("jaxlib", jaxlib.__version__)):
         if not in_range(version, JAX_RANGE):
@@ -47,8 +59,6 @@ def check_jax() -> dict:
 
 
 def check_cuda_plugin(on_gpu: bool) -> dict:
-    from jaxmem.runtime.compat import UnsupportedVersion, installed_version, require_matching_cuda_plugin
-
     found = ", ".join(f"{p} {v}" for p in ("jax-cuda12-plugin", "jax-cuda13-plugin") if (v := installed_version(p)))
     try:
         require_matching_cuda_plugin()
@@ -62,7 +72,6 @@ def check_cuda_plugin(on_gpu: bool) -> dict:
 
 
 def check_cudnn(on_gpu: bool) -> dict:
-    from jaxmem.kernels import cudnn_present
     present, version = cudnn_present(), ""
     if on_gpu:  # the backend is up, so the plugin is registered: asking for the version cannot stick "not found"
         try:
@@ -140,9 +149,6 @@ def check_host_ram(host_bytes_per_node: int | None, ram: int | None, per_device:
 
 
 def check_distributed(d, n_devices: int, hosts: int, env: Mapping[str, str]) -> dict:
-    from jaxmem.runtime.distributed import slurm_tasks
-    from jaxmem.config.schema import ConfigError
-    from jaxmem.config.validate import check_distributed as rules
     try:
         rules(d)
     except ConfigError as e:
@@ -167,7 +173,6 @@ def check_distributed(d, n_devices: int, hosts: int, env: Mapping[str, str]) -> 
 def run_checks(cfg=None, env: Mapping[str, str] | None = None, ram: int | None = None) -> list[dict]:
     import jax
     env = os.environ if env is None else env
-    from jaxmem.cli import _quiet_native_stderr  # the CUDA plugin's "no cuda drivers" lines on CPU hosts
     with contextlib.nullcontext() if os.path.exists("/proc/driver/nvidia") else _quiet_native_stderr():
         devices = jax.devices()
     on_gpu = devices[0].platform == "gpu"
@@ -175,11 +180,6 @@ def run_checks(cfg=None, env: Mapping[str, str] | None = None, ram: int | None =
     if cfg is None:
         return out + [check_allocator(env, None, None, NO_CONFIG), check_pinned_host(devices, None),
                       check_host_ram(None, None), check("distributed", "skip", NO_CONFIG)]
-    from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.report import offload_requested
-    from jaxmem.config.targets import target_for_device_kind
-
     topo = resolve_topology(cfg)
     bill = compute_bill(cfg, topo.n_devices, gpu=True)
     gpu = topo.gpu or (target_for_device_kind(devices[0].device_kind) if on_gpu else None)
@@ -208,7 +208,6 @@ def render(checks: list[dict], console=None) -> None:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.cli.help import HelpFormatter
     ap = argparse.ArgumentParser(
         prog="jaxmem doctor", formatter_class=HelpFormatter,
         description="Checks this machine for a run: platform and devices, jax / jaxlib / CUDA plugin / cuDNN "
@@ -226,8 +225,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.config.schema import ConfigError
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs = [i for i in args.items if "=" not in i]
     overrides = [i for i in args.items if "=" in i]
@@ -237,7 +234,6 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError("doctor: overrides need a config file")
     cfg = None
     if configs:
-        from jaxmem.features import load_config
         if not Path(configs[0]).is_file():
             raise ConfigError(f"{configs[0]}: config file not found")
         cfg = load_config(configs[0], overrides)

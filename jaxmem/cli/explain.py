@@ -12,6 +12,8 @@ from jaxmem.config import ConfigError
 from jaxmem.features import load_config
 from jaxmem.plan.explain import explain_with_timeline, render
 from jaxmem.runtime.aot import add_target_args, resolve_topology
+from jaxmem.plan.timeline_html import write
+from jaxmem.plan.timeline_plot import plot_timelines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,12 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 def write_timeline(timelines: list[dict], html: str | None, plot: str | None, json_path: str | None) -> None:
     """Writes the page, the PNG and the JSON that were asked for (one timeline, or a list of two)."""
     if html:
-        from jaxmem.plan.timeline_html import write
-
         print(f"timeline page: {write(html, timelines)}")
     if plot:
-        from jaxmem.plan.timeline_plot import plot_timelines
-
         print(f"timeline plot: {plot_timelines(timelines, plot)}")
     if json_path:
         Path(json_path).write_text(json.dumps(timelines[0] if len(timelines) == 1 else timelines))

@@ -19,6 +19,13 @@ import jax
 from jaxmem.config.schema import ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.train.run_folder import resolved_config
+from jaxmem.features import load_config
+from jaxmem.lora.export import merged_params
+from jaxmem.core.checkpoint import Checkpoints, restore_run
+from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
+from jaxmem.io.hf_companions import write_companions
+from jaxmem.features import build_program
+from jaxmem.cli.help import HelpFormatter
 
 _EXAMPLES = """\
 examples:
@@ -38,8 +45,6 @@ def _shard_bytes(text: str) -> int:
 def run_config(run_dir: str | Path):
     """The run's resolved config (RUN_DIR/config.resolved.yaml) laid out for this machine: one process, the default mesh
     (checkpoints restore onto any layout, a pipeline's re-cut into one model)."""
-    from jaxmem.features import load_config
-
     path = resolved_config(run_dir)
     if not path.is_file():
         raise ConfigError(f"RUN_DIR: {path} not found; give the out_dir of a `jaxmem train` run")
@@ -50,8 +55,6 @@ def run_config(run_dir: str | Path):
 def exported_params(prog, state: dict) -> dict:
     """The model's params to export: merged adapters for LoRA, else the master copy if kept, else the params."""
     if prog.layout.lora is not None:
-        from jaxmem.lora.export import merged_params
-
         return merged_params(prog, state)
     return state["master"] if "master" in state else state["params"]
 
@@ -60,11 +63,6 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
            max_shard_bytes: int | None = None, overwrite: bool = False) -> tuple[int, str]:
     """Writes the folder whole (jaxmem.io.fresh_folder: a non-empty `out` only with `overwrite`, then replaced);
     returns (the step exported, a line on the tokenizer files)."""
-    from jaxmem.core.checkpoint import Checkpoints, restore_run
-    from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
-    from jaxmem.io.hf_companions import write_companions
-    from jaxmem.features import build_program
-
     check_target(out, overwrite=overwrite)  # before anything is read
     cfg = run_config(run_dir)
     ckpts = Checkpoints.for_run(cfg)
@@ -88,8 +86,6 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.cli.help import HelpFormatter
-
     ap = argparse.ArgumentParser(
         prog="jaxmem export-hf", formatter_class=HelpFormatter, epilog=_EXAMPLES,
         description="Write a run's checkpoint as a Hugging Face folder that transformers loads alone: safetensors "

@@ -5,12 +5,17 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from jaxmem.runtime.aot import add_target_args
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.config.schema import ConfigError
+from jaxmem.plan import plan, resolve_topology
+from jaxmem.plan.allocator import remember
+from jaxmem.plan.report import render
+from jaxmem.features import load_config
+from jaxmem.plan.plot import plot_plans
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.help import HelpFormatter
-
     ap = argparse.ArgumentParser(
         prog="jaxmem plan", formatter_class=HelpFormatter,
         description="The per-device memory bill of each config's train step for a target GPU: the analytic "
@@ -33,8 +38,6 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def split_items(items: list[str]) -> tuple[list[str], list[str]]:
-    from jaxmem.config.schema import ConfigError
-
     configs = [i for i in items if "=" not in i]
     overrides = [i for i in items if "=" in i]
     if not configs:
@@ -46,11 +49,6 @@ def split_items(items: list[str]) -> tuple[list[str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.plan import plan, resolve_topology
-    from jaxmem.plan.allocator import remember
-    from jaxmem.plan.report import render
-    from jaxmem.features import load_config
-
     args = parse_args(sys.argv[1:] if argv is None else argv)
     configs, overrides = split_items(args.items)
     # Resolve and validate every config before the first compile.
@@ -67,7 +65,5 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(plans[0] if len(plans) == 1 else plans, indent=2))
     if args.plot:
-        from jaxmem.plan.plot import plot_plans
-
         plot_plans(plans, args.plot, labels=[Path(p).stem for p in configs])
     return 0 if all(p["fits"] is not False for p in plans) else 1

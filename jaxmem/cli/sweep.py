@@ -19,6 +19,11 @@ from jaxmem.config import ConfigError, config_hash, parse_yaml_file
 from jaxmem.features import load_config
 from jaxmem.plan import figure_cache
 from jaxmem.runtime import ptxas_cache
+from jaxmem.plan.report import fmt_seconds
+from jaxmem.runtime.aot import add_target_args
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.cli.ep_search import expand_auto_ep
+from jaxmem.plan import plan, resolve_topology
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores
 GIB = 1024**3
@@ -75,8 +80,6 @@ def _plan_point(config: str, overrides: list[str], target: dict, compile: bool) 
 
 
 def _plan_here(config: str, overrides: list[str], target: dict, compile: bool) -> dict:
-    from jaxmem.plan import plan, resolve_topology
-
     cfg = load_config(config, overrides)
     topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
     return plan(cfg, topo, compile=compile, source=config)
@@ -94,8 +97,6 @@ def plan_points(config: str, point_overrides: list[list[str]], base_overrides: l
                 cache_dir: Path, workers: int = MAX_WORKERS, compile: bool = True) -> list[dict]:
     """One row per point (a list of overrides on top of `base_overrides`): each planned in a fresh worker
     process, or read back from `cache_dir` by the hash of its resolved config and target."""
-    from jaxmem.plan import resolve_topology
-
     cache_dir.mkdir(parents=True, exist_ok=True)
     jobs, rows = [], []
     for overrides in point_overrides:
@@ -271,8 +272,6 @@ def byte_unit(rows: list[dict]) -> tuple[str, int]:
 
 def format_row(r: dict, unit: tuple[str, int] | None = None) -> str:
     """One table line: the figures with enough digits to tell points apart."""
-    from jaxmem.plan.report import fmt_seconds
-
     if failed(r):
         return "FAILED"
     name, scale = unit or byte_unit([r])
@@ -298,9 +297,6 @@ def print_summary(rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.help import HelpFormatter
-
     ap = argparse.ArgumentParser(
         prog="jaxmem sweep", formatter_class=HelpFormatter,
         description="Plan the cross product of config overrides, each point in its own worker process, cache "
@@ -346,9 +342,6 @@ def main(argv: list[str] | None = None) -> int:
             target[key] = flag
     cache = Path(args.cache) if args.cache else out / "cache"
     if grid.get("parallel.ep") == ["auto"]:  # the ep values the model and the devices allow (jaxmem.cli.ep_search)
-        from jaxmem.cli.ep_search import expand_auto_ep
-        from jaxmem.plan import resolve_topology
-
         cfg = load_config(config, base)
         topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
         grid = expand_auto_ep(grid, lambda o: load_config(config, base + o), cfg.model.n_experts, topo.n_devices)

@@ -12,6 +12,9 @@ from jaxmem.runtime import distributed
 from jaxmem.train import TrainError, run, run_lock
 from jaxmem.train.save_clock import stopped_line
 from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.plan import allocator
+from jaxmem.plan.explain import report_oom
 
 _DEFAULT_CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 _USAGE = "usage: jaxmem train [CONFIG.yaml] [key=value ...]   (overrides only: CONFIG is configs/tiny.yaml)"
@@ -41,7 +44,6 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-    from jaxmem.cli.help import HelpFormatter
 
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="jaxmem train", usage=_USAGE[len("usage: "):], description=_DESCRIPTION,
@@ -60,8 +62,6 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("jaxmem train: no CONFIG given; using the schema's defaults (the tiny preset)", file=sys.stderr)
     cfg = load_config(path, overrides)
-    from jaxmem.plan import allocator
-
     distributed.initialize(cfg.distributed)  # starts no backend; the lock needs the process index
     try:
         # before anything is written into out_dir, which is never the config file's folder nor someone else's
@@ -73,8 +73,6 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_LOCKED
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
-        from jaxmem.plan.explain import report_oom  # late: explain compiles in a subprocess, only on OOM
-
         report_oom(cfg, e)
         return EXIT_ERROR
     records = summary["records"]

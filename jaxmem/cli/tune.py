@@ -19,6 +19,15 @@ from jaxmem.config import ConfigError
 
 from jaxmem.features import load_config
 from jaxmem.cli.ep_search import ep_mesh_options
+from jaxmem.mesh.sharding import batch_ways, mesh_shape
+from jaxmem.config.schema import to_dict
+from jaxmem.cli.sweep import plot_pareto
+from jaxmem.cli.bench import bench
+from jaxmem.runtime.aot import add_target_args
+from jaxmem.cli.help import HelpFormatter
+from jaxmem.plan import resolve_topology
+from jaxmem.plan import plan
+from jaxmem.cli.sweep import plan_points
 
 # How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill
 # was 0.8-1.25x the compiled figure across benchmarks/plan_accuracy.md and benchmarks/long_context.md).
@@ -110,8 +119,6 @@ def batch_overrides(micro_batch: int, data_ways: int, global_batch: int) -> list
 class Tuner:
     def __init__(self, config: str, overrides: list[str], target: dict, global_batch: int | None,
                  budget_s: float, cache_dir: Path, workers: int):
-        from jaxmem.plan import resolve_topology
-
         self.config, self.user, self.target = config, list(overrides), target
         self.budget_end = time.monotonic() + budget_s
         self.cache_dir, self.workers = cache_dir, workers
@@ -134,8 +141,6 @@ class Tuner:
 
     def analytic(self, cand: Candidate) -> bool:
         """Plans `cand` without compiling; False when it is not a valid config or clearly does not fit."""
-        from jaxmem.plan import plan
-
         try:
             p = plan(self._load(cand.overrides), self.topo, compile=False)
         except ConfigError as e:
@@ -148,8 +153,6 @@ class Tuner:
 
     def compile(self, cands: list[Candidate]) -> None:
         """Compiles `cands` for the target (worker processes, cached), while the budget lasts."""
-        from jaxmem.cli.sweep import plan_points
-
         todo = [c for c in cands if c.row is None]
         while todo and time.monotonic() < self.budget_end:
             chunk, todo = todo[:max(1, self.workers)], todo[max(1, self.workers):]
@@ -240,8 +243,6 @@ class Tuner:
 
 
 def _data_ways(cfg, n_devices: int) -> int:
-    from jaxmem.mesh.sharding import batch_ways, mesh_shape
-
     return batch_ways(mesh_shape(cfg.parallel, n_devices))  # dp x fsdp x ep: ep devices hold different tokens
 
 
@@ -276,7 +277,6 @@ def to_json(tuner: Tuner, best: Candidate | None) -> dict:
 def write_yaml(tuner: Tuner, best: Candidate, path: Path) -> None:
     import yaml
 
-    from jaxmem.config.schema import to_dict
 
     cfg = tuner._load(best.overrides)
     head = [f"# written by jaxmem tune from {tuner.config} for {tuner.topo.label}",
@@ -289,8 +289,6 @@ def write_yaml(tuner: Tuner, best: Candidate, path: Path) -> None:
 
 
 def plot(tuner: Tuner, best: Candidate | None, path: Path) -> None:
-    from jaxmem.cli.sweep import plot_pareto
-
     rows = []
     for c in tuner.candidates:
         if c.row is not None and c.row.get("status") != "failed":
@@ -302,8 +300,6 @@ def plot(tuner: Tuner, best: Candidate | None, path: Path) -> None:
 
 def verify(tuner: Tuner, best: Candidate, steps: int = 6) -> dict:
     """`jaxmem bench` on the attached devices with the winner: planned vs measured."""
-    from jaxmem.cli.bench import bench
-
     r = bench(tuner._load(best.overrides), steps=steps, warmup=2, source=tuner.config,
               overrides=tuple(tuner.user + best.overrides))
     mem, st = r["memory"], r["step_time"]
@@ -319,8 +315,6 @@ def main(argv: list[str] | None = None) -> int:
     import json
     import sys
 
-    from jaxmem.runtime.aot import add_target_args
-    from jaxmem.cli.help import HelpFormatter
 
     ap = argparse.ArgumentParser(
         prog="jaxmem tune", formatter_class=HelpFormatter,

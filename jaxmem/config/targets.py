@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+from jaxmem.config.schema import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,8 +98,6 @@ TARGETS: dict[str, GpuTarget] = {
 
 
 def get_target(name: str) -> GpuTarget:
-    from jaxmem.config.schema import ConfigError
-
     if name not in TARGETS:
         raise ConfigError(f"target.name: {name!r} is unknown; use one of {', '.join(TARGETS)}")
     return TARGETS[name]

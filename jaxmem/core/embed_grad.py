@@ -20,6 +20,10 @@ from types import SimpleNamespace
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxmem.mesh.sharding import spec_ways
+from jaxmem.mesh import sharding
+from jaxmem.mesh.axes import activation_rules
+from jaxmem.model.transformer import Transformer
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "sums"], meta_fields=["vocab"])
@@ -55,8 +59,6 @@ def rows_bytes(cfg, layout, prec) -> int:
 
 def table_bytes(cfg, layout, prec) -> int:
     """Per device: the table's gradient shard at grad_reduce_dtype."""
-    from jaxmem.mesh.sharding import spec_ways
-
     shards = spec_ways(layout.grad_specs["embed"], layout.mesh_sizes)
     return cfg.model.vocab_size * cfg.model.d_model * np.dtype(prec.grad_reduce).itemsize // shards
 
@@ -68,10 +70,6 @@ def tokens_per_step(cfg, layout) -> int:
 def lookup(prog, embed, inputs):
     """The model's own embedding of `inputs` by the table `embed` (Transformer.embed_tokens, under the
     program's activation rules)."""
-    from jaxmem.mesh import sharding
-    from jaxmem.mesh.axes import activation_rules
-    from jaxmem.model.transformer import Transformer
-
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[prog.cfg.parallel.rules], prog.mesh)
     with activation_rules(constrainer):
         return Transformer.embed_tokens(SimpleNamespace(embed=embed, cfg=prog.cfg.model), inputs, prog.ctx)

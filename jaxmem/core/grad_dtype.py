@@ -16,6 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from jax.extend import core as jex_core
+from jaxmem.core import offload
+from jaxmem.model.seq_tiling import tile_count
 
 # Ops that move or relabel a value without changing any element: a widened value stays a widened value.
 _PASS_THROUGH = {"reshape", "transpose", "squeeze", "expand_dims", "copy", "copy_p", "sharding_constraint",
@@ -104,8 +106,6 @@ def step_params(prog, grad_fn, params, micro_batches, denom, base):
     gradient is a widened param-dtype value anyway: those stay as stored, so neither an fp32 copy of them nor
     an fp32 gradient exists. Same gradient values either way. `grad_fn(params, micro, denom, base, key)` is
     the step's (gradients, loss) function; `micro_batches` [A, ...] as the step splits them."""
-    from jaxmem.core import offload
-
     cfg, grad_reduce = prog.cfg, prog.precision.grad_reduce
     cast = offload.cast_for_grad(cfg, params, grad_reduce)
     if cfg.offload.params == "host":
@@ -132,8 +132,6 @@ def planned_dtype(name: str, cfg, prec, sp: int = 1):
     """The dtype the default step holds leaf `name`'s gradient in (before any micro-batch accumulation); a
     LoRA run's leaves are its adapters' `a` and `b`. `sp`: the resolved sequence-parallel axis (the tiles are
     counted per device)."""
-    from jaxmem.model.seq_tiling import tile_count  # (jaxmem.model's package init imports seq_tiling)
-
     narrow = jnp.dtype(prec.compute) == jnp.dtype(prec.param) and \
         jnp.dtype(prec.param).itemsize < jnp.dtype(prec.grad_reduce).itemsize
     plain = cfg.offload.params != "host" and not cfg.optimizer.update_in_backward

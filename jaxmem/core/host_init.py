@@ -22,6 +22,7 @@ from jaxmem.core.offload import DEVICE
 from jaxmem.core.optim import CHUNK_BYTES, chunking, put_layer, put_slice, take_layer
 from jaxmem.core.step_state import assemble_state
 from jaxmem.runtime.memory_kinds_shim import is_host
+from jaxmem.model.transformer import init_layer, init_model, layer_keys
 
 
 def applies(prog) -> bool:
@@ -121,7 +122,6 @@ def init_program(prog, from_params: bool, seed: int | None = None):
     """jit of (host zeros of host_paths, the model's params or None) -> the step-0 state."""
     from flax import nnx
 
-    from jaxmem.model.transformer import init_layer, init_model, layer_keys
 
     cfg, prec, opt = prog.cfg, prog.precision, prog.optimizer
     paths = host_paths(prog, from_params)

@@ -36,6 +36,10 @@ from jaxmem.core.precision import Precision, update_loss_scale
 from jaxmem.model.seq_tiling import per_token_tiles, tile_count
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, assemble_state, split_batch
 from jaxmem.io.data import batch_keys
+from jaxmem.core.checkpoint import model_params_from
+from jaxmem.core.checkpoint import WHOLE_STATE
+from jaxmem.core.checkpoint import restore_whole
+from jaxmem.core.checkpoint import init_whole
 
 
 @dataclasses.dataclass
@@ -144,8 +148,6 @@ class TrainProgram:
     def frozen_base(self):
         """The state's frozen part (state[FROZEN], a LoRA base) rebuilt where the config says; None if the
         state has none."""
-        from jaxmem.core.checkpoint import model_params_from
-
         return self.plugin.frozen_part(self, model_params_from)
 
     def model(self, params) -> nnx.Module:
@@ -196,8 +198,6 @@ class TrainProgram:
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     @property
     def state_item(self):
-        from jaxmem.core.checkpoint import WHOLE_STATE
-
         return WHOLE_STATE
 
     def checkpoint_meta(self) -> dict:
@@ -205,13 +205,9 @@ class TrainProgram:
         return self.plugin.meta(self.cfg)
 
     def restore_run(self, ckpts, step: int | None, required_meta: tuple[str, ...] = ()) -> tuple[dict, dict]:
-        from jaxmem.core.checkpoint import restore_whole
-
         return restore_whole(self, ckpts, step, required_meta)
 
     def init_from(self, path) -> dict:
-        from jaxmem.core.checkpoint import init_whole
-
         return init_whole(self, path)
 
     def compile_step(self):

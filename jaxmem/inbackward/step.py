@@ -41,6 +41,12 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.core.optim import apply_update, put_layer, split_layers, take_layer
 from jaxmem.core.plugins import ProgramPlugin
+from jaxmem.core.offload import DEVICE, HOST
+from jaxmem.core import offload
+from jaxmem.mesh import sharding
+from jaxmem.core.optim import adam_count, schedule
+from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
+from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
 
 def clip_factor(prev_norm, clip_norm: float):
@@ -104,8 +110,6 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
     stacks); the updated slice goes back into the stack's own memory space (`put_layer`). With
     `offload_inputs` (remat.preset=offload_layer_inputs) each layer's input is written to pinned host memory
     as the forward makes it and fetched back when the backward rebuilds that layer."""
-    from jaxmem.core.offload import DEVICE, HOST
-
     def update(dp, p, w, s, factor, like):
         """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
         (the model hands the layer as an nnx.State)."""
@@ -169,12 +173,7 @@ def make_step(prog, loss_sum_fn):
     `loss_sum_fn(prog, ctx)` is the program's loss (jaxmem.core.program.loss_sum_fn), handed in by the program."""
     import dataclasses
 
-    from jaxmem.core import offload
 
-    from jaxmem.mesh import sharding
-    from jaxmem.core.optim import adam_count, schedule
-    from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
-    from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
     cfg, prec = prog.cfg, prog.precision
     grad_shardings = sharding.named(prog.mesh, prog.grad_specs)

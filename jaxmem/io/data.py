@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.config.schema import RECORD_KINDS
+from jaxmem.io.documents import build_rows
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.
@@ -190,8 +191,6 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path") ->
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
     kind, seed, vocab = cfg.data.kind, cfg.train.seed, cfg.model.vocab_size
     if kind in RECORD_KINDS:
-        from jaxmem.io.documents import build_rows
-
         log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,
                           log=log)

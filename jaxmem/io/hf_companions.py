@@ -11,6 +11,8 @@ import shutil
 from pathlib import Path
 
 from jaxmem.config.schema import Config, ConfigError
+from jaxmem.io.documents.chat import ChatTemplate
+from jaxmem.io.documents.tokenize import load_tokenizer
 
 _SENTINEL = "JAXMEMSENTINELTURN"
 _COPIED = ("special_tokens_map.json", "added_tokens.json")
@@ -36,8 +38,6 @@ def _template(cfg: Config, tok_config: dict, tok_dir: Path) -> str | None:
 
 def end_of_turn_id(tokenizer, template: str, bos: str | None, eos: str | None) -> int | None:
     """The first special token the template writes after an assistant turn's text (<|im_end|>, <|eot_id|>)."""
-    from jaxmem.io.documents.chat import ChatTemplate
-
     chat = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": _SENTINEL}]
     try:
         text = ChatTemplate(template, "chat template", bos, eos).render(chat)
@@ -54,8 +54,6 @@ def special_ids(cfg: Config) -> dict:
     """bos / eos / pad ids of the run's tokenizer and the eos ids generation should stop at; {} without one."""
     if not cfg.data.tokenizer:
         return {}
-    from jaxmem.io.documents.tokenize import load_tokenizer
-
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     tok_dir = Path(cfg.data.tokenizer).parent
     tok_config = _read_config(tok_dir)

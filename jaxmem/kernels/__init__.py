@@ -17,6 +17,17 @@ from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
 from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
+from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
+from jaxmem.kernels.attention.config import AttentionBlocks
+from jaxmem.kernels.attention.pallas import flash_attention
+from jaxmem.kernels.attention.cudnn import cudnn_attention
+from jaxmem.kernels.rms_norm.pallas import rms_norm
+from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
+from jaxmem.kernels.cross_entropy.sharded import shard_loss
+from jaxmem.kernels.attention import reference as attention_reference_module
+from jaxmem.kernels.cross_entropy import chunked as cross_entropy_chunked, pallas as cross_entropy_pallas
+from jaxmem.kernels.cross_entropy import reference as cross_entropy_reference
+from jaxmem.kernels.grouped_matmul import blocked as grouped_matmul_blocked, pallas as grouped_matmul_pallas
 
 GPU_PLATFORMS = ("gpu", "cuda", "rocm")
 
@@ -116,8 +127,6 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     sequence-parallel (jaxmem.kernels.attention.sequence_parallel). An explicit cuDNN choice raises
     ValueError on a call with sinks; auto sends that call to the Pallas kernel.
     """
-    from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
-
     impl = resolve(cfg, platform, _devices(mesh))["attention"]
     chosen = _scoped(f"attention_{impl}", _attention(impl, cfg, platform, mesh))
     if cfg.attention != "auto" or impl != "cudnn":
@@ -136,9 +145,6 @@ def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
     if impl == "xla":
         return lambda q, k, v, seg, **kw: attention_reference(q, k, v, segment_ids_bt=seg, **kw)
     if impl == "pallas":
-        from jaxmem.kernels.attention.config import AttentionBlocks
-        from jaxmem.kernels.attention.pallas import flash_attention
-
         check_block_sizes(cfg)
         blocks = AttentionBlocks(block_q=cfg.attn_block_q, block_k=cfg.attn_block_k)
         interpret = _pallas_interpret("kernels.attention", platform)
@@ -148,8 +154,6 @@ def _attention(impl: str, cfg: KernelConfig, platform: str, mesh):
         if not _is_gpu(platform):
             raise KernelUnavailable(f"kernels.attention='cudnn' needs an NVIDIA GPU with cuDNN, not platform "
                                     f"{platform!r}; use 'xla' or 'pallas'")
-        from jaxmem.kernels.attention.cudnn import cudnn_attention
-
         return cudnn_attention
     raise KernelUnavailable(f"kernels.attention={impl!r} is not a known implementation")
 
@@ -164,8 +168,6 @@ def _norm(impl: str, platform: str, mesh):
     if impl == "xla":  # the reference's value; its backward keeps x in x's dtype, not an fp32 copy
         return rms_norm_lean
     if impl == "pallas":
-        from jaxmem.kernels.rms_norm.pallas import rms_norm
-
         interpret = _pallas_interpret("kernels.norm", platform)
         return lambda x, w, eps=1e-6: rms_norm(x, w, eps, interpret=interpret, mesh=mesh)
     raise KernelUnavailable(f"kernels.norm={impl!r} is not a known implementation")
@@ -181,19 +183,13 @@ def select_grouped_matmul(cfg: KernelConfig, platform: str, mesh=None):
 def _grouped_matmul(impl: str, cfg: KernelConfig, platform: str):
     if impl == "ragged_dot":
         return grouped_matmul_reference
-    from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
-
     check_block_sizes(cfg)
     blocks = GroupedMatmulBlocks(block_rows=cfg.grouped_matmul_block_rows)
     if impl == "blocked":
-        from jaxmem.kernels.grouped_matmul.blocked import grouped_matmul
-
-        return functools.partial(grouped_matmul, blocks=blocks)
+        return functools.partial(grouped_matmul_blocked.grouped_matmul, blocks=blocks)
     if impl == "pallas":
-        from jaxmem.kernels.grouped_matmul.pallas import grouped_matmul
-
         interpret = _pallas_interpret("kernels.grouped_matmul", platform)
-        return functools.partial(grouped_matmul, blocks=blocks, interpret=interpret)
+        return functools.partial(grouped_matmul_pallas.grouped_matmul, blocks=blocks, interpret=interpret)
     raise KernelUnavailable(f"kernels.grouped_matmul={impl!r} is not a known implementation")
 
 
@@ -258,20 +254,16 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | No
         return _flattening(functools.partial(linear_cross_entropy_reference, ignore_index=IGNORE_INDEX,
                                              z_loss=cfg.z_loss))
     if impl == "chunked":
-        from jaxmem.kernels.cross_entropy import chunked as module
-
+        module = cross_entropy_chunked
         extra = {}
     elif impl == "pallas":
-        from jaxmem.kernels.cross_entropy import pallas as module
-
+        module = cross_entropy_pallas
         extra = {"interpret": _pallas_interpret("kernels.loss", platform)}
     else:
         raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")
     if mesh is None or mesh.size == 1:
         return _flattening(functools.partial(module.linear_cross_entropy, blocks=blocks, ignore_index=IGNORE_INDEX,
                                              z_loss=cfg.z_loss, **extra))
-    from jaxmem.kernels.cross_entropy.sharded import shard_loss
-
     forward = functools.partial(module.forward_stats, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
     backward = functools.partial(module.backward_grads, blocks=blocks, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss,
                                  **extra)
@@ -286,10 +278,8 @@ def platform_of(devices) -> str:
 def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig, d_model: int,
                        itemsize: int) -> int:
     """Per-device loss-phase scratch of the resolved loss `impl`, from the kernel's own formula."""
-    from jaxmem.kernels.cross_entropy import chunked, pallas, reference
-
-    formula = {"naive": reference.scratch_bytes, "chunked": chunked.scratch_bytes,
-               "pallas": pallas.scratch_bytes}[impl]
+    formula = {"naive": cross_entropy_reference.scratch_bytes, "chunked": cross_entropy_chunked.scratch_bytes,
+               "pallas": cross_entropy_pallas.scratch_bytes}[impl]
     return formula(tokens, vocab, loss_blocks(cfg), d_model=d_model, itemsize=itemsize)
 
 
@@ -298,7 +288,5 @@ def attention_bytes(impl: str, score_elems: int, compute_itemsize: int) -> tuple
     Fused kernels (pallas, cudnn) never materialize the S x S scores."""
     if impl != "xla":
         return 0, 0
-    from jaxmem.kernels.attention import reference
-
-    return (reference.saved_bytes(score_elems, compute_itemsize),
-            reference.scratch_bytes(score_elems, compute_itemsize))
+    return (attention_reference_module.saved_bytes(score_elems, compute_itemsize),
+            attention_reference_module.scratch_bytes(score_elems, compute_itemsize))

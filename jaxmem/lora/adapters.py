@@ -19,6 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.schema import ConfigError, ModelConfig
+from jaxmem.io.hf_families import _LAYER
+from jaxmem.io.hf_families_moe import Qwen3MoeFamily
+from jaxmem.io.hf_registry import family_for_config
 
 # Hugging Face module name -> our layer param name, in HF checkpoint order.
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
@@ -92,10 +95,6 @@ def _expert_weights(cfg: ModelConfig) -> tuple[TargetWeight, ...]:
 def expert_modules(cfg: ModelConfig) -> dict[str, str]:
     """Our expert param name -> its HF module path inside a layer, as the model's family names it (Qwen3-MoE's
     when no family holds the config)."""
-    from jaxmem.io.hf_families import _LAYER
-    from jaxmem.io.hf_families_moe import Qwen3MoeFamily
-    from jaxmem.io.hf_registry import family_for_config
-
     try:
         fam = family_for_config(cfg)
     except ConfigError:

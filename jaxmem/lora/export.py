@@ -5,14 +5,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jaxmem.lora.adapters import merge
+from jaxmem.lora.frozen import layer_shapes, unstore
+from jaxmem.lora.frozen_vocab import unstore_rows
 
 
 
 def merged_params(prog, state: dict) -> dict:
     """The model's params (host arrays, in the param dtype) with the adapters merged into the base."""
-    from jaxmem.lora.adapters import merge
-    from jaxmem.lora.frozen import layer_shapes, unstore
-
     setup = prog.layout.lora
     shapes = layer_shapes(prog.cfg, setup)
     base, adapters = jax.device_get(state["base"]), jax.device_get(state["params"])
@@ -24,8 +24,6 @@ def merged_params(prog, state: dict) -> dict:
                                                               shapes[name], jnp.float32))
                                            for i in range(n_layers)])
     if setup.quantize_embeddings:  # stored per vocab row (frozen_vocab): back to [V, D] / the head's [D, V]
-        from jaxmem.lora.frozen_vocab import unstore_rows
-
         for key in ("embed", "lm_head"):
             if isinstance(base.get(key), dict):
                 n_rows, d = jax.tree.leaves(base[key])[0].shape[0], prog.cfg.model.d_model

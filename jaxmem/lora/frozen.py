@@ -27,6 +27,9 @@ from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, 
 from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
 from jaxmem.config.schema import Config
 from jaxmem.mesh.sharding import entry_axes
+from jaxmem.lora.frozen_vocab import store_table
+from jaxmem.model.transformer import init_layer, init_model, layer_keys
+from jaxmem.lora.linear import AdaptedWeight, FrozenWeight
 
 NF4_BLOCK = 64
 
@@ -92,8 +95,6 @@ def _outside_layers(setup: LoraSetup, params: dict, param_dtype) -> dict:
     and LM head stored per vocab row ([V, D], the LM head transposed: frozen_vocab)."""
     base = jax.tree.map(lambda x: x.astype(param_dtype), {k: v for k, v in params.items() if k != "layers"})
     if setup.quantize_embeddings:
-        from jaxmem.lora.frozen_vocab import store_table
-
         for key in ("embed", "lm_head"):
             if key in params:
                 base[key] = store_table(setup, key, params[key])
@@ -109,8 +110,6 @@ def base_from_seed(setup: LoraSetup, cfg: Config, seed: int, param_dtype) -> dic
     whole init's (nf4 and bf16 bit for bit; an int8 code may land one step away where XLA fuses the rounding
     product differently: 1 in 180224 in tiny's w_gate on CPU). Call it under jit: the whole model below gives
     the embedding, final norm and LM head; its layers are unused, so XLA does not compute them."""
-    from jaxmem.model.transformer import init_layer, init_model, layer_keys
-
     model = nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=seed, param_dtype=param_dtype))[1])
     outside = _outside_layers(setup, model, param_dtype)
 
@@ -175,8 +174,6 @@ def fetch_fn(setup: LoraSetup, shapes: dict[str, tuple[int, ...]], p: float = 0.
     """fetch((layer_state, lora_slice)) -> the layer's pure-dict state with each frozen linear a FrozenWeight
     (no adapters) or an AdaptedWeight (jaxmem.lora.linear); `p`: the adapters' input dropout, applied where the
     slice carries keys (the train step's)."""
-    from jaxmem.lora.linear import AdaptedWeight, FrozenWeight
-
     def fetch(sliced):
         layer_state, pieces = sliced
         out = nnx.to_pure_dict(layer_state) if isinstance(layer_state, nnx.State) else dict(layer_state)

@@ -13,6 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from jaxmem.mesh.axes import constrain
+from jaxmem.model.layers import ACT_BTD
 
 NF4_BLOCK = 64
 
@@ -44,9 +46,6 @@ def embed_rows(stored: dict, tokens, d: int, dtype) -> jax.Array:
 
 def embed_tokens(stored: dict, tokens_bt, d: int, dtype) -> jax.Array:
     """What Transformer.embed_tokens computes, from the stored table: [B, T, D] in the compute dtype."""
-    from jaxmem.mesh.axes import constrain
-    from jaxmem.model.layers import ACT_BTD
-
     tokens_bt = constrain(tokens_bt, ACT_BTD[:2])
     return constrain(embed_rows(stored, tokens_bt, d, jnp.float32).astype(dtype), ACT_BTD)
 

@@ -29,6 +29,9 @@ from jaxmem.lora import quant_host
 from jaxmem.lora.adapters import target_weights
 from jaxmem.lora.frozen import NF4_BLOCK, LoraSetup
 from jaxmem.config.schema import Config, ConfigError
+from jaxmem.io.model_match import MODEL_KEYS
+from jaxmem.lora.frozen_vocab import store_table
+from jaxmem.io.model_match import check_model_json
 
 KEY = "checkpoint.init_from"
 
@@ -41,8 +44,6 @@ def is_hf_dir(path: str | Path) -> bool:
 
 def check_model(path: Path, cfg: Config) -> None:
     """A one-line ConfigError naming config.json if it describes another model than the run's."""
-    from jaxmem.io.model_match import MODEL_KEYS
-
     config_file = path / "config.json"
     theirs = dataclasses.asdict(model_config_from_hf(read_json_object(config_file), where=str(config_file)))
     mine = dataclasses.asdict(cfg.model)
@@ -123,8 +124,6 @@ class _ImportedSource:
     stores each param as a zarr array named by its dotted path inside the OCDBT database (orbax 0.11-0.12)."""
 
     def __init__(self, path: Path, cfg: Config, maps, abstract):
-        from jaxmem.io.model_match import check_model_json
-
         check_model_json(path, cfg)
         self.params = (path / "params").absolute()
         self.stores = {pm.path: self._open(pm, _get(abstract, pm.path).shape) for pm in maps}
@@ -212,8 +211,6 @@ def _store_vocab(setup: LoraSetup, base: dict, out: dict) -> None:
     stores them (on the device: one table at a time, never the layers)."""
     if not setup.quantize_embeddings:
         return
-    from jaxmem.lora.frozen_vocab import store_table
-
     for key in ("embed", "lm_head"):
         if key in base:
             base[key] = jax.jit(lambda w, key=key: store_table(setup, key, w), out_shardings=out[key])(base[key])

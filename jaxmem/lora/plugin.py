@@ -19,6 +19,13 @@ from jaxmem.core.plugins import FROZEN, ProgramPlugin
 from jaxmem.core.step_state import assemble_state
 from jaxmem.lora import frozen
 from jaxmem.lora.frozen import LoraSetup
+from jaxmem.lora.adapters import init_adapters
+from jaxmem.lora.linear import grouped_project, project
+from jaxmem.lora.dropout import with_keys
+from jaxmem.lora.frozen_vocab import embed_tokens
+from jaxmem.lora.frozen_vocab import QuantizedHead
+from jaxmem.lora.dropout import step_key
+from jaxmem.lora.load_base import stream_base, streams
 
 META_KEY = "lora_base"  # a checkpoint's meta entry: lora_base_identity of the run that saved it
 
@@ -51,8 +58,6 @@ class LoraPlugin(ProgramPlugin):
     def frozen_part(self, prog, load_params):
         """The frozen base, rebuilt where the config says: checkpoint.init_from (a Hugging Face directory or an
         import-hf output is streamed a layer at a time: jaxmem.lora.load_base), else the seed."""
-        from jaxmem.lora.load_base import stream_base, streams
-
         cfg, setup, out = prog.cfg, self.setup, prog.state_shardings[FROZEN]
         if cfg.checkpoint.init_from and streams(cfg.checkpoint.init_from):
             return stream_base(prog, cfg.checkpoint.init_from)
@@ -63,14 +68,10 @@ class LoraPlugin(ProgramPlugin):
                        out_shardings=out)()
 
     def streams_state(self, path) -> bool:
-        from jaxmem.lora.load_base import streams
-
         return streams(path)
 
     def streamed_state(self, prog, path):
         """An HF directory or import-hf output: the base streamed and quantized a layer at a time."""
-        from jaxmem.lora.load_base import stream_base
-
         if not self.streams_state(path):
             return None
         rest = {k: v for k, v in prog.state_shardings.items() if k != FROZEN}
@@ -86,8 +87,6 @@ class LoraPlugin(ProgramPlugin):
         return frozen.fetch_fn(self.setup, frozen.layer_shapes(cfg, self.setup), cfg.lora.dropout)
 
     def forward_context(self, ctx):
-        from jaxmem.lora.linear import grouped_project, project
-
         return dataclasses.replace(ctx, project=project, grouped=grouped_project)
 
     def check_mesh(self, mesh) -> None:
@@ -98,8 +97,6 @@ class LoraPlugin(ProgramPlugin):
         """params are the adapters: the scan hands each layer its frozen linears + adapters."""
         pieces = frozen.lora_layers(self.setup, base, params)
         if dropout_key is not None:
-            from jaxmem.lora.dropout import with_keys
-
             pieces = with_keys(pieces, dropout_key, prog.cfg.model.n_layers)
         run_ctx = dataclasses.replace(ctx, scan_layers=lambda body, h, stacked: ctx.scan_layers(
             body, h, (stacked, pieces)))
@@ -108,15 +105,11 @@ class LoraPlugin(ProgramPlugin):
     def embed(self, prog, base, model, tokens, ctx):
         if not self.setup.quantize_embeddings:
             return super().embed(prog, base, model, tokens, ctx)
-        from jaxmem.lora.frozen_vocab import embed_tokens
-
         return embed_tokens(base["embed"], tokens, prog.cfg.model.d_model, ctx.compute_dtype)
 
     def head_weight(self, prog, base, model):
         if not self.setup.quantize_embeddings:
             return super().head_weight(prog, base, model)
-        from jaxmem.lora.frozen_vocab import QuantizedHead  # a vocab chunk dequantized at a time in the loss
-
         cfg = prog.cfg
         return QuantizedHead(base["embed" if cfg.model.tie_embeddings else "lm_head"], cfg.model.d_model,
                              prog.precision.compute)
@@ -127,8 +120,6 @@ class LoraPlugin(ProgramPlugin):
 
     def micro_key(self, cfg, step, index):
         """From (seed, step, micro-batch) only: the remat recompute and a resume draw the same masks."""
-        from jaxmem.lora.dropout import step_key
-
         return step_key(cfg.train.seed, step, index)
 
     # ------------------------------------------------------------ checkpoints
@@ -145,8 +136,6 @@ class LoraPlugin(ProgramPlugin):
 
 def adapter_state(prog, seed: int | None = None) -> dict:
     """A LoRA run's step-0 state without its base: fresh adapters, their optimizer state and master."""
-    from jaxmem.lora.adapters import init_adapters
-
     setup = prog.layout.lora
     seed = prog.cfg.train.seed if seed is None else seed
     adapters = init_adapters(prog.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),

@@ -14,6 +14,7 @@ from jaxmem.config.schema import ModelConfig
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
 from jaxmem.config.names import CheckpointName as CN, scope
+from jaxmem.model.moe import apply_moe, init_moe
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
@@ -47,8 +48,6 @@ class MLPKind:
 
 
 def _moe_kind() -> MLPKind:
-    from jaxmem.model.moe import apply_moe, init_moe
-
     return MLPKind(init_moe, apply_moe)
 
 

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 
 from jaxmem.config.schema import ModelConfig
 from jaxmem.config.names import CheckpointName as CN, scope
+from jaxmem.model.gated import gated_activation
 
 # logical axes of the expert weights (the expert dim leads; jaxmem.mesh.sharding maps "experts")
 EXPERT_DF = ("experts", "embed", "mlp")
@@ -109,8 +110,6 @@ def grouped_mlp(rows, group_sizes, gate_w, up_w, down_w, *biases, activation: st
     [g]); rows past the groups' total come out zero. `matmul(lhs, w, group_sizes)` multiplies the rows by the
     experts' stacked weight in the compute dtype (ForwardContext.grouped with its grouped-matmul kernel).
     `biases` (gpt-oss): the experts' gate, up and down biases [E, out], each row getting its expert's."""
-    from jaxmem.model.gated import gated_activation
-
     expert_of_row = None
     if biases:  # expert index per row; rows past the groups' total get index E, whose bias is zero
         expert_of_row = jnp.searchsorted(jnp.cumsum(group_sizes), jnp.arange(rows.shape[0]), side="right")

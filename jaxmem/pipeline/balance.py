@@ -14,6 +14,8 @@ import dataclasses
 from jaxmem.pipeline import partition
 from jaxmem.pipeline.figures import StageFigures, stage_figures
 from jaxmem.config.schema import Config
+from jaxmem.pipeline.runtime import build_pipeline
+from jaxmem.config.schema import ConfigError
 
 _LINEAR = ("state", "grads", "params_for_grad", "residuals", "residuals_host", "forward_peak", "backward_peak",
            "update_total", "state_host", "update_host")
@@ -59,12 +61,8 @@ def split(peaks, pp: int, n_layers: int, g: int) -> tuple[int, ...]:
 
 
 def balance(cfg: Config, devices=None, *, features) -> Balance:
-    from jaxmem.pipeline.runtime import build_pipeline
-
     pp, n_layers, g = cfg.parallel.pp, cfg.model.n_layers, _group(cfg)
     if n_layers % g or n_layers < g * pp:
-        from jaxmem.config.schema import ConfigError
-
         raise ConfigError(f"parallel.pp_layers: auto needs model.n_layers={n_layers} to be a multiple of the "
                           f"remat group {g} with at least one group per stage")
     # Probe pipelines: every stage at g layers, then at 2g (their sums need not be n_layers).

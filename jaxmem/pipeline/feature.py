@@ -7,6 +7,8 @@ from jaxmem.core import remat
 from jaxmem.core.plugins import Feature
 from jaxmem.pipeline.checkpoints import StagedLayout
 from jaxmem.pipeline.partition import layer_counts
+from jaxmem.pipeline.balance import stage_counts
+from jaxmem.pipeline.runtime import build_pipeline
 
 
 def check(cfg: Config) -> None:
@@ -37,9 +39,6 @@ class Pipeline(Feature):
         check(cfg)
 
     def run_program(self, cfg: Config, features):
-        from jaxmem.pipeline.balance import stage_counts  # the stage runtime: a pipeline's modules only
-        from jaxmem.pipeline.runtime import build_pipeline
-
         return build_pipeline(cfg, counts=stage_counts(cfg, features=features), features=features)
 
 

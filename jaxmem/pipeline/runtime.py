@@ -31,6 +31,9 @@ from jaxmem.io.data import batch_keys
 from jaxmem.io.model_match import check_model_json
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Features
+from jaxmem.model import abstract_model
+from jaxmem.pipeline.checkpoints import whole_params
+from jaxmem.core.checkpoint import restore_params
 
 
 @dataclasses.dataclass
@@ -86,16 +89,12 @@ class PipelineProgram:
 
     def model(self, state: dict) -> nnx.Module:
         """The whole model (host arrays) of a pipeline state: for jaxmem.io.hf.save_hf and inference."""
-        from jaxmem.model import abstract_model
-
         graphdef = nnx.split(abstract_model(self.cfg.model))[0]
         params = partition.merge_tree([jax.device_get(st["params"]) for st in state["stages"]],
                                       self.abstract_model_params())
         return nnx.merge(graphdef, params)
 
     def abstract_model_params(self) -> dict:
-        from jaxmem.pipeline.checkpoints import whole_params
-
         return whole_params(self.cfg)
 
     def init_state(self, seed: int | None = None) -> dict:
@@ -181,8 +180,6 @@ class PipelineProgram:
 
     def init_from(self, path) -> dict:
         """Read on the host, cut per stage."""
-        from jaxmem.core.checkpoint import restore_params
-
         check_model_json(path, self.cfg)
         params = restore_params(path, on_cpu_host(self.abstract_model_params()))
         return self.state_from_whole({"params": jax.tree.map(np.asarray, params)})

@@ -22,6 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 from typing import Mapping
+from jaxmem.config.schema import config_hash, dump_yaml
+from jaxmem.plan.bill import compute_bill
+from jaxmem.config.targets import TARGETS, target_for_device_kind
+from jaxmem.config.validate import fixed_mesh_size
 
 DEFAULT_FRACTION = 0.75  # XLA's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 # The highest fraction run on a GPU here: every H100 measurement of 2026-11-22 and 2026-11-23 ran at 0.95 (the
@@ -114,8 +118,6 @@ def remember(plan: dict) -> None:
 def compiled_device_total(cfg, target: str, n_devices: int, run=subprocess.run) -> tuple[int, str] | None:
     """(compiled device bytes per device, how) for `cfg` on `n_devices` x `target`: from the cache, else a
     deviceless compile in a subprocess (`jaxmem plan --json`, cached); None when that fails."""
-    from jaxmem.config.schema import config_hash, dump_yaml
-
     cfg = dataclasses.replace(cfg, target=dataclasses.replace(cfg.target, name=target, gpus_per_host=n_devices,
                                                               hosts=1))
     path = cache_dir() / f"{config_hash(cfg, f'{n_devices} x {target}')}.json"
@@ -148,10 +150,6 @@ def settings_for_run(cfg, environ: Mapping[str, str] | None = None) -> Allocator
     platforms = environ.get("JAX_PLATFORMS", "")
     if platforms and not any(p in platforms for p in ("cuda", "gpu")):
         return None
-    from jaxmem.plan.bill import compute_bill
-    from jaxmem.config.targets import TARGETS, target_for_device_kind
-    from jaxmem.config.validate import fixed_mesh_size
-
     attached = attached_gpus()
     target = TARGETS.get(cfg.target.name) or (attached and target_for_device_kind(attached[2]))
     hbm = attached[1] if attached else target and target.hbm_bytes

@@ -9,7 +9,6 @@ import importlib.util
 import os
 from types import ModuleType
 
-import jaxmem
 import jaxmem.kernels.attention
 import jaxmem.mesh.axes
 import jaxmem.model.layers
@@ -22,7 +21,7 @@ from jaxmem.config.names import MOE_NAMES, name_in_op
 from jaxmem.plan import hlo_dump
 
 PACKAGE = jaxmem.__name__
-_PACKAGE_DIR = os.path.dirname(jaxmem.__file__)  # .../jaxmem
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxmem
 _ROOT = os.path.dirname(_PACKAGE_DIR)  # what module paths are relative to
 
 

@@ -16,6 +16,10 @@ from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.seq_tiling import INSIDE_TILES, tile_count
+from jaxmem.config.targets import TARGETS
+from jaxmem.io.data import batch_keys
+from jaxmem.core.optim import make_optimizer
+from jaxmem.core.step_state import assemble_state
 
 _BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
 _BTF = (CN.MLP_GATE, CN.MLP_UP, CN.MLP_ACT)
@@ -130,8 +134,6 @@ def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, devic
 def device_memory_of(cfg: Config, device_memory: int | None) -> int:
     if device_memory is not None:
         return device_memory
-    from jaxmem.config.targets import TARGETS
-
     target = TARGETS.get(cfg.target.name or "")
     return target.hbm_bytes if target else 0
 
@@ -139,8 +141,6 @@ def device_memory_of(cfg: Config, device_memory: int | None) -> int:
 def batch_row_elems(cfg: Config) -> int:
     """int32 elements of one batch row: seq_len + 1 tokens, or seq_len per record array (inputs, labels,
     and with packing segment ids and positions)."""
-    from jaxmem.io.data import batch_keys
-
     keys = batch_keys(cfg)
     return cfg.train.seq_len + 1 if keys == ("tokens",) else len(keys) * cfg.train.seq_len
 
@@ -148,9 +148,6 @@ def batch_row_elems(cfg: Config) -> int:
 def counter_bytes(cfg: Config, layout: Layout) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
     program's own state layout so it follows jaxmem.core.program."""
-    from jaxmem.core.optim import make_optimizer
-    from jaxmem.core.step_state import assemble_state
-
     prec = Precision.from_config(cfg.precision)
     state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)
     small = [x for k, x in state.items() if k not in ("params", "master", "opt")]

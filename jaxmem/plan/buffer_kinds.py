@@ -18,6 +18,8 @@ from jaxmem.plan.attribution import (MOE_KINDS, defining, in_files, is_ours, is_
                                      moe_kind, rel_path, shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
+from jaxmem.model import abstract_model
+from jaxmem.core.remat import group_size
 
 # The categories and what each holds: jaxmem.plan.categories (shared with the bill).
 CATEGORIES = EXPLAIN_CATEGORIES
@@ -84,7 +86,6 @@ def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> S
     import jax
     from flax import nnx
 
-    from jaxmem.model import abstract_model
 
     groups = _groups(cfg)
     params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model))[1])
@@ -124,8 +125,6 @@ def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> S
 
 def _groups(cfg: Config) -> set[int]:
     """Layers per remat group (every_k / nested); the scan then stacks [L/k, k, ...]."""
-    from jaxmem.core.remat import group_size
-
     try:
         k = group_size(cfg.remat, cfg.model.n_layers)
     except ConfigError:

@@ -11,6 +11,9 @@ from jaxmem.runtime import compat
 from jaxmem.runtime.aot import Topology
 from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, host_bytes, memory_warnings, read_fields
 from jaxmem.config.schema import Config
+from jaxmem.features import build_program
+from jaxmem.plan import figure_cache
+from jaxmem.kernels.attention.cudnn import backward_workspace_bytes
 
 class _Totals:
     """Device and host totals of a compiled program's memory analysis `fields`."""
@@ -72,8 +75,6 @@ def compile_for_plan(cfg: Config, topo: Topology, init: bool = True):
     `init`: the program that builds the step-0 state too (figures.init). With the figure cache on
     (jaxmem.plan.figure_cache) a deviceless compile of the same lowered step for the same target earlier gives
     the figures, and the executable is None."""
-    from jaxmem.features import build_program
-
     start = time.perf_counter()
     with captured_stderr() as lines:
         prog = build_program(cfg, devices=list(topo.devices()))
@@ -109,8 +110,6 @@ def _label(topo: Topology) -> str:
 def _figures(lowered, topo: Topology, start: float, lines: list[str]):
     """(executable or None, memory analysis fields, XLA's memory warnings, seconds since `start`) of `lowered`
     compiled for `topo`; from the figure cache where it holds the same compile (executable None)."""
-    from jaxmem.plan import figure_cache
-
     compiled = hit = cache_key = None
     if topo.name and figure_cache.directory() is not None:
         cache_key = figure_cache.key(lowered.as_text(), f"{topo.label}\n{topo.gpu.target_config_text()}")
@@ -140,8 +139,6 @@ def offload_version_warning(jax_version: str, host: int) -> str | None:
 
 def cudnn_workspace_warning(cfg: Config, layout) -> str:
     """What a deviceless compile of cuDNN attention leaves out (docs/attention.md), estimated per device."""
-    from jaxmem.kernels.attention.cudnn import backward_workspace_bytes
-
     m = cfg.model
     rows_heads = layout.per_device_elems(("act_batch", "act_heads"), (layout.rows, m.n_heads))
     workspace = backward_workspace_bytes(rows_heads, cfg.train.seq_len, 1, m.head_dim)

@@ -42,6 +42,11 @@ from jaxmem.plan.bill import Bill
 from jaxmem.model.seq_tiling import tile_count
 from jaxmem.mesh.sharding import batch_ways
 from jaxmem.config.targets import GpuTarget
+from jaxmem.lora.adapters import adapter_param_count, resolve_targets
+from jaxmem.kernels.attention.pallas import score_pairs
+from jaxmem.kernels import loss_blocks
+from jaxmem.kernels.cross_entropy.chunked import tiles
+from jaxmem.core.accounting import state_elems as _state_elems
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
 # work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
@@ -174,8 +179,6 @@ def lora_adapter_params(cfg: Config) -> int:
     """Elements of a LoRA run's adapters (0 for a full fine-tune)."""
     if cfg.lora.rank <= 0:
         return 0
-    from jaxmem.lora.adapters import adapter_param_count, resolve_targets
-
     return adapter_param_count(cfg.model, resolve_targets(cfg.lora.targets), cfg.lora.rank)
 
 
@@ -197,8 +200,6 @@ def _keys_per_query(cfg: Config) -> float:
 def _flash_attention_fwd(cfg: Config, tokens: int) -> float:
     """Forward FLOPs a flash kernel runs per layer (averaged over the layers): the causal triangle, or the
     window's band on a local layer (the kernels skip the blocks outside it)."""
-    from jaxmem.kernels.attention.pallas import score_pairs
-
     m, s = cfg.model, cfg.train.seq_len
     local = _local_layers(m)
     pairs = (local * score_pairs(s, s, window=m.sliding_window or None) + (m.n_layers - local) * score_pairs(s, s))
@@ -283,9 +284,6 @@ def loss_efficiency(cfg: Config, kernel: str, tokens_per_device: int) -> float:
     """Achieved fraction of peak of the LM head + CE kernel; the chunked one by its (resolved) tile."""
     if kernel != "chunked":
         return LOSS_EFFICIENCY.get(kernel, LOSS_EFFICIENCY["chunked"])
-    from jaxmem.kernels import loss_blocks
-    from jaxmem.kernels.cross_entropy.chunked import tiles
-
     bt, bv = tiles(tokens_per_device, cfg.model.vocab_size, loss_blocks(cfg.kernels))
     if (bt, bv) in CHUNKED_LOSS_EFFICIENCY_BY_TILE:
         return CHUNKED_LOSS_EFFICIENCY_BY_TILE[(bt, bv)]
@@ -300,14 +298,10 @@ def _itemsize(dtype: str) -> int:
 
 def _opt_elems(bill: Bill) -> int:
     """Per-device parameters the optimizer updates (the master / moment shards)."""
-    from jaxmem.core.accounting import state_elems as _state_elems
-
     return _state_elems(bill.layout, bill.layout.opt_specs)
 
 
 def _layer_elems(bill: Bill, specs) -> int:
-    from jaxmem.core.accounting import state_elems as _state_elems
-
     return _state_elems(bill.layout, specs, "layers")
 
 

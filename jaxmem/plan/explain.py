@@ -18,6 +18,11 @@ from jaxmem.config import Config, to_dict
 from jaxmem.features import from_dict
 from jaxmem.plan import hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
+from jaxmem.runtime.compiled_memory import memory_figures
+from jaxmem.features import build_program
+from jaxmem.plan.timeline import build
+from jaxmem.config.targets import target_for_device_kind
+from jaxmem.plan import oom
 
 
 # ------------------------------------------------------------------ compiling with dumps
@@ -25,9 +30,6 @@ from jaxmem.plan.buffer_kinds import classify, state_shapes
 
 def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
-    from jaxmem.runtime.compiled_memory import memory_figures
-    from jaxmem.features import build_program
-
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
     compiled = build_program(cfg, devices=list(topo.devices())).lower().compile()
@@ -73,8 +75,6 @@ def explain(cfg: Config, topo: Topology, top: int = 10, dump_dir: str | None = N
 def explain_with_timeline(cfg: Config, topo: Topology, top: int = 10, dump_dir: str | None = None,
                           timeline: bool = True, config: str = "") -> tuple[dict, dict | None]:
     """explain's result and, from the same compile, the step's memory timeline (jaxmem.plan.timeline)."""
-    from jaxmem.plan.timeline import build
-
     label = f"compiled for {topo.label} ({'deviceless' if topo.name else 'attached devices'})"
     with tempfile.TemporaryDirectory(prefix="jaxmem-explain-") as tmp:
         where = Path(dump_dir or tmp)
@@ -119,7 +119,6 @@ def render(result: dict, console=None) -> None:
 def _attached_target() -> str:
     import jax
 
-    from jaxmem.config.targets import target_for_device_kind
 
     target = target_for_device_kind(getattr(jax.devices()[0], "device_kind", ""))
     return target.name if target else ""
@@ -133,8 +132,6 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
 
     The explain compile runs deviceless in a subprocess for the attached GPU model, so it needs no GPU memory.
     """
-    from jaxmem.plan import oom
-
     text = oom.exc_text(exc)
     if not (oom.is_oom(RuntimeError(text)) or oom.parse_oom(text).form):
         return False

@@ -27,6 +27,10 @@ import re
 
 from jaxmem.runtime.oom_text import is_oom  # noqa: F401 (the predicate lives below its users; re-exported)
 from jaxmem.config.schema import Config, ConfigError
+from jaxmem.config import apply_overrides, to_dict
+from jaxmem.features import from_dict
+from jaxmem.plan.bill import compute_bill
+from jaxmem.plan.costmodel import estimate
 
 _UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 _SIZE = r"(\d+(?:\.\d+)?)\s*(TiB|GiB|MiB|KiB|bytes|B)\b"
@@ -103,16 +107,10 @@ def _candidates(cfg: Config, grad_accum: int) -> list[list[str]]:
 
 
 def _override(cfg: Config, overrides: list[str]) -> Config:
-    from jaxmem.config import apply_overrides, to_dict
-    from jaxmem.features import from_dict
-
     return from_dict(apply_overrides(to_dict(cfg), overrides))
 
 
 def bill_and_cost(cfg: Config, n_devices: int, gpu):
-    from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.costmodel import estimate
-
     bill = compute_bill(cfg, n_devices, gpu=True)
     return bill, estimate(cfg, bill, gpu, n_devices, bill.layout.grad_accum, bill.layout.rows)
 

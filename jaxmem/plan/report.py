@@ -12,6 +12,8 @@ from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
 from jaxmem.moe.bill import parameter_counts
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
+from jaxmem.plan.allocator import derive
+from jaxmem.plan.pipeline_render import render_pipeline
 
 SCHEMA_VERSION = 1
 GIB = 1024**3
@@ -67,8 +69,6 @@ def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigure
         warnings.append(offload["message"])
     alloc = None
     if capacity:  # what `jaxmem train` would set for this plan, in this shell's environment
-        from jaxmem.plan.allocator import derive
-
         alloc = derive(device_need, capacity, topo.headroom, basis).to_json()
         if alloc["warning"]:
             warnings.append(f"allocator: {alloc['warning']}")
@@ -186,8 +186,6 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(f"init (the step-0 state from {c['init']['source']})", _gib(c["init"]["device_total"]),
                          _gib(c["init"]["host_total"]))
         console.print(comp)
-    from jaxmem.plan.pipeline_render import render_pipeline
-
     render_pipeline(plan, console)
     avc = plan.get("analytic_vs_compiled")
     if avc and avc["compiled_device_bytes"] is not None:

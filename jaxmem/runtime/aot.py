@@ -9,6 +9,7 @@ from jaxmem.runtime import compat
 from jaxmem.config import validate
 from jaxmem.config.schema import Config
 from jaxmem.config.targets import GpuTarget, get_target
+from jaxmem.runtime import ptxas_cache
 
 
 @functools.cache
@@ -20,8 +21,6 @@ def target_devices(target: str, gpus_per_host: int, hosts: int = 1) -> tuple:
 
     compat.require("deviceless GPU topologies (jaxmem.runtime.aot)")
     compat.require_matching_cuda_plugin()
-    from jaxmem.runtime import ptxas_cache
-
     ptxas_cache.install()  # where JAXMEM_PTXAS_CACHE names a directory: kernels compiled once, not per compile
     xla_bridge._discover_and_register_pjrt_plugins()  # the CUDA plugin registers its topology factory here
     try:

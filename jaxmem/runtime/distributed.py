@@ -18,6 +18,7 @@ import jax
 
 from jaxmem.config.schema import DistributedConfig
 from jaxmem.config.validate import check_distributed
+from jaxmem.runtime.compat import JAX_RANGE, in_range
 
 
 HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S (10 s) that a loaded host cannot let it fire first
@@ -71,8 +72,6 @@ def failure_settings() -> dict:
 def runtime_client():
     """jax's distributed runtime client (a private API, checked for jaxmem.runtime.compat.JAX_RANGE), or None (no process
     group, or a jax outside that range: the watch is then off and jax's own heartbeat ends a lost run)."""
-    from jaxmem.runtime.compat import JAX_RANGE, in_range
-
     if not in_range(jax.__version__, JAX_RANGE):
         return None
     try:

@@ -18,6 +18,10 @@ from pathlib import Path
 from typing import Callable
 
 from jaxmem.runtime.distributed import runtime_client
+from jaxmem.train.run_lock import release_all
+from jaxmem.runtime import distributed
+from jaxmem.train.signals import EXIT_PEER_LOST
+from jaxmem.runtime.stderr_guard import start
 
 STALE_S = 10.0  # a peer silent this long is lost; well under the 30 s a survivor may take to exit
 PERIOD_S = 1.0
@@ -119,8 +123,6 @@ def exit_on_lost(checkpoint_dir: str | Path | None, code: int) -> Callable[[int,
                          "restart every process with the same command to resume\n")
         sys.stderr.flush()
         sys.stdout.flush()
-        from jaxmem.train.run_lock import release_all
-
         release_all()
         os._exit(code)
 
@@ -133,9 +135,6 @@ _guards: list = []  # the stderr helper of this process (jaxmem.runtime.stderr_g
 
 def start_for_run(cfg) -> PeerWatch | None:
     """Starts the watch for a run of a multi-process group (once per process); None for one process."""
-    from jaxmem.runtime import distributed
-    from jaxmem.train.signals import EXIT_PEER_LOST
-
     index, count = distributed.process_group()
     client = runtime_client()
     if count == 1 or client is None:
@@ -144,8 +143,6 @@ def start_for_run(cfg) -> PeerWatch | None:
         return _started[0]
     ckpt_dir = Path(cfg.out_dir).absolute() / "checkpoints" if cfg.checkpoint.enabled else None
     if not _guards:  # a lost coordinator aborts this process from C++: one line instead of the trace
-        from jaxmem.runtime.stderr_guard import start
-
         _guards.append(start(str(ckpt_dir) if ckpt_dir else None))
     watch = PeerWatch(client, index, count, exit_on_lost(ckpt_dir, EXIT_PEER_LOST)).start()
     _started.append(watch)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.train.run_folder import check_out_dir
+from jaxmem.runtime import distributed
 
 LOCK_NAME = ".jaxmem.lock"
 _held: dict[Path, "RunLock"] = {}  # out_dir -> the lock this process holds (a nested `hold` is a no-op)
@@ -148,8 +149,6 @@ def owned(out_dir: str | Path, config_path: str | Path | None = None):
     """Holds out_dir's lock for the block: on process 0 of a multi-process run (the others learn whether it
     was refused and raise the same RunLockError or ConfigError), on the one process otherwise. First, out_dir
     must be free for a run (jaxmem.train.run_folder.check_out_dir; `config_path`: the run's config file)."""
-    from jaxmem.runtime import distributed
-
     key = Path(out_dir).absolute()
     if key in _owned:  # `jaxmem train` takes it before `run`, which takes it again for library callers
         yield

@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+from jaxmem.train.run_lock import release_all
 
 EXIT_DONE, EXIT_ERROR, EXIT_CONFIG, EXIT_LOCKED = 0, 1, 2, 3
 EXIT_SAVED, EXIT_PEER_LOST, EXIT_ABORTED = 75, 76, 130
@@ -58,8 +59,6 @@ class StopRequest:
                 sys.stderr.write("\njaxmem train: second Ctrl-C: stopped at once, nothing saved since the last "
                                  "checkpoint\n")
                 sys.stderr.flush()
-                from jaxmem.train.run_lock import release_all
-
                 release_all()
                 os._exit(EXIT_ABORTED)
             return  # a repeated SIGTERM: the save is under way
