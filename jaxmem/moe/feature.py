@@ -6,6 +6,7 @@ import dataclasses
 
 from jaxmem.config.schema import Config, ConfigError, NotYetSupported
 from jaxmem.core.plugins import Feature
+from jaxmem.moe.explain import refine
 from jaxmem.moe.bill import BILL_TERMS
 from jaxmem.mesh.axes import MeshAxis
 from jaxmem.moe import expert_parallel
@@ -48,6 +49,7 @@ def check(cfg: Config) -> None:
 class MixtureOfExperts(Feature):
     name = "moe"
     bill_terms = BILL_TERMS
+    buffer_terms = (("refine", refine),)
 
     def applies(self, cfg: Config) -> bool:
         return is_moe(cfg)

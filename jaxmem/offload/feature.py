@@ -5,6 +5,7 @@ from __future__ import annotations
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core import remat
 from jaxmem.core.plugins import Feature
+from jaxmem.offload.explain import BUFFER_TERMS
 from jaxmem.offload.bill import BILL_TERMS
 
 
@@ -31,6 +32,7 @@ def check_micro_batches(cfg: Config, grad_accum: int) -> None:
 class HostOffload(Feature):
     name = "offload"
     bill_terms = BILL_TERMS
+    buffer_terms = BUFFER_TERMS
 
     def applies(self, cfg: Config) -> bool:
         """Always: where the state lives is a decision of every run (its terms follow Layout.homes, and do

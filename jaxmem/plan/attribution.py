@@ -5,9 +5,6 @@ The files this module treats specially are derived from the modules themselves (
 or renaming one moves its entry instead of silently breaking attribution."""
 from __future__ import annotations
 
-import importlib.util
-import os
-from types import ModuleType
 
 import jaxmem.kernels.attention
 import jaxmem.mesh.axes
@@ -17,30 +14,9 @@ import jaxmem.core.program
 import jaxmem.core.remat
 import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
-from jaxmem.config.names import MOE_NAMES, name_in_op
+from jaxmem.config.names import name_in_op
 from jaxmem.plan import hlo_dump
-
-PACKAGE = jaxmem.__name__
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # .../jaxmem
-_ROOT = os.path.dirname(_PACKAGE_DIR)  # what module paths are relative to
-
-
-def module_path(module: ModuleType | str) -> str:
-    """The path rel_path gives a module's frames: "jaxmem/core/program.py" for jaxmem.core.program, "jaxmem/kernels/"
-    for a package (every file under it). A module named by string is located without importing it (for
-    modules that import this one); a missing one raises ModuleNotFoundError."""
-    if isinstance(module, str):
-        spec = importlib.util.find_spec(module)
-        if spec is None or not spec.origin:
-            raise ModuleNotFoundError(f"attribution: no module {module}")
-        file = spec.origin
-    else:
-        file = module.__file__
-    rel = os.path.relpath(file, _ROOT).replace(os.sep, "/")
-    if rel.startswith("../"):
-        raise ValueError(f"attribution: {file} is not under {_ROOT}")
-    return rel.removesuffix("__init__.py") if os.path.basename(file) == "__init__.py" else rel
-
+from jaxmem.runtime.source_paths import PACKAGE, in_files, is_ours, module_path, rel_path  # noqa: F401 (re-read by explain)
 
 # Frames of step/scan plumbing: a buffer is attributed to the model code they call.
 PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat, jaxmem.mesh.sharding,
@@ -48,26 +24,6 @@ PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat
 # Helpers that only tag a value (their frame is the checkpoint_name call, not the op that made it).
 _TAG_HELPERS = (jaxmem.model.layers.tag.__qualname__,)
 ATTENTION_CODE = module_path(jaxmem.kernels.attention)
-
-
-def rel_path(path: str) -> str:
-    """A source file as "jaxmem/...": relative to where jaxmem is imported from, else (a dump made by another
-    checkout) from its last "jaxmem/" component."""
-    if path.startswith(_PACKAGE_DIR + os.sep):
-        return os.path.relpath(path, _ROOT).replace(os.sep, "/")
-    i = path.rfind(PACKAGE + "/")
-    return path[i:] if i >= 0 else path
-
-
-def is_ours(path: str) -> bool:
-    """A frame in jaxmem's own code (not a dependency's)."""
-    if path.startswith(_PACKAGE_DIR + os.sep):
-        return True
-    return f"{PACKAGE}/" in path and "site-packages" not in path
-
-
-def in_files(path: str, prefixes) -> bool:
-    return rel_path(path).startswith(tuple(prefixes))
 
 
 def model_frame(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr):
@@ -174,25 +130,3 @@ def divided(n: int) -> set[int]:
 def vocab_dims(cfg: Config) -> set[int]:
     v = cfg.model.vocab_size
     return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0}
-
-
-_MOE_CODE = (module_path(jaxmem.model.moe),)  # a mixture of experts' routing, dispatch, experts and combine
-# What a mixture of experts' token-shaped buffer is (explain key -> the words its "why" starts with).
-MOE_KINDS = {"moe_expanded": "MoE per-expert copy [experts, routed rows, width] (ragged_dot's dense GPU lowering)",
-             "moe_dispatch": "MoE dispatch rows (tokens x top-k, sorted by expert) or an expert's values over them",
-             "router_logits": "MoE router logits [tokens, experts]"}
-
-
-def moe_kind(cfg: Config, shape, frame, op_name: str) -> str | None:
-    """The MOE_KINDS key of a buffer a mixture of experts' layer wrote (its source line in jaxmem/model/moe.py
-    or a MoE checkpoint name in its op_name), else None."""
-    e = cfg.model.n_experts
-    named = name_in_op(op_name or "")
-    if not e or not (frame is not None and in_files(frame.file, _MOE_CODE)
-                     or named and named.split("|")[0] in MOE_NAMES):
-        return None
-    local = e // max(cfg.parallel.ep, 1)  # with ep a device's copies hold its E / ep experts
-    groups = {e, local} if local > 1 else {e}
-    if len(shape) == 3 and groups & set(shape[:2]):
-        return "moe_expanded"
-    return "router_logits" if shape and shape[-1] == e else "moe_dispatch"

@@ -10,12 +10,13 @@ import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
 import jaxmem.core.optim
+from jaxmem import features as registry
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
-from jaxmem.config.names import ALL_NAMES, MOE_NAMES, name_in_op
+from jaxmem.config.names import ALL_NAMES
 from jaxmem.plan import hlo_dump
-from jaxmem.plan.attribution import (MOE_KINDS, defining, in_files, is_ours, is_scores, model_frame, module_path,
-                                     moe_kind, rel_path, shape_name, tagged_name, vocab_dims)
+from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
+                                     shape_name, tagged_name, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 from jaxmem.model import abstract_model
@@ -312,7 +313,151 @@ def _collective(module, ins) -> str | None:
     return None
 
 
+@dataclasses.dataclass
+class BufferFacts:
+    """What the rules read about one buffer of the compiled step: its shape against the train state, the
+    phase of the step that wrote it, the collective that made it, the weight it copies, and its source frame."""
+
+    cfg: Config
+    state: StateShapes
+    shape: tuple
+    op_name: str
+    weight: str | None  # the parameter(s) it is shaped like
+    tokens: bool  # a token dim (seq_len or micro_batch x seq_len)
+    vocab: bool  # a vocab-sized last dim
+    residual: bool  # a value a scan keeps (its carry or stacked outputs)
+    stacked: bool  # a [layers, ...] (or remat-grouped) leading dim
+    phase: str | None
+    where: str  # the phase in words
+    like: str  # "shaped like <weight>" or ""
+    collective: str | None
+    copy_of: str | None  # the train-state weight it only moves, casts, slices or gathers
+    frame: object | None  # the jaxmem source frame it is attributed to
+    module: object = None
+    made: object = None  # the instruction that wrote the value
+
+    def in_code(self, *modules) -> bool:
+        """Whether its source frame is in one of these jaxmem modules (or packages)."""
+        return self.frame is not None and in_files(self.frame.file, tuple(module_path(m) for m in modules))
+
+
+def _facts(cfg: Config, module, ins, owned: tuple, state: StateShapes, shape) -> BufferFacts:
+    owner, idx, value, via = owned
+    op_name = owner.op_name or ins.op_name
+    weight = state.weight(shape)
+    loop = owner.opcode == "while"
+    phase, how = _op_phase(module, owner, idx)
+    if phase is None and value is not None:
+        phase, how = _op_phase(module, value)
+    how = via or how
+    made = value if loop and value is not None else owner
+    return BufferFacts(
+        cfg=cfg, state=state, shape=shape, op_name=op_name, weight=weight, tokens=state.token_shaped(shape),
+        vocab=bool(shape) and shape[-1] in vocab_dims(cfg), residual=loop or _is_residual_write(owner),
+        stacked=bool(shape) and shape[0] in {cfg.model.n_layers} | {cfg.model.n_layers // k for k in _groups(cfg)},
+        phase=phase, where=_PHASE_WORDS.get(phase, "no named phase") + (f" ({how})" if how else ""),
+        like=f"shaped like {weight}" if weight else "", collective=_collective(module, owner),
+        copy_of=_weight_copy(module, made) if weight and phase != "update" else None,
+        frame=_frame(module, made, owner, phase, loop), module=module, made=made)
+
+
+def _frame(module, made, owner, phase: str | None, loop: bool):
+    """The source line: in optim.py for the update; the per-layer computation for a loop's values."""
+    if phase == "update":
+        return defining(module, made.name, depth=6, prefer=_OPTIM_CODE)[1]
+    if phase == "grads" and (made.frame or owner.frame) is not None:  # the accumulation itself (step code)
+        return next((f for f in module.stack(made.frame or owner.frame) if is_ours(f.file)), None)
+    if loop or _is_residual_write(owner):
+        frame = defining(module, made.name, depth=6, prefer=_LAYER_CODE)[1]
+        if loop and (frame is None or not in_files(frame.file, _LAYER_CODE)):
+            frame = defining(module, made.name)[1]
+        return frame
+    return defining(module, made.name)[1]
+
+
+# ------------------------------------------------------------------ the rules, in order: the first that names
+# the buffer wins. Each returns (category, key, why) or None.
+
+
+def _gathered(b: BufferFacts):
+    if b.collective == "all-gather" and b.weight:
+        return "param", "gathered", f"all-gather of {b.weight}"
+
+
+def _optimizer_copy(b: BufferFacts):
+    if b.copy_of and b.copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
+        return "optimizer", "optimizer_temp", f"a copy of {b.copy_of} in {b.where}"
+
+
+def _param_copy(b: BufferFacts):
+    if b.copy_of:
+        return "param", "param_copy", f"a copy of {b.copy_of} (cast, slice or relayout) in {b.where}"
+
+
+def _reduce_scattered(b: BufferFacts):
+    if b.collective == "reduce-scatter" and b.weight:
+        return "grad", "grad", f"reduce-scatter, {b.like}"
+
+
+def _update(b: BufferFacts):
+    if b.phase == "update":
+        return "optimizer", "optimizer_temp", f"written in {b.where}" + (f", {b.like}" if b.like else "")
+
+
+def _gradient(b: BufferFacts):
+    if b.phase in ("backward", "grads") and b.weight and not (b.tokens and _logits_not_grad(b.cfg, b.op_name,
+                                                                                             b.vocab)):
+        return "grad", "grad", f"{b.like}, written in {b.where}"
+
+
+def _logits(b: BufferFacts):
+    if b.vocab and (b.tokens or (b.frame is not None and in_files(b.frame.file, _LOSS_CODE))) \
+            and (b.tokens or not b.weight):
+        return "logits", "logits", ("d(logits) " if b.phase == "backward" else "") + \
+            f"[tokens, vocab] written in {b.where}"
+
+
+def _activation(b: BufferFacts):
+    forward = b.phase in ("forward", None) and (b.tokens or not b.weight)
+    if b.residual and (forward or b.phase == "backward" and b.tokens and b.stacked):
+        return "activation", "activation", f"{'stacked scan residual' if b.stacked else 'scan value'} written in " \
+            f"{b.where}" + (", token dims" if b.tokens else "")
+
+
+def _weight_shaped(b: BufferFacts):
+    if b.weight and not (b.tokens and b.phase == "forward"):
+        return "param", "param_copy", f"{b.like}, written in {b.where}: a copy of the weights"
+
+
+def _scores(b: BufferFacts):
+    if is_scores(b.cfg, b.shape, b.frame):
+        return "temp", "scores", f"S x S attention scores written in {b.where}"
+
+
+def _temp(b: BufferFacts):
+    return "temp", "temp", ("token dims, " if b.tokens else "") + f"written in {b.where}"
+
+
+RULES = (("gathered", _gathered), ("optimizer_copy", _optimizer_copy), ("param_copy", _param_copy),
+         ("reduce_scattered", _reduce_scattered), ("update", _update), ("gradient", _gradient),
+         ("logits", _logits), ("activation", _activation), ("weight_shaped", _weight_shaped), ("scores", _scores),
+         ("temp", _temp))
+
+
+def rules_for(cfg: Config) -> tuple[list, list]:
+    """(the rules in order, each active feature's named before the base rule it precedes; the features'
+    refiners, run on the match) for `cfg` (jaxmem.core.plugins.Feature.buffer_terms: ("before", name, rule)
+    or ("refine", fn))."""
+    terms = registry.for_config(cfg).terms("buffer_terms")
+    rules = []
+    for name, rule in RULES:
+        rules += [t[2] for t in terms if t[0] == "before" and t[1] == name] + [rule]
+    return rules, [t[1] for t in terms if t[0] == "refine"]
+
+
 def classify(cfg: Config, module, name: str, index: str, size: int, state: StateShapes | None = None) -> dict:
+    """What the buffer `name{index}` of `size` bytes in the compiled step is: its explain category, why, its
+    checkpoint name and source line (an entry of `jaxmem explain`'s table)."""
     state = state or state_shapes(cfg, module)
     ins = module.instrs.get(name)
     type_ = hlo_dump.element_type(ins.type, index) if ins else "?"
@@ -322,90 +467,33 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     if type_.startswith("("):  # the tuple itself: a small table of its elements' addresses
         return _entry(name + index, size, (), "tuple", "temp", "temp", None, name, ins.op_name,
                       "tuple of buffer addresses (a loop's state or a multi-output op)")
-    owner, idx, value, via = _owner(module, ins, index)
-    op_name = owner.op_name or ins.op_name
-    weight = state.weight(shape)
-    tokens = state.token_shaped(shape)
-    vocab = bool(shape) and shape[-1] in vocab_dims(cfg)
-    loop = owner.opcode == "while"
-    residual = loop or _is_residual_write(owner)  # a value a scan keeps (its carry or stacked outputs)
-    stacked = bool(shape) and shape[0] in {cfg.model.n_layers} | {cfg.model.n_layers // k for k in _groups(cfg)}
-
     host = " (host memory)" if ":S(5)" in type_ else ""
-
-    # 1. the step's arguments
-    if owner.opcode == "parameter" and owner.computation == module.entry:
+    owned = _owner(module, ins, index)
+    owner = owned[0]
+    if owner.opcode == "parameter" and owner.computation == module.entry:  # the step's arguments
         path = owner.op_name
         cat = next((c for prefix, c in _STATE_CATEGORY if path.startswith(prefix)), "temp")
         return _entry(name + index, size, shape, dtype, cat, cat, None, path or owner.name, path,
                       f"argument of the step ({'train state' if path.startswith('state[') else 'input'}){host}")
+    b = _facts(cfg, module, ins, owned, state, shape)
+    rules, refiners = rules_for(cfg)
+    cat, key, why = next(found for found in (rule(b) for rule in rules) if found)
+    ckpt = _checkpoint_name(b) if key == "activation" else None
+    if ckpt == "attention_scores":
+        key = "scores"
+    found = (cat, key, why, ckpt)
+    for refine in refiners:
+        found = refine(b, found)
+    cat, key, why, ckpt = found
+    source = f"{rel_path(b.frame.file)}:{b.frame.line} {b.frame.function}" if b.frame else (b.op_name or name)
+    return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, b.op_name, why + host)
 
-    # 2. the phase of the op that wrote it, and the shape against the train state
-    phase, how = _op_phase(module, owner, idx)
-    if phase is None and value is not None:
-        phase, how = _op_phase(module, value)
-    how = via or how
 
-    # the source line: in optim.py for the update; the per-layer computation for a loop's values
-    made = value if loop and value is not None else owner
-    if phase == "update":
-        _, frame = defining(module, made.name, depth=6, prefer=_OPTIM_CODE)
-    elif phase == "grads" and (made.frame or owner.frame) is not None:  # the accumulation itself (step code)
-        frame = next((f for f in module.stack(made.frame or owner.frame) if is_ours(f.file)), None)
-    elif residual:
-        _, frame = defining(module, made.name, depth=6, prefer=_LAYER_CODE)
-        if loop and (frame is None or not in_files(frame.file, _LAYER_CODE)):
-            _, frame = defining(module, made.name)
-    else:
-        _, frame = defining(module, made.name)
-    collective = _collective(module, owner)
-    where = _PHASE_WORDS.get(phase, "no named phase") + (f" ({how})" if how else "")
-    like = f"shaped like {weight}" if weight else ""
-
-    copy_of = _weight_copy(module, made) if weight and phase != "update" else None
-    ckpt = None
-    if collective == "all-gather" and weight:
-        cat, key, why = "param", "gathered", f"all-gather of {weight}"
-    elif copy_of and copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
-        if state.homes.optimizer_on_host:
-            cat, key, why = "optimizer", "optimizer_fetch", f"{copy_of} brought from pinned host memory in {where}"
-        else:
-            cat, key, why = "optimizer", "optimizer_temp", f"a copy of {copy_of} in {where}"
-    elif copy_of:
-        cat, key, why = "param", "param_copy", f"a copy of {copy_of} (cast, slice or relayout) in {where}"
-    elif collective == "reduce-scatter" and weight:
-        cat, key, why = "grad", "grad", f"reduce-scatter, {like}"
-    elif phase == "update":
-        cat, key, why = "optimizer", "optimizer_temp", f"written in {where}" + (f", {like}" if like else "")
-    elif phase in ("backward", "grads") and weight and not (tokens and _logits_not_grad(cfg, op_name, vocab)):
-        cat, key, why = "grad", "grad", f"{like}, written in {where}"
-    elif vocab and (tokens or (frame is not None and in_files(frame.file, _LOSS_CODE))) and (tokens or not weight):
-        cat, key = "logits", "logits"
-        why = ("d(logits) " if phase == "backward" else "") + f"[tokens, vocab] written in {where}"
-    elif residual and (phase in ("forward", None) and (tokens or not weight) or phase == "backward" and tokens
-                       and stacked):
-        cat, key = "activation", "activation"
-        why = f"{'stacked scan residual' if stacked else 'scan value'} written in {where}" + \
-            (", token dims" if tokens else "")
-        ckpt = tagged_name(module, made) or shape_name(cfg, shape, frame)
-        if ckpt == "attention_scores":
-            key = "scores"
-    elif weight and not (tokens and phase == "forward"):
-        cat, key, why = "param", "param_copy", f"{like}, written in {where}: a copy of the weights"
-    elif is_scores(cfg, shape, frame):
-        cat, key, why = "temp", "scores", f"S x S attention scores written in {where}"
-    else:
-        cat, key, why = "temp", "temp", ("token dims, " if tokens else "") + f"written in {where}"
+def _checkpoint_name(b: BufferFacts) -> str | None:
+    ckpt = tagged_name(b.module, b.made) or shape_name(b.cfg, b.shape, b.frame)
     if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
-        ckpt = shape_name(cfg, shape, frame)
-    moe = moe_kind(cfg, shape, frame, op_name) if cat in ("temp", "logits", "activation") and not weight else None
-    if moe is not None:  # a routed-rows buffer, whatever its dims resemble (tiny-moe's width is half its vocab)
-        named = name_in_op(op_name)
-        ckpt = ckpt or (named if named and named.split("|")[0] in MOE_NAMES else None)
-        cat, key = ("activation", "activation") if cat == "activation" else ("temp", moe)
-        why = f"{MOE_KINDS[moe]}: " + why.removeprefix("d(logits) [tokens, vocab] ")
-    source = f"{rel_path(frame.file)}:{frame.line} {frame.function}" if frame else (op_name or name)
-    return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, op_name, why + host)
+        ckpt = shape_name(b.cfg, b.shape, b.frame)
+    return ckpt
 
 
 def _logits_not_grad(cfg: Config, op_name: str, vocab: bool) -> bool:

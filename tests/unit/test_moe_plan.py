@@ -204,7 +204,7 @@ def test_a_dense_model_gets_no_moe_terms():
 
 
 def test_explain_files_a_device_s_per_expert_copies_under_ep():
-    from jaxmem.plan.attribution import moe_kind
+    from jaxmem.moe.explain import moe_kind
 
     op = "jit(step)/ckpt.expert_gate/dot_general"
     fsdp8, ep8 = _qwen(), _qwen("parallel.fsdp=1", "parallel.ep=8")
