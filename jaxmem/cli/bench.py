@@ -38,6 +38,7 @@ from jaxmem.train import TrainError
 from jaxmem.plan import allocator
 
 SCHEMA_VERSION = 1
+_STATS_HOW = "max over this process's devices of Device.memory_stats()"
 MFU_FORMULA = ("MFU = model FLOPs per step / (median step time x devices x peak FLOP/s per device for "
                "precision.compute_dtype); model FLOPs = 6 x matmul params x tokens + causal attention (3 x 4 x "
                "tokens x seq_len x heads x head_dim per layer, counted unmasked), the cost model's model_flops")
@@ -82,29 +83,13 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
                               f"compiled on this machine for {kind}", jax.__version__)
     measured = f"measured on {platform.upper()}"
     na = f"not available on {platform}"
-    try:
-        state = jax.block_until_ready(prog.init_state())
-        after_init = _allocator(local)
-        state_counted = _shard_bytes(state, local[0])
-        times, losses, per_step = [], [], []
-        for i in range(steps):
-            batch = batch if i == 0 else next(data)  # built on the host before the clock starts
-            t0 = time.perf_counter()
-            state, metrics = jax.block_until_ready(compiled(state, batch))
-            times.append(time.perf_counter() - t0)
-            losses.append(float(metrics["loss"]))
-            per_step.append(_allocator(local))  # after the clock stops: --html draws it
-    except jax.errors.JaxRuntimeError as e:
-        if is_oom(e):
-            raise _oom_error("running", e) from None
-        raise
+    after_init, state_counted, times, losses, per_step = _run(prog, compiled, batch, data, steps, local)
     after_steps = _allocator(local)
     median = statistics.median(times[warmup:])
     peak_flops = gpu.peak_flops(cfg.precision.compute_dtype) if gpu else None
     mfu = cost.model_flops / (median * n * peak_flops) if peak_flops else None
     estimated = cost.step_seconds if gpu and cost.step_seconds else None
-    planned, peak = figures.device_total, after_steps and after_steps["peak_bytes_in_use"]
-    stats_how = "max over this process's devices of Device.memory_stats()"
+    stats_how = _STATS_HOW
     no_target = (f"no GPU target for {kind!r} (`jaxmem list targets`)" if platform == "gpu"
                  else f"no GPU target on {platform}")
     return {
@@ -123,25 +108,7 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
         "warmup": warmup,
         "compiled": figures.to_json(),
         "cost": cost.to_json(),
-        "memory": {
-            "planned_device_bytes": _fig(planned, figures.label, "argument + output - alias + temp of XLA's "
-                                         "memory_analysis() of the executable that ran, per device"),
-            "planned_host_bytes": _fig(figures.host_total, figures.label, "host_argument + host_output - "
-                                       "host_alias + host_temp, per device"),
-            "state_bytes_after_init": _fig(after_init and after_init["bytes_in_use"], measured,
-                                           f"bytes_in_use after init_state: {stats_how}",
-                                           **({} if after_init else {"note": na})),
-            "state_bytes_counted": _fig(state_counted, "counted from the state's arrays (not an allocator reading)",
-                                        "bytes of the state's shards on the first device"),
-            "measured_peak_bytes": _fig(peak, measured, f"peak_bytes_in_use after the steps (the allocator's peak "
-                                        f"since the process started: compile and init included): {stats_how}",
-                                        **({} if after_steps else {"note": na})),
-            "peak_bytes_after_init": _fig(after_init and after_init["peak_bytes_in_use"], measured,
-                                          f"peak_bytes_in_use after init_state, before the first step: {stats_how}; "
-                                          "where it equals measured_peak_bytes the run's peak was the init's",
-                                          **({} if after_init else {"note": na})),
-            "peak_over_planned": _fig(_ratio(peak, planned), measured, "measured_peak_bytes / planned_device_bytes"),
-        },
+        "memory": _memory(figures, after_init, state_counted, after_steps, measured, na),
         "step_time": {
             "measured_seconds": _fig(median, measured, f"median of {steps - warmup} step(s) after {warmup} "
                                      "warm-up step(s), each timed to jax.block_until_ready",
@@ -165,11 +132,57 @@ def bench(cfg, steps: int = 10, warmup: int = 3, source: str = "", overrides: tu
     }
 
 
+def _run(prog, compiled, batch, data, steps: int, local: list):
+    """Inits the state and runs `steps` timed steps: (allocator after init, the state's counted bytes, the step
+    times, the losses, the allocator after each step)."""
+    try:
+        state = jax.block_until_ready(prog.init_state())
+        after_init = _allocator(local)
+        state_counted = _shard_bytes(state, local[0])
+        times, losses, per_step = [], [], []
+        for i in range(steps):
+            batch = batch if i == 0 else next(data)  # built on the host before the clock starts
+            t0 = time.perf_counter()
+            state, metrics = jax.block_until_ready(compiled(state, batch))
+            times.append(time.perf_counter() - t0)
+            losses.append(float(metrics["loss"]))
+            per_step.append(_allocator(local))  # after the clock stops: --html draws it
+    except jax.errors.JaxRuntimeError as e:
+        if is_oom(e):
+            raise _oom_error("running", e) from None
+        raise
+    return after_init, state_counted, times, losses, per_step
+
+
+def _memory(figures, after_init, state_counted, after_steps, measured: str, na: str) -> dict:
+    """The bench's memory section: planned (compiled) next to measured, each saying how it was obtained."""
+    planned, peak = figures.device_total, after_steps and after_steps["peak_bytes_in_use"]
+    stats_how = _STATS_HOW
+    return {
+        "planned_device_bytes": _fig(planned, figures.label, "argument + output - alias + temp of XLA's "
+                                     "memory_analysis() of the executable that ran, per device"),
+        "planned_host_bytes": _fig(figures.host_total, figures.label, "host_argument + host_output - "
+                                   "host_alias + host_temp, per device"),
+        "state_bytes_after_init": _fig(after_init and after_init["bytes_in_use"], measured,
+                                       f"bytes_in_use after init_state: {stats_how}",
+                                       **({} if after_init else {"note": na})),
+        "state_bytes_counted": _fig(state_counted, "counted from the state's arrays (not an allocator reading)",
+                                    "bytes of the state's shards on the first device"),
+        "measured_peak_bytes": _fig(peak, measured, f"peak_bytes_in_use after the steps (the allocator's peak "
+                                    f"since the process started: compile and init included): {stats_how}",
+                                    **({} if after_steps else {"note": na})),
+        "peak_bytes_after_init": _fig(after_init and after_init["peak_bytes_in_use"], measured,
+                                      f"peak_bytes_in_use after init_state, before the first step: {stats_how}; "
+                                      "where it equals measured_peak_bytes the run's peak was the init's",
+                                      **({} if after_init else {"note": na})),
+        "peak_over_planned": _fig(_ratio(peak, planned), measured, "measured_peak_bytes / planned_device_bytes"),
+    }
+
+
 def render(r: dict, console=None) -> None:
     """Prints the bench dict: planned/estimated next to measured, then how each figure was obtained."""
     from rich.console import Console
     from rich.table import Table
-
 
     console = console or Console()
     mem, st, mfu, d, c = r["memory"], r["step_time"], r["mfu"], r["device"], r["compiled"]

@@ -44,7 +44,6 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
-
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(prog="jaxmem train", usage=_USAGE[len("usage: "):], description=_DESCRIPTION,
                                  epilog=_EPILOG, formatter_class=HelpFormatter)

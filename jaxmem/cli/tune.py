@@ -277,7 +277,6 @@ def to_json(tuner: Tuner, best: Candidate | None) -> dict:
 def write_yaml(tuner: Tuner, best: Candidate, path: Path) -> None:
     import yaml
 
-
     cfg = tuner._load(best.overrides)
     head = [f"# written by jaxmem tune from {tuner.config} for {tuner.topo.label}",
             f"# levers: {best.label}",
@@ -314,7 +313,6 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
     import json
     import sys
-
 
     ap = argparse.ArgumentParser(
         prog="jaxmem tune", formatter_class=HelpFormatter,

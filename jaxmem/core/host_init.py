@@ -122,7 +122,6 @@ def init_program(prog, from_params: bool, seed: int | None = None):
     """jit of (host zeros of host_paths, the model's params or None) -> the step-0 state."""
     from flax import nnx
 
-
     cfg, prec, opt = prog.cfg, prog.precision, prog.optimizer
     paths = host_paths(prog, from_params)
     layer_paths = [p for p in paths if _in_layers(p)]

@@ -29,7 +29,7 @@ from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 from jaxmem.mesh import axes
 from jaxmem.mesh.axes import activation_rules
-from jaxmem.model.moe import ROUTER_METRICS
+from jaxmem.model.moe import ROUTER_METRICS, is_moe
 from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
 from jaxmem.core.plugins import FROZEN, Features, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
@@ -337,19 +337,43 @@ def _make_step(prog: TrainProgram):
     replaced = prog.plugin.make_step(prog, loss_sum_fn)  # update-in-backward's
     if replaced is not None:
         return replaced
-    cfg, prec, mesh = prog.cfg, prog.precision, prog.mesh
-    token_loss = loss_sum_fn(prog)
-    grad_shardings = sharding.named(mesh, prog.grad_specs)
-    param_shardings = prog.state_shardings["params"]
+    cfg = prog.cfg
+    grad_fn, router_zero = _micro_grad_fn(prog)
+    rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))
     lr_at = schedule(cfg)
-    scaling = cfg.precision.loss_scale
-    keyed = prog.plugin.keys_micro_batches(cfg)  # LoRA dropout's masks
 
-    moe = cfg.model.n_experts > 0
-    router_zero = {k: np.float32(0) for k in ROUTER_METRICS} if moe else {}  # no eager op (deviceless plans)
+    def step(state, batch):
+        state = offload.mark_host_entries(cfg, state)
+        micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
+        # the mean over every valid label of the global step (all micro-batches, all data ways)
+        n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
+        scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
+        p_grad = grad_dtype.step_params(prog, grad_fn, state["params"], micro_batches, n_valid / scale,
+                                        state.get(FROZEN))
+        # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
+        # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
+        with jax.named_scope(GRADS_SCOPE):
+            grads, loss_sum, router = _gradients(prog, grad_fn, rows_grad_fn, router_zero, state, micro_batches,
+                                                 p_grad, n_valid, scale)
+        new_state, grad_norm, finite = _updated_state(prog, state, grads, scale)
+        count = offload.to_device(adam_count(new_state["opt"]))
+        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
+                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale, **router}
+        return new_state, metrics
+
+    return step
+
+
+def _micro_grad_fn(prog: TrainProgram):
+    """(the gradient of one micro-batch's loss share w.r.t. the trainable params, with (loss sum, router
+    statistics) beside it; the router statistics' zeros to accumulate from)."""
+    cfg = prog.cfg
+    token_loss = loss_sum_fn(prog)
+    routed = is_moe(cfg.model)
+    router_zero = {k: np.float32(0) for k in ROUTER_METRICS} if routed else {}  # no eager op (deviceless plans)
 
     def micro_loss(params, micro, denom, base, dropout_key):
-        if not moe:
+        if not routed:
             loss_sum, _ = token_loss(params, *micro, base=base, dropout_key=dropout_key)
             return loss_sum / denom, (loss_sum, {})
         # a mixture of experts: the router losses, weighted by their coefficients and the micro-batch's tokens
@@ -359,74 +383,70 @@ def _make_step(prog: TrainProgram):
                  + cfg.model.router_z_loss_coef * router["moe_z_loss"])
         return (loss_sum + n_micro.astype(jnp.float32) * extra) / denom, (loss_sum, router)
 
-    grad_fn = jax.grad(micro_loss, has_aux=True)  # params only: the frozen part gets no gradient
-    rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))
+    return jax.grad(micro_loss, has_aux=True), router_zero  # params only: the frozen part gets no gradient
 
-    def step(state, batch):
-        state = offload.mark_host_entries(cfg, state)
-        micro_batches = split_batch(batch)  # inputs, labels, segment ids, positions: [A, rows, T] (or None)
-        # the mean over every valid label of the global step (all micro-batches, all data ways)
-        n_valid = jnp.maximum(jnp.sum(micro_batches[1] != IGNORE_INDEX), 1).astype(jnp.float32)
-        scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
-        params = state["params"]
-        p_grad = grad_dtype.step_params(prog, grad_fn, params, micro_batches, n_valid / scale, state.get(FROZEN))
 
-        rows_mode = embed_grad.applies(cfg, prog.layout, prec)  # the embedding's gradient kept as its touched rows
+def _gradients(prog: TrainProgram, grad_fn, rows_grad_fn, router_zero: dict, state: dict, micro_batches, p_grad,
+               n_valid, scale):
+    """(gradients, loss sum, router statistics' mean) of the step, accumulated in fp32 over the micro-batches
+    (each weighted by n_valid / scale); the embedding's from its touched rows where jaxmem.core.embed_grad
+    applies."""
+    cfg, params = prog.cfg, state["params"]
+    grad_shardings = sharding.named(prog.mesh, prog.grad_specs)
+    keyed = prog.plugin.keys_micro_batches(cfg)  # LoRA dropout's masks
+    rows_mode = embed_grad.applies(cfg, prog.layout, prog.precision)  # the embedding's gradient as its rows
+    if rows_mode:
+        embed, p_grad = p_grad["embed"], {k: v for k, v in p_grad.items() if k != "embed"}
+        grad_shardings = {k: v for k, v in grad_shardings.items() if k != "embed"}
+
+    def one(micro, index=None):
         if rows_mode:
-            embed, p_grad = p_grad["embed"], {k: v for k, v in p_grad.items() if k != "embed"}
-            rest_shardings = {k: v for k, v in grad_shardings.items() if k != "embed"}
+            (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
+            return (offload.constrain_device_part(cfg, g, grad_shardings), d_rows), (loss_sum, {})
+        key = prog.plugin.micro_key(cfg, state["step"], 0 if index is None else index) if keyed else None
+        g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get(FROZEN), key)
+        return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
 
-        def one(micro, index=None):
-            if rows_mode:
-                (g, d_rows), loss_sum = rows_grad_fn(p_grad, params["embed"], micro, n_valid / scale)
-                return (offload.constrain_device_part(cfg, g, rest_shardings), d_rows), (loss_sum, {})
-            key = prog.plugin.micro_key(cfg, state["step"], 0 if index is None else index) if keyed else None
-            g, loss_sum = grad_fn(p_grad, micro, n_valid / scale, state.get(FROZEN), key)
-            return offload.constrain_device_part(cfg, g, grad_shardings), loss_sum
+    if prog.grad_accum == 1:
+        grads, (loss_sum, router) = one(jax.tree.map(lambda x: x[0], micro_batches))
+        grads, d_rows = grads if rows_mode else (grads, None)
+    else:
+        def acc(carry, micro):
+            g, l = one(*micro) if keyed else one(micro)
+            g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
+            return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g),
+                    jax.tree.map(jnp.add, carry[1], l)), d_rows
 
-        # Named scopes (metadata only) put "grads/" and "optimizer_update/" in every op_name of the two
-        # phases; `jaxmem explain` reads them to tell gradients and optimizer temporaries from activations.
-        with jax.named_scope(GRADS_SCOPE):
-            if prog.grad_accum == 1:
-                grads, (loss_sum, router) = one(jax.tree.map(lambda x: x[0], micro_batches))
-                d_rows = None
-                if rows_mode:
-                    (grads, d_rows) = grads
-            else:
-                def acc(carry, micro):
-                    g, l = one(*micro) if keyed else one(micro)
-                    g, d_rows = g if rows_mode else (g, None)  # the rows' gradients are stacked, not summed
-                    return (jax.tree.map(lambda a, b: a + b.astype(jnp.float32), carry[0], g),
-                            jax.tree.map(jnp.add, carry[1], l)), d_rows
+        zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
+        zeros = jax.lax.with_sharding_constraint(zeros, grad_shardings)
+        xs = (micro_batches, jnp.arange(prog.grad_accum)) if keyed else micro_batches
+        (grads, (loss_sum, router)), d_rows = jax.lax.scan(acc, (zeros, (jnp.float32(0.0), router_zero)), xs)
+        router = {k: v / prog.grad_accum for k, v in router.items()}  # the micro-batches' mean
+    if rows_mode:
+        grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
+    return grads, loss_sum, router
 
-                zeros = jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), p_grad)
-                zeros = jax.lax.with_sharding_constraint(zeros, rest_shardings if rows_mode else grad_shardings)
-                xs = (micro_batches, jnp.arange(prog.grad_accum)) if keyed else micro_batches
-                (grads, (loss_sum, router)), d_rows = jax.lax.scan(acc, (zeros, (jnp.float32(0.0), router_zero)), xs)
-                router = {k: v / prog.grad_accum for k, v in router.items()}  # the micro-batches' mean
-            if rows_mode:
-                grads = dict(grads, embed=embed_grad.from_rows(micro_batches[0], d_rows, embed.shape[0]))
-        weights = state["master"] if "master" in state else params
-        update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
-                                   param_dtype=prec.param, skip_nonfinite=scaling.enabled,
-                                   rest_chunks=prog.layout.rest_pieces)
-        # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
-        # makes its own, and reads the old ones only to skip a non-finite fp16 step)
-        host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
-        old_params = params if scaling.enabled or not host_update else None
-        with jax.named_scope(UPDATE_SCOPE):
-            new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
-                cfg, update, grads, state["opt"], weights, old_params, scale)
-        new_params = offload.constrain_device_part(cfg, new_params, param_shardings)
 
-        new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
-        if "master" in state:
-            new_state["master"] = new_weights
-        if "loss_scale" in state:  # fp16: the skipped step backs the scale off
-            new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
-        count = offload.to_device(adam_count(new_opt))
-        metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
-                   "tokens": n_valid, "update_skipped": jnp.logical_not(finite), "loss_scale": scale, **router}
-        return new_state, metrics
-
-    return step
+def _updated_state(prog: TrainProgram, state: dict, grads, scale):
+    """(the state after the optimizer update, the gradients' global norm, whether they were finite)."""
+    cfg, prec = prog.cfg, prog.precision
+    scaling = cfg.precision.loss_scale
+    params = state["params"]
+    weights = state["master"] if "master" in state else params
+    update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
+                               param_dtype=prec.param, skip_nonfinite=scaling.enabled,
+                               rest_chunks=prog.layout.rest_pieces)
+    # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
+    # makes its own, and reads the old ones only to skip a non-finite fp16 step)
+    host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
+    old_params = params if scaling.enabled or not host_update else None
+    with jax.named_scope(UPDATE_SCOPE):
+        new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(
+            cfg, update, grads, state["opt"], weights, old_params, scale)
+    new_params = offload.constrain_device_part(cfg, new_params, prog.state_shardings["params"])
+    new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt)
+    if "master" in state:
+        new_state["master"] = new_weights
+    if "loss_scale" in state:  # fp16: the skipped step backs the scale off
+        new_state["loss_scale"] = update_loss_scale(state["loss_scale"], finite, scaling)
+    return new_state, grad_norm, finite

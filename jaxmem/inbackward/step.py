@@ -33,6 +33,7 @@ losses as the plain step does.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -41,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxmem.core.optim import apply_update, put_layer, split_layers, take_layer
 from jaxmem.core.plugins import ProgramPlugin
+from jaxmem.model.moe import is_moe
 from jaxmem.core.offload import DEVICE, HOST
 from jaxmem.core import offload
 from jaxmem.mesh import sharding
@@ -171,14 +173,9 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
 def make_step(prog, loss_sum_fn):
     """The train step of `prog` with the layer stack's update inside the backward (module docstring);
     `loss_sum_fn(prog, ctx)` is the program's loss (jaxmem.core.program.loss_sum_fn), handed in by the program."""
-    import dataclasses
-
-
-
     cfg, prec = prog.cfg, prog.precision
-    grad_shardings = sharding.named(prog.mesh, prog.grad_specs)
-    rest_shardings, _ = split_layers(grad_shardings)
     layer_shardings = sharding.named(prog.mesh, layer_specs(prog.grad_specs["layers"]))
+
     def constrain_grad(g):  # g is one layer's nnx.State; the shardings are a dict of the same keys
         leaves = jax.tree.leaves(layer_shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding))
         return jax.lax.with_sharding_constraint(g, jax.tree.unflatten(jax.tree.structure(g), leaves))
@@ -186,72 +183,89 @@ def make_step(prog, loss_sum_fn):
     # offload.optimizer=host (validated: with offload.optimizer_update=device): master, m and v stay in pinned
     # host memory, the loop carry of the backward; each layer's slice is fetched, updated on the device and
     # written back in place. Adam's per-layer step counts ([L] integers) ride on the device as fp32.
-    on_host = prog.layout.homes.optimizer_on_host
-    fetch = offload.to_device if on_host else (lambda t: t)
+    fetch = offload.to_device if prog.layout.homes.optimizer_on_host else (lambda t: t)
     scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
                      constrain_grad=constrain_grad, fetch=fetch,
                      offload_inputs=cfg.remat.preset == "offload_layer_inputs")
     lr_at = schedule(cfg)
-    moe = cfg.model.n_experts > 0  # the loss adds the router losses (the layer scan carries their statistics)
-
-    def counts_to_device(tree):
-        return jax.tree.map(lambda x: offload.to_device(x) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
-
-    def home(tree, like):  # tree's leaves in the memory spaces of like's (host-resident state stays there)
-        return jax.tree.map(lambda x, h: jax.device_put(x, jax.typeof(h).memory_space), tree, like)
 
     def step(state, batch):
         state = offload.mark_host_entries(cfg, state)  # host avals on compile-only devices too
         # one micro-batch (validated): inputs, labels, segment ids, positions [rows, T] (or None)
         micro = jax.tree.map(lambda x: x[0], split_batch(batch))
-        labels = micro[1]
-        n_valid = jnp.maximum(jnp.sum(labels != IGNORE_INDEX), 1).astype(jnp.float32)
+        n_valid = jnp.maximum(jnp.sum(micro[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         params, master = state["params"], state.get("master")
         factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
-        opt_like = jax.eval_shape(lambda: (take_layer((master or params)["layers"], 0),
-                                           take_layer(state["opt"]["layers"], 0)))
-
-        def loss(rest, layers, layer_weights, layer_opt, sq_seed):
-            layer_state = (layer_weights, layer_opt, factor, sq_seed)
-            ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
-                body, h, stacked, layer_state, opt_like))
-            out = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro, router_losses=moe)
-            if not moe:
-                return out[0] / n_valid, (out[0], {})
-            (loss_sum, n_micro), router = out  # weighted like the plain step's (jaxmem.core.program)
-            extra = (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
-                     + cfg.model.router_z_loss_coef * router["moe_z_loss"])
-            return (loss_sum + n_micro.astype(jnp.float32) * extra) / n_valid, (loss_sum, router)
-
+        loss = _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state)
         rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])
         with jax.named_scope(GRADS_SCOPE):
             grads, (loss_sum, router) = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
                 rest, params["layers"], None if master is None else master["layers"],
-                ints_as_floats(counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
+                ints_as_floats(_counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
         g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
         with jax.named_scope(UPDATE_SCOPE):
-            g_rest = jax.lax.with_sharding_constraint(
-                jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
-            sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
-            w_rest, _ = split_layers(master or params)
-            s_rest = state["opt"]["rest"]
-            new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest),
-                                               fetch(s_rest), fetch(w_rest), prec.param)
-            new_s, new_w = home(new_s, s_rest), home(new_w, w_rest)
+            new_p, new_s, new_w, sq_rest = _update_rest(prog, state, g_rest, factor, fetch)
         grad_norm = jnp.sqrt(sq_rest + sq_layers)
         layer_opt = state["opt"]["layers"]
-        new_opt = {"rest": new_s, "layers": home(floats_as_ints(new_layer_opt, layer_opt), layer_opt)}
+        new_opt = {"rest": new_s, "layers": _home(floats_as_ints(new_layer_opt, layer_opt), layer_opt)}
         new_params = jax.lax.with_sharding_constraint(dict(new_p, layers=new_layer_params),
                                                       prog.state_shardings["params"])
         new_state = dict(state, step=state["step"] + 1, params=new_params, opt=new_opt, grad_norm=grad_norm)
         if master is not None:
-            new_state["master"] = dict(new_w, layers=home(new_layer_weights, master["layers"]))
+            new_state["master"] = dict(new_w, layers=_home(new_layer_weights, master["layers"]))
         count = adam_count(new_opt)
         metrics = {"loss": loss_sum / n_valid, "grad_norm": grad_norm, "lr": lr_at(jnp.maximum(count - 1, 0)),
                    "tokens": n_valid, "update_skipped": jnp.bool_(False), "loss_scale": jnp.float32(1.0), **router}
         return new_state, metrics
 
     return step
+
+
+def _counts_to_device(tree):
+    return jax.tree.map(lambda x: offload.to_device(x) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+
+
+def _home(tree, like):
+    """tree's leaves in the memory spaces of like's (host-resident state stays there)."""
+    return jax.tree.map(lambda x, h: jax.device_put(x, jax.typeof(h).memory_space), tree, like)
+
+
+def _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state):
+    """loss(rest, layers, layer weights, layer optimizer state, squared-norm seed) -> (loss share, (loss sum,
+    router statistics)): the program's loss with the layer scan that updates each layer in the backward; a
+    mixture of experts adds its router losses weighted like the plain step's (jaxmem.core.program)."""
+    cfg = prog.cfg
+    routed = is_moe(cfg.model)  # the layer scan then carries the router statistics
+    params, master = state["params"], state.get("master")
+    opt_like = jax.eval_shape(lambda: (take_layer((master or params)["layers"], 0),
+                                       take_layer(state["opt"]["layers"], 0)))
+
+    def loss(rest, layers, layer_weights, layer_opt, sq_seed):
+        layer_state = (layer_weights, layer_opt, factor, sq_seed)
+        ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
+            body, h, stacked, layer_state, opt_like))
+        out = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro, router_losses=routed)
+        if not routed:
+            return out[0] / n_valid, (out[0], {})
+        (loss_sum, n_micro), router = out
+        extra = (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
+                 + cfg.model.router_z_loss_coef * router["moe_z_loss"])
+        return (loss_sum + n_micro.astype(jnp.float32) * extra) / n_valid, (loss_sum, router)
+
+    return loss
+
+
+def _update_rest(prog, state, g_rest, factor, fetch):
+    """The embedding, final norm and LM head updated after the backward: (new params, new optimizer state,
+    new master, their gradients' squared norm)."""
+    rest_shardings, _ = split_layers(sharding.named(prog.mesh, prog.grad_specs))
+    g_rest = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
+    sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
+    w_rest, _ = split_layers(state.get("master") or state["params"])
+    s_rest = state["opt"]["rest"]
+    new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest), fetch(s_rest),
+                                       fetch(w_rest), prog.precision.param)
+    return new_p, _home(new_s, s_rest), _home(new_w, w_rest), sq_rest
 
 
 class UpdateInBackward(ProgramPlugin):

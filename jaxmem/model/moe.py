@@ -30,6 +30,11 @@ EXPERT_FD = ("experts", "mlp", "embed")
 ROUTER_DE = ("embed", "experts")
 
 
+def is_moe(cfg: ModelConfig) -> bool:
+    """Whether the model's MLPs are a mixture of experts."""
+    return cfg.n_experts > 0
+
+
 def expert_width(cfg: ModelConfig) -> int:
     return cfg.expert_d_ff or cfg.d_ff
 

@@ -87,7 +87,6 @@ def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> S
     import jax
     from flax import nnx
 
-
     groups = _groups(cfg)
     params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model))[1])
     full = {".".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)

@@ -317,20 +317,44 @@ def _expert_efficiency(cfg: Config, bill: Bill, kernel: str) -> float:
 
 def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int) -> dict:
     """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device)."""
-    m, p = cfg.model, cfg.precision
     seq = cfg.train.seq_len
     tokens = grad_accum * rows * seq
-    peak = gpu.peak_flops(p.compute_dtype)
+    peak = gpu.peak_flops(cfg.precision.compute_dtype)
     kernels = bill.layout.kernels
     attn_kernel, loss_kernel = kernels.get("attention", "xla"), kernels.get("loss", "chunked")
     ops = _op_flops(cfg, tokens)
     # the tiles rerun their forward in the backward: counted here as in the recompute FLOPs
     rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel,
                            tile_count(seq, bill.mesh.get("sp", 1), cfg.remat.seq_tile))
-    cd = _itemsize(p.compute_dtype)
+    matmul_s, matmul_flops, expert_flops = _matmul_seconds(cfg, bill, ops, rebuilt, tokens, n_devices * peak)
+    attn_s, attn_flops = _attention_seconds(cfg, gpu, attn_kernel, rebuilt, tokens, grad_accum * rows,
+                                            n_devices, peak)
+    loss_s, loss_flops = _loss_seconds(cfg, loss_kernel, tokens, n_devices, peak)
+    memory_s, hbm_bytes = _memory_seconds(cfg, bill, gpu, tokens, n_devices)
+    layer_s = LAYER_OVERHEAD_SECONDS * cfg.model.n_layers * grad_accum
+    overlapped, serial = _host_link_bytes(cfg, bill, grad_accum)
+    link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
+    homes = bill.layout.homes
+    host_update_s = _opt_elems(bill) * HOST_UPDATE_SECONDS_PER_PARAM if homes.update_on_host else 0.0
+    compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
+    return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
+            "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
+            "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
+            "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
+            "host_update_seconds": host_update_s,
+            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops,
+            "loss_flops": loss_flops,
+            "hbm_bytes": hbm_bytes, "attention_kernel": attn_kernel,
+            "loss_kernel": loss_kernel, **({"grouped_matmul_kernel": kernels.get("grouped_matmul", "blocked")}
+                                           if expert_flops else {})}
 
-    # Projection / MLP matmuls: forward, backward (2 x; a frozen weight's 1 x, its input gradient), the remat
-    # recompute. A mixture of experts runs its MLP ops as grouped matmuls, at their kernel's own rate.
+
+def _matmul_seconds(cfg: Config, bill: Bill, ops: dict, rebuilt: list[str], tokens: int,
+                    peak_all: float) -> tuple[float, float, float]:
+    """(seconds, FLOPs, of them the experts') of the projection / MLP matmuls: forward, backward (2 x; a frozen
+    weight's 1 x, its input gradient), the remat recompute. A mixture of experts runs its MLP ops as grouped
+    matmuls, at their kernel's own rate."""
+    m = cfg.model
     weight_passes = 2 if cfg.lora.rank > 0 else 3
     layer_matmul = sum(v for k, v in ops.items() if k.endswith("_proj"))
     layer_matmul += ops["up_proj"] + ops["kv_proj"]  # gate + up, key + value: two matmuls each
@@ -343,72 +367,80 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
                         + sum(ops[o] for o in rebuilt if o in expert_ops)) * m.n_layers
     if cfg.lora.rank > 0:  # the adapters' own matmuls (forward, dx, dA, dB)
         matmul_flops += 3 * 2.0 * tokens * lora_adapter_params(cfg)
-    expert_rate = _expert_efficiency(cfg, bill, kernels.get("grouped_matmul", "blocked")) if expert_flops else 1.0
-    matmul_s = ((matmul_flops - expert_flops) / MATMUL_EFFICIENCY + expert_flops / expert_rate) / (n_devices * peak)
+    kernel = bill.layout.kernels.get("grouped_matmul", "blocked")
+    expert_rate = _expert_efficiency(cfg, bill, kernel) if expert_flops else 1.0
+    seconds = ((matmul_flops - expert_flops) / MATMUL_EFFICIENCY + expert_flops / expert_rate) / peak_all
+    return seconds, matmul_flops, expert_flops
 
-    # Attention as the kernel runs it.
+
+def _attention_seconds(cfg: Config, gpu: GpuTarget, kernel: str, rebuilt: list[str], tokens: int, sequences: int,
+                       n_devices: int, peak: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of attention as the kernel runs it: a flash kernel over the causal triangle (or a
+    window's band); plain XLA unmasked, the [N, T, S] scores written and read ~6 times."""
+    m, seq = cfg.model, cfg.train.seq_len
     reruns = rebuilt.count("attention")
-    hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
-    if attn_kernel in ATTENTION_EFFICIENCY:
+    if kernel in ATTENTION_EFFICIENCY:
         causal_fwd = _flash_attention_fwd(cfg, tokens)  # ops["attention"] / 2 without a window
-        attn_flops = causal_fwd * (3.5 + reruns) * m.n_layers
-        attn_s = attn_flops / (n_devices * peak * ATTENTION_EFFICIENCY[attn_kernel])
-    else:  # plain XLA: unmasked matmuls (a window is only a mask), the [N, T, S] scores written and read ~6 times
-        attn_flops = 4.0 * tokens * seq * m.n_heads * m.head_dim * (3 + reruns) * m.n_layers
-        scores = grad_accum * rows * m.n_heads * seq * seq * 4 * 6 * (1 + reruns / 3) * m.n_layers
-        attn_s = attn_flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm)
+        flops = causal_fwd * (3.5 + reruns) * m.n_layers
+        return flops / (n_devices * peak * ATTENTION_EFFICIENCY[kernel]), flops
+    flops = 4.0 * tokens * seq * m.n_heads * m.head_dim * (3 + reruns) * m.n_layers
+    scores = sequences * m.n_heads * seq * seq * 4 * 6 * (1 + reruns / 3) * m.n_layers
+    hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
+    return flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm), flops
 
-    # LM head + cross-entropy.
-    loss_passes = LOSS_PASSES.get(loss_kernel, 4) - (1 if cfg.lora.rank > 0 else 0)  # a LoRA head is frozen: no dW
-    loss_flops = loss_passes * 2.0 * tokens * m.d_model * m.vocab_size
-    loss_s = loss_flops / (n_devices * peak * loss_efficiency(cfg, loss_kernel, max(1, tokens // n_devices)))
 
-    # Memory-bound: elementwise forward + backward (2 x) + the recomputed forward, and the update.
+def _loss_seconds(cfg: Config, kernel: str, tokens: int, n_devices: int, peak: float) -> tuple[float, float]:
+    """(seconds, FLOPs) of the LM head + cross-entropy; a LoRA head is frozen: no dW."""
+    m = cfg.model
+    passes = LOSS_PASSES.get(kernel, 4) - (1 if cfg.lora.rank > 0 else 0)
+    flops = passes * 2.0 * tokens * m.d_model * m.vocab_size
+    return flops / (n_devices * peak * loss_efficiency(cfg, kernel, max(1, tokens // n_devices))), flops
+
+
+def _memory_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, tokens: int, n_devices: int) -> tuple[float, float]:
+    """(seconds, bytes) memory-bound: elementwise forward + backward (2 x) + the recomputed forward, and the
+    update: grads read twice (global norm, update), old params read, master / m / v read + written, params
+    written. The default step holds most gradients at the params' dtype (jaxmem.core.grad_dtype): the bill's."""
+    m, p = cfg.model, cfg.precision
     passes = 3 + (1 if remat.uses_checkpoint(cfg.remat) else 0)
-    elementwise_bytes = _elementwise_elems_per_token(cfg) * cd * passes * tokens * m.n_layers / n_devices
+    elementwise_bytes = _elementwise_elems_per_token(cfg) * _itemsize(p.compute_dtype) * passes * tokens \
+        * m.n_layers / n_devices
     opt_elems = _opt_elems(bill)
     grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
     moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
     master_b = 4 if p.master_weights else 0
-    # grads read twice (global norm, update), old params read, master / m / v read + written, params written.
-    # The default step holds most gradients at the params' dtype (jaxmem.core.grad_dtype): the bill's bytes.
     homes = bill.layout.homes
     plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and not homes.params_on_host
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)
-    memory_s = (elementwise_bytes + (0 if homes.update_on_host else update_bytes)) / hbm
-    layer_s = LAYER_OVERHEAD_SECONDS * m.n_layers * grad_accum
+    hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
+    return (elementwise_bytes + (0 if homes.update_on_host else update_bytes)) / hbm, elementwise_bytes + update_bytes
 
-    # Host link, bytes per device as they cross it.
-    link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
-    overlapped = 2 * bill.host.get("activations", 0) * grad_accum  # offloaded layer inputs: out, back in
+
+def _host_link_bytes(cfg: Config, bill: Bill, grad_accum: int) -> tuple[float, float]:
+    """(overlapped, serial) bytes per device that cross the host link: offloaded layer inputs out and back
+    in, host-resident layers' weights in (forward, backward) and their gradients out, and the optimizer state
+    streamed through the device after the backward (or the gradients down and new params back for an update
+    on the host)."""
+    p = cfg.precision
+    grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
+    moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
+    master_b = 4 if p.master_weights else 0
+    homes = bill.layout.homes
+    overlapped = 2 * bill.host.get("activations", 0) * grad_accum
     serial = 0.0
     layer_params = _layer_elems(bill, bill.layout.param_specs)
     if homes.params_on_host:
-        # each layer's weights come in for the forward and again for the backward; its grads go out
         overlapped += grad_accum * layer_params * (2 * param_b) + layer_params * grad_b
     if homes.optimizer_on_host:
-        state = opt_elems * (master_b + 2 * moment_b)
+        opt_elems = _opt_elems(bill)
         if homes.update_streamed:
-            # master, m, v stream in and back out; host-resident layer grads come in twice (norm, update),
-            # old host params come in, new host params go out
-            serial = 2 * state
-            if homes.params_on_host:
+            serial = 2 * opt_elems * (master_b + 2 * moment_b)
+            if homes.params_on_host:  # host layer grads in twice (norm, update), old params in, new out
                 serial += layer_params * (2 * grad_b + 2 * param_b)
-        else:  # grads go down, new params come back
+        else:
             serial = bill.device["grads"] + opt_elems * param_b
-    host_update_s = opt_elems * HOST_UPDATE_SECONDS_PER_PARAM if homes.update_on_host else 0.0
-    compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
-    return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
-            "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
-            "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
-            "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
-            "host_update_seconds": host_update_s,
-            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops,
-            "loss_flops": loss_flops,
-            "hbm_bytes": elementwise_bytes + update_bytes, "attention_kernel": attn_kernel,
-            "loss_kernel": loss_kernel, **({"grouped_matmul_kernel": kernels.get("grouped_matmul", "blocked")}
-                                           if expert_flops else {})}
+    return overlapped, serial
 
 
 def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:

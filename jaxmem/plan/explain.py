@@ -119,7 +119,6 @@ def render(result: dict, console=None) -> None:
 def _attached_target() -> str:
     import jax
 
-
     target = target_for_device_kind(getattr(jax.devices()[0], "device_kind", ""))
     return target.name if target else ""
 

@@ -31,6 +31,14 @@ def _local_labels(labels_t, v_local: int, tp, ignore_index: int):
     return jnp.where(labels_t == ignore_index, ignore_index, jnp.where(inside, labels_t - offset, v_local))
 
 
+def _psum_if(x, axes):
+    return x if axes is None else jax.lax.psum(x, axes)
+
+
+def _flat(h, labels):
+    return h.reshape(-1, h.shape[-1]), labels.reshape(-1)
+
+
 def shard_loss(forward, backward, mesh: Mesh, *, ignore_index: int, z_loss: float, dw_axes: tuple | None = None):
     """fn(h, w_dv, labels) -> (loss_sum, n_valid) running `forward`/`backward` per shard.
 
@@ -46,31 +54,25 @@ def shard_loss(forward, backward, mesh: Mesh, *, ignore_index: int, z_loss: floa
     split = tuple(a for a in tokens or () if a in (dw_axes or ()))
     others = tuple(a for a in tokens or () if a not in split) or None
 
-    def psum_if(x, axes):
-        return x if axes is None else jax.lax.psum(x, axes)
-
-    def flat(h, labels):
-        return h.reshape(-1, h.shape[-1]), labels.reshape(-1)
-
     def forward_body(h, w_dv, labels):
-        h_td, labels_t = flat(h, labels)
+        h_td, labels_t = _flat(h, labels)
         labels_l = _local_labels(labels_t, w_dv.shape[1], tp, ignore_index)
         lse, target = forward(h_td, w_dv, labels_l)
         if tp is not None:
             m = jax.lax.pmax(lse, tp)
             lse = m + jnp.log(jax.lax.psum(jnp.exp(lse - m), tp))
             target = jax.lax.psum(target, tp)
-        return psum_if(loss_sum(lse, target, labels_t, ignore_index, z_loss), tokens), lse.reshape(labels.shape)
+        return _psum_if(loss_sum(lse, target, labels_t, ignore_index, z_loss), tokens), lse.reshape(labels.shape)
 
     def backward_body(h, w_dv, labels, lse, g):
-        h_td, labels_t = flat(h, labels)
+        h_td, labels_t = _flat(h, labels)
         labels_l = _local_labels(labels_t, w_dv.shape[1], tp, ignore_index)
         dh, dw = backward(h_td, w_dv, labels_l, lse.reshape(-1), g)
         if scattered(w_dv.shape[0]):
-            dw = psum_if(jax.lax.psum_scatter(dw, split, scatter_dimension=0, tiled=True), others)
+            dw = _psum_if(jax.lax.psum_scatter(dw, split, scatter_dimension=0, tiled=True), others)
         else:
-            dw = psum_if(dw, tokens)
-        return psum_if(dh, tp).reshape(h.shape), dw
+            dw = _psum_if(dw, tokens)
+        return _psum_if(dh, tp).reshape(h.shape), dw
 
     def scattered(d_model: int) -> bool:
         return bool(split) and d_model % math.prod(mesh.shape[a] for a in split) == 0
