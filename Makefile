@@ -1,11 +1,12 @@
 # `make demo`: set up .venv, install, train the tiny default model on CPU (8 virtual devices, FSDP).
-# `make test`: set up .venv with the dev extra and run the whole suite.
+# `make test`: set up .venv with the dev extra and run the whole suite: the unit tier on one device, then the
+# integration tier on 8 virtual devices. `make test-unit`: the unit tier alone (no multi-device program).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CPU_ENV := JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-latest clean
+.PHONY: demo test test-unit test-integration test-latest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +32,16 @@ $(CUDNN_SITE)/.installed: | $(BIN)/python
 	$(BIN)/python -m pip install --quiet --no-deps --target $(CUDNN_SITE) 'nvidia-cudnn-cu12>=9.8,<10' \
 		&& touch $@ || echo "cuDNN wheel not installed: its deviceless compile tests will skip"
 
-test: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
-	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=15 tests
+PYTEST := $(BIN)/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+
+test: test-unit test-integration
+
+# One device: a unit test that compiles a multi-device program fails here (tests/conftest.py, JAXMEM_TEST_DEVICES).
+test-unit: $(VENV)/.dev-installed
+	JAXMEM_TEST_DEVICES=1 JAX_PLATFORMS=cpu $(PYTEST) tests/unit
+
+test-integration: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
+	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(PYTEST) --durations=15 tests/integration
 
 # `make test-latest`: the compatibility subset on the newest jax pip resolves for Python 3.12 (jax 0.12 today),
 # in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.
@@ -47,7 +56,7 @@ LATEST := .venv-latest
 # test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax.
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
-	tests/unit/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py
+	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py
 
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)

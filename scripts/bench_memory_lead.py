@@ -183,7 +183,7 @@ NOTES = """
   `jaxmem/core/grad_dtype.py` reads it off the jaxpr, so the values are the same), keeps the embedding's
   gradient as the rows the step touched (`jaxmem/core/embed_grad.py`), computes the exact global norm, then
   updates the state in place a layer at a time, the embedding / final norm / LM head after the layers.
-  Same loss, master and moments as the optax whole-model update (`tests/unit/test_lean_update.py`). See the
+  Same loss, master and moments as the optax whole-model update (`tests/integration/test_lean_update.py`). See the
   first two rows: temporaries 18.08 -> 4.71 GiB (goal <= 6), device total 54.53 -> 41.16 GiB, compiled
   deviceless with jax 0.10.2. Nothing of the new row was measured on a GPU; before, this case's compiled
   figure was within 1% of its measured peak (54.53 vs 55.02 GiB), and PyTorch's 48.7 GiB was measured. The

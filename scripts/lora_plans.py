@@ -179,7 +179,7 @@ their product and three SiLU internals) and fp32 copies of the two norm inputs. 
 act(gate) * up now has a custom VJP that keeps only gate and up and recomputes act(gate) and its derivative
 elementwise in the backward; the default (XLA) RMSNorm has one that keeps its input in bf16 and recomputes
 1/rms in the backward. Both are the same forward, and their gradients equal plain autodiff of the reference
-(tests/unit/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
+(tests/integration/test_lean_residuals.py). Over 32 layers that drops 2.63 GiB of SiLU internals and 0.5 GiB of fp32 norm
 copies: all linears 14.64 -> 11.52 GiB, q,v 12.12 -> 9.01 GiB (compiled deviceless for rtx4090-24g, jax
 0.10.2); the adapters differentiated at bf16 (no fp32 copy of them, docs/lora.md) then took them to 11.04 and
 8.86 GiB. Cost: one more elementwise pass over [tokens, d_ff] (the activation) and over [tokens, d_model] per

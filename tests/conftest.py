@@ -40,7 +40,10 @@ from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 flags = os.environ.get("XLA_FLAGS", "")
-suite_flags = ["--xla_force_host_platform_device_count=8", "--xla_cpu_enable_concurrency_optimized_scheduler=false",
+# JAXMEM_TEST_DEVICES=1 (`make test-unit`): the unit tier on one device, so a test there that compiles a
+# multi-device program fails instead of passing unnoticed (tests that need meshes live in tests/integration).
+DEVICES = int(os.environ.get("JAXMEM_TEST_DEVICES", "8"))
+suite_flags = [f"--xla_force_host_platform_device_count={DEVICES}", "--xla_cpu_enable_concurrency_optimized_scheduler=false",
                "--xla_cpu_multi_thread_eigen=false", "--xla_cpu_parallel_codegen_split_count=1"]
 if tuple(int(p) for p in version("jaxlib").split(".")[:2]) < (0, 11):
     suite_flags.append("--xla_cpu_use_fusion_emitters=false")

@@ -10,7 +10,7 @@ linear replaced by a [L] placeholder; the layer scan carries the stored linears 
 and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
 computes x W + scale * (x A) B with W dequantized under a custom VJP that keeps only the stored form for the
 backward. No merged weight, no weight-shaped gradient, no dequantized layer kept between forward and
-backward, under every remat preset (checked on the compiled figures in tests/unit/test_lora_lean.py).
+backward, under every remat preset (checked on the compiled figures in tests/integration/test_lora_lean.py).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Bit-identical to the jnp quantizers: every step is an elementwise IEEE op or a max, which round the same
 everywhere (values times the reciprocal scale, as quant.py spells it), and the one float sum (the mean of a
 layer's block absmaxes under double quantization) adds in the fixed pairwise order of quant.pairwise_mean
-(tests/unit/test_lora_load_base.py compares the forms bit for bit).
+(tests/integration/test_lora_load_base.py compares the forms bit for bit).
 """
 from __future__ import annotations
 

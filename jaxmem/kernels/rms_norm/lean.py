@@ -3,7 +3,7 @@
 Plain autodiff of `rms_norm_reference` keeps the fp32 upcast of x for the backward (twice x's bytes in
 bf16). This custom VJP keeps only x in its own dtype and the weight; the backward recomputes 1/rms from x
 (one fused pass over a row it reads anyway) and forms dx and dw in fp32. Numerics equal the reference's
-autodiff up to rounding (tests/unit/test_lean_residuals.py); the reference stays the executable spec.
+autodiff up to rounding (tests/integration/test_lean_residuals.py); the reference stays the executable spec.
 """
 from __future__ import annotations
 

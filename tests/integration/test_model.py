@@ -31,7 +31,7 @@ def test_every_checkpoint_name_is_tagged_in_the_layer():
     cfg = load_config("configs/tiny.yaml", ["model.qkv_bias=true"]).model
     model = init_model(cfg)
     jaxpr = str(jax.make_jaxpr(lambda t: model(t))(np.zeros((1, 8), np.int32)))
-    # the MoE names are tagged by a mixture of experts (tests/unit/test_moe.py); flash_residuals by a Pallas flash
+    # the MoE names are tagged by a mixture of experts (tests/integration/test_moe.py); flash_residuals by a Pallas flash
     # kernel (tests/unit/test_remat_alternate.py): this dense model's attention is plain XLA
     untagged = set(MOE_NAMES) | {CheckpointName.FLASH_RESIDUALS.value}
     for name in ALL_NAMES:
