@@ -1,4 +1,5 @@
-"""Fail on any import circle among jaxmem's modules, counting imports placed inside functions.
+"""Fail on any import circle among jaxmem's modules, counting imports placed inside functions; on any import
+that runs up the package floors; and on a function-level import of jaxmem without a reason.
 
 Reads every module of the package with `ast` (nothing is imported), records each `import jaxmem.x`,
 `from jaxmem.x import y`, `from jaxmem import x` and relative import wherever it sits (module level, inside a
@@ -10,6 +11,11 @@ An import of a package (`jaxmem.plan`) counts as an edge to its `__init__`; `fro
 counts as an edge to `jaxmem.plan.bill` when that is a module, else to the package's `__init__`. Importing
 `jaxmem.plan.bill` also runs `jaxmem/plan/__init__.py`, but that edge is left out: a package's `__init__`
 re-exporting its own submodules would otherwise make every package a circle.
+
+The floors (FLOORS, bottom first) are the package layering: a package imports only packages on lower floors,
+and the feature packages, which share a floor, import none of each other (the registry, jaxmem.features,
+composes them). UP_ALLOWED names the imports that may run up, each with its reason. A function-level import of
+a jaxmem module must say why on its line (`# lazy: ...`): an import kept out of the module's import time.
 
 Usage: python scripts/check_imports.py [package_dir]   (default: jaxmem beside this script's parent)
 """
@@ -157,17 +163,86 @@ def describe(graph: dict[str, dict[str, int]], known: dict[str, Path], cycle: li
     return " -> ".join(steps + [cycle[-1]])
 
 
+# Bottom first. "<root>" is the package's __init__ (its lazy public surface); "version" and "features" are the
+# root modules jaxmem/version.py and jaxmem/features.py (the registry).
+FLOORS = (("config", "version"), ("runtime",), ("mesh",), ("kernels",), ("model",), ("io",), ("core",),
+          ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar"), ("features",), ("plan",), ("train",),
+          ("cli",), ("api",), ("<root>",))
+# (importing package, imported package) -> why it may run up a floor or across the feature floor
+UP_ALLOWED: dict[tuple[str, str], str] = {}
+
+
+def package_of(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "<root>"
+
+
+def floor_violations(graph: dict[str, dict[str, int]], known: dict[str, Path]) -> list[str]:
+    """One line per import that runs up the floors (or from one feature package into another)."""
+    level = {name: i for i, names in enumerate(FLOORS) for name in names}
+    out = []
+    for module, deps in sorted(graph.items()):
+        a = package_of(module)
+        for dep, line in sorted(deps.items()):
+            b = package_of(dep)
+            if a == b or (a, b) in UP_ALLOWED or a not in level or b not in level:
+                continue
+            if level[b] >= level[a]:
+                where = "a feature on the same floor" if level[b] == level[a] else f"floor {level[b]} > {level[a]}"
+                out.append(f"{module} ({known[module].name}:{line}) imports {dep}: {where}")
+    return out
+
+
+def unexplained_lazy_imports(package_dir: Path, known: dict[str, Path]) -> list[str]:
+    """Function-level imports of the package with no `#` comment on their line (the reason)."""
+    top = package_dir.name
+    out = []
+    for module, path in sorted(known.items()):
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(fn):
+                internal = (isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == top)
+                            or isinstance(node, ast.Import) and any(a.name.split(".")[0] == top for a in node.names))
+                if internal and "#" not in lines[node.end_lineno - 1]:
+                    out.append(f"{module} ({path.name}:{node.lineno}): a function-level import without its reason")
+    return out
+
+
+def count_lazy_imports(package_dir: Path, known: dict[str, Path]) -> int:
+    """Function-level imports of the package."""
+    top = package_dir.name
+    count = 0
+    for path in known.values():
+        for fn in ast.walk(ast.parse(path.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count += sum(1 for node in ast.walk(fn) if isinstance(node, ast.ImportFrom) and (
+                    node.level or (node.module or "").split(".")[0] == top) or isinstance(node, ast.Import) and any(
+                    a.name.split(".")[0] == top for a in node.names))
+    return count
+
+
 def main(argv: list[str]) -> int:
     package_dir = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "jaxmem"
     graph, known = import_graph(package_dir)
     components = strongly_connected(graph)
-    if not components:
+    problems = floor_violations(graph, known) + unexplained_lazy_imports(package_dir, known)
+    if not components and not problems:
         edges = sum(len(v) for v in graph.values())
         print(f"check_imports: no import circles among {len(graph)} modules ({edges} imports, function-level included)")
+        floored = {package_of(m) for m in graph} & {name for names in FLOORS[:-1] for name in names}
+        if floored:
+            print(f"check_imports: the package floors hold ({len(floored)} packages; {len(UP_ALLOWED)} imports "
+                  f"allowed to run up; {count_lazy_imports(package_dir, known)} function-level imports, each with "
+                  "its reason)")
         return 0
     for component in components:
         print(f"import circle among {len(component)} modules: {', '.join(component)}")
         print("  e.g. " + describe(graph, known, one_cycle(graph, component)))
+    for line in problems:
+        print(line)
     return 1
 
 

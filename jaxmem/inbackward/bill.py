@@ -6,11 +6,10 @@ import jax
 
 from jaxmem.config.schema import Config
 from jaxmem.core.accounting import (SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP, itemsize, shard_elems, state_dtypes,
-                                    state_elems)
+                                    state_elems, update_phase_bytes)
 from jaxmem.core.layout import Layout, spec_leaves
 from jaxmem.core.optim import split_layers
 from jaxmem.core.precision import Precision
-from jaxmem.offload.bill import update_phase_bytes
 
 
 def in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:

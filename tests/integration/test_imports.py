@@ -62,3 +62,29 @@ def test_a_tree_without_circles_passes(tmp_path, capsys):
     status, lines = _check(package, capsys)
     assert status == 0, lines
     assert lines == ["check_imports: no import circles among 3 modules (2 imports, function-level included)"]
+
+
+def test_the_package_floors_hold_and_lazy_imports_say_why(capsys):
+    """No package imports one on a higher floor (or another feature package), at most 6 imports may be allowed
+    to, and the package's function-level imports (at most 40) each carry their reason."""
+    checker = _checker()
+    status, lines = _check(ROOT / "jaxmem", capsys)
+    assert status == 0, "\n".join(lines)
+    assert lines[1].startswith("check_imports: the package floors hold (")
+    assert len(checker.UP_ALLOWED) <= 6
+    graph, known = checker.import_graph(ROOT / "jaxmem")
+    assert checker.count_lazy_imports(ROOT / "jaxmem", known) <= 40
+
+
+def test_an_import_up_the_floors_or_across_features_is_named(tmp_path, capsys):
+    package = _package(tmp_path, {
+        "__init__.py": "", "config/__init__.py": "", "config/schema.py": "from jaxmem.core import program\n",
+        "core/__init__.py": "", "core/program.py": "import os\n",
+        "lora/__init__.py": "", "lora/plugin.py": "from jaxmem.moe import bill\n",
+        "moe/__init__.py": "", "moe/bill.py": "def f():\n    from jaxmem.core import program\n    return program\n",
+    })
+    status, lines = _check(package, capsys)
+    assert status == 1
+    assert lines == ["jaxmem.config.schema (schema.py:1) imports jaxmem.core.program: floor 6 > 0",
+                     "jaxmem.lora.plugin (plugin.py:1) imports jaxmem.moe.bill: a feature on the same floor",
+                     "jaxmem.moe.bill (bill.py:2): a function-level import without its reason"]
