@@ -22,7 +22,7 @@ from jaxmem.runtime import ptxas_cache
 from jaxmem.plan.report import fmt_seconds
 from jaxmem.runtime.aot import add_target_args
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.cli.ep_search import expand_auto_ep
+from jaxmem import features as registry
 from jaxmem.plan import plan, resolve_topology
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores
@@ -341,10 +341,11 @@ def main(argv: list[str] | None = None) -> int:
         if flag is not None:
             target[key] = flag
     cache = Path(args.cache) if args.cache else out / "cache"
-    if grid.get("parallel.ep") == ["auto"]:  # the ep values the model and the devices allow (jaxmem.cli.ep_search)
+    if any(values == ["auto"] for values in grid.values()):  # a feature's values the model and devices allow
         cfg = load_config(config, base)
         topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
-        grid = expand_auto_ep(grid, lambda o: load_config(config, base + o), cfg.model.n_experts, topo.n_devices)
+        for feature in registry.FEATURES:  # a mixture of experts: parallel.ep=auto
+            grid = feature.expand_grid(grid, lambda o: load_config(config, base + o), cfg, topo.n_devices)
     rows = run_sweep(config, grid, base, target, out, cache, args.workers, not args.no_compile)
     paths = write_outputs(rows, out)
     print_summary(rows)

@@ -18,7 +18,7 @@ from pathlib import Path
 from jaxmem.config import ConfigError
 
 from jaxmem.features import load_config
-from jaxmem.cli.ep_search import ep_mesh_options
+from jaxmem import features as registry
 from jaxmem.mesh.sharding import batch_ways, mesh_shape
 from jaxmem.config.schema import to_dict
 from jaxmem.cli.sweep import plot_pareto
@@ -35,20 +35,16 @@ ANALYTIC_SLACK = 1.35
 
 LONG_SEQ = 32768
 # The flow: each stage adds the levers of the previous ones (every candidate starts in bf16 mixed precision).
-STAGES = (
+# Recomputation is the base model's; the offload stages are host offload's search axes (each feature brings
+# its own: jaxmem.core.plugins.Feature.search_axes).
+BASE_STAGES = (
     ("bf16 mixed precision", [[]]),
     ("activation recomputation", [["remat.preset=selective"], ["remat.preset=save_qkv_proj"],
                                   ["remat.preset=selective", "remat.granularity=segments"], ["remat.preset=full"],
                                   # per name: keep the attention output, so the flash kernel does not rerun
                                   ["remat.preset=full", "remat.names.attn_context=device"]]),
-    ("optimizer state offloaded", [[r, "offload.optimizer=host", f"offload.optimizer_update={u}"]
-                                   for r in ("remat.preset=selective", "remat.preset=full")
-                                   for u in ("device", "host")]),
-    ("activations offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
-                                f"offload.optimizer_update={u}"] for u in ("device", "host")]),
-    ("parameters offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
-                               "offload.optimizer_update=device", "offload.params=host"]]),
 )
+STAGES = BASE_STAGES + tuple(stage for feature in registry.FEATURES for stage in feature.search_axes)
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",
         "kernels.loss=chunked"]
 # The memory levers tune decides, reset in every candidate (the config's own choices do not carry over;
@@ -130,8 +126,8 @@ class Tuner:
         self.global_batch = global_batch or base.train.global_batch or (
             base.train.micro_batch * _data_ways(base, self.n) * max(base.train.grad_accum, 1))
         self.meshes = mesh_options(base, self.n)
-        if self.meshes != [[]]:  # a free mesh: a mixture of experts may also split its experts (jaxmem.cli.ep_search)
-            self.meshes += ep_mesh_options(self._load, base.model.n_experts, self.n)
+        if self.meshes != [[]]:  # a free mesh: a feature may add its own (a mixture of experts: ep)
+            self.meshes += [m for f in registry.FEATURES for m in f.search_meshes(self._load, base, self.n)]
         self.candidates: list[Candidate] = []
         self.path: list[str] = []
 

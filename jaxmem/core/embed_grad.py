@@ -24,6 +24,7 @@ from jaxmem.mesh.sharding import spec_ways
 from jaxmem.mesh import sharding
 from jaxmem.mesh.axes import activation_rules
 from jaxmem.model.transformer import Transformer
+from jaxmem.model.moe import is_moe
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "sums"], meta_fields=["vocab"])
@@ -46,7 +47,7 @@ def applies(cfg, layout, prec) -> bool:
     # model.embed_scale (Gemma) multiplies the looked-up rows, so a row's gradient is not the table's; a mixture of
     # experts adds its router losses in the step's own loss function, which the rows' path does not run: left out
     if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
-            or cfg.model.embed_scale or cfg.model.n_experts or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
+            or cfg.model.embed_scale or is_moe(cfg.model) or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
         return False
     return rows_bytes(cfg, layout, prec) < table_bytes(cfg, layout, prec)
 

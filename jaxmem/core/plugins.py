@@ -193,7 +193,16 @@ class Feature:
     # (jaxmem.plan.buffer_kinds), and the override axes a search adds (jaxmem.cli.tune).
     bill_terms: tuple = ()
     buffer_terms: tuple = ()
-    search_axes: tuple = ()
+    search_axes: tuple = ()  # tune's stages this feature brings: (name, [overrides of each candidate lever])
+
+    def search_meshes(self, load, cfg, n_devices: int) -> list[list[str]]:
+        """Meshes tune also tries on a free mesh (a mixture of experts: its expert-parallel ones), as overrides
+        that `load(overrides)` accepts."""
+        return []
+
+    def expand_grid(self, grid: dict, load, cfg, n_devices: int) -> dict:
+        """A sweep grid with this feature's `auto` values replaced by the ones `load` accepts."""
+        return grid
 
 
 @dataclasses.dataclass(frozen=True)

@@ -304,7 +304,7 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     plugin = prog.plugin
     plugin.check_mesh(mesh)
 
-    carry = router_carry and bool(cfg.model.n_experts)
+    carry = router_carry and is_moe(cfg.model)
 
     def run(params, x, labels_bt=None, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None,
             router_losses=False):

@@ -143,7 +143,7 @@ def save_hf(model: Transformer, path, *, architecture: str | None = None, dtype:
     Args:
       architecture: one of jaxmem.io.hf_registry.FAMILIES; default: the family whose options the model has
         (LlamaForCausalLM, Qwen2ForCausalLM with qkv bias, Qwen3ForCausalLM with q/k norms, Gemma3ForCausalLM,
-        MixtralForCausalLM / Qwen3MoeForCausalLM with model.n_experts).
+        MixtralForCausalLM / Qwen3MoeForCausalLM for a mixture of experts).
       dtype: tensor dtype in the files (default: the params' dtype).
       max_shard_bytes: shard size; more than one shard adds model.safetensors.index.json.
     Returns the shard paths. Gathers one HF tensor (one layer of a stacked param) at a time.

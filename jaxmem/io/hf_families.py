@@ -13,6 +13,7 @@ import math
 
 from jaxmem.io.hf_tensors import ParamMap
 from jaxmem.config.schema import ConfigError, ModelConfig
+from jaxmem.model.moe import is_moe
 
 _LAYER = "model.layers.{layer}."
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
@@ -166,7 +167,7 @@ class LlamaFamily:
 
     def expresses(self, cfg: ModelConfig) -> bool:
         """Whether this family's checkpoints can hold `cfg` (its options are the family's)."""
-        return all(getattr(cfg, k) == v for k, v in self.options) and bool(cfg.n_experts) == self.moe
+        return all(getattr(cfg, k) == v for k, v in self.options) and is_moe(cfg) == self.moe
 
     def param_maps(self, cfg: ModelConfig) -> list[ParamMap]:
         """Every parameter of the Transformer for `cfg`, in HF checkpoint order."""

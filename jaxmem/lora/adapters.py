@@ -22,6 +22,7 @@ from jaxmem.config.schema import ConfigError, ModelConfig
 from jaxmem.io.hf_families import _LAYER
 from jaxmem.io.hf_families_moe import Qwen3MoeFamily
 from jaxmem.io.hf_registry import family_for_config
+from jaxmem.model.moe import expert_count, expert_width, is_moe, with_experts
 
 # Hugging Face module name -> our layer param name, in HF checkpoint order.
 TARGETS = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
@@ -72,7 +73,7 @@ def target_weights(cfg: ModelConfig) -> dict[str, TargetWeight]:
         TargetWeight("wv", "self_attn.v_proj", (d,), (k, h), ("embed",), ("kv_heads", "head_dim")),
         TargetWeight("wo", "self_attn.o_proj", (n, h), (d,), ("heads", "head_dim"), ("embed",)),
     )
-    if cfg.n_experts:
+    if is_moe(cfg):
         return {w.param: w for w in (*attention, *_expert_weights(cfg))}
     return {w.param: w for w in (
         *attention,
@@ -85,7 +86,7 @@ def target_weights(cfg: ModelConfig) -> dict[str, TargetWeight]:
 def _expert_weights(cfg: ModelConfig) -> tuple[TargetWeight, ...]:
     """The experts' three projections; hf_module holds "{expert}" (the family's names: Qwen3-MoE
     mlp.experts.{expert}.gate_proj, Mixtral block_sparse_moe.experts.{expert}.w1)."""
-    e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff or cfg.d_ff
+    e, d, f = expert_count(cfg), cfg.d_model, expert_width(cfg)
     modules = expert_modules(cfg)
     return (TargetWeight("expert_gate", modules["expert_gate"], (d,), (f,), ("embed",), ("mlp",), (e,), ("experts",)),
             TargetWeight("expert_up", modules["expert_up"], (d,), (f,), ("embed",), ("mlp",), (e,), ("experts",)),
@@ -107,7 +108,7 @@ def expert_modules(cfg: ModelConfig) -> dict[str, str]:
 def model_targets(cfg: ModelConfig | None) -> dict[str, str]:
     """HF module name -> our param name for `cfg`'s model: TARGETS, in a mixture of experts with the MLP names on
     the experts, under gate_proj/up_proj/down_proj and the family's own names (Mixtral: w1/w3/w2)."""
-    if cfg is None or not cfg.n_experts:
+    if cfg is None or not is_moe(cfg):
         return dict(TARGETS)
     out = {hf: EXPERT_TARGETS.get(hf, ours) for hf, ours in TARGETS.items()}
     for ours, module in expert_modules(cfg).items():
@@ -136,7 +137,7 @@ def hf_target_names(params: tuple[str, ...], model: ModelConfig | None = None) -
     """Our param names -> their HF module names (PEFT's target_modules), in TARGETS order; an expert
     projection by its family's name (Mixtral: w1, w3, w2)."""
     names = {ours: hf for hf, ours in TARGETS.items()}
-    if model is not None and model.n_experts:
+    if model is not None and is_moe(model):
         names.update({ours: module.rsplit(".", 1)[-1] for ours, module in expert_modules(model).items()})
     else:
         names.update({expert: hf for hf, expert in EXPERT_TARGETS.items()})
@@ -145,7 +146,7 @@ def hf_target_names(params: tuple[str, ...], model: ModelConfig | None = None) -
 
 def for_model(params: tuple[str, ...], cfg: ModelConfig) -> tuple[str, ...]:
     """`params` with the dense MLP names (w_gate, ...) as the experts' in a mixture of experts."""
-    if not cfg.n_experts:
+    if not is_moe(cfg):
         return params
     to_expert = {dense: expert for expert, dense in DENSE_OF_EXPERT.items()}
     return tuple(dict.fromkeys(to_expert.get(p, p) for p in params))
@@ -167,7 +168,7 @@ def init_adapters(cfg: ModelConfig, targets: tuple[str, ...], rank: int, key: ja
 def adapter_axes(targets: tuple[str, ...]) -> dict:
     """Logical axis names per adapter leaf: A keeps the base weight's input axes, B its output axes (an expert's
     both lead with "experts")."""
-    weights = {**target_weights(ModelConfig()), **{w.param: w for w in _expert_weights(ModelConfig(n_experts=2))}}
+    weights = {**target_weights(ModelConfig()), **{w.param: w for w in _expert_weights(with_experts(ModelConfig(), 2))}}
     return {"layers": {p: {"a": ("layers", *weights[p].lead_axes, *weights[p].in_axes, None),
                            "b": ("layers", *weights[p].lead_axes, None, *weights[p].out_axes)} for p in targets}}
 

@@ -14,7 +14,7 @@ from jaxmem.config.schema import ModelConfig
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.gated import ACTIVATIONS, gated_activation  # noqa: F401  (ACTIVATIONS re-exported)
 from jaxmem.config.names import CheckpointName as CN, scope
-from jaxmem.model.moe import apply_moe, init_moe
+from jaxmem.model.moe import apply_moe, init_moe, is_moe
 
 ACT_BTD = ("act_batch", "act_seq", "act_embed")
 ACT_BTF = ("act_batch", "act_seq", "act_mlp")
@@ -56,5 +56,5 @@ MLP_KINDS: dict[str, MLPKind] = {"gated": MLPKind(_init_gated, _apply_gated), "m
 
 
 def mlp_kind(cfg: ModelConfig) -> str:
-    """The MLP kind of `cfg`'s layers: a mixture of experts with model.n_experts, else the gated MLP."""
-    return "moe" if cfg.n_experts else "gated"
+    """The MLP kind of `cfg`'s layers: a mixture of experts, else the gated MLP."""
+    return "moe" if is_moe(cfg) else "gated"

@@ -15,6 +15,7 @@ the router z-loss (ST-MoE).
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -30,9 +31,24 @@ EXPERT_FD = ("experts", "mlp", "embed")
 ROUTER_DE = ("embed", "experts")
 
 
+# The model config's keys of a mixture of experts (a Hugging Face family supports them or not).
+MOE_FIELDS = ("n_experts", "experts_per_token", "expert_d_ff", "router_norm_topk", "moe_biases",
+              "moe_capacity_factor", "router_aux_loss_coef", "router_z_loss_coef")
+
+
 def is_moe(cfg: ModelConfig) -> bool:
     """Whether the model's MLPs are a mixture of experts."""
     return cfg.n_experts > 0
+
+
+def expert_count(cfg: ModelConfig) -> int:
+    """The experts of each MoE layer (0 for a dense model)."""
+    return cfg.n_experts
+
+
+def with_experts(cfg: ModelConfig, count: int) -> ModelConfig:
+    """`cfg` as a mixture of `count` experts."""
+    return dataclasses.replace(cfg, n_experts=count)
 
 
 def expert_width(cfg: ModelConfig) -> int:

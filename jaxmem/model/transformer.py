@@ -13,6 +13,7 @@ from jaxmem.kernels.attention.reference import attention_reference
 from jaxmem.kernels.grouped_matmul.reference import grouped_matmul_reference
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.model import moe as moe_stats
+from jaxmem.model.moe import expert_count, is_moe
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.layers import ACT_BTD, Block, einsum_project, param
 from jaxmem.model.rope import inverse_frequencies
@@ -143,7 +144,7 @@ class Transformer(nnx.Module):
         positions_bt = constrain(positions_bt, ACT_BTD[:2])
         global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         graphdef, stacked = nnx.split(self.layers)
-        moe = bool(cfg.n_experts)
+        moe = is_moe(cfg)
 
         def layer(h_btd, layer_state, inv_freq, local=None):
             layer = nnx.merge(graphdef, layer_state)
@@ -186,12 +187,12 @@ class Transformer(nnx.Module):
             return pack(h, index + 1 if mixed else None, moe_stats.add_stats(stats, layer_stats) if moe else None)
 
         start = pack(h_btd, jnp.zeros((), jnp.int32) if mixed else None,
-                     (moe_stats.zero_stats(cfg.n_experts) if stats_in is None else stats_in) if moe else None)
+                     (moe_stats.zero_stats(expert_count(cfg)) if stats_in is None else stats_in) if moe else None)
         h_btd, _, stats = unpack(ctx.scan_layers(step, start, stacked))
         if return_stats and moe:
             return h_btd, stats
         if router_losses and moe:
-            return h_btd, moe_stats.router_losses(stats, cfg.n_experts)
+            return h_btd, moe_stats.router_losses(stats, expert_count(cfg))
         return h_btd
 
     def final_hidden(self, h_btd, ctx: ForwardContext = DEFAULT_CONTEXT) -> jax.Array:

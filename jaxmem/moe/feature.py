@@ -9,12 +9,13 @@ from jaxmem.core.plugins import Feature
 from jaxmem.moe.explain import refine
 from jaxmem.moe.bill import BILL_TERMS
 from jaxmem.mesh.axes import MeshAxis
-from jaxmem.moe import expert_parallel
+from jaxmem.model.moe import expert_count, is_moe as model_is_moe
+from jaxmem.moe import expert_parallel, search
 
 
 def is_moe(cfg: Config) -> bool:
-    """Whether the model's MLPs are a mixture of experts."""
-    return cfg.model.n_experts > 0
+    """Whether the run's model is a mixture of experts."""
+    return model_is_moe(cfg.model)
 
 
 def check(cfg: Config) -> None:
@@ -56,6 +57,12 @@ class MixtureOfExperts(Feature):
 
     def check(self, cfg: Config) -> None:
         check(cfg)
+
+    def search_meshes(self, load, cfg: Config, n_devices: int) -> list[list[str]]:
+        return search.ep_mesh_options(load, expert_count(cfg.model), n_devices)
+
+    def expand_grid(self, grid: dict, load, cfg: Config, n_devices: int) -> dict:
+        return search.expand_auto_ep(grid, load, expert_count(cfg.model), n_devices)
 
     def forward_context(self, cfg: Config, mesh, ctx):
         if mesh.shape.get(MeshAxis.EP.value, 1) > 1:

@@ -29,8 +29,22 @@ def check_micro_batches(cfg: Config, grad_accum: int) -> None:
                           "(gradients land on the host, where they cannot be accumulated)")
 
 
+# tune's escalation once recomputation is not enough: the optimizer state, then the activations, then the
+# parameters in pinned host memory.
+SEARCH_STAGES = (
+    ("optimizer state offloaded", [[r, "offload.optimizer=host", f"offload.optimizer_update={u}"]
+                                   for r in ("remat.preset=selective", "remat.preset=full")
+                                   for u in ("device", "host")]),
+    ("activations offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                                f"offload.optimizer_update={u}"] for u in ("device", "host")]),
+    ("parameters offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                               "offload.optimizer_update=device", "offload.params=host"]]),
+)
+
+
 class HostOffload(Feature):
     name = "offload"
+    search_axes = SEARCH_STAGES
     bill_terms = BILL_TERMS
     buffer_terms = BUFFER_TERMS
 

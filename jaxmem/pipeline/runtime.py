@@ -32,6 +32,7 @@ from jaxmem.io.model_match import check_model_json
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Features
 from jaxmem.model import abstract_model
+from jaxmem.model.moe import expert_count, is_moe
 from jaxmem.pipeline.checkpoints import whole_params
 from jaxmem.core.checkpoint import restore_params
 
@@ -220,8 +221,8 @@ class Links:
         self.ahead = [Link(a.mesh, b.mesh, shape, dtype, b.activation.spec) for a, b in zip(stages, stages[1:])]
         self.back = [Link(b.mesh, a.mesh, shape, dtype, a.activation.spec, reverse=True)
                      for a, b in zip(stages, stages[1:])]
-        if prog.cfg.model.n_experts:  # the router statistics (and their cotangents) travel beside h
-            n = (stats_size(prog.cfg.model.n_experts),)
+        if is_moe(prog.cfg.model):  # the router statistics (and their cotangents) travel beside h
+            n = (stats_size(expert_count(prog.cfg.model)),)
             self.ahead = [_WithStats(h, Link(a.mesh, b.mesh, n, jnp.float32, P()))
                           for h, a, b in zip(self.ahead, stages, stages[1:])]
             self.back = [_WithStats(h, Link(b.mesh, a.mesh, n, jnp.float32, P(), reverse=True))
@@ -278,7 +279,7 @@ class PipelineStep:
                               _put(stage, segment_ids, m), _put(stage, positions, m))
                     out, residuals[(s, m)] = stage.forward(params[s], x, extras)
                     if stage.last:
-                        if stage.n_experts:  # (loss sum, router losses)
+                        if stage.experts:  # (loss sum, router losses)
                             out, router = out
                             routers.append(router)
                         loss_sums.append(out)
@@ -315,7 +316,7 @@ class PipelineStep:
         metrics = {"loss": np.float32(loss_sum / n_valid), "grad_norm": np.float32(norm),
                    "lr": self.lr_at(jnp.maximum(jax.device_get(count) - 1, 0)), "tokens": n_valid,
                    "update_skipped": np.bool_(False), "loss_scale": np.float32(1.0)}
-        if prog.cfg.model.n_experts:  # the micro-batches' mean, as the one-program step reports them
+        if is_moe(prog.cfg.model):  # the micro-batches' mean, as the one-program step reports them
             metrics.update(_router_means(routers, leads(stages[-1].mesh)))
         return {"stages": new}, metrics
 

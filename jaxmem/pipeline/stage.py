@@ -25,6 +25,7 @@ from jaxmem.core import offload
 
 from jaxmem.mesh import sharding
 from jaxmem.model.layers import ACT_BTD
+from jaxmem.model.moe import expert_count
 from jaxmem.core.optim import layerwise_update
 from jaxmem.core.program import TrainProgram, build_program, stage_fn
 from jaxmem.config.schema import Config
@@ -56,9 +57,9 @@ class Stage:
         self.activation = NamedSharding(mesh, spec)
         self.rows = NamedSharding(mesh, sharding.batch_spec(mesh))  # [rows, T] token-shaped inputs
         self.grad_shardings = sharding.named(mesh, self.prog.grad_specs)
-        self.n_experts = cfg.model.n_experts  # a mixture of experts: its router statistics travel with h
+        self.experts = expert_count(cfg.model)  # a mixture of experts: its router statistics travel with h
         self.stats = NamedSharding(mesh, P())
-        self._run = stage_fn(self.prog, first=self.first, last=self.last, router_carry=bool(self.n_experts))
+        self._run = stage_fn(self.prog, first=self.first, last=self.last, router_carry=bool(self.experts))
         self.forward = jax.jit(self._forward)
         self.backward = jax.jit(self._backward, donate_argnums=(3,),  # residuals free as the driver drops them
                                 out_shardings=(self.grad_shardings, None if self.first else self._carried()))
@@ -80,7 +81,7 @@ class Stage:
 
     def _carried(self):
         """What goes between stages: the hidden states' sharding (and the statistics' for a mixture)."""
-        return (self.activation, self.stats) if self.n_experts else self.activation
+        return (self.activation, self.stats) if self.experts else self.activation
 
     def _constrain(self, x):
         return jax.lax.with_sharding_constraint(x, self._carried())
@@ -89,10 +90,10 @@ class Stage:
         """(what the vjp differentiates: hidden states or the loss; what the driver reports on the last stage:
         the loss sum, and for a mixture (loss sum, router losses))."""
         labels, segment_ids, positions = extras
-        if self.n_experts and not self.first:
+        if self.experts and not self.first:
             h, packed = x
-            x = (h, unpack_stats(packed, self.n_experts))
-        if self.last and self.n_experts:
+            x = (h, unpack_stats(packed, self.experts))
+        if self.last and self.experts:
             m = self.cfg.model
             (loss_sum, n_micro), router = self._run(params, x, labels, segment_ids, positions, router_losses=True)
             extra = m.router_aux_loss_coef * router["moe_aux_loss"] + m.router_z_loss_coef * router["moe_z_loss"]
@@ -100,7 +101,7 @@ class Stage:
         out = self._run(params, x, labels, segment_ids, positions)
         if self.last:
             return out[0], out[0]  # the loss sum (its count is the driver's)
-        if self.n_experts:
+        if self.experts:
             out = (out[0], pack_stats(out[1]))
         return out, None
 
@@ -131,12 +132,12 @@ class Stage:
 
     def _evaluate(self, params, x, extras):
         """Forward only (held-out evaluation): hidden states, or (loss sum, valid labels) on the last stage."""
-        if self.n_experts and not self.first:
-            x = (x[0], unpack_stats(x[1], self.n_experts))
+        if self.experts and not self.first:
+            x = (x[0], unpack_stats(x[1], self.experts))
         out = self._run(self._params_for_grad(params), x, *extras)
         if self.last:
             return out[0], out[1].astype(jnp.float32)
-        return self._constrain((out[0], pack_stats(out[1])) if self.n_experts else out)
+        return self._constrain((out[0], pack_stats(out[1])) if self.experts else out)
 
     def _grad_sums(self, grads):
         """Sum of squares of this stage's gradients (the global norm is over every stage)."""
@@ -168,8 +169,8 @@ class Stage:
         if self.first:
             return jax.ShapeDtypeStruct((self.prog.rows, self.cfg.train.seq_len), jnp.int32, sharding=self.rows)
         h = jax.ShapeDtypeStruct(self.activation_shape, self.prog.precision.compute, sharding=self.activation)
-        if self.n_experts:
-            return h, jax.ShapeDtypeStruct((stats_size(self.n_experts),), jnp.float32, sharding=self.stats)
+        if self.experts:
+            return h, jax.ShapeDtypeStruct((stats_size(self.experts),), jnp.float32, sharding=self.stats)
         return h
 
     def abstract_cotangent(self, out_aval, out_sharding):
@@ -190,10 +191,10 @@ class Stage:
 _SCALAR_STATS = ("router_z", "rows", "dropped")  # after the per-expert rows and probabilities
 
 
-def stats_size(n_experts: int) -> int:
+def stats_size(experts: int) -> int:
     """Length of a mixture's packed router statistics: per-expert rows and probabilities, then the scalars
     (z, rows, dropped assignments)."""
-    return 2 * n_experts + len(_SCALAR_STATS)
+    return 2 * experts + len(_SCALAR_STATS)
 
 
 def pack_stats(stats: dict) -> jax.Array:
@@ -201,7 +202,7 @@ def pack_stats(stats: dict) -> jax.Array:
     return jnp.concatenate([stats["expert_rows"], stats["router_prob"]] + [stats[k][None] for k in _SCALAR_STATS])
 
 
-def unpack_stats(packed: jax.Array, n_experts: int) -> dict:
-    e = n_experts
+def unpack_stats(packed: jax.Array, experts: int) -> dict:
+    e = experts
     scalars = {k: packed[2 * e + i] for i, k in enumerate(_SCALAR_STATS)}
     return {"expert_rows": packed[:e], "router_prob": packed[e:2 * e], **scalars}

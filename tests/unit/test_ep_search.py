@@ -1,9 +1,9 @@
-"""tune and sweep search `parallel.ep` for a mixture of experts (jaxmem/cli/ep_search.py): only values that
+"""tune and sweep search `parallel.ep` for a mixture of experts (jaxmem/moe/search.py): only values that
 divide the experts and the devices, only where validate accepts them (none above 1 until expert parallelism
 exists), never for a dense model."""
 import pytest
 
-from jaxmem.cli import ep_search
+from jaxmem.moe import search as ep_search
 from jaxmem.features import load_config
 from jaxmem.config.schema import ConfigError
 

@@ -1,6 +1,5 @@
 """Expert parallelism in the search space of `jaxmem tune` and `jaxmem sweep`: the `parallel.ep` values a
-mixture of experts can take on a device count, kept only where jaxmem.config.validate accepts them (today
-ep > 1 is refused, so only 1 comes out; once expert parallelism exists the same code yields the rest)."""
+mixture of experts can take on a device count, kept only where loading the config accepts them."""
 from __future__ import annotations
 
 from typing import Callable
