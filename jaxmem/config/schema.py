@@ -160,15 +160,16 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup")
-    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr")
-    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps; 0: train.steps "
+    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup; >= 0")
+    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr; >= 0")
+    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps, >= 0; 0: train.steps "
                              "(a resume keeps the length saved in the checkpoint)")
-    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
-    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment)")
-    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment)")
-    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator)")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed)")
+    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr, in "
+                                  "[0, 1]")
+    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment), in [0, 1)")
+    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment), in [0, 1)")
+    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator), > 0")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed), >= 0")
     clip_norm: float = _f(1.0, "clip the gradients to this global L2 norm; <= 0: no clipping")
     update_in_backward: bool = _f(
         False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
@@ -186,7 +187,8 @@ class TrainConfig:
     global_batch: int = _f(0, "sequences per optimizer step; 0: micro_batch x data ways x grad_accum")
     grad_accum: int = _f(0, "micro-batches accumulated per optimizer step; 0: derived from global_batch, or 1")
     log_every: int = _f(10, "write a metrics record every this many steps (and at the first and last step)")
-    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
+    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws, in "
+                      "[0, 2**63)")
     progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
     wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "

@@ -64,3 +64,29 @@ def test_out_dir_rules_without_a_run(tmp_path):
         check_out_dir(tmp_path / "file")
     with pytest.raises(ConfigError, match=r"^out_dir: .*/file/run cannot be written: .*/file is not a folder$"):
         check_out_dir(tmp_path / "file" / "run")
+
+
+# ---------------------------------------------------------------- refuse what cannot train
+
+@pytest.mark.parametrize("override,line", [
+    ("optimizer.lr=-1", "optimizer.lr: must be in [0, inf), got -1.0"),
+    ("optimizer.b1=1", "optimizer.b1: must be in [0, 1), got 1.0"),
+    ("optimizer.b2=-0.5", "optimizer.b2: must be in [0, 1), got -0.5"),
+    ("optimizer.eps=0", "optimizer.eps: must be in (0, inf), got 0.0"),
+    ("optimizer.weight_decay=-0.1", "optimizer.weight_decay: must be in [0, inf), got -0.1"),
+    ("optimizer.warmup_steps=-1", "optimizer.warmup_steps: must be >= 0, got -1"),
+    ("train.seed=-1", "train.seed: must be in [0, 2**63), got -1"),  # a ValueError from numpy before
+])
+def test_settings_outside_their_range_are_one_line_before_anything_runs(tmp_path, capsys, override, line):
+    assert cli.main(["train", str(TINY), f"out_dir={tmp_path / 'run'}", override]) == 2
+    assert _one_error_line(capsys) == f"jaxmem train: config error: {line}"
+    assert not (tmp_path / "run").exists()
+
+
+def test_clip_norm_zero_or_below_still_means_no_clipping():
+    from jaxmem.config import load_config
+
+    assert load_config(TINY, ["optimizer.clip_norm=0"]).optimizer.clip_norm == 0
+    assert load_config(TINY, ["optimizer.clip_norm=-1"]).optimizer.clip_norm == -1
+
+

@@ -95,6 +95,7 @@ def test_param_counts_match_published(preset):
 BAD_SECTION = {
     "model": (["model.n_kv_heads=3"], "model.n_kv_heads: 3 must divide model.n_heads=4"),
     "train": (["train.grad_accum=-1"], "train.global_batch / train.grad_accum: must be >= 0"),
+    "optimizer": (["optimizer.b2=1"], "optimizer.b2: must be in [0, 1), got 1.0"),
     "parallel": (["parallel.dp=-2"], "parallel.dp: must be a positive size or -1 (fill), got -2"),
     "precision": (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
     "data": (["data.workers=-1"], "data.workers: must be >= 0"),
@@ -107,6 +108,7 @@ BAD_SECTION = {
                                                               "than none"),
     "kernels": (["kernels.attn_block_q=24"], "kernels.attn_block_q: 24 must be a power of two >= 16"),
     "target": (["target.headroom=1.5"], "target.headroom: must be in [0, 1), got 1.5"),
+    "out_dir": (["out_dir=''"], "out_dir: empty; name the folder for the run's outputs"),
 }
 BAD_CROSS = {
     "_seq_len_fits_model": (["train.seq_len=4096"], "train.seq_len: 4096 exceeds model.max_seq_len=2048"),
