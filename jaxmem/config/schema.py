@@ -523,8 +523,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+# A config's content once its aliases are expanded (nodes plus scalar characters): far above any real config,
+# far below what a "billion laughs" file of nested aliases expands to when the overrides copy the mapping.
+EXPANDED_LIMIT = 1_000_000
+
+
+class _Unbounded(yaml.YAMLError):
+    """A document whose aliases expand beyond EXPANDED_LIMIT, or refer to themselves."""
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes plus scalar characters of `node` with every alias written out (an aliased node counts each time)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise _Unbounded("an alias refers to a node that contains it")
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    else:
+        open_nodes.add(id(node))
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+        size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+        open_nodes.discard(id(node))
+    if size > EXPANDED_LIMIT:
+        raise _Unbounded(f"its aliases (*name) expand to more than {EXPANDED_LIMIT:,} nodes and characters")
+    sizes[id(node)] = size
+    return size
+
+
 class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a repeated key: YAML keeps the last one, silently dropping a whole section."""
+    """SafeLoader that refuses a repeated key (YAML keeps the last one, silently dropping a whole section) and a
+    document whose aliases expand beyond EXPANDED_LIMIT (checked on the composed nodes, before any copy)."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -542,6 +577,10 @@ def parse_yaml_file(path: Path) -> Any:
     """A YAML file's content; bad bytes or syntax are a one-line ConfigError naming the file."""
     try:
         return yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # bytes: YAML detects UTF-8/UTF-16 itself
+    except _Unbounded as e:
+        raise ConfigError(f"{path}: refused, {e}; write the values out") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read; a config is a few levels of sections") from None
     except yaml.reader.ReaderError as e:
         raise ConfigError(f"{path}: binary content ({e.reason} at byte {e.position}); "
                           "a config is a UTF-8 YAML file") from None

@@ -90,3 +90,28 @@ def test_clip_norm_zero_or_below_still_means_no_clipping():
     assert load_config(TINY, ["optimizer.clip_norm=-1"]).optimizer.clip_norm == -1
 
 
+# ---------------------------------------------------------------- bounded inputs
+
+def test_a_billion_laughs_config_is_refused_naming_the_file(tmp_path, capsys):
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    config = tmp_path / "laughs.yaml"
+    config.write_text("\n".join(lines + ["model: {preset: tiny}"]) + "\n")
+    assert cli.main(["train", str(config), f"out_dir={tmp_path / 'run'}"]) == 2
+    assert _one_error_line(capsys) == (
+        f"jaxmem train: config error: {config}: refused, its aliases (*name) expand to more than 1,000,000 nodes "
+        "and characters; write the values out")
+    config.write_text("a: &x [*x]\n")
+    assert cli.main(["train", str(config)]) == 2
+    assert _one_error_line(capsys) == (f"jaxmem train: config error: {config}: refused, an alias refers to a node "
+                                       "that contains it; write the values out")
+
+
+def test_a_few_aliases_still_load(tmp_path):
+    from jaxmem.config import load_config
+
+    config = tmp_path / "shared.yaml"
+    config.write_text("model: {preset: tiny}\ntrain: {steps: &n 3, log_every: *n}\n")
+    assert load_config(config).train.log_every == 3
+
+
