@@ -1,12 +1,15 @@
 """A catalogue of bad inputs: each is a one-line error naming the key or file, or exact recovery; never a
 traceback, never a user's file written over."""
 import hashlib
+import json
+from html.parser import HTMLParser
 
 import pytest
 
 from jaxmem import cli
 from jaxmem.config import ConfigError
 from jaxmem.io.run_folder import check_out_dir
+from jaxmem.plan import timeline_html
 
 from tiny_config import TINY
 
@@ -115,3 +118,29 @@ def test_a_few_aliases_still_load(tmp_path):
     assert load_config(config).train.log_every == 3
 
 
+# ---------------------------------------------------------------- the explain page
+
+def test_a_config_name_that_opens_a_comment_and_a_script_cannot_break_the_page():
+    name = "x<!--<script>alert(1)</script>&amp;</script>"
+    timeline = {"config": name, "label": name, "positions": [0, 1], "instructions": ["a", "b"], "phases": [],
+                "peak": {"device_bytes": 1}, "device": {"total": [0, 1]}, "host": {"total": [0, 0]}, "bands": []}
+    page = timeline_html.page([timeline], measured={"source": name, "points": []})
+    scripts = []
+
+    class Scripts(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            if tag == "script":
+                scripts.append([dict(attrs), ""])
+
+        def handle_data(self, data):
+            if scripts and self.lasttag == "script":
+                scripts[-1][1] += data
+
+    Scripts().feed(page)
+    assert [attrs for attrs, _ in scripts] == [{"type": "application/json", "id": "data"}, {}]
+    payload = scripts[0][1]
+    # HTML's script-data rules change state only at "<" ("</script", "<!--", "<script"): none is left to act on
+    assert not set("<>&") & set(payload)
+    data = json.loads(payload)
+    assert data["panels"][0]["config"] == name and data["measured"]["source"] == name
+    assert page.count("</script>") == 2
