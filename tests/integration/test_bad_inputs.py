@@ -2,13 +2,25 @@
 traceback, never a user's file written over."""
 import hashlib
 import json
+import os
+import shutil
+import sys
 from html.parser import HTMLParser
+from pathlib import Path
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 from jaxmem import cli
 from jaxmem.config import ConfigError
+from jaxmem.config.schema import ModelConfig
+from jaxmem.io.hf import load_hf, save_hf
+from jaxmem.io.hf_safetensors import INDEX_FILE
 from jaxmem.io.run_folder import check_out_dir
+from jaxmem.model.transformer import abstract_model
 from jaxmem.plan import timeline_html
 
 from tiny_config import TINY
@@ -91,6 +103,98 @@ def test_clip_norm_zero_or_below_still_means_no_clipping():
 
     assert load_config(TINY, ["optimizer.clip_norm=0"]).optimizer.clip_norm == 0
     assert load_config(TINY, ["optimizer.clip_norm=-1"]).optimizer.clip_norm == -1
+
+
+# ---------------------------------------------------------------- a Hugging Face folder checked against itself
+
+FOUR_LAYERS = ModelConfig(preset="custom", vocab_size=64, d_model=16, n_layers=4, n_heads=2, n_kv_heads=1,
+                          head_dim=8, d_ff=24, max_seq_len=64)
+
+
+@pytest.fixture(scope="module")
+def hf_folder(tmp_path_factory):
+    """A 4-layer tiny Llama in several shards with an index (random values: no init compile)."""
+    folder = tmp_path_factory.mktemp("hf") / "four"
+    graphdef, state = nnx.split(abstract_model(FOUR_LAYERS))
+    rng = np.random.default_rng(0)
+    nnx.replace_by_pure_dict(state, jax.tree.map(lambda a: jnp.asarray(rng.standard_normal(a.shape), a.dtype),
+                                                 nnx.to_pure_dict(state)))
+    save_hf(nnx.merge(graphdef, state), folder, max_shard_bytes=4000)
+    return folder
+
+
+def _edited(folder, tmp_path, name, edit) -> Path:
+    copy = tmp_path / "hf"
+    shutil.copytree(folder, copy)
+    content = json.loads((copy / name).read_text())
+    edit(content)
+    (copy / name).write_text(json.dumps(content))
+    return copy
+
+
+def test_a_config_of_fewer_layers_than_the_shards_is_refused(hf_folder, tmp_path, capsys):
+    copy = _edited(hf_folder, tmp_path, "config.json", lambda c: c.update(num_hidden_layers=2))
+    assert cli.main(["import-hf", str(copy), str(tmp_path / "out")]) == 2
+    assert _one_error_line(capsys) == (
+        f"jaxmem import-hf: config error: {copy}: config.json does not match the safetensors shards: 18 tensors "
+        "config.json does not use (model.layers.2.input_layernorm.weight, model.layers.2.mlp.down_proj.weight, "
+        "model.layers.2.mlp.gate_proj.weight, ...)")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_config_of_another_width_lists_the_first_mismatches(hf_folder, tmp_path):
+    copy = _edited(hf_folder, tmp_path, "config.json", lambda c: c.update(intermediate_size=32))
+    with pytest.raises(ConfigError) as e:
+        load_hf(copy)
+    shard = lambda name: json.loads((copy / INDEX_FILE).read_text())["weight_map"][name]  # noqa: E731
+    expected = [f"tensor model.layers.0.mlp.{name} has shape {have}, config.json implies {want} "
+                f"({copy / shard(f'model.layers.0.mlp.{name}')})"
+                for name, have, want in (("down_proj.weight", [16, 24], [16, 32]),
+                                         ("gate_proj.weight", [24, 16], [32, 16]),
+                                         ("up_proj.weight", [24, 16], [32, 16]))]
+    assert str(e.value) == (f"{copy}: config.json does not match the safetensors shards: {'; '.join(expected)}; "
+                            "and 9 more")
+
+
+_OPENED: list[str] | None = None  # while a list: the paths `open` is called with (an audit hook records them)
+
+
+def _record_opens(event, args):
+    if event == "open" and _OPENED is not None and isinstance(args[0], (str, os.PathLike)):
+        _OPENED.append(os.fspath(args[0]))
+
+
+sys.addaudithook(_record_opens)
+
+
+@pytest.mark.parametrize("outside", ["../outside/x.safetensors", "/etc/passwd", "sub/../../outside/x.safetensors"])
+def test_an_index_naming_a_file_outside_the_folder_opens_nothing_and_says_nothing_of_it(
+        hf_folder, tmp_path, capsys, monkeypatch, outside):
+    global _OPENED
+    from jaxmem.io import hf_safetensors
+
+    real_safe_open = hf_safetensors.safe_open  # safetensors opens in Rust, out of the audit hook's sight
+    monkeypatch.setattr(hf_safetensors, "safe_open", lambda path, **kw: (_OPENED.append(path), real_safe_open(
+        path, **kw))[1])
+    first = next(iter(json.loads((hf_folder / INDEX_FILE).read_text())["weight_map"]))
+    copy = _edited(hf_folder, tmp_path, INDEX_FILE, lambda index: index["weight_map"].update({first: outside}))
+    lines = []
+    for exists in (False, True):  # the message is the same whether the file is there or not
+        if exists and not outside.startswith("/"):
+            (tmp_path / "outside").mkdir()
+            shutil.copy(next(hf_folder.glob("*.safetensors")), tmp_path / "outside" / "x.safetensors")
+        _OPENED = []
+        try:
+            assert cli.main(["import-hf", str(copy), str(tmp_path / "out")]) == 2
+            here = [Path(p).resolve() for p in _OPENED]
+            assert [p for p in here if p == Path("/etc/passwd") or (p.is_relative_to(tmp_path.resolve())
+                                                                    and not p.is_relative_to(copy.resolve()))] == []
+        finally:
+            _OPENED = None
+        lines.append(_one_error_line(capsys))
+    assert lines[0] == lines[1] == (
+        f"jaxmem import-hf: config error: {copy / INDEX_FILE}: weight_map maps {first} to {outside!r}, which is "
+        "not a file inside the folder; shards are named relative to the folder, without '..'")
 
 
 # ---------------------------------------------------------------- bounded inputs
