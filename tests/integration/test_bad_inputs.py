@@ -23,6 +23,7 @@ from jaxmem.io.run_folder import check_out_dir
 from jaxmem.model.transformer import abstract_model
 from jaxmem.plan import timeline_html
 
+from chat_fixtures import write_tokenizer
 from tiny_config import TINY
 
 
@@ -103,6 +104,44 @@ def test_clip_norm_zero_or_below_still_means_no_clipping():
 
     assert load_config(TINY, ["optimizer.clip_norm=0"]).optimizer.clip_norm == 0
     assert load_config(TINY, ["optimizer.clip_norm=-1"]).optimizer.clip_norm == -1
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return write_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _records(tmp_path, name: str, lines: list) -> Path:
+    path = tmp_path / name
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def _chat_args(tokenizer, tmp_path, path, *extra):
+    return [str(TINY), "data.kind=jsonl", "data.format=messages", f"data.tokenizer={tokenizer}",
+            f"data.cache_dir={tmp_path / 'cache'}", f"data.path={path}", *extra]
+
+
+def _last_error_line(capsys) -> str:
+    """The one error line among the data loader's log lines (`jaxmem data: tokenized ...`)."""
+    errors = [line for line in capsys.readouterr().err.splitlines() if "error" in line or "Traceback" in line]
+    assert len(errors) == 1, errors
+    return errors[0]
+
+
+def test_records_without_a_trained_token_refuse_to_train_and_jaxmem_data_warns(tokenizer, tmp_path, capsys):
+    question = {"messages": [{"role": "user", "content": "why is the sky blue"}]}
+    path = _records(tmp_path, "questions.jsonl", [question] * 3)
+    why = (f"data.path: {path} leaves no token to train on after masking (data.format=messages, "
+           "data.train_on=assistant: e.g. chats without an assistant turn); give records with assistant turns or "
+           "completions, or set data.train_on=all")
+    assert cli.main(["train", *_chat_args(tokenizer, tmp_path, path, f"out_dir={tmp_path / 'run'}")]) == 2
+    assert _last_error_line(capsys) == f"jaxmem train: config error: {why}"
+    assert not (tmp_path / "run").exists()
+    assert cli.main(["data", *_chat_args(tokenizer, tmp_path, path)]) == 0
+    captured = capsys.readouterr()
+    assert f"jaxmem data: warning: {why}" in captured.err.splitlines()
+    assert "0 trained of " in captured.out
 
 
 # ---------------------------------------------------------------- a Hugging Face folder checked against itself
@@ -220,6 +259,40 @@ def test_a_few_aliases_still_load(tmp_path):
     config = tmp_path / "shared.yaml"
     config.write_text("model: {preset: tiny}\ntrain: {steps: &n 3, log_every: *n}\n")
     assert load_config(config).train.log_every == 3
+
+
+def test_a_json_line_nested_too_deeply_is_one_line_naming_the_file_and_line(tokenizer, tmp_path, capsys):
+    path = _records(tmp_path, "deep.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
+                                             '{"messages": ' + "[" * 100000 + "]" * 100000 + "}"])
+    assert cli.main(["train", *_chat_args(tokenizer, tmp_path, path, f"out_dir={tmp_path / 'run'}")]) == 2
+    assert _last_error_line(capsys) == (
+        f"jaxmem train: config error: data.path: {path}:2 nests its JSON too deeply to read (thousands of levels of "
+        "[ or {); a record is an object of a few levels")
+
+
+def test_text_parts_are_joined_other_parts_refused_empty_chats_skipped_and_counted(tokenizer, tmp_path, capsys):
+    from jaxmem.io.documents.tokenize import DocumentMaker, payloads, tokenizer_spec
+    from jaxmem.config import load_config
+
+    plain = {"messages": [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "yes"}]}
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "the cat"},
+                                                       {"type": "text", "text": " sat"}]},
+                          {"role": "assistant", "content": [{"type": "text", "text": "yes"}]}]}
+    path = _records(tmp_path, "chats.jsonl", [parts, {"messages": []}, plain, {"messages": []}])
+    data = load_config(TINY, _chat_args(tokenizer, tmp_path, path)[1:]).data
+    items, skipped = payloads(data, [(parts, "a:1"), ({"messages": []}, "a:2"), (plain, "a:3")])
+    assert skipped == 1 and [where for _, where in items] == ["record 1 (a:1)", "record 3 (a:3)"]
+    maker = DocumentMaker(tokenizer_spec(data, 64)[0])
+    (ids_parts, trained_parts), (ids_plain, trained_plain) = (maker(values, where) for values, where in items)
+    assert ids_parts.tolist() == ids_plain.tolist() and trained_parts.tolist() == trained_plain.tolist()
+    assert cli.main(["data", *_chat_args(tokenizer, tmp_path, path)]) == 0
+    assert capsys.readouterr().out.strip().endswith(", 2 records with no messages skipped")
+    image = _records(tmp_path, "image.jsonl", [{"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x.png"}}]}]}])
+    assert cli.main(["data", *_chat_args(tokenizer, tmp_path, image)]) == 2
+    assert _last_error_line(capsys) == (
+        f"jaxmem data: config error: data.messages_field: record 1 ({image}:1) turn 0 (user) content part 0 is "
+        "'image_url', not text; only {\"type\": \"text\", \"text\": ...} parts are read: leave the others out")
 
 
 # ---------------------------------------------------------------- the explain page
