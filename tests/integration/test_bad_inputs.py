@@ -261,6 +261,33 @@ def test_a_few_aliases_still_load(tmp_path):
     assert load_config(config).train.log_every == 3
 
 
+SLOW_TEMPLATES = {
+    "nested range loops": "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+                          "{% for m in messages %}{{ m.content }}{% endfor %}",
+    "a huge repeat": "{{ 'x' * 4000000000 }}",
+    "a huge padding": "{{ 'x' | center(4000000000) }}",
+    "doubling": "{% set s = namespace(t='x') %}{% for i in range(64) %}{% set s.t = s.t ~ s.t %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", SLOW_TEMPLATES)
+def test_a_template_that_would_run_forever_or_fill_memory_is_one_line_naming_it(
+        tokenizer, tmp_path, capsys, monkeypatch, name):
+    from jaxmem.io.documents import template_bounds
+
+    monkeypatch.setattr(template_bounds, "SECONDS_LIMIT", 0.5)  # the default, 10 s, would be as good, slower
+    template = tmp_path / "chat.jinja"
+    template.write_text(SLOW_TEMPLATES[name])
+    path = _records(tmp_path, "chats.jsonl", [{"messages": [{"role": "user", "content": "hi"},
+                                                             {"role": "assistant", "content": "yes"}]}])
+    assert cli.main(["data", *_chat_args(tokenizer, tmp_path, path, f"data.chat_template={template}")]) == 2
+    line = _last_error_line(capsys)
+    assert line.startswith(f"jaxmem data: config error: data.chat_template: {template}: rendering record 1 "
+                           f"({path}:1) failed (")
+    assert ("rendering took longer than 0.5 s" in line) == (name == "nested range loops")
+    assert ("over the limit of 10,000,000" in line) == (name != "nested range loops")
+
+
 def test_a_json_line_nested_too_deeply_is_one_line_naming_the_file_and_line(tokenizer, tmp_path, capsys):
     path = _records(tmp_path, "deep.jsonl", [{"messages": [{"role": "user", "content": "hi"}]},
                                              '{"messages": ' + "[" * 100000 + "]" * 100000 + "}"])
