@@ -276,6 +276,11 @@ class CheckpointConfig:
     keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
+    on_corrupt: Literal["stop", "previous"] = _f(
+        "stop", "what a resume does when the latest checkpoint is damaged (a file missing or cut short, or an "
+                "array that does not match the checksum saved with it), one of stop (a one-line error naming the "
+                "step and the array), previous (set the damaged step aside as <step>.damaged and resume from the "
+                "newest intact one, saying which)")
     init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); a "
                             "LoRA run may name a Hugging Face directory (config.json + *.safetensors) instead: "
                             "its base is read and quantized a layer at a time; a checkpoint in out_dir to resume "

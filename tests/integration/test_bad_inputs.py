@@ -1,8 +1,11 @@
 """A catalogue of bad inputs: each is a one-line error naming the key or file, or exact recovery; never a
-traceback, never a user's file written over."""
+traceback, never a user's file written over. One section per class: the run folder, checkpoints that prove
+their integrity, settings and data that cannot train, Hugging Face folders checked against themselves,
+bounded inputs (YAML aliases, chat templates, nested JSON, message parts), the explain page."""
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 from html.parser import HTMLParser
@@ -13,10 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem import cli
+from jaxmem.cli.train import run
 from jaxmem.config import ConfigError
 from jaxmem.config.schema import ModelConfig
+from jaxmem.io import checksum
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.io.hf_safetensors import INDEX_FILE
 from jaxmem.io.run_folder import check_out_dir
@@ -24,7 +30,7 @@ from jaxmem.model.transformer import abstract_model
 from jaxmem.plan import timeline_html
 
 from chat_fixtures import write_tokenizer
-from tiny_config import TINY
+from tiny_config import TINY, tiny_config
 
 
 def _md5(path):
@@ -80,6 +86,69 @@ def test_out_dir_rules_without_a_run(tmp_path):
         check_out_dir(tmp_path / "file")
     with pytest.raises(ConfigError, match=r"^out_dir: .*/file/run cannot be written: .*/file is not a folder$"):
         check_out_dir(tmp_path / "file" / "run")
+
+
+# ---------------------------------------------------------------- checkpoints prove their integrity
+
+RUN = ["train.steps=4", "checkpoint.every=2", "train.log_every=1", "train.seq_len=32"]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A straight 4-step run saving steps 2 and 4: its folder and its loss per step."""
+    out = tmp_path_factory.mktemp("straight") / "run"
+    summary = run(tiny_config(out, *RUN))
+    return out, {r["step"]: r["loss"] for r in summary["records"]}
+
+
+def _flipped_copy(straight, tmp_path) -> Path:
+    """A copy of the straight run whose step 4 has 16 bytes flipped in the middle of its biggest data file."""
+    copy = tmp_path / "run"
+    shutil.copytree(straight[0], copy)
+    data = max((copy / "checkpoints" / "4" / "state").glob("ocdbt.process_*/d/*"), key=lambda p: p.stat().st_size)
+    raw = bytearray(data.read_bytes())
+    middle = len(raw) // 2
+    raw[middle:middle + 16] = bytes(b ^ 0xFF for b in raw[middle:middle + 16])
+    data.write_bytes(bytes(raw))
+    return copy
+
+
+def test_a_flipped_byte_in_a_checkpoint_stops_naming_the_step_and_the_array(straight, tmp_path, capsys):
+    copy = _flipped_copy(straight, tmp_path)
+    assert cli.main(["train", str(TINY), f"out_dir={copy}", "train.progress=false", *RUN]) == 2
+    assert re.fullmatch(
+        rf"jaxmem train: config error: {copy}/checkpoints/4: checkpoint is incomplete or damaged \(array \S+ of "
+        r"step 4 does not match the checksum saved with it\); delete this directory to resume from step 2 \(or "
+        r"set checkpoint.on_corrupt=previous\)", _one_error_line(capsys))
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["2", "4"]  # nothing moved or written
+
+
+def test_on_corrupt_previous_resumes_from_the_newest_intact_step_exactly(straight, tmp_path, capsys):
+    copy = _flipped_copy(straight, tmp_path)
+    summary = run(tiny_config(copy, *RUN, "checkpoint.on_corrupt=previous"))
+    assert summary["resumed_from"] == 2 and summary["start_step"] == 2
+    assert {r["step"]: r["loss"] for r in summary["records"]} == {s: straight[1][s] for s in (3, 4)}
+    assert sorted(p.name for p in (copy / "checkpoints").iterdir()) == ["2", "4", "4.damaged"]
+    err = capsys.readouterr().err
+    assert f"checkpoint step 4 is damaged (array " in err and f"set aside as {copy}/checkpoints/4.damaged" in err
+    assert "resuming from step 2, the newest intact checkpoint (checkpoint.on_corrupt=previous)" in err
+
+
+def test_digests_do_not_depend_on_the_mesh():
+    x = np.random.default_rng(0).standard_normal((16, 24)).astype(np.float32)
+    mesh = Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b"))
+    one = checksum.digests({"w": jnp.asarray(x), "b": jnp.asarray(x).astype(jnp.bfloat16)})
+    spread = checksum.digests({"w": jax.device_put(x, NamedSharding(mesh, P("a", "b"))),
+                               "b": jax.device_put(x.astype(jnp.bfloat16), NamedSharding(mesh, P("b", None)))})
+    host = NamedSharding(mesh, P("b", "a"), memory_kind="pinned_host")  # offload.optimizer=host: summed on the host
+    on_host = checksum.digests({"w": jax.device_put(x, host), "b": jax.device_put(x.astype(jnp.bfloat16), host)})
+    assert one == spread == on_host and one["w"].startswith("float32:") and one["b"].startswith("bfloat16:")
+    nudged = x.copy()
+    nudged[3, 5] = np.nextafter(nudged[3, 5], np.float32(1))  # one bit of one element
+    swapped = x[[1, 0, *range(2, 16)]]  # the same values in other places
+    for changed in (nudged, swapped):
+        assert checksum.first_mismatch(one, {"w": jnp.asarray(changed)}) == "w"
+    assert checksum.first_mismatch(one, {"w": jnp.asarray(x).astype(jnp.float16)}) is None  # cast: not compared
 
 
 # ---------------------------------------------------------------- refuse what cannot train
