@@ -71,6 +71,7 @@ def _model(cfg: Config) -> None:
 SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "model": _model,
     "train": validate.check_train,
+    "optimizer": validate.check_optimizer,
     "parallel": validate.check_parallel,
     "precision": validate.check_precision,
     "data": validate.check_data,

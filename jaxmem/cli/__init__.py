@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import re
 import sys
 
 from jaxmem.version import __version__
@@ -73,6 +74,31 @@ def _cpu_scheduler_flag() -> None:
         os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
 
 
+_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
+THREADS_PER_DEVICE = 8  # collectives one device may have waiting at once, with room to spare
+
+
+def _cpu_thread_pool() -> None:
+    """On a CPU-only host with several virtual devices, give XLA's CPU thread pool room for the collectives
+    that wait in it, before the backend starts.
+
+    XLA:CPU (jax 0.10.2) runs the independent operations of one program concurrently on a thread pool that
+    every virtual device shares, and a collective holds its thread until all devices have joined it. When a
+    step has two collectives that do not depend on each other (an all-gather inside the layer scan, and the LM
+    head's all-gather beside the scan), some devices enter one and the rest the other; once every pool thread
+    is taken by a waiting device, the devices that would complete either collective never get a thread, and
+    XLA's 40 s rendezvous timeout aborts the process. The pool is sized by NPROC (else the core count); with
+    THREADS_PER_DEVICE threads per device no collective waits for a thread. Waiting threads cost no CPU. An
+    NPROC already set wins; GPU hosts and one-device runs are left alone.
+    """
+    if os.path.exists("/proc/driver/nvidia") or "NPROC" in os.environ:
+        return
+    found = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))
+    devices = int(found[-1]) if found else int(os.environ.get("JAX_NUM_CPU_DEVICES", "1") or 1)
+    if devices > 1:
+        os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_DEVICE * devices))
+
+
 def version_text() -> str:
     import jax
     import jaxlib
@@ -94,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jaxmem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     _cpu_scheduler_flag()
+    _cpu_thread_pool()
     if not os.path.exists("/proc/driver/nvidia"):  # no GPU here: the plugin's import chatter is noise
         with _quiet_native_stderr():
             import jax  # noqa: F401

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 from jaxmem.features import load_config
-from jaxmem.io.data import RecordSource, make_source, packing_summary
+from jaxmem.io.data import RecordSource, make_source, packing_summary, untrained_line
 from jaxmem.cli.help import HelpFormatter
 
 _DESCRIPTION = """\
@@ -28,12 +28,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--documents", type=int, default=1, help="how many documents to preview (default: 1)")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     cfg = load_config(args.config, args.overrides)
-    source = make_source(cfg)
+    source = make_source(cfg, refuse_untrained=False)  # shown, with a warning: `jaxmem train` refuses it
     if not isinstance(source, RecordSource):
         print(f"data.kind={cfg.data.kind}: token windows of train.seq_len + 1 = {cfg.train.seq_len + 1}; "
               "no documents, masks or packing to preview (use jsonl, parquet or hf)")
         return 0
     rows = source.rows
+    if not rows.stats["trained_tokens"]:
+        print(f"jaxmem data: warning: {untrained_line(cfg)}", file=sys.stderr)
     if args.preview:
         print(rows.describe(documents=args.documents))  # decoded with the rows' own tokenizer
     else:

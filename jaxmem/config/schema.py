@@ -160,15 +160,16 @@ class PrecisionConfig:
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup")
-    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr")
-    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps; 0: train.steps "
+    lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup; >= 0")
+    warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr; >= 0")
+    decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps, >= 0; 0: train.steps "
                              "(a resume keeps the length saved in the checkpoint)")
-    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr")
-    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment)")
-    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment)")
-    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator)")
-    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed)")
+    min_lr_ratio: float = _f(0.1, "learning rate at the end of the cosine decay, as a fraction of lr, in "
+                                  "[0, 1]")
+    b1: float = _f(0.9, "AdamW beta1 (decay of the first moment), in [0, 1)")
+    b2: float = _f(0.95, "AdamW beta2 (decay of the second moment), in [0, 1)")
+    eps: float = _f(1e-8, "AdamW epsilon (added to the denominator), > 0")
+    weight_decay: float = _f(0.1, "AdamW decoupled weight decay (norms and biases are not decayed), >= 0")
     clip_norm: float = _f(1.0, "clip the gradients to this global L2 norm; <= 0: no clipping")
     update_in_backward: bool = _f(
         False, "run each decoder layer's AdamW update inside the backward pass, right after its gradient, so "
@@ -186,7 +187,8 @@ class TrainConfig:
     global_batch: int = _f(0, "sequences per optimizer step; 0: micro_batch x data ways x grad_accum")
     grad_accum: int = _f(0, "micro-batches accumulated per optimizer step; 0: derived from global_batch, or 1")
     log_every: int = _f(10, "write a metrics record every this many steps (and at the first and last step)")
-    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws")
+    seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws, in "
+                      "[0, 2**63)")
     progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
     wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
@@ -278,6 +280,11 @@ class CheckpointConfig:
     keep: int = _f(3, "number of most recent checkpoints kept in out_dir/checkpoints")
     async_save: bool = _f(True, "write checkpoints in the background while training goes on")
     enabled: bool = _f(True, "save to and resume from out_dir/checkpoints; false: neither")
+    on_corrupt: Literal["stop", "previous"] = _f(
+        "stop", "what a resume does when the latest checkpoint is damaged (a file missing or cut short, or an "
+                "array that does not match the checksum saved with it), one of stop (a one-line error naming the "
+                "step and the array), previous (set the damaged step aside as <step>.damaged and resume from the "
+                "newest intact one, saying which)")
     init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); a "
                             "LoRA run may name a Hugging Face directory (config.json + *.safetensors) instead: "
                             "its base is read and quantized a layer at a time; a checkpoint in out_dir to resume "
@@ -525,8 +532,43 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     return raw
 
 
+# A config's content once its aliases are expanded (nodes plus scalar characters): far above any real config,
+# far below what a "billion laughs" file of nested aliases expands to when the overrides copy the mapping.
+EXPANDED_LIMIT = 1_000_000
+
+
+class _Unbounded(yaml.YAMLError):
+    """A document whose aliases expand beyond EXPANDED_LIMIT, or refer to themselves."""
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int], open_nodes: set[int]) -> int:
+    """Nodes plus scalar characters of `node` with every alias written out (an aliased node counts each time)."""
+    if id(node) in sizes:
+        return sizes[id(node)]
+    if id(node) in open_nodes:
+        raise _Unbounded("an alias refers to a node that contains it")
+    if isinstance(node, yaml.ScalarNode):
+        size = 1 + len(node.value)
+    else:
+        open_nodes.add(id(node))
+        children = node.value if isinstance(node, yaml.SequenceNode) else [n for pair in node.value for n in pair]
+        size = 1 + sum(_expanded_size(child, sizes, open_nodes) for child in children)
+        open_nodes.discard(id(node))
+    if size > EXPANDED_LIMIT:
+        raise _Unbounded(f"its aliases (*name) expand to more than {EXPANDED_LIMIT:,} nodes and characters")
+    sizes[id(node)] = size
+    return size
+
+
 class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that refuses a repeated key: YAML keeps the last one, silently dropping a whole section."""
+    """SafeLoader that refuses a repeated key (YAML keeps the last one, silently dropping a whole section) and a
+    document whose aliases expand beyond EXPANDED_LIMIT (checked on the composed nodes, before any copy)."""
+
+    def get_single_node(self):
+        node = super().get_single_node()
+        if node is not None:
+            _expanded_size(node, {}, set())
+        return node
 
     def construct_mapping(self, node, deep=False):
         seen = set()
@@ -544,6 +586,10 @@ def parse_yaml_file(path: Path) -> Any:
     """A YAML file's content; bad bytes or syntax are a one-line ConfigError naming the file."""
     try:
         return yaml.load(path.read_bytes(), Loader=_ConfigLoader)  # bytes: YAML detects UTF-8/UTF-16 itself
+    except _Unbounded as e:
+        raise ConfigError(f"{path}: refused, {e}; write the values out") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: nested too deeply to read; a config is a few levels of sections") from None
     except yaml.reader.ReaderError as e:
         raise ConfigError(f"{path}: binary content ({e.reason} at byte {e.position}); "
                           "a config is a UTF-8 YAML file") from None

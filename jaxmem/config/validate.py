@@ -36,6 +36,35 @@ def check_train(cfg: Config) -> None:
         raise ConfigError("train.global_batch / train.grad_accum: must be >= 0 (0 means derived)")
     if cfg.train.memory_profile_at < 0:
         raise ConfigError(f"train.memory_profile_at: must be >= 0 (0: off), got {cfg.train.memory_profile_at}")
+    if not 0 <= cfg.train.seed < 2 ** 63:  # numpy's generators refuse a negative seed, jax's keys a wider one
+        raise ConfigError(f"train.seed: must be in [0, 2**63), got {cfg.train.seed}")
+
+
+def _in_range(key: str, value, low: float, high: float = math.inf, *, low_open: bool = False,
+              high_open: bool = True) -> None:
+    """value lies in the interval [low, high) (brackets as the flags say); NaN never does."""
+    above = value > low if low_open else value >= low
+    below = value < high if high_open else value <= high
+    if not (above and below) or math.isnan(value):
+        interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+        raise ConfigError(f"optimizer.{key}: must be in {interval}, got {value}")
+
+
+def check_optimizer(cfg: Config) -> None:
+    """AdamW's settings in their mathematical ranges: outside them a run trains to NaN or silently diverges.
+    clip_norm <= 0 is allowed (it means no clipping)."""
+    o = cfg.optimizer
+    _in_range("lr", o.lr, 0)
+    for key in ("b1", "b2"):
+        _in_range(key, getattr(o, key), 0, 1)
+    _in_range("eps", o.eps, 0, low_open=True)
+    _in_range("weight_decay", o.weight_decay, 0)
+    _in_range("min_lr_ratio", o.min_lr_ratio, 0, 1, high_open=False)
+    for key in ("warmup_steps", "decay_steps"):
+        if getattr(o, key) < 0:
+            raise ConfigError(f"optimizer.{key}: must be >= 0, got {getattr(o, key)}")
+    if math.isnan(o.clip_norm):
+        raise ConfigError("optimizer.clip_norm: must be a number (<= 0: no clipping), got nan")
 
 
 def check_parallel(cfg: Config) -> None:

@@ -3,7 +3,9 @@
 Only finalized steps count: orbax writes each step into a temporary directory and
 renames it when complete, so `latest_step()` never names a half-written checkpoint.
 Restores go onto the *current* program's shardings, so a run may resume on a
-different mesh or parallel layout than the one that saved it.
+different mesh or parallel layout than the one that saved it. Every saved array's digest goes into the meta
+(jaxmem.io.checksum) and is checked after each restore: a damaged step is a CorruptCheckpoint naming the step
+and the array, and `restore_intact` can fall back to the newest intact step (checkpoint.on_corrupt=previous).
 """
 from __future__ import annotations
 
@@ -18,11 +20,14 @@ from jaxmem.config.schema import Config, ConfigError, config_hash
 from jaxmem.core import host_init
 from jaxmem.core.optim import schedule_steps
 from jaxmem.core.plugins import FROZEN
+from jaxmem.core import checksum
 from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
 from jaxmem.runtime.oom_text import is_oom
 from jaxmem.core.precision import all_finite
+from jaxmem.core.step_state import leaf_name
 
 _META = "meta"
+DIGESTS = "digests"  # meta key: leaf name -> "dtype:hex" digest of every saved array (jaxmem.io.checksum)
 
 # Keys that may change between a save and a resume without changing the math of a
 # step (mesh, bookkeeping, how the global batch is split); the rest enters the hash.
@@ -42,11 +47,6 @@ def _reason(e: BaseException) -> str:
     return text if len(text) <= 300 else text[:297] + "..."
 
 
-def leaf_name(path) -> str:
-    """'opt.layers.0.mu.wq' for a key path (the names the shape checks and a pipeline's stage files use)."""
-    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
-
-
 def _shapes(tree) -> dict[str, tuple]:
     """'opt.layers.0.mu.wq' -> shape for every leaf of a state, abstract state or orbax tree metadata."""
     return {leaf_name(path): tuple(getattr(leaf, "shape", ()))
@@ -59,6 +59,18 @@ def _saved_shapes(item_dir: Path) -> dict[str, tuple]:
     if tree is None:
         raise FileNotFoundError(f"no tree metadata in {item_dir}")
     return _shapes(tree)
+
+
+def _without_digests(meta: dict) -> dict:
+    return {k: v for k, v in meta.items() if k != DIGESTS}
+
+
+class CorruptCheckpoint(ConfigError):
+    """A step directory whose files are missing, cut short or changed since the save (one line naming it)."""
+
+    def __init__(self, message: str, step: int, reason: str):
+        super().__init__(message)
+        self.step, self.reason = step, reason
 
 
 class WholeStateItem:
@@ -158,6 +170,7 @@ class Checkpoints:
         right away.
         """
         state = {k: v for k, v in state.items() if k != FROZEN}  # a frozen part is rebuilt, never saved
+        meta = dict(meta, **{DIGESTS: checksum.digests(state)})  # process 0 writes the meta: its parts' digests
         args = {item.name: item.save_args(state), _META: ocp.args.JsonSave(meta)}
         self._manager.save(step, args=ocp.args.Composite(**args), force=True)
 
@@ -175,6 +188,7 @@ class Checkpoints:
         if step is None:
             raise FileNotFoundError(f"no finalized checkpoint under {self.directory}")
         meta = self._restore_meta(step, required_meta)
+        saved_digests = meta.pop(DIGESTS, None)  # the caller's meta is the one it saved
         abstract_state = {k: v for k, v in abstract_state.items() if k != FROZEN}
         try:
             saved = item.saved_shapes(self.directory / str(step) / item.name)
@@ -192,7 +206,10 @@ class Checkpoints:
             if is_oom(e):
                 raise
             raise self._damaged(step, _reason(e)) from None
-        # We never save non-finite weights, and the array files carry no checksums: inf/NaN means garbage bytes.
+        changed = checksum.first_mismatch(saved_digests, state)
+        if changed:
+            raise self._damaged(step, f"array {changed} of step {step} does not match the checksum saved with it")
+        # We never save non-finite weights (a checkpoint saved without digests is checked for those only).
         if not all(bool(jax.jit(all_finite)(p)) for p in item.parts(state)):
             raise self._damaged(step, "it holds inf/NaN values")
         return state, meta
@@ -203,7 +220,17 @@ class Checkpoints:
         A damaged meta item is the same one-line ConfigError `restore` raises.
         """
         step = self.latest_step() if step is None else step
-        return None if step is None else self._restore_meta(step, ())
+        return None if step is None else _without_digests(self._restore_meta(step, ()))
+
+    def newest_meta(self, on_corrupt: str = "stop") -> dict | None:
+        """The latest step's meta; with on_corrupt="previous", that of the newest step whose meta reads."""
+        for step in reversed(self.all_steps()):
+            try:
+                return _without_digests(self._restore_meta(step, ()))
+            except CorruptCheckpoint:
+                if on_corrupt != "previous":
+                    raise
+        return None
 
     def _restore_meta(self, step: int, required: tuple[str, ...]) -> dict:
         try:
@@ -214,11 +241,30 @@ class Checkpoints:
             raise self._damaged(step, f"{_META} lacks {', '.join(required)}")
         return meta
 
-    def _damaged(self, step: int, reason: str) -> ConfigError:
+    def _damaged(self, step: int, reason: str) -> CorruptCheckpoint:
         earlier = [s for s in self.all_steps() if s < step]
-        then = f"resume from step {earlier[-1]}" if earlier else "start from scratch"
-        return ConfigError(f"{self.directory / str(step)}: checkpoint is incomplete or damaged ({reason}); "
-                           f"delete this directory to {then}")
+        then = (f"resume from step {earlier[-1]} (or set checkpoint.on_corrupt=previous)" if earlier
+                else "start from scratch")
+        return CorruptCheckpoint(f"{self.directory / str(step)}: checkpoint is incomplete or damaged ({reason}); "
+                                 f"delete this directory to {then}", step, reason)
+
+    def set_aside(self, step: int) -> Path:
+        """Renames a damaged step's directory to `<step>.damaged` (kept for a look, never read again: orbax
+        takes only numeric names for steps), so a new save of that step can be written. Process 0 renames."""
+        source = self.directory / str(step)
+        target = self.directory / f"{step}.damaged"
+        n = 1
+        while target.exists():
+            n += 1
+            target = self.directory / f"{step}.damaged.{n}"
+        if jax.process_index() == 0:
+            source.rename(target)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"jaxmem set aside step {step}")
+        self._manager.reload()
+        return target
 
     def wait(self) -> None:
         """Blocks until every started save is finalized."""
@@ -263,6 +309,30 @@ def restore_run(prog, ckpts: "Checkpoints", step: int | None = None, required_me
     checkpoint another layout saved."""
     step = ckpts.latest_step() if step is None else step
     return prog.restore_run(ckpts, step, required_meta)
+
+
+def restore_intact(prog, ckpts: "Checkpoints", on_corrupt: str, note, required_meta: tuple[str, ...] = ()):
+    """(state, meta, step) of the latest checkpoint. With on_corrupt="previous" a damaged step gives way to the
+    next older one; once an intact step restores, the damaged ones are set aside (`Checkpoints.set_aside`)
+    and `note` says which step the run resumes from. With "stop", or when no step is intact (then nothing is
+    moved), the latest step's CorruptCheckpoint is raised."""
+    damaged: list[CorruptCheckpoint] = []
+    for step in reversed(ckpts.all_steps()):
+        try:
+            state, meta = restore_run(prog, ckpts, step, required_meta)
+        except CorruptCheckpoint as e:
+            if on_corrupt != "previous":
+                raise
+            damaged.append(e)
+            continue
+        for e in damaged:
+            note(f"checkpoint step {e.step} is damaged ({e.reason}); set aside as {ckpts.set_aside(e.step)}")
+        if damaged:
+            note(f"resuming from step {step}, the newest intact checkpoint (checkpoint.on_corrupt=previous)")
+        return state, meta, step
+    if damaged:
+        raise damaged[0]
+    raise FileNotFoundError(f"no finalized checkpoint under {ckpts.directory}")
 
 
 def restore_whole(prog, ckpts: "Checkpoints", step: int | None, required_meta: tuple[str, ...] = ()):

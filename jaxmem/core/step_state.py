@@ -35,3 +35,8 @@ def assemble_state(cfg: Config, prec: Precision, opt, params) -> dict:
     if cfg.optimizer.update_in_backward:
         state["grad_norm"] = jnp.zeros((), jnp.float32)  # the previous step's, which clips this one
     return state
+
+
+def leaf_name(path) -> str:
+    """'opt.layers.0.mu.wq' for a key path (the names the shape checks and a pipeline's stage files use)."""
+    return ".".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)

@@ -183,9 +183,11 @@ def _check_bin_head(head: np.ndarray, cfg: Config) -> None:
     _check_vocab(head, vocab, path)
 
 
-def make_source(cfg: Config, path: str | None = None, key: str = "data.path") -> TokenSource:
+def make_source(cfg: Config, path: str | None = None, key: str = "data.path",
+                refuse_untrained: bool = True) -> TokenSource:
     """The token source that `data.kind` names, reading `path` (default data.path; eval.path for held-out
-    data). Missing files are refused here, in one line: plans never read the data."""
+    data). Missing files are refused here, in one line: plans never read the data; so are records that leave
+    no token to train on after masking (unless `refuse_untrained` is False: `jaxmem data` warns instead)."""
     check_data_files(cfg)
     if path is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
@@ -195,6 +197,8 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path") ->
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,
                           log=log)
         log(f"{cfg.data.path}: {packing_summary(rows, cfg.train.seq_len)}")
+        if refuse_untrained and not rows.stats["trained_tokens"]:
+            raise ConfigError(untrained_line(cfg, key))
         return RecordSource(rows, batch_keys(cfg))
     if kind == "synthetic":
         return SyntheticSource(vocab, seed)
@@ -209,12 +213,21 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path") ->
                       f"{', '.join(repr(k) for k in RECORD_KINDS)}")
 
 
+def untrained_line(cfg: Config, key: str = "data.path") -> str:
+    """Why records that leave no trained token cannot train (the loss would be taken over nothing)."""
+    d = cfg.data
+    return (f"{key}: {d.path} leaves no token to train on after masking (data.format={d.format}, "
+            f"data.train_on={d.train_on}: e.g. chats without an assistant turn); give records with assistant "
+            "turns or completions, or set data.train_on=all")
+
+
 def packing_summary(rows, seq_len: int) -> str:
     """One line of packing statistics (jaxmem.io.documents.PackedRows.stats)."""
     st = rows.stats
     return (f"{st['documents']} documents in {st['rows']} rows of {seq_len} tokens, packing efficiency "
             f"{st['efficiency']:.1%}, {st['trained_tokens']} trained of {st['tokens']} tokens, "
-            f"{st['split_overlong']} overlong split, {st['dropped_overlong']} dropped")
+            f"{st['split_overlong']} overlong split, {st['dropped_overlong']} dropped"
+            + (f", {st['skipped_empty']} records with no messages skipped" if st.get("skipped_empty") else ""))
 
 
 def process_rows(prog) -> tuple[int, int]:

@@ -14,10 +14,11 @@ from jax.sharding import Mesh, SingleDeviceSharding
 
 from jaxmem.mesh import sharding
 from jaxmem.config.schema import ConfigError, ParallelConfig
+from jaxmem.io.hf_check import check_tensors
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf, read_json_object
 from jaxmem.io.hf_layout import ParamMap, hf_shape, merge_hf, param_maps, read_slice, to_hf
 from jaxmem.io.hf_mxfp4 import checkpoint_reader
-from jaxmem.io.hf_safetensors import FLOAT_DTYPES, INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
+from jaxmem.io.hf_safetensors import INDEX_FILE, CheckpointReader, nbytes, plan_shards, write_shard
 from jaxmem.model.transformer import Transformer, abstract_model
 
 DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -52,22 +53,6 @@ def _target_shardings(abstract_state, mesh: Mesh | None, parallel: ParallelConfi
     if parallel.zero_stage < 3:  # same parameter placement as jaxmem.core.program for ZeRO-1/2
         rules = sharding.without_data_axes(rules)
     return sharding.named(mesh, sharding.param_specs(abstract_state, rules, mesh))
-
-
-def _check_tensors(reader: CheckpointReader, maps: list[ParamMap], abstract: dict, n_layers: int, where: Path):
-    """Every tensor present with the expected shape, before anything is read."""
-    for pm in maps:
-        shape = _get(abstract, pm.path).shape
-        expected = hf_shape(pm.kind, shape[pm.lead:])
-        for name in map(pm.name_at, pm.keys(shape)):
-            if name not in reader:
-                raise ConfigError(f"{where}: tensor {name} is missing from the safetensors shards")
-            if reader.shape(name) != expected:
-                raise ConfigError(f"{reader.file_of(name)}: tensor {name} has shape {list(reader.shape(name))}, "
-                                  f"config.json implies {list(expected)}")
-            if reader.dtype(name) not in FLOAT_DTYPES:
-                raise ConfigError(f"{reader.file_of(name)}: tensor {name} has dtype {reader.dtype(name)}; "
-                                  f"weights must be one of {', '.join(FLOAT_DTYPES)}")
 
 
 def _callback(reader: CheckpointReader, pm: ParamMap, shape: tuple[int, ...], np_dtype):
@@ -118,7 +103,7 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     shardings = _target_shardings(state, mesh, parallel)
     reader = checkpoint_reader(path, hf_cfg)
     maps = param_maps(cfg, hf_cfg["architectures"][0])
-    _check_tensors(reader, maps, abstract, cfg.n_layers, path)
+    check_tensors(reader, maps, abstract, path, tied=cfg.tie_embeddings)  # config.json against the shards
     values: dict = {}
     for pm in maps:
         shape = _get(abstract, pm.path).shape

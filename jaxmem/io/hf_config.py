@@ -23,6 +23,8 @@ def read_json_object(path: str | Path) -> dict:
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); "
                           "the file is damaged or cut short") from None
+    except RecursionError:  # json's decoder recurses once per level of [ or {
+        raise ConfigError(f"{path}: nests its JSON too deeply to read; the file is damaged") from None
     if not isinstance(value, dict):
         raise ConfigError(f"{path}: expected a JSON object, got a {type(value).__name__}")
     return value

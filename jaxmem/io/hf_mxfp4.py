@@ -51,6 +51,12 @@ class Mxfp4Reader:
     def __contains__(self, name: str) -> bool:
         return name in self.reader or self._packed(name)
 
+    def names(self) -> list[str]:
+        """Every tensor as the model reads it: a packed pair under its dequantized name."""
+        names = set(self.reader.names())
+        packed = {n[:-len("_blocks")] for n in names if n.endswith("_blocks") and self._packed(n[:-len("_blocks")])}
+        return sorted((names - {f"{n}{end}" for n in packed for end in ("_blocks", "_scales")}) | packed)
+
     def file_of(self, name: str):
         return self.reader.file_of(f"{name}_blocks" if self._packed(name) else name)
 

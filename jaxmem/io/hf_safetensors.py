@@ -35,8 +35,9 @@ def _header(path: Path) -> tuple[int, dict]:
                               "the file is truncated or not safetensors")
         try:
             header = json.loads(f.read(length))
-        except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
-            raise ConfigError(f"{path}: header is not valid JSON ({str(e).splitlines()[0]}); "
+        except (ValueError, RecursionError) as e:  # JSONDecodeError, UnicodeDecodeError, nesting too deep
+            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e).splitlines()[0]
+            raise ConfigError(f"{path}: header is not valid JSON ({reason}); "
                               "the file is damaged or not safetensors") from None
     if not isinstance(header, dict):
         raise ConfigError(f"{path}: header is not a JSON object; the file is damaged or not safetensors")
@@ -68,7 +69,17 @@ def _weight_map(index: Path) -> dict[str, str]:
     if not isinstance(weight_map, dict) or not weight_map or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
         raise ConfigError(f"{index}: weight_map must be a non-empty mapping of tensor name -> shard file")
+    for key, name in weight_map.items():
+        if not _inside(name):  # checked on the name alone: nothing outside the folder is opened or looked at
+            raise ConfigError(f"{index}: weight_map maps {key} to {name!r}, which is not a file inside the "
+                              "folder; shards are named relative to the folder, without '..'")
     return weight_map
+
+
+def _inside(name: str) -> bool:
+    """A shard name that stays inside the checkpoint folder: relative, without '..', not empty, no NUL."""
+    parts = Path(name).parts
+    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\0" not in name
 
 
 class CheckpointReader:
@@ -112,6 +123,10 @@ class CheckpointReader:
 
     def __contains__(self, name: str) -> bool:
         return name in self._file_of
+
+    def names(self) -> list[str]:
+        """Every tensor of the shards, sorted."""
+        return sorted(self._file_of)
 
     def file_of(self, name: str) -> Path:
         return self._file_of[name]

@@ -20,7 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.io.hf import _callback, _check_tensors, _get, _set
+from jaxmem.io.hf import _callback, _get, _set
+from jaxmem.io.hf_check import check_tensors
 from jaxmem.io.hf_config import model_config_from_hf, read_json_object
 from jaxmem.io.hf_layout import param_maps, read_slice
 from jaxmem.io.hf_mxfp4 import checkpoint_reader
@@ -110,7 +111,7 @@ class _HfSource:
     def __init__(self, path: Path, cfg: Config, maps, abstract):
         check_model(path, cfg)
         self.reader = checkpoint_reader(path, read_json_object(path / "config.json"))
-        _check_tensors(self.reader, maps, abstract, cfg.model.n_layers, path)
+        check_tensors(self.reader, maps, abstract, path, tied=cfg.model.tie_embeddings)
 
     def whole(self, pm, shape, sharding, np_dtype) -> jax.Array:
         return jax.make_array_from_callback(shape, sharding, _callback(self.reader, pm, shape, np_dtype))

@@ -25,7 +25,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import tensorstore as ts
 
-from jaxmem.core.checkpoint import leaf_name
+from jaxmem.core.step_state import leaf_name
 
 SHAPES = "shapes.json"
 

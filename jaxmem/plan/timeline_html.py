@@ -56,11 +56,21 @@ def slim(timeline: dict) -> dict:
             "bands": [{k: b[k] for k in _BAND_KEYS} for b in timeline["bands"]]}
 
 
+# JSON's \u escapes for the characters that can end or change an HTML <script> block ("</script>", "<!--",
+# "<script"): the embedded text then holds no "<", ">" or "&" and parses to the same data.
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026"})
+
+
+def script_json(data) -> str:
+    """`data` as JSON text safe inside <script type="application/json">, whatever strings it holds."""
+    return json.dumps(data, separators=(",", ":")).translate(_SCRIPT_SAFE)
+
+
 def page(timelines: list[dict], title: str = "", measured: dict | None = None) -> str:
     """The HTML text: one panel per timeline (side by side), then the measured panel when given."""
     data = {"categories": list(CATEGORIES), "colors": COLORS, "panels": [slim(t) for t in timelines],
             "measured": measured}
-    payload = json.dumps(data, separators=(",", ":")).replace("</", "<\\/")
+    payload = script_json(data)
     title = title or ("memory timeline: " + " vs ".join(t.get("config") or "step" for t in timelines)
                       if timelines else "measured device memory")
     return "\n".join([

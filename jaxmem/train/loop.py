@@ -24,7 +24,7 @@ import jax
 from jaxmem.runtime import distributed
 from jaxmem.train import peer_watch, run_lock
 from jaxmem.train.run_folder import RESOLVED_CONFIG
-from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_run, run_meta
+from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_intact, run_meta
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
 from jaxmem.train.evaluate import Evaluator
@@ -52,8 +52,8 @@ def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, 
     cfg = prog.cfg
     latest = ckpts.latest_step() if ckpts else None
     if latest is not None:
-        # damaged or another model's: a one-line ConfigError
-        state, meta = restore_run(prog, ckpts, latest, required_meta=RUN_META_KEYS)
+        # damaged (unless checkpoint.on_corrupt=previous finds an intact one) or another model's: one line
+        state, meta, latest = restore_intact(prog, ckpts, cfg.checkpoint.on_corrupt, _note, RUN_META_KEYS)
         rows = prog.grad_accum * prog.rows
         if meta.get("config_hash") != math_hash(cfg) or meta.get("batch_rows") != rows:
             _note(_resume_mismatch(cfg, meta, latest, rows))
@@ -85,7 +85,7 @@ def resume_schedule(cfg: Config, ckpts: Checkpoints | None) -> Config:
     it). An explicit non-zero optimizer.decay_steps wins (`initial_state` notes the difference); a
     checkpoint saved before the length was recorded changes nothing.
     """
-    meta = ckpts.meta() if ckpts else None
+    meta = ckpts.newest_meta(cfg.checkpoint.on_corrupt) if ckpts else None
     saved = _saved_decay(meta) if meta else None
     if saved is None or cfg.optimizer.decay_steps:
         return cfg

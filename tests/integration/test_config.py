@@ -97,6 +97,7 @@ def test_param_counts_match_published(preset):
 BAD_SECTION = {
     "model": (["model.n_kv_heads=3"], "model.n_kv_heads: 3 must divide model.n_heads=4"),
     "train": (["train.grad_accum=-1"], "train.global_batch / train.grad_accum: must be >= 0"),
+    "optimizer": (["optimizer.b2=1"], "optimizer.b2: must be in [0, 1), got 1.0"),
     "parallel": (["parallel.dp=-2"], "parallel.dp: must be a positive size or -1 (fill), got -2"),
     "precision": (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
     "data": (["data.workers=-1"], "data.workers: must be >= 0"),

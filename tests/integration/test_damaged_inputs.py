@@ -475,9 +475,11 @@ CKPT_CASES = {  # damage to step 2's directory -> what the error says
     "empty step dir": (lambda s: [shutil.rmtree(s), s.mkdir()], "(meta: "),
     "array file missing": (lambda s: _largest_array_file(s / "state").unlink(), "("),
     "array file truncated": (lambda s: _cut(_largest_array_file(s / "state")), "("),
-    # The b-tree that indexes the arrays carries CRC-32C checksums; the zstd array chunks do not, so bytes
-    # overwritten inside a chunk are only caught when they decode to inf/NaN (see the next test).
+    # The b-tree that indexes the arrays carries CRC-32C checksums; the zstd array chunks do not: bytes
+    # overwritten inside a chunk are caught by the digests saved in the meta (jaxmem.io.checksum).
     "index overwritten": (lambda s: _overwrite_middle(s / "state" / "manifest.ocdbt"), "(state metadata: "),
+    "array bytes overwritten": (lambda s: _overwrite_middle(_largest_array_file(s / "state")),
+                                "(array "),
 }
 
 

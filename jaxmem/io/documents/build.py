@@ -19,7 +19,7 @@ from jaxmem.io.documents.reading import read_records, record_files
 from jaxmem.io.documents.tokenize import load_tokenizer, payloads, tokenize_documents, tokenizer_spec
 from jaxmem.config.schema import ConfigError, DataConfig
 
-CACHE_VERSION = 1  # bump when tokenization or packing changes what a cached file holds
+CACHE_VERSION = 2  # bump when tokenization or packing changes what a cached file holds
 
 
 def cache_dir(data: DataConfig) -> Path:
@@ -85,8 +85,11 @@ def build_rows(data: DataConfig, *, path: str, seq_len: int, vocab_size: int, se
     documents_file = root / f"documents-{documents_key[:32]}.npz"
     documents = _load(documents_file)
     if documents is None:
-        items = payloads(data, read_records(data.kind, files))
-        documents = tokenize_documents(spec, items, data.workers)
+        items, skipped = payloads(data, read_records(data.kind, files))
+        if not items:
+            raise ConfigError(f"data.path: every record of {path} has an empty {data.messages_field!r} list; "
+                              "nothing to train on")
+        documents = dict(tokenize_documents(spec, items, data.workers), skipped_empty=np.int64(skipped))
         _save(documents_file, documents)
         log(f"tokenized {len(items)} records of {path} into {len(documents['ids'])} tokens "
             f"(cached in {documents_file})")

@@ -3,15 +3,19 @@
 The environment matches transformers' chat_template_utils: a sandboxed Jinja environment with
 trim_blocks and lstrip_blocks, loop controls, `raise_exception`, a `tojson` filter that does not escape
 HTML, `strftime_now`, and `{% generation %}` blocks (rendered as their body). Templates see `messages`,
-`bos_token`, `eos_token` and `add_generation_prompt`.
+`bos_token`, `eos_token` and `add_generation_prompt`. Renders are bounded in time and size per record
+(jaxmem.io.documents.template_bounds); any failure is a one-line ConfigError naming the template and the record.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 from datetime import datetime
 from functools import lru_cache
 
 from jaxmem.config.schema import ConfigError
+from jaxmem.io.documents.template_bounds import (budget, bounded_environment, guarded_filter,
+                                                        render_bounded)
 
 
 class _Generation:
@@ -53,11 +57,10 @@ def _strftime_now(fmt):
 @lru_cache(maxsize=8)
 def _compile(text: str):
     from jinja2.ext import loopcontrols
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation.extension(), loopcontrols])
-    env.filters["tojson"] = _tojson
+    env = bounded_environment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[_Generation.extension(), loopcontrols])
+    env.filters["tojson"] = guarded_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(text)
@@ -80,8 +83,9 @@ class ChatTemplate:
             raise ConfigError(f"{origin} is not a valid Jinja template (line {e.lineno}: {e.message})") from None
 
     def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
-        return self._template.render(messages=messages, bos_token=self.bos_token, eos_token=self.eos_token,
-                                     add_generation_prompt=add_generation_prompt)
+        """The rendered chat; a caller bounds a whole record's renders with template_bounds.budget()."""
+        return render_bounded(self._template, messages=messages, bos_token=self.bos_token,
+                              eos_token=self.eos_token, add_generation_prompt=add_generation_prompt)
 
     def render_with_assistant_spans(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
         """The rendered chat and the character spans [start, stop) of its assistant turns.
@@ -89,9 +93,7 @@ class ChatTemplate:
         Turn i's span runs from the end of render(messages[:i], add_generation_prompt=True) (so the role
         header is not in it) to the end of render(messages[:i + 1]) (so the end-of-turn text is).
         """
-        from jinja2.exceptions import TemplateError
-
-        try:
+        with self._failures(where), budget():
             full = self.render(messages)
             spans = []
             for i, message in enumerate(messages):
@@ -109,14 +111,29 @@ class ChatTemplate:
                     raise ConfigError(f"{self.origin}: the generation prompt before assistant turn {i} of {where} "
                                       "is not how the template renders that turn; use data.train_on=all")
                 spans.append((len(before), len(through)))
-        except TemplateError as e:
-            raise ConfigError(f"{self.origin}: rendering {where} failed ({str(e).splitlines()[0]})") from None
         return full, spans
 
     def render_checked(self, messages: list[dict], where: str) -> str:
-        from jinja2.exceptions import TemplateError
-
-        try:
+        with self._failures(where), budget():
             return self.render(messages)
-        except TemplateError as e:
-            raise ConfigError(f"{self.origin}: rendering {where} failed ({str(e).splitlines()[0]})") from None
+
+    @contextlib.contextmanager
+    def _failures(self, where: str):
+        """Whatever a template raises (its own raise_exception, a type error, the budget) as one line naming
+        the template and the record; a ConfigError passes through."""
+        try:
+            yield
+        except ConfigError:
+            raise
+        except Exception as e:  # a template is code: TemplateError, TypeError, RecursionError, MemoryError, ...
+            lines = str(e).strip().splitlines()
+            reason = lines[0] if lines else type(e).__name__
+            if not isinstance(e, _template_error()):
+                reason = f"{type(e).__name__}: {reason}"
+            raise ConfigError(f"{self.origin}: rendering {where} failed ({reason[:300]})") from None
+
+
+def _template_error():
+    from jinja2.exceptions import TemplateError
+
+    return TemplateError

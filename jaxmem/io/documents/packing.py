@@ -154,7 +154,8 @@ class PackedRows:
         s = self.stats
         lines.append(f"{s['documents']} documents -> {s['rows']} rows of {self.seq_len}: {s['tokens']} tokens "
                      f"({s['efficiency']:.1%} filled), {s['trained_tokens']} trained, "
-                     f"{s['split_overlong']} split and {s['dropped_overlong']} dropped as overlong")
+                     f"{s['split_overlong']} split and {s['dropped_overlong']} dropped as overlong"
+                     + (f", {s['skipped_empty']} records with no messages skipped" if s["skipped_empty"] else ""))
         return "\n".join(lines)
 
 
@@ -164,4 +165,5 @@ def packing_stats(documents: dict[str, np.ndarray], index: dict[str, np.ndarray]
     trained = int((trained_before[starts + n + 1] - trained_before[starts + 1]).sum())
     rows, tokens = len(index["row_starts"]) - 1, int(n.sum())
     return {**counts, "rows": rows, "tokens": tokens, "trained_tokens": trained,
-            "efficiency": tokens / (rows * seq_len) if rows else 0.0}
+            "efficiency": tokens / (rows * seq_len) if rows else 0.0,
+            "skipped_empty": int(documents["skipped_empty"]) if "skipped_empty" in documents else 0}

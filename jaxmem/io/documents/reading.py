@@ -52,7 +52,7 @@ def _hf_files(root: Path) -> list[Path]:
                           "(no state.json) as data.kind=hf needs")
     try:
         names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConfigError(f"data.path: {state} does not list the dataset's arrow files ({e!r})") from None
     files = [root / name for name in names]
     for f in files:
@@ -89,6 +89,9 @@ def _jsonl_records(f: Path) -> Iterator[Record]:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"data.path: {f}:{number} is not valid JSON ({e.msg} at column {e.colno})") \
                     from None
+            except RecursionError:  # json's decoder recurses once per level of [ or {
+                raise ConfigError(f"data.path: {f}:{number} nests its JSON too deeply to read (thousands of "
+                                  "levels of [ or {); a record is an object of a few levels") from None
             if not isinstance(record, dict):
                 raise ConfigError(f"data.path: {f}:{number} is a JSON {type(record).__name__}, not an object "
                                   "with the record's fields")

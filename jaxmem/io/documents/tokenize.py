@@ -68,8 +68,9 @@ def tokenizer_spec(data: DataConfig, vocab_size: int) -> tuple[TokenizerSpec, li
     if config_file.exists():
         try:
             config = json.loads(config_file.read_text(encoding="utf-8"))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ConfigError(f"data.tokenizer: {config_file} is not valid JSON ({e})") from None
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
+            reason = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+            raise ConfigError(f"data.tokenizer: {config_file} is not valid JSON ({reason})") from None
     bos, eos = _token_text(config.get("bos_token")), _token_text(config.get("eos_token"))
     for name, token in (("eos_token", eos), ("bos_token", bos)):
         if token is not None and tokenizer.token_to_id(token) is None:
@@ -102,12 +103,12 @@ def _template(data: DataConfig, config: dict, config_file: Path) -> tuple[str | 
     return (text if isinstance(text, str) else None), f"data.tokenizer: {config_file} chat_template"
 
 
-def payloads(data: DataConfig, records: list[tuple[dict, str]]) -> list[tuple[Any, str]]:
-    """The fields each record's document is made of, with where the record was read; a missing field is a
-    ConfigError naming its key."""
+def payloads(data: DataConfig, records: list[tuple[dict, str]]) -> tuple[list[tuple[Any, str]], int]:
+    """(the fields each record's document is made of, with where the record was read; the number of records
+    skipped because their messages are empty). A missing field is a ConfigError naming its key."""
     fields = {"text": ("text_field",), "prompt_completion": ("prompt_field", "completion_field"),
               "messages": ("messages_field",)}[data.format]
-    out = []
+    out, skipped = [], 0
     for number, (record, where) in enumerate(records, 1):
         values = []
         for key in fields:
@@ -121,19 +122,39 @@ def payloads(data: DataConfig, records: list[tuple[dict, str]]) -> list[tuple[An
                 raise ConfigError(f"data.{key}: record {number} ({where}) has {name!r} of type "
                                   f"{type(value).__name__}; expected a {expected.__name__}")
             if key == "messages_field":
-                _check_turns(value, f"data.{key}: record {number} ({where})")
+                value = _turns(value, f"data.{key}: record {number} ({where})")
             values.append(value)
+        if data.format == "messages" and not values[0]:
+            skipped += 1  # a chat without turns has nothing to train on (counted in the packing summary)
+            continue
         out.append((values, f"record {number} ({where})"))
-    return out
+    return out, skipped
 
 
-def _check_turns(turns: list, what: str) -> None:
+def _turns(turns: list, what: str) -> list[dict]:
+    """The turns with multi-part content ([{"type": "text", "text": ...}, ...]) joined into one string."""
+    out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
             raise ConfigError(f"{what} turn {i} is not a mapping with a 'role' (and 'content')")
         if "content" in turn and turn["content"] is None:  # a template's `+` on None is a jinja traceback
             raise ConfigError(f"{what} turn {i} ({turn['role']}) has content null; give a string (\"\" for "
                               "an empty turn) or leave the turn out")
+        if isinstance(turn.get("content"), list):
+            turn = dict(turn, content=_joined_parts(turn["content"], f"{what} turn {i} ({turn['role']})"))
+        out.append(turn)
+    return out
+
+
+def _joined_parts(parts: list, what: str) -> str:
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ConfigError(f"{what} content part {j} is {kind!r}, not text; only {{\"type\": \"text\", "
+                              "\"text\": ...} parts are read: leave the others out")
+        texts.append(part["text"])
+    return "".join(texts)
 
 
 class DocumentMaker:
