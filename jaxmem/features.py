@@ -31,7 +31,8 @@ FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARA
 
 def for_config(cfg: Config) -> Features:
     """The features `cfg` turns on, in the registry's order."""
-    return Features(tuple(f for f in FEATURES if f.applies(cfg)), tuple(f.name for f in FEATURES))
+    return Features(tuple(f for f in FEATURES if f.applies(cfg)), tuple(f.name for f in FEATURES),
+                    tuple(layout for f in FEATURES for layout in f.foreign_layouts))
 
 
 # ---------------------------------------------------------------- loading and checking

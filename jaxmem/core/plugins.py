@@ -211,6 +211,9 @@ class Features:
 
     active: tuple = ()
     known: tuple[str, ...] = ()  # every feature the registry holds, on or off
+    # checkpoint layouts of every feature the registry holds, on or off: a run reads a checkpoint another
+    # layout saved (a one-program resume of a pipeline's checkpoint)
+    foreign_layouts: tuple = ()
 
     def names(self) -> tuple[str, ...]:
         return tuple(f.name for f in self.active)
@@ -252,10 +255,6 @@ class Features:
 
     def run_program(self, cfg):
         return next((p for p in (f.run_program(cfg, self) for f in self.active) if p is not None), None)
-
-    @property
-    def foreign_layouts(self) -> tuple:
-        return tuple(layout for f in self.active for layout in f.foreign_layouts)
 
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""

@@ -16,7 +16,8 @@ import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
 from jaxmem.config.names import name_in_op
 from jaxmem.plan import hlo_dump
-from jaxmem.runtime.source_paths import PACKAGE, in_files, is_ours, module_path, rel_path  # noqa: F401 (re-read by explain)
+from jaxmem.runtime.source_paths import (_ROOT, PACKAGE, in_files, is_ours, module_path,  # noqa: F401
+                                         rel_path)  # (explain's vocabulary, read through this module)
 
 # Frames of step/scan plumbing: a buffer is attributed to the model code they call.
 PLUMBING = tuple(module_path(m) for m in (jaxmem.core.program, jaxmem.core.remat, jaxmem.mesh.sharding,

@@ -82,8 +82,9 @@ def test_tuner_adds_accepted_ep_meshes_for_experts_only(monkeypatch, tmp_path):
     the dense one still does not."""
     from jaxmem.cli import tune
 
-    monkeypatch.setattr(tune, "ep_mesh_options",
-                        lambda load, n_experts, n: ep_search.ep_mesh_options(lambda o: o, n_experts, n))
+    accept_all = ep_search.ep_mesh_options  # the mixture of experts' search (its feature calls it)
+    monkeypatch.setattr(ep_search, "ep_mesh_options",
+                        lambda load, n_experts, n: accept_all(lambda o: o, n_experts, n))
     moe = tune.Tuner("configs/tiny-moe.yaml", [], {"name": "h100-80g", "gpus_per_host": 8}, 16, 60, tmp_path, 0)
     assert [m for m in moe.meshes if "parallel.ep=8" in m] == [ep_search.ep_overrides(8, 8)]
     dense = tune.Tuner("configs/tiny.yaml", [], {"name": "h100-80g", "gpus_per_host": 8}, 16, 60, tmp_path, 0)
