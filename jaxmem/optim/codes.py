@@ -53,6 +53,17 @@ class Code:
         v = np.asarray(self.values, np.float64)
         return ((v[1:] + v[:-1]) / 2).astype(np.float32)
 
+    @functools.cached_property
+    def max_error(self) -> float:
+        """The largest |dequantized - x| as a fraction of the block's |scale|: half the widest gap between
+        neighbouring values, or the part of [-1, 1] below the lowest value (a signed code has no -1); for
+        the sqrt-linear code, sqrt within a half step w gives v within w * (2 + w)."""
+        v = np.asarray(self.values, np.float64)
+        if self.sqrt_linear:
+            w = np.max(np.diff(np.sqrt(v))) / 2
+            return float(w * (2 + w))
+        return float(max(np.max(np.diff(v)) / 2, v[0] + 1 if self.signed else 0.0))
+
     @property
     def zero_index(self) -> int:
         """The code nearest 0 (what a zero tensor stores)."""

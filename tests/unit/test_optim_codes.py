@@ -91,12 +91,7 @@ def test_tables(name):
     assert values[-1] == 1.0 and values[0] >= -1.0
     assert (0.0 in values) == code.signed
     # the bounds above are the tables' own: the widest half-gap, or the uncovered part of [-1, 1]
-    widest = np.max(np.diff(np.sqrt(values) if code.sqrt_linear else values)) / 2
-    uncovered = values[0] + 1 if code.signed else 0.0
-    if code.sqrt_linear:
-        assert ABS_BOUND[name] == pytest.approx(widest * (2 + widest))
-    else:
-        assert ABS_BOUND[name] == pytest.approx(max(widest, uncovered))
+    assert code.max_error == pytest.approx(ABS_BOUND[name])
     for k, bound in REL_BOUND[name].items():
         y = np.geomspace(10.0 ** -k, 1.0, 200001)
         worst = np.max(_nearest_error(code, y) / y)
