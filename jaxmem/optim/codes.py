@@ -154,12 +154,25 @@ def _blocked(x: jax.Array, length: int, count: int) -> jax.Array:
     return x.reshape(x.shape[:-1] + (count, length))
 
 
+def _constant(values: np.ndarray, like: jax.Array) -> jax.Array:
+    """A table as an array in `like`'s memory space (an update under host compute works on host values)."""
+    table = jnp.asarray(values)
+    space = jax.typeof(like).memory_space
+    return table if jax.typeof(table).memory_space == space else jax.device_put(table, space)
+
+
 def _encode(code: Code, y: jax.Array) -> jax.Array:
-    """Index of the nearest code value to each normalized y."""
+    """Index of the nearest code value to each normalized y: the number of midpoints at or below y, found by
+    a binary search unrolled over the bits (no constant is broadcast, so host values stay on the host)."""
     if code.sqrt_linear:
         k = jnp.round(jnp.sqrt(jnp.maximum(y, 0.0)) * 16.0)
         return (jnp.clip(k, 1, 16) - 1).astype(jnp.uint8)
-    idx = jnp.searchsorted(jnp.asarray(code.midpoints), y, side="right", method="scan_unrolled")
+    midpoints = _constant(code.midpoints, y)
+    step = 2 ** (code.bits - 1)
+    idx = (y >= midpoints[step - 1]).astype(jnp.int32) * step
+    while step > 1:
+        step //= 2
+        idx = idx + (y >= midpoints[idx + (step - 1)]).astype(jnp.int32) * step
     return idx.astype(jnp.uint8)
 
 
@@ -187,7 +200,7 @@ def quantize(x: jax.Array, code_name: str, block: int) -> QTensor:
         scales = jnp.where(hi >= -lo, hi, lo)
     else:
         scales = jnp.max(xb, axis=-1)
-    safe = jnp.where(scales == 0, 1.0, scales)
+    safe = scales + (scales == 0).astype(scales.dtype)  # 1 for an all-zero block; no constant to place
     idx = _encode(code, xb / safe[..., None])
     idx = idx.reshape(idx.shape[:-2] + (count * length,))[..., :last]
     return QTensor(_pack(idx) if code.bits == 4 else idx, scales, code_name, length, last)
@@ -197,7 +210,7 @@ def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
     """The values a QTensor stands for, [..., last] in `dtype`."""
     code = CODES[q.code]
     idx = _unpack(q.codes, q.last) if code.bits == 4 else q.codes
-    values = jnp.asarray(code.table)[idx.astype(jnp.int32)]
+    values = _constant(code.table, idx)[idx.astype(jnp.int32)]
     count = q.scales.shape[-1]
     scale = jnp.broadcast_to(q.scales[..., None], q.scales.shape + (q.block,))
     scale = scale.reshape(q.scales.shape[:-1] + (count * q.block,))[..., :q.last]

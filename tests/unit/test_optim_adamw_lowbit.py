@@ -143,6 +143,23 @@ def test_layerwise_update_slices_layers():
     np.testing.assert_allclose(new_w["layers"]["w"], weights["layers"]["w"] + u["w"], rtol=1e-6, atol=1e-7)
 
 
+def test_orbax_round_trip(tmp_path):
+    """A low-bit state saves and restores with orbax as the train state is (StandardSave / StandardRestore
+    onto an abstract target with shardings), QTensors' meta coming from the target."""
+    import orbax.checkpoint as ocp
+
+    opt = adamw_lowbit.scale_by_adam_lowbit(bits=4)
+    params = _tree(0, shapes={"w": (8, 300), "norm": (64,)})
+    _, state = jax.jit(opt.update)(_tree(1, shapes={"w": (8, 300), "norm": (64,)}), opt.init(params))
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(tmp_path / "state", state)
+        ckpt.wait_until_finished()
+        target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+        restored = ckpt.restore(tmp_path / "state", target)
+    assert jax.tree.structure(restored) == jax.tree.structure(state)
+    jax.tree.map(np.testing.assert_array_equal, restored, state)
+
+
 def _indices(q):
     idx = np.asarray(q.codes).astype(np.int32)
     if codes.CODES[q.code].bits == 4:
