@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import os
 import platform
 import subprocess
@@ -115,7 +116,7 @@ def _torch_candidates(tree_shapes: dict, clip_norm: float):
 
     torch.set_num_threads(os.cpu_count())
     rng = np.random.default_rng(0)
-    sizes = [s for s in _leaves(tree_shapes)]
+    sizes = _leaves(tree_shapes)
     params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s, dtype=np.float32))) for s in sizes]
     for p, s in zip(params, sizes):
         p.grad = torch.from_numpy(1e-3 * rng.standard_normal(s, dtype=np.float32))
@@ -142,7 +143,7 @@ def child(flag_set: str, n_params: float, rounds: int) -> dict:
     import jax
 
     tree_shapes = shapes(n_params)
-    n = sum(int(__import__("math").prod(s)) for s in _leaves(tree_shapes))
+    n = sum(math.prod(s) for s in _leaves(tree_shapes))
     grads, jax_runs = _jax_candidates(tree_shapes)
     torch_runs = _torch_candidates(tree_shapes, clip_norm=1.0)
     states, counts = {}, {}
@@ -243,8 +244,9 @@ def markdown(result: dict) -> str:
     ]
     lines += [_row(flag_set, name, f) for flag_set, run in result["runs"].items() for name, f in run["figures"].items()]
     lines += ["", f"**ratio_vs_torch** (fastest jaxmem update, {result['best_jax']}, over torch doing the same work): "
-                  f"{result['ratio_vs_torch']:.2f}x; over torch's fused step alone: {result['ratio_vs_torch_step']:.2f}x. "
-                  f"Today's update (layerwise, default flags): {result['today_ratio_vs_torch']:.2f}x.",
+                  f"{result['ratio_vs_torch']:.2f}x; over torch's fused step alone: "
+                  f"{result['ratio_vs_torch_step']:.2f}x. Today's update (layerwise, default flags): "
+                  f"{result['today_ratio_vs_torch']:.2f}x.",
               FINDINGS if m["jax_backend"] == "cpu" else ""]
     return "\n".join(lines)
 
