@@ -60,7 +60,7 @@ def state_bytes_per_param(bits: int) -> float:
 
 
 def toy_run(bits: int | None, steps: int = 50) -> tuple[np.ndarray, np.ndarray]:
-    """(weights, target): weights after `steps` noisy AdamW steps towards a fixed 64 x 4096 target (lr 1e-2, b2 0.95)."""
+    """(weights, target): weights after `steps` noisy AdamW steps towards a fixed 64 x 4096 target."""
     target = jnp.asarray(np.random.default_rng(0).standard_normal((64, 4096)), jnp.float32)
     adam = (optax.scale_by_adam(0.9, 0.95) if bits is None
             else adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, bits=bits))
