@@ -1,0 +1,83 @@
+"""Adafactor (jaxmem.optim.adafactor) is optax.adafactor on the run's schedule with AdamW-style decoupled
+decay; its factored state takes the param's spec without the reduced dim (jaxmem.optim.specs), and
+specs.state_specs gives optax's AdamW state the same specs as jaxmem.core.optim.opt_state_specs."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxmem.config import load_config
+from jaxmem.core import optim as core_optim
+from jaxmem.optim import adafactor, specs
+
+CFG = ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1", "optimizer.lr=1e-2"]
+SHAPES = {"w": (256, 512), "stack": (2, 192, 128), "attn_norm": (512,)}
+SPECS = {"w": P("fsdp", None), "stack": P(None, None, "fsdp"), "attn_norm": P()}
+
+
+def _tree(seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return {k: jnp.asarray(scale * rng.standard_normal(s), jnp.float32) for k, s in SHAPES.items()}
+
+
+def test_is_optax_adafactor():
+    """Three steps equal optax.adafactor's with the LR schedule, no parameter scaling, and weight decay
+    lr(t) * weight_decay on all but the norms; the factored state is a row and a column per matrix."""
+    cfg = load_config("configs/tiny.yaml", CFG)
+    lr = core_optim.schedule(cfg)
+    mask = {"w": True, "stack": True, "attn_norm": False}
+    reference = optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: lr(t) * 0.1,
+                                weight_decay_mask=mask)
+    opt = adafactor.make_adafactor(cfg)
+    params = _tree(0)
+    s_got, s_want = opt.init(params), reference.init(params)
+    for seed in (1, 2, 3):
+        grads = _tree(seed, 1e-2)
+        u_got, s_got = opt.update(grads, s_got, params)
+        u_want, s_want = reference.update(grads, s_want, params)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-12), u_got, u_want)
+    factored = s_got[0]
+    assert factored.v_row["w"].shape == (256,) and factored.v_col["w"].shape == (512,)
+    assert factored.v["w"].shape == (1,) and factored.v["attn_norm"].shape == (512,)
+
+
+def test_specs_and_fsdp8_step():
+    """v_row / v_col keep the param's spec without their reduced dim; a jitted step sharded so on fsdp=8
+    equals the one-device step."""
+    opt = adafactor.make_adafactor(load_config("configs/tiny.yaml", CFG))
+    params = _tree(0)
+    abstract = jax.eval_shape(opt.init, params)
+    state_specs = specs.state_specs(abstract, params, SPECS, {"fsdp": 8})
+    factored = state_specs[0]
+    assert factored.v_row["w"] == P("fsdp") and factored.v_col["w"] == P(None)
+    assert factored.v_row["stack"] == P(None, "fsdp") and factored.v_col["stack"] == P(None, None)
+    assert factored.v["w"] == P() and factored.v["attn_norm"] == P(None)
+
+    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
+                                      is_leaf=lambda x: isinstance(x, P))
+    state, grads = opt.init(params), _tree(1, 1e-2)
+    want_u, _ = jax.jit(opt.update)(*jax.device_put((grads, state, params), jax.devices()[0]))
+    step = jax.jit(opt.update, out_shardings=(named(SPECS), named(state_specs)))
+    got_u, got_s = step(*(jax.device_put(t, named(s)) for t, s in ((grads, SPECS), (state, state_specs),
+                                                                  (params, SPECS))))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_u, want_u)
+    assert got_s[0].v_row["stack"].sharding.spec == P(None, "fsdp")
+
+
+def test_adamw_specs_as_core():
+    """For optax's AdamW layer-wise state, state_specs gives what jaxmem.core.optim.opt_state_specs does."""
+    opt = core_optim.make_optimizer(load_config("configs/tiny.yaml", []))
+    weights = {"embed": jax.ShapeDtypeStruct((512, 64), jnp.float32),
+               "layers": {"w": jax.ShapeDtypeStruct((2, 64, 256), jnp.float32),
+                          "attn_norm": jax.ShapeDtypeStruct((2, 64), jnp.float32)}}
+    weight_specs = {"embed": P("fsdp", None), "layers": {"w": P(None, "fsdp", None), "attn_norm": P()}}
+    abstract = jax.eval_shape(lambda w: core_optim.init_opt_state(opt, w), weights)
+    want = core_optim.opt_state_specs(opt, abstract, weight_specs, P())
+    got = specs.layerwise_state_specs(abstract, weights, weight_specs, {"fsdp": 8})
+    is_spec = lambda x: isinstance(x, P)  # noqa: E731
+    flat = lambda t: [tuple(s) + (None,) * 4 for s in jax.tree.leaves(t, is_leaf=is_spec)]  # noqa: E731
+    assert jax.tree.structure(got, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
+        want, is_leaf=lambda x: isinstance(x, P))
+    assert [s[:4] for s in flat(got)] == [s[:4] for s in flat(want)]
