@@ -14,7 +14,7 @@ import dataclasses
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.core.sharding import spec_ways
+from jaxmem.mesh.sharding import spec_ways
 from jaxmem.optim import codes
 
 
