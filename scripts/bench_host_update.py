@@ -52,7 +52,7 @@ def _jax_candidates(tree_shapes: dict):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmem.config import load_config
+    from jaxmem.features import load_config
     from jaxmem.core import offload, optim as core_optim
     from jaxmem.optim import host_update
 

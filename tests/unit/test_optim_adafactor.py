@@ -7,7 +7,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.core import optim as core_optim
 from jaxmem.optim import adafactor, specs
 

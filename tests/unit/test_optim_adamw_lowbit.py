@@ -9,7 +9,7 @@ import optax
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.core import optim as core_optim
 from jaxmem.optim import adamw_lowbit, codes, specs
 

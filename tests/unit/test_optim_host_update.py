@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.config import load_config
+from jaxmem.features import load_config
 from jaxmem.core import offload, optim as core_optim
 from jaxmem.optim import adamw_lowbit, codes, host_update
 
