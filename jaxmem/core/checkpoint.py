@@ -10,7 +10,9 @@ and the array, and `restore_intact` can fall back to the newest intact step (che
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -135,6 +137,36 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
     return meta
 
 
+def _quiet_failed_saves(record: logging.LogRecord) -> bool:
+    """Drops orbax's own error logs (with their tracebacks) of a save that failed: `Checkpoints.failure` names
+    it in one line and the run stops there."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
+                and "Checkpointer failed" in record.getMessage())
+
+
+class SaveFailed(RuntimeError):
+    """A checkpoint could not be written; the message is one line: what failed, the last good step, the free
+    space."""
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
+def _free_bytes(directory: Path) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `directory`."""
+    probe = directory
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return shutil.disk_usage(probe).free
+
+
+def _written_bytes(state: dict) -> int:
+    """Bytes of `state` this process writes into a checkpoint, uncompressed (an upper bound of the files)."""
+    return sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
+               for shard in leaf.addressable_shards if shard.replica_id == 0)
+
+
 class Checkpoints:
     """Saves and restores a run's train state under `<out_dir>/checkpoints/`."""
 
@@ -148,6 +180,8 @@ class Checkpoints:
         # no item names: each save and restore names its items (a program's state item, the meta), and orbax
         # finds their handlers from the args' types
         self._manager = ocp.CheckpointManager(self.directory, options=options)
+        self._failed: str | None = None  # why a started save failed (see `failure`)
+        logging.getLogger("absl").addFilter(_quiet_failed_saves)
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":
@@ -161,6 +195,37 @@ class Checkpoints:
     def all_steps(self) -> list[int]:
         self._manager.reload()
         return sorted(self._manager.all_steps())
+
+    def room_for(self, state: dict, step: int) -> None:
+        """SaveFailed, before anything is written, when the checkpoint folder's disk cannot hold one more
+        checkpoint of `state` (counted uncompressed); the older checkpoints are left as they are."""
+        need, free = _written_bytes({k: v for k, v in state.items() if k != FROZEN}), _free_bytes(self.directory)
+        if need > free:
+            self._settle()
+            raise SaveFailed(f"not enough disk for the checkpoint of step {step} in {self.directory}: it needs up to "
+                             f"{_size(need)}, {_size(free)} is free; {self._last_good()}")
+
+    def failure(self) -> str | None:
+        """Why a save started earlier failed (an I/O error, a full disk), in one line; None while none did."""
+        try:
+            self._manager.check_for_errors()
+        except Exception as e:  # orbax re-raises what its writer thread hit
+            self._failed = _reason(e)
+            self._settle()
+            return (f"writing a checkpoint in {self.directory} failed ({self._failed}); {self._last_good()}; "
+                    f"{_size(_free_bytes(self.directory))} free")
+        return None
+
+    def _settle(self) -> None:
+        """Waits for the saves in flight (their failure is reported elsewhere), so the steps on disk are final."""
+        try:
+            self._manager.wait_until_finished()
+        except Exception:  # a failed save: `failure` names it
+            pass
+
+    def _last_good(self) -> str:
+        steps = self.all_steps()
+        return f"the last good checkpoint is step {steps[-1]}" if steps else "no checkpoint was completed"
 
     def save(self, step: int, state: dict, meta: dict, item=WHOLE_STATE) -> None:
         """Starts a save of `state` as `item` (the program's state_item); with async saving, returns once the
@@ -271,8 +336,15 @@ class Checkpoints:
         self._manager.wait_until_finished()
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
+        """Finishes the saves already started; after a failed one (reported by `failure`), closes quietly."""
+        try:
+            self._manager.wait_until_finished()
+            self._manager.close()
+        except Exception:
+            if self._failed is None and self.failure() is None:
+                raise
+        finally:
+            logging.getLogger("absl").removeFilter(_quiet_failed_saves)
 
 
 # ---------------------------------------------------------------- init_from

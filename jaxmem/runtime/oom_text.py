@@ -6,7 +6,11 @@ from __future__ import annotations
 _MARKERS = ("RESOURCE_EXHAUSTED", "Out of memory", "out of memory", "out of device memory")
 
 
+_NOT_MEMORY = ("No space left on device", "not enough disk")  # RESOURCE_EXHAUSTED of a full disk, not memory
+
+
 def is_oom(exc: BaseException) -> bool:
-    """The error is the devices (or the host) running out of memory, in any of jaxmem.plan.oom's forms."""
+    """The error is the devices (or the host) running out of memory, in any of jaxmem.plan.oom's forms (a full
+    disk, which tensorstore also calls RESOURCE_EXHAUSTED, is not)."""
     text = f"{type(exc).__name__} {exc}"
-    return any(s in text for s in _MARKERS)
+    return any(s in text for s in _MARKERS) and not any(s in text for s in _NOT_MEMORY)

@@ -24,7 +24,8 @@ import jax
 from jaxmem.runtime import distributed
 from jaxmem.train import peer_watch, run_lock
 from jaxmem.train.run_folder import RESOLVED_CONFIG
-from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_intact, run_meta
+from jaxmem.core.checkpoint import (RUN_META_KEYS, Checkpoints, SaveFailed, init_from, math_hash, restore_intact,
+                                    run_meta)
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
 from jaxmem.train.evaluate import Evaluator
@@ -154,10 +155,13 @@ class _Outputs:
             out.mkdir(parents=True, exist_ok=True)
             dump_yaml(cfg, out / RESOLVED_CONFIG)
             if cfg.train.tensorboard:
-                self.writers.append(TensorBoardWriter(out / "tensorboard"))
+                self.writers.append(TensorBoardWriter(out / "tensorboard", start))
             if cfg.train.wandb:
                 self.writers.append(WandbWriter(cfg.train.wandb, out, to_dict(cfg)))
-            self.writers.append(JsonlWriter(out / "metrics.jsonl"))
+            jsonl = JsonlWriter(out / "metrics.jsonl", start)
+            if jsonl.cut:
+                _note(jsonl.cut)
+            self.writers.append(jsonl)
         self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and cfg.train.progress)
 
     def record(self, record: dict) -> None:
@@ -238,6 +242,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         clock = SaveClock(cfg.checkpoint.every_minutes if ckpts is not None else 0)
         seen_per_step = data.per_step * cfg.train.seq_len  # batch positions fed per step, trained or not
         for done in range(start + 1, total + 1):
+            _check_saves(ckpts)  # a save started earlier failed: stop before the next step
             if _STEP_SLEEP_S:
                 time.sleep(_STEP_SLEEP_S)
             state, metrics = step_fn(state, batch)
@@ -268,11 +273,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 outputs.record(record)
             pending, last_sync = [], now
             if save_now and done != last_saved:
-                if not _state_finite(prog, state):
-                    raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
-                                     f"step {last_saved}); lower optimizer.lr")
-                meta = dict(run_meta(cfg, done, data.position_at(done), data.per_step), **prog.checkpoint_meta())
-                ckpts.save(done, state, meta, prog.state_item)
+                _save(cfg, prog, ckpts, state, done, data, last_saved)
                 clock.saved()
                 last_saved = done
             if stopping:
@@ -281,6 +282,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         summary["final_step"] = done
         if ckpts:
             ckpts.wait()
+            _check_saves(ckpts)
             summary["checkpoint_steps"] = ckpts.all_steps()
         return summary
     except jax.errors.JaxRuntimeError as e:
@@ -289,6 +291,28 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         raise
     finally:
         outputs.close()
+
+
+def _save(cfg: Config, prog: TrainProgram, ckpts: Checkpoints, state: dict, done: int, data: Batches,
+          last_saved: int | None) -> None:
+    """Starts the save of step `done`: never of non-finite weights, never onto a disk without room for it (a
+    TrainError in one line either way; the checkpoints saved before are left as they are)."""
+    if not _state_finite(prog, state):
+        raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
+                         f"step {last_saved}); lower optimizer.lr")
+    try:
+        ckpts.room_for(state, done)
+    except SaveFailed as e:
+        raise TrainError(str(e)) from None
+    meta = dict(run_meta(cfg, done, data.position_at(done), data.per_step), **prog.checkpoint_meta())
+    ckpts.save(done, state, meta, prog.state_item)
+
+
+def _check_saves(ckpts: Checkpoints | None) -> None:
+    """A TrainError in one line once a save started earlier has failed (a full disk, an I/O error)."""
+    failed = ckpts.failure() if ckpts is not None else None
+    if failed:
+        raise TrainError(failed)
 
 
 def parameter_counts(prog: TrainProgram) -> str:

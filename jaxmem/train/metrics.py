@@ -13,11 +13,15 @@ REQUIRED_KEYS = ("step", "loss", "grad_norm", "lr", "tokens_per_sec", "step_time
 
 
 class JsonlWriter:
-    """Appends one JSON object per logged step; a resumed run keeps appending to the same file."""
+    """Appends one JSON object per logged step. A run that starts at step `start` (a resume: the restored
+    state's step; a fresh run: 0) first cuts the file back to the records up to it, so metrics agree with the
+    state: the steps a crash lost after the last checkpoint, and a last line the crash tore, go. `cut` is the
+    one line saying what was cut ("" when nothing was)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, start: int | None = None):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.cut = cut_back(self.path, start) if start is not None else ""
         self._file = self.path.open("a")
 
     def write(self, record: dict) -> None:
@@ -26,6 +30,32 @@ class JsonlWriter:
 
     def close(self) -> None:
         self._file.close()
+
+
+def cut_back(path: Path, start: int) -> str:
+    """Keeps the records of `path` up to step `start` (written whole, in place of the file, atomically); the
+    one line saying what went, or ""."""
+    if not path.is_file():
+        return ""
+    kept, later, torn = [], 0, 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            torn += 1  # a line a crash cut short (the next record was then appended to it)
+            continue
+        if isinstance(record, dict) and isinstance(record.get("step"), int) and record["step"] <= start:
+            kept.append(line)
+        else:
+            later += 1
+    if not (later or torn):
+        return ""
+    staging = path.with_name(path.name + ".cut")
+    staging.write_text("".join(line + "\n" for line in kept))
+    staging.replace(path)
+    parts = [f"{count} {what}" for count, what in ((later, f"record{'s' * (later != 1)} after it"),
+                                                   (torn, f"torn line{'s' * (torn != 1)}")) if count]
+    return f"{path.name}: cut back to step {start}, the state the run starts from ({' and '.join(parts)} removed)"
 
 
 def read_jsonl(path: str | Path) -> list[dict]:
@@ -46,10 +76,11 @@ def summary_writer_class():
 
 
 class TensorBoardWriter:
-    """Scalars to TensorBoard event files under `log_dir`."""
+    """Scalars to TensorBoard event files under `log_dir`; a run starting at step `start` > 0 (a resume) has
+    TensorBoard drop the events after it (purge_step)."""
 
-    def __init__(self, log_dir: str | Path):
-        self._writer = summary_writer_class()(str(log_dir))
+    def __init__(self, log_dir: str | Path, start: int = 0):
+        self._writer = summary_writer_class()(str(log_dir), purge_step=start + 1 if start else None)
 
     def write(self, record: dict) -> None:
         for key, value in record.items():

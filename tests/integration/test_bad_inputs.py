@@ -417,3 +417,58 @@ def test_a_config_name_that_opens_a_comment_and_a_script_cannot_break_the_page()
     data = json.loads(payload)
     assert data["panels"][0]["config"] == name and data["measured"]["source"] == name
     assert page.count("</script>") == 2
+
+
+# ---------------------------------------------------------------- a disk that fills, a save that fails
+
+
+def _train_cli(tmp_path, *extra) -> int:
+    return cli.main(["train", str(TINY), f"out_dir={tmp_path / 'run'}", "train.steps=8", "train.log_every=1",
+                     "checkpoint.every=2", "train.progress=false", "train.seq_len=32", *extra])
+
+
+def test_a_full_disk_stops_the_run_before_the_save_in_one_line_and_keeps_the_last_good_step(
+        tmp_path, capsys, monkeypatch):
+    from jaxmem.core import checkpoint
+
+    real = checkpoint._free_bytes
+    monkeypatch.setattr(checkpoint, "_free_bytes", lambda d: real(d) if not (d / "4").exists() else 1000)
+    assert _train_cli(tmp_path) == 1  # checkpoints 2 and 4 fit, then the disk "fills"
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"jaxmem train: not enough disk for the checkpoint of step 6 in {tmp_path}/run/"
+                              "checkpoints: it needs up to ") and err[-1].endswith(
+        "MiB, 0.0 MiB is free; the last good checkpoint is step 4")
+    assert not [line for line in err if "Traceback" in line]
+    assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["2", "4"]
+    monkeypatch.setattr(checkpoint, "_free_bytes", real)  # room again: the run resumes at step 4
+    assert _train_cli(tmp_path) == 0
+    assert "resuming at step 4 of 8" in capsys.readouterr().err
+
+
+def test_a_save_that_fails_in_the_background_stops_the_next_step_in_one_line(tmp_path, capsys, monkeypatch):
+    """The second save's writer fails (as a full disk or an I/O error would, after the run's own check): the
+    run stops before the next step, in one line naming the last good step; that step is left as it was."""
+    import orbax.checkpoint as ocp
+
+    real_save, real_check, saves = ocp.CheckpointManager.save, ocp.CheckpointManager.check_for_errors, []
+
+    def save(self, step, *args, **kwargs):
+        saves.append(step)
+        return real_save(self, step, *args, **kwargs)
+
+    def check(self):
+        if len(saves) >= 2:
+            raise ValueError("RESOURCE_EXHAUSTED: Failed to write: No space left on device")
+        return real_check(self)
+
+    monkeypatch.setattr(ocp.CheckpointManager, "save", save)
+    monkeypatch.setattr(ocp.CheckpointManager, "check_for_errors", check)
+    assert _train_cli(tmp_path) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    last = re.fullmatch(f"jaxmem train: writing a checkpoint in {tmp_path}/run/checkpoints failed \\(RESOURCE_EXHAUSTED: "
+                        r"Failed to write: No space left on device\); the last good checkpoint is step (\d); "
+                        r"[\d.]+ GiB free", err[-1])
+    assert last and (tmp_path / "run" / "checkpoints" / last.group(1) / "_CHECKPOINT_METADATA").is_file(), err[-1]
+    assert not [line for line in err if "Traceback" in line or "OOM" in line]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert saves == [2, 4] and records[-1]["step"] == 4  # stopped before step 5 ran

@@ -56,7 +56,8 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path):
     assert [r["step"] for r in resumed["records"]] == [4, 5, 6]
     assert [r["loss"] for r in resumed["records"]] == [r["loss"] for r in straight["records"][3:]]
     assert [r["grad_norm"] for r in resumed["records"]] == [r["grad_norm"] for r in straight["records"][3:]]
-    assert len(read_jsonl(tmp_path / "metrics.jsonl")) == 9  # the resumed run appends
+    # the resume cut metrics.jsonl back to step 3 (the straight run's 4-6 were after the restored state)
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
     done = run(cfg)  # nothing left to train
     assert done["records"] == [] and done["start_step"] == done["final_step"] == 6
 
@@ -136,3 +137,21 @@ def test_tensorboard_without_a_writer_is_a_config_error(tmp_path, monkeypatch):
 def test_cli_reports_bad_overrides_by_name(tmp_path, capsys):
     assert cli.main(["train", str(TINY), "train.stepz=3"]) == 2
     assert "train.stepz: unknown key" in capsys.readouterr().err
+
+
+def test_a_resume_cuts_metrics_back_to_the_restored_step_and_drops_a_torn_line(tmp_path, capsys):
+    """A crash after the last checkpoint leaves records of steps the state never kept, and may leave a line cut
+    short; the resume removes both and says so in one line (the appended records then follow cleanly)."""
+    cfg = _cfg(tmp_path, "train.steps=4", "train.log_every=1", "checkpoint.every=2", "train.seq_len=32")
+    run(cfg)
+    shutil.rmtree(tmp_path / "checkpoints" / "4")  # as if killed between the step-4 record and its checkpoint
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 1.0, "step_ti')  # torn by the kill
+    capsys.readouterr()
+    resumed = run(cfg)
+    assert resumed["resumed_from"] == 2
+    err = capsys.readouterr().err
+    assert ("jaxmem train: metrics.jsonl: cut back to step 2, the state the run starts from (2 records after it "
+            "and 1 torn line removed)") in err
+    records = read_jsonl(tmp_path / "metrics.jsonl")  # every line parses: no record glued to a torn one
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
