@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from jaxmem.runtime.aot import Topology, resolve_topology
+from jaxmem import features as registry
 from jaxmem.config.schema import Config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.compiled import compile_for_plan
@@ -12,7 +13,7 @@ from jaxmem.plan.pipeline import pipeline_plan
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:
     """The full plan dict (schema: docs/plan_schema.md) for `cfg` on `topo`."""
-    if cfg.parallel.pp > 1:  # one program per stage: jaxmem.plan.pipeline compiles each
+    if registry.for_config(cfg).has("pipeline"):  # one program per stage: jaxmem.plan.pipeline compiles each
         return pipeline_plan(cfg, topo, compile=compile, source=source)
     bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo), device_memory=topo.gpu.hbm_bytes if topo.gpu else None)
     cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)

@@ -13,6 +13,8 @@ larger matmuls, and W is read once per token tile.
 """
 from __future__ import annotations
 
+import typing
+
 import jax
 import jax.numpy as jnp
 
@@ -48,8 +50,18 @@ def _vocab_starts(v: int, block_v: int):
     return nominal, jnp.minimum(nominal, v - block_v)
 
 
+@typing.runtime_checkable
+class ColumnSource(typing.Protocol):
+    """A [D, V] head weight that hands out its own column chunks (a frozen head stored quantized dequantizes
+    one chunk at a time); the chunked loss takes it where it takes an array."""
+
+    shape: tuple[int, int]
+
+    def columns(self, start, size: int) -> jax.Array: ...  # columns [start, start + size) as [D, size]
+
+
 def _logits_chunk(h_cd, w_dv, start, block_v):
-    if hasattr(w_dv, "columns"):  # a frozen head stored quantized (jaxmem.lora.frozen_vocab): one chunk dequantized
+    if isinstance(w_dv, ColumnSource):
         w_chunk = w_dv.columns(start, block_v)
     else:
         w_chunk = jax.lax.dynamic_slice_in_dim(w_dv, start, block_v, axis=1)
