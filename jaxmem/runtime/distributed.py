@@ -18,16 +18,12 @@ import jax
 
 from jaxmem.config.schema import DistributedConfig
 from jaxmem.config.validate import check_distributed
+from jaxmem.runtime import cpu_host
 from jaxmem.runtime.compat import JAX_RANGE, in_range
 
 
 HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S (10 s) that a loaded host cannot let it fire first
 SHUTDOWN_S = 60
-
-
-def _on_cpu() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS") or (jax.config.jax_platforms or "")
-    return platforms.split(",")[0] == "cpu" or not os.path.exists("/proc/driver/nvidia")
 
 
 def slurm_tasks(env: Mapping[str, str]) -> int:
@@ -51,12 +47,20 @@ def init_settings(cfg: DistributedConfig, env: Mapping[str, str]) -> dict | None
     return None
 
 
+def expected_processes(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> int:
+    """How many processes the run will have (before any joined): the config's, SLURM's, else 1."""
+    kwargs = init_settings(cfg, os.environ if env is None else env)
+    if kwargs is None:
+        return 1
+    return kwargs.get("num_processes") or slurm_tasks(os.environ if env is None else env) or 1
+
+
 def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> bool:
     """Joins the process group if the config or SLURM asks for one; returns whether it did."""
     kwargs = init_settings(cfg, os.environ if env is None else env)
     if kwargs is None or jax.distributed.is_initialized():
         return False
-    if _on_cpu():  # cross-process collectives on CPU need gloo
+    if cpu_host.on_cpu():  # cross-process collectives on CPU need gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, **failure_settings())
     return True
