@@ -27,6 +27,7 @@ from jaxmem.train.run_folder import RESOLVED_CONFIG
 from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, init_from, math_hash, restore_intact, run_meta
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
+from jaxmem.io.console import is_terminal
 from jaxmem.train.evaluate import Evaluator
 from jaxmem.train.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
                                   summary_writer_class, wandb_available)
@@ -147,7 +148,7 @@ class _Outputs:
 
     def __init__(self, cfg: Config, start: int):
         self.lead = jax.process_index() == 0
-        self.plain = not cfg.train.progress
+        self.plain = not (cfg.train.progress and is_terminal())  # a pipe or a file: one plain line per record
         self.writers = []
         if self.lead:
             out = Path(cfg.out_dir)
@@ -158,7 +159,7 @@ class _Outputs:
             if cfg.train.wandb:
                 self.writers.append(WandbWriter(cfg.train.wandb, out, to_dict(cfg)))
             self.writers.append(JsonlWriter(out / "metrics.jsonl"))
-        self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and cfg.train.progress)
+        self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and not self.plain)
 
     def record(self, record: dict) -> None:
         if not self.lead:
