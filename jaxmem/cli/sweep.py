@@ -270,7 +270,7 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
 
 
 def byte_unit(rows: list[dict]) -> tuple[str, int]:
-    """One unit for every planned point: GiB, or MiB when some point is under 1 GiB (GiB would round it)."""
+    """One unit for every planned point: GiB, or MiB when some point is under a GiB (GiB would round it)."""
     sizes = [r["device_bytes"] for r in rows if not failed(r)]
     return ("GiB", GIB) if sizes and min(sizes) >= GIB else ("MiB", 1024**2)
 

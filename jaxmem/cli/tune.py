@@ -31,8 +31,8 @@ from jaxmem.plan import resolve_topology
 from jaxmem.plan import plan
 from jaxmem.cli.sweep import plan_points
 
-# How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill
-# was 0.8-1.25x the compiled figure across benchmarks/plan_accuracy.md and benchmarks/long_context.md).
+# How far above the usable memory an analytic bill may be and still be worth a compile: above the analytic
+# bill's error against the compiled figure (benchmarks/plan_accuracy.md, benchmarks/long_context.md).
 ANALYTIC_SLACK = 1.35
 # A larger micro-batch is compiled only if its analytic bill times the compiled/analytic ratio of the fitting
 # micro-batch it grows from is within this much of the usable memory (the ratio drifts as activations grow).

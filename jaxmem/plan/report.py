@@ -130,7 +130,7 @@ def _sig3(v: float) -> str:
 
 
 def fmt_seconds(x: float) -> str:
-    """Three significant digits in s, ms or us (1.23 s, 45.6 ms, 789 us)."""
+    """Three significant digits in s, ms or us (`1.23 s`, `45.6 ms`, `789 us`)."""
     for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
         if abs(x) >= scale or unit == "us":
             return f"{_sig3(x / scale)} {unit}"

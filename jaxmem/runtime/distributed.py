@@ -4,9 +4,10 @@ Must run before anything asks JAX for devices: the backend is created on first u
 and cannot join a cluster afterwards.
 
 Failure settings (docs/lifecycle.md): jax's coordination service declares a process dead after
-HEARTBEAT_S seconds without a heartbeat (jax's default: 100 s) and a finishing process waits at most
-SHUTDOWN_S seconds for the others at the exit barrier (jax's default: 300 s). jaxmem.train.peer_watch notices a
-dead peer sooner (10 s) and ends the survivors with one line; the heartbeat is the backstop.
+HEARTBEAT_S seconds without a heartbeat (sooner than jax's default) and a finishing process waits at most
+SHUTDOWN_S seconds for the others at the exit barrier (also below jax's default). jaxmem.train.peer_watch
+notices a dead peer sooner still (its STALE_S) and ends the survivors with one line; the heartbeat is the
+backstop.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from jaxmem.runtime import cpu_host
 from jaxmem.runtime.compat import JAX_RANGE, in_range
 
 
-HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S (10 s) that a loaded host cannot let it fire first
+HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S that a loaded host cannot let it fire first
 SHUTDOWN_S = 60
 
 
