@@ -19,7 +19,8 @@ from jaxmem.core import checkpoint, layout as core_layout, program, remat
 from jaxmem.core.plugins import Features
 from jaxmem.inbackward.feature import UPDATE_IN_BACKWARD
 from jaxmem.lora.feature import LORA
-from jaxmem.model.presets import check_model, resolve_model
+from jaxmem.io.model_match import model_from_folder
+from jaxmem.model.presets import PRESETS, check_model, resolve_model
 from jaxmem.moe.feature import MOE
 from jaxmem.offload.feature import HOST_OFFLOAD
 from jaxmem.pipeline import runtime
@@ -47,9 +48,19 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 def from_dict(raw: dict) -> Config:
     """The validated Config of a raw mapping (as read from YAML, or `jaxmem.config.to_dict`'s output)."""
     cfg = parse_raw(raw)
-    cfg = dataclasses.replace(cfg, model=resolve_model(cfg.model, raw.get("model") or {}))
+    cfg = dataclasses.replace(cfg, model=_model_of(cfg, raw.get("model") or {}))
     check(cfg)
     return cfg
+
+
+def _model_of(cfg: Config, raw_model: dict):
+    """The run's model: the folder's architecture where checkpoint.init_from names a Hugging Face directory or
+    an import-hf output (model.* keys the config sets must agree with it), else the preset's with the keys
+    the config sets."""
+    resolved = resolve_model(cfg.model, raw_model)  # refuses an unknown preset first
+    preset = raw_model.get("preset")
+    preset_values = PRESETS[preset] if preset and preset != "custom" else {}
+    return model_from_folder(cfg.checkpoint.init_from, cfg.model, raw_model, preset_values) or resolved
 
 
 def check(cfg: Config) -> None:

@@ -285,10 +285,10 @@ class CheckpointConfig:
                 "array that does not match the checksum saved with it), one of stop (a one-line error naming the "
                 "step and the array), previous (set the damaged step aside as <step>.damaged and resume from the "
                 "newest intact one, saying which)")
-    init_from: str = _f("", "params-only orbax checkpoint to start from (e.g. written by `jaxmem import-hf`); a "
-                            "LoRA run may name a Hugging Face directory (config.json + *.safetensors) instead: "
-                            "its base is read and quantized a layer at a time; a checkpoint in out_dir to resume "
-                            "from wins")
+    init_from: str = _f("", "weights to start from: a Hugging Face directory (config.json + *.safetensors) or "
+                            "a `jaxmem import-hf` output; the folder gives the model (leave the model section out; "
+                            "model.* keys that are set must agree with it); a LoRA run reads and quantizes its "
+                            "base a layer at a time; a checkpoint in out_dir to resume from wins")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -23,7 +23,8 @@ from jaxmem.core import host_init
 from jaxmem.core.optim import schedule_steps
 from jaxmem.core.plugins import FROZEN
 from jaxmem.core import checksum
-from jaxmem.io.model_match import check_model_json  # noqa: F401 (re-exported)
+from jaxmem.io import hf
+from jaxmem.io.model_match import check_hf_config, check_model_json, is_hf_dir
 from jaxmem.runtime.oom_text import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.step_state import leaf_name
@@ -428,10 +429,9 @@ def _damaged_params(params_dir: Path, reason: str) -> ConfigError:
 
 
 def model_params_from(prog, path: str | Path) -> dict:
-    """The model's params from a params-only checkpoint (`jaxmem import-hf`), checked against the config's
-    model and laid out with the program's shardings."""
-    check_model_json(path, prog.cfg)
-    return restore_params(path, prog.abstract_model_params())
+    """The model's params from a Hugging Face directory or a params-only checkpoint (`jaxmem import-hf`),
+    checked against the config's model and laid out with the program's shardings."""
+    return read_model_params(prog.cfg, path, prog.abstract_model_params())
 
 
 def init_from(prog, path: str | Path) -> dict:
@@ -449,7 +449,19 @@ def init_whole(prog, path: str | Path) -> dict:
     if streamed is not None:
         return streamed
     if host_init.applies(prog):
-        check_model_json(path, prog.cfg)
-        return host_init.fresh_state(prog, restore_params(path, host_init.loading_targets(prog)))
+        return host_init.fresh_state(prog, read_model_params(prog.cfg, path, host_init.loading_targets(prog)))
     # a full fine-tune's state reuses the loaded params' buffers; LoRA's stored base cannot
     return prog.assembled_state_fn()(model_params_from(prog, path))
+
+
+def read_model_params(cfg: Config, path: str | Path, targets: dict) -> dict:
+    """The model's params from `path` onto `targets`: a Hugging Face directory is read slice by slice from its
+    safetensors (each device reads its own), a `jaxmem import-hf` output restored by orbax."""
+    if is_hf_dir(path):
+        check_hf_config(path, cfg)
+        params = hf.read_params(path, targets)
+        if not bool(jax.jit(all_finite)(params)):
+            raise ConfigError(f"checkpoint.init_from: {path} holds inf/NaN values")
+        return params
+    check_model_json(path, cfg)
+    return restore_params(path, targets)

@@ -96,21 +96,32 @@ def load_hf(path, dtype: str = "float32", mesh: Mesh | None = None,
     config_file = path / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{config_file}: not found; expected a Hugging Face checkpoint directory")
-    hf_cfg = read_json_object(config_file)
-    cfg = model_config_from_hf(hf_cfg, where=str(config_file))
+    cfg = model_config_from_hf(read_json_object(config_file), where=str(config_file))
     graphdef, state = nnx.split(abstract_model(cfg, param_dtype=jnp.dtype(DTYPES[dtype])))
     abstract = nnx.to_pure_dict(state)
     shardings = _target_shardings(state, mesh, parallel)
-    reader = checkpoint_reader(path, hf_cfg)
-    maps = param_maps(cfg, hf_cfg["architectures"][0])
-    check_tensors(reader, maps, abstract, path, tied=cfg.tie_embeddings)  # config.json against the shards
-    values: dict = {}
-    for pm in maps:
-        shape = _get(abstract, pm.path).shape
-        cb = _callback(reader, pm, shape, DTYPES[dtype])
-        _set(values, pm.path, jax.make_array_from_callback(shape, _get(shardings, pm.path), cb))
+    targets = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    values = read_params(path, targets)
     nnx.replace_by_pure_dict(state, values)
     return nnx.merge(graphdef, state)
+
+
+def read_params(path, targets: dict) -> dict:
+    """The params of the Hugging Face directory `path` as arrays on `targets` (ShapeDtypeStructs with their
+    shardings: the model's params tree): each device reads only its slices; config.json is checked against
+    the shards first (one ConfigError line)."""
+    path = Path(path)
+    hf_cfg = read_json_object(path / "config.json")
+    cfg = model_config_from_hf(hf_cfg, where=str(path / "config.json"))
+    reader = checkpoint_reader(path, hf_cfg)
+    maps = param_maps(cfg, hf_cfg["architectures"][0])
+    check_tensors(reader, maps, targets, path, tied=cfg.tie_embeddings)  # config.json against the shards
+    values: dict = {}
+    for pm in maps:
+        target = _get(targets, pm.path)
+        cb = _callback(reader, pm, target.shape, np.dtype(target.dtype))
+        _set(values, pm.path, jax.make_array_from_callback(target.shape, target.sharding, cb))
+    return values
 
 
 def _gather(x: jax.Array | np.ndarray) -> np.ndarray:

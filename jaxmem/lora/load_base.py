@@ -12,7 +12,6 @@ A `jaxmem import-hf` output is read the same way, a layer at a time, through ten
 """
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import jax
@@ -22,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.io.hf import _callback, _get, _set
 from jaxmem.io.hf_check import check_tensors
-from jaxmem.io.hf_config import model_config_from_hf, read_json_object
+from jaxmem.io.hf_config import read_json_object
 from jaxmem.io.hf_layout import param_maps, read_slice
 from jaxmem.io.hf_mxfp4 import checkpoint_reader
 from jaxmem.io.hf_safetensors import CheckpointReader
@@ -30,28 +29,10 @@ from jaxmem.lora import quant_host
 from jaxmem.lora.adapters import target_weights
 from jaxmem.lora.frozen import NF4_BLOCK, LoraSetup
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.io.model_match import MODEL_KEYS
+from jaxmem.io.model_match import check_hf_config, check_model_json, is_hf_dir, is_imported_dir
 from jaxmem.lora.frozen_vocab import store_table
-from jaxmem.io.model_match import check_model_json
 
 KEY = "checkpoint.init_from"
-
-
-def is_hf_dir(path: str | Path) -> bool:
-    """A Hugging Face checkpoint directory (config.json and safetensors), not a `jaxmem import-hf` output."""
-    path = Path(path)
-    return (path / "config.json").is_file() and not (path / "model.json").is_file()
-
-
-def check_model(path: Path, cfg: Config) -> None:
-    """A one-line ConfigError naming config.json if it describes another model than the run's."""
-    config_file = path / "config.json"
-    theirs = dataclasses.asdict(model_config_from_hf(read_json_object(config_file), where=str(config_file)))
-    mine = dataclasses.asdict(cfg.model)
-    for key in MODEL_KEYS:
-        if theirs[key] != mine[key]:
-            raise ConfigError(f"{KEY}: {config_file} describes a model with {key}={theirs[key]!r} but the run has "
-                              f"model.{key}={mine[key]!r}; make the model config match")
 
 
 def store_layer(setup: LoraSetup, cfg: Config, name: str, w: np.ndarray):
@@ -109,7 +90,7 @@ class _HfSource:
     """Tensors of a Hugging Face directory (safetensors shards)."""
 
     def __init__(self, path: Path, cfg: Config, maps, abstract):
-        check_model(path, cfg)
+        check_hf_config(path, cfg)
         self.reader = checkpoint_reader(path, read_json_object(path / "config.json"))
         check_tensors(self.reader, maps, abstract, path, tied=cfg.model.tie_embeddings)
 
@@ -156,12 +137,6 @@ class _ImportedSource:
             raise ConfigError(f"{KEY}: {self.params} holds inf/NaN values in {'.'.join(pm.path)}; run "
                               "`jaxmem import-hf` again")
         return block
-
-
-def is_imported_dir(path: str | Path) -> bool:
-    """A `jaxmem import-hf` output (model.json + params/)."""
-    path = Path(path)
-    return (path / "model.json").is_file() and (path / "params").is_dir()
 
 
 def streams(path: str | Path) -> bool:

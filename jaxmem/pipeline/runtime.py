@@ -28,13 +28,12 @@ from jaxmem.pipeline.stage import Stage, stats_size
 from jaxmem.pipeline.transfer import Link, leads, owns
 from jaxmem.core.step_state import assemble_state, split_batch
 from jaxmem.io.data import batch_keys
-from jaxmem.io.model_match import check_model_json
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Features
 from jaxmem.model import abstract_model
 from jaxmem.model.moe import expert_count, is_moe
 from jaxmem.pipeline.checkpoints import whole_params
-from jaxmem.core.checkpoint import restore_params
+from jaxmem.core.checkpoint import read_model_params
 
 
 @dataclasses.dataclass
@@ -181,8 +180,7 @@ class PipelineProgram:
 
     def init_from(self, path) -> dict:
         """Read on the host, cut per stage."""
-        check_model_json(path, self.cfg)
-        params = restore_params(path, on_cpu_host(self.abstract_model_params()))
+        params = read_model_params(self.cfg, path, on_cpu_host(self.abstract_model_params()))
         return self.state_from_whole({"params": jax.tree.map(np.asarray, params)})
 
     def compile_step(self):

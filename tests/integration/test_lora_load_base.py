@@ -1,6 +1,7 @@
 """A LoRA base streamed from a Hugging Face directory (jaxmem.lora.load_base): bit-identical to the base built
 the old way (whole params, then quantized on the device) for every base dtype, read and quantized a layer
 at a time on the host, trains and resumes from it; the numpy quantizers match quant.py's bit for bit."""
+import dataclasses
 import json
 import tracemalloc
 
@@ -166,7 +167,11 @@ def test_a_hugging_face_directory_of_another_model_is_refused_by_file(tmp_path):
     hf = _hf_dir(tmp_path, _cfg())
     config = json.loads((hf / "config.json").read_text())
     (hf / "config.json").write_text(json.dumps(dict(config, intermediate_size=config["intermediate_size"] * 2)))
-    prog = build_program(_cfg(f"checkpoint.init_from={hf}"))
+    with pytest.raises(ConfigError) as e:  # at load: the config's preset names another model than the folder
+        _cfg(f"checkpoint.init_from={hf}")
+    assert f"{hf / 'config.json'}" in str(e.value) and "d_ff=352" in str(e.value) and "\n" not in str(e.value)
+    cfg = _cfg()  # a Config built in code skips the loader: the stream checks the folder again
+    prog = build_program(dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, init_from=str(hf))))
     with pytest.raises(ConfigError) as e:
         prog.frozen_base()
     assert f"{hf / 'config.json'}" in str(e.value) and "d_ff" in str(e.value) and "\n" not in str(e.value)
