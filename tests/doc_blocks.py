@@ -6,7 +6,8 @@ Conventions of README.md and docs/*.md (checked by tests/integration/test_doc_co
 - a `yaml` block whose first line is `# NAME.yaml` is a file the page asks the user to save under that name;
 - a `bash` or `python` block whose first line starts with `# GPU only` needs a GPU: the tests skip it and say so;
   so does a single command whose own comment starts with `# GPU only`;
-- a `bash` line whose comment mentions `Ctrl-C` is a run the user interrupts (the tests send SIGINT).
+- a `bash` line whose comment mentions `Ctrl-C`, followed by the same command, is a run the user interrupts and
+  resumes (the tests send SIGINT, then check the rerun resumes).
 """
 from __future__ import annotations
 
