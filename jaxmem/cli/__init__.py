@@ -1,12 +1,11 @@
 """`jaxmem` command line: each subcommand lives in its own module's `main(argv)`."""
 from __future__ import annotations
 
-import contextlib
 import importlib
-import os
-import re
 import sys
 
+from jaxmem.config.schema import ConfigError
+from jaxmem.runtime import cpu_host
 from jaxmem.version import __version__
 
 COMMANDS = {
@@ -41,62 +40,12 @@ def _entry(name: str):
     return getattr(importlib.import_module(module), func or "main")
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """Silences C++ logging on fd 2 (the CUDA plugin's "Could not find cuda drivers" lines on CPU hosts)."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 2)
-    try:
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        os.close(devnull)
-
-
-CPU_SCHEDULER_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-
-
-def _cpu_scheduler_flag() -> None:
-    """On a CPU-only host, switch off XLA's concurrency-optimized CPU scheduler before the backend starts.
-
-    With it (jax 0.10.2) a multi-device CPU program can run two independent collectives in a different order
-    on different devices; they wait on each other until XLA's 40 s rendezvous timeout aborts the process
-    (seen in `jaxmem train` with sp=4 x fsdp=2 under load, and in the tests: tests/conftest.py). An XLA_FLAGS
-    that names the flag itself wins. GPU hosts are left alone (the flag only concerns the CPU backend).
-    """
-    platforms = os.environ.get("JAX_PLATFORMS", "")
-    on_cpu = platforms.split(",")[0] == "cpu" or not os.path.exists("/proc/driver/nvidia")
-    flags = os.environ.get("XLA_FLAGS", "")
-    if on_cpu and "xla_cpu_enable_concurrency_optimized_scheduler" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {CPU_SCHEDULER_FLAG}".strip()
-
-
-_DEVICE_COUNT_FLAG = re.compile(r"--xla_force_host_platform_device_count=(\d+)")
-THREADS_PER_DEVICE = 8  # collectives one device may have waiting at once, with room to spare
-
-
-def _cpu_thread_pool() -> None:
-    """On a CPU-only host with several virtual devices, give XLA's CPU thread pool room for the collectives
-    that wait in it, before the backend starts.
-
-    XLA:CPU (jax 0.10.2) runs the independent operations of one program concurrently on a thread pool that
-    every virtual device shares, and a collective holds its thread until all devices have joined it. When a
-    step has two collectives that do not depend on each other (an all-gather inside the layer scan, and the LM
-    head's all-gather beside the scan), some devices enter one and the rest the other; once every pool thread
-    is taken by a waiting device, the devices that would complete either collective never get a thread, and
-    XLA's 40 s rendezvous timeout aborts the process. The pool is sized by NPROC (else the core count); with
-    THREADS_PER_DEVICE threads per device no collective waits for a thread. Waiting threads cost no CPU. An
-    NPROC already set wins; GPU hosts and one-device runs are left alone.
-    """
-    if os.path.exists("/proc/driver/nvidia") or "NPROC" in os.environ:
-        return
-    found = _DEVICE_COUNT_FLAG.findall(os.environ.get("XLA_FLAGS", ""))
-    devices = int(found[-1]) if found else int(os.environ.get("JAX_NUM_CPU_DEVICES", "1") or 1)
-    if devices > 1:
-        os.environ["NPROC"] = str(max(os.cpu_count() or 1, THREADS_PER_DEVICE * devices))
+# the CPU host's settings, by the names the tests and scripts know them
+_quiet_native_stderr = cpu_host.quiet_native_stderr
+_cpu_scheduler_flag = cpu_host.scheduler_flag
+_cpu_thread_pool = cpu_host.thread_pool
+CPU_SCHEDULER_FLAG = cpu_host.CPU_SCHEDULER_FLAG
+THREADS_PER_DEVICE = cpu_host.THREADS_PER_DEVICE
 
 
 def version_text() -> str:
@@ -112,21 +61,18 @@ def main(argv: list[str] | None = None) -> int:
         print(_usage())
         return 0
     if argv[0] in ("-V", "--version"):
-        with contextlib.nullcontext() if os.path.exists("/proc/driver/nvidia") else _quiet_native_stderr():
-            print(version_text())
+        cpu_host.start_jax_quietly()
+        print(version_text())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
         print(f"jaxmem: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
         return 2
-    _cpu_scheduler_flag()
-    _cpu_thread_pool()
-    if not os.path.exists("/proc/driver/nvidia"):  # no GPU here: the plugin's import chatter is noise
-        with _quiet_native_stderr():
-            import jax  # noqa: F401
+    cpu_host.scheduler_flag()
+    cpu_host.thread_pool()
+    cpu_host.start_jax_quietly()  # no GPU here: the CUDA plugin's chatter is noise
     entry = _entry(name)
-    from jaxmem.config.schema import ConfigError  # lazy: after the CPU flags are set and jax's start is quieted
-    from jaxmem.runtime.compat import UnsupportedVersion  # lazy: as ConfigError
+    from jaxmem.runtime.compat import UnsupportedVersion  # lazy: imports jax, after the CPU flags are set
 
     try:
         return entry(rest) or 0

@@ -31,11 +31,12 @@ from jaxmem.train.loop import _oom_error, compile_train_step
 from jaxmem.plan.report import _fmt, _unit, fmt_seconds
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.plan.timeline_html import measured_from_rows, write
-from jaxmem.runtime import distributed
+from jaxmem.runtime import cpu_host, distributed
 from jaxmem.features import load_config
 from jaxmem.config.schema import ConfigError
 from jaxmem.train import TrainError
 from jaxmem.plan import allocator
+from jaxmem.io.console import make_console
 
 SCHEMA_VERSION = 1
 _STATS_HOW = "max over this process's devices of Device.memory_stats()"
@@ -181,10 +182,9 @@ def _memory(figures, after_init, state_counted, after_steps, measured: str, na: 
 
 def render(r: dict, console=None) -> None:
     """Prints the bench dict: planned/estimated next to measured, then how each figure was obtained."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or make_console()
     mem, st, mfu, d, c = r["memory"], r["step_time"], r["mfu"], r["device"], r["compiled"]
     unit = _unit(max(v for v in (mem["planned_device_bytes"]["value"], mem["measured_peak_bytes"]["value"]) if v))
     na = lambda f, text: text if f["value"] is None else f"{f['value']:.3f}"  # noqa: E731
@@ -270,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     if not Path(path).is_file():
         raise ConfigError(f"{path}: config file not found")
     cfg = load_config(path, overrides)
+    # a CPU host gets the devices the mesh takes (before the backend starts; docs/config.md, parallel)
+    cpu_host.give_mesh_its_devices(cfg.parallel, distributed.expected_processes(cfg.distributed))
     allocator.prepare(cfg, "bench")  # before the backend starts
     distributed.initialize(cfg.distributed)
     try:

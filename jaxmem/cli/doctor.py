@@ -27,6 +27,7 @@ from jaxmem.plan.report import offload_requested
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.features import load_config
+from jaxmem.io.console import make_console
 
 GIB = 1024**3
 NO_CONFIG = "no config given"
@@ -197,9 +198,8 @@ STYLE = {"ok": "green", "warn": "yellow", "fail": "bold red", "skip": "dim"}
 
 
 def render(checks: list[dict], console=None) -> None:
-    from rich.console import Console
     from rich.text import Text
-    console = console or Console()
+    console = console or make_console()
     width = max(len(c["name"]) for c in checks)
     for c in checks:
         line = Text(f"{c['status']:<4}", style=STYLE[c["status"]])

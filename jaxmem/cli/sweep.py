@@ -18,7 +18,7 @@ from jaxmem.config import ConfigError, config_hash, parse_yaml_file
 
 from jaxmem.features import load_config
 from jaxmem.plan import figure_cache
-from jaxmem.runtime import ptxas_cache
+from jaxmem.runtime import cpu_host, ptxas_cache
 from jaxmem.plan.report import fmt_seconds
 from jaxmem.runtime.aot import add_target_args
 from jaxmem.cli.help import HelpFormatter
@@ -94,11 +94,15 @@ def run_sweep(config: str, grid: dict, base_overrides: list[str], target: dict, 
 
 
 def plan_points(config: str, point_overrides: list[list[str]], base_overrides: list[str], target: dict,
-                cache_dir: Path, workers: int = MAX_WORKERS, compile: bool = True) -> list[dict]:
+                cache_dir: Path, workers: int = MAX_WORKERS, compile: bool = True,
+                names: list[str] | None = None) -> list[dict]:
     """One row per point (a list of overrides on top of `base_overrides`): each planned in a fresh worker
-    process, or read back from `cache_dir` by the hash of its resolved config and target."""
+    process, or read back from `cache_dir` by the hash of its resolved config and target. `names`: how the
+    progress lines call the points (default: their overrides)."""
     cache_dir.mkdir(parents=True, exist_ok=True)
     jobs, rows = [], []
+    names = names or [" ".join(o) for o in point_overrides]
+    shown = {id(o): name for o, name in zip(point_overrides, names, strict=True)}
     for overrides in point_overrides:
         cfg = load_config(config, base_overrides + overrides)  # every point validated before any compile
         topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
@@ -113,7 +117,7 @@ def plan_points(config: str, point_overrides: list[list[str]], base_overrides: l
             path.write_text(json.dumps(results[key]))  # only successful plans are cached
         except Exception as e:  # one failing point must not lose the others
             results[key] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"}
-        print(f"{'FAILED ' if 'error' in results[key] else 'planned'} {' '.join(o)}", flush=True)
+        print(f"{'FAILED ' if 'error' in results[key] else 'planned'} {shown[id(o)]}", flush=True)
 
     with figure_cache.defaulted_to(cache_dir / "figures"):  # points share the init compile (same state layout)
         if todo and workers <= 0:  # in this process, one point after another (debugging, tests)
@@ -125,7 +129,8 @@ def plan_points(config: str, point_overrides: list[list[str]], base_overrides: l
             # the same process (seen with the pinned-host shim), and a point's peak RAM is returned to the system.
             # The points' deviceless compiles share ptxas's cubins of the kernels they have in common.
             with ptxas_cache.defaulted_to(cache_dir / "ptxas"), futures.ProcessPoolExecutor(
-                    max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx, max_tasks_per_child=1) as pool:
+                    max_workers=max(1, min(workers, MAX_WORKERS)), mp_context=ctx, max_tasks_per_child=1,
+                    initializer=cpu_host.start_jax_quietly) as pool:  # before the point's module imports jax
                 running = {pool.submit(_plan_point, config, base_overrides + o, target, compile): (o, k, p)
                            for o, k, p in todo}
                 for fut in futures.as_completed(running):
@@ -265,7 +270,7 @@ def plot_pareto(rows: list[dict], path: Path) -> None:
 
 
 def byte_unit(rows: list[dict]) -> tuple[str, int]:
-    """One unit for every planned point: GiB, or MiB when some point is under 1 GiB (GiB would round it)."""
+    """One unit for every planned point: GiB, or MiB when some point is under a GiB (GiB would round it)."""
     sizes = [r["device_bytes"] for r in rows if not failed(r)]
     return ("GiB", GIB) if sizes and min(sizes) >= GIB else ("MiB", 1024**2)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import jax
 
 from jaxmem.features import load_config
-from jaxmem.runtime import distributed
+from jaxmem.runtime import cpu_host, distributed
 from jaxmem.train import TrainError, run, run_lock
 from jaxmem.train.save_clock import stopped_line
 from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED
@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print("jaxmem train: no CONFIG given; using the schema's defaults (the tiny preset)", file=sys.stderr)
     cfg = load_config(path, overrides)
+    # a CPU host gets the devices the mesh takes (before the backend starts; docs/config.md, parallel)
+    cpu_host.give_mesh_its_devices(cfg.parallel, distributed.expected_processes(cfg.distributed))
     distributed.initialize(cfg.distributed)  # starts no backend; the lock needs the process index
     try:
         # before anything is written into out_dir, which is never the config file's folder nor someone else's

@@ -7,7 +7,9 @@ batch. Here every step is planned instead of run: each candidate's analytic bill
 not fit, the survivors are compiled for the target (deviceless, in worker processes, cached by config hash
 as `sweep` does) in the order of the cost model's step time, and only a compiled figure within the usable
 memory (and a host side within the node's RAM) counts as fitting. The winner is the fitting candidate with
-the most tokens per second (estimated), ties broken by headroom.
+the most tokens per second (estimated), ties broken by headroom; so a candidate whose estimate cannot beat a
+fitting one already found is never compiled, and a larger micro-batch whose analytic bill, scaled by the
+compiled/analytic ratio of the micro-batch it grows from, is clearly over the usable memory is not either.
 """
 from __future__ import annotations
 
@@ -29,9 +31,15 @@ from jaxmem.plan import resolve_topology
 from jaxmem.plan import plan
 from jaxmem.cli.sweep import plan_points
 
-# How far above the usable memory an analytic bill may be and still be worth a compile (the analytic bill
-# was 0.8-1.25x the compiled figure across benchmarks/plan_accuracy.md and benchmarks/long_context.md).
+# How far above the usable memory an analytic bill may be and still be worth a compile: above the analytic
+# bill's error against the compiled figure (benchmarks/plan_accuracy.md, benchmarks/long_context.md).
 ANALYTIC_SLACK = 1.35
+# A larger micro-batch is compiled only if its analytic bill times the compiled/analytic ratio of the fitting
+# micro-batch it grows from is within this much of the usable memory (the ratio drifts as activations grow).
+CALIBRATED_SLACK = 1.1
+# A candidate whose analytic bill is within this share of the usable memory is compiled alone; above it, the
+# next candidates are compiled beside it (worker processes), as it may well not fit.
+SURE_SHARE = 0.9
 
 LONG_SEQ = 32768
 # The flow: each stage adds the levers of the previous ones (every candidate starts in bf16 mixed precision).
@@ -53,6 +61,9 @@ RESET = ["remat.preset=none", "remat.granularity=layer", "remat.seq_tile=0", "re
          "offload.optimizer=device", "offload.optimizer_update=host", "offload.params=device",
          "optimizer.update_in_backward=false"]
 _UNLABELED = set(BF16 + RESET + ["train.global_batch=0"])
+_IMPLIED = {"parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.ep=1", "parallel.rules=fsdp",
+            "parallel.rules=fsdp_tp"}
+_SHORT = {"offload.optimizer_update": "update"}
 
 
 @dataclasses.dataclass
@@ -64,8 +75,15 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        kept = [o.split("=", 1) for o in self.overrides if o not in _UNLABELED]
-        return " ".join(f"{k.rsplit('.', 1)[-1]}={v}" for k, v in kept) or "(bf16 only)"
+        """The levers beyond bf16, the mesh and the batch split, e.g. `preset=selective fsdp=8 zero_stage=3
+        micro_batch=1 grad_accum=4`; the mesh axes at 1 and the rules the axes imply are left out."""
+        kept = [o.split("=", 1) for o in self.overrides if o not in _UNLABELED and o not in _IMPLIED]
+        return " ".join(f"{_SHORT.get(k, k.rsplit('.', 1)[-1])}={v}" for k, v in kept) or "(bf16 only)"
+
+    def estimated_tokens_per_second(self) -> float:
+        """The cost model's tokens/s from the analytic plan (the compiled plan's estimate is the same)."""
+        a = self.analytic or {}
+        return a["tokens_per_step"] / a["step_seconds"] if a.get("step_seconds") else 0.0
 
     def fits(self) -> bool:
         return bool(self.row and self.row.get("fits") is True and self.row.get("host_fits") is not False)
@@ -150,12 +168,41 @@ class Tuner:
     def compile(self, cands: list[Candidate]) -> None:
         """Compiles `cands` for the target (worker processes, cached), while the budget lasts."""
         todo = [c for c in cands if c.row is None]
-        while todo and time.monotonic() < self.budget_end:
-            chunk, todo = todo[:max(1, self.workers)], todo[max(1, self.workers):]
-            rows = plan_points(self.config, [c.overrides + self.user for c in chunk], [], self.target, self.cache_dir,
-                               self.workers, compile=True)
-            for c, row in zip(chunk, rows, strict=True):
+        if todo and time.monotonic() < self.budget_end:
+            rows = plan_points(self.config, [c.overrides + self.user for c in todo], [], self.target, self.cache_dir,
+                               self.workers, compile=True, names=[c.label for c in todo])
+            for c, row in zip(todo, rows, strict=True):
                 c.row = row
+
+    def best(self, fitting: list[Candidate]) -> Candidate | None:
+        """The winner so far: the most tokens/s (estimated), ties broken by headroom."""
+        return max(fitting, key=lambda c: (c.tokens_per_second(), -c.row["device_bytes"]), default=None)
+
+    @staticmethod
+    def could_win(cand: Candidate, best: Candidate | None) -> bool:
+        """Whether `cand`, should it fit, would beat `best` (faster, or as fast with less memory)."""
+        if best is None:
+            return True
+        mine, theirs = cand.estimated_tokens_per_second(), best.tokens_per_second()
+        return mine > theirs or (mine == theirs and cand.analytic["device_total"] < best.row["device_bytes"])
+
+    def first_fitting(self, cands: list[Candidate], best: Candidate | None) -> Candidate | None:
+        """Compiles the candidates that pass the analytic bill and could beat `best`, fastest first (then the
+        least memory), until one fits; a doubtful one (over SURE_SHARE of the usable memory) is compiled with
+        the next ones beside it, up to the worker count."""
+        alive = [c for c in cands if self.analytic(c)]
+        alive = [c for c in sorted(alive, key=lambda c: (c.analytic["step_seconds"], c.analytic["device_total"]))
+                 if self.could_win(c, best)]
+        while alive and time.monotonic() < self.budget_end:
+            first = alive[0]
+            width = 1 if first.analytic["device_total"] <= SURE_SHARE * first.analytic["usable"] else \
+                max(1, self.workers)
+            batch, alive = alive[:width], alive[width:]
+            self.compile(batch)
+            hit = next((c for c in batch if c.fits()), None)
+            if hit is not None:
+                return hit
+        return None
 
     def stage_candidates(self, name: str, levers: list[list[str]]) -> list[Candidate]:
         out = []
@@ -180,34 +227,38 @@ class Tuner:
                 break
             cands = self.stage_candidates(name, levers)
             self.candidates += cands
-            alive = sorted((c for c in cands if self.analytic(c)), key=lambda c: c.analytic["step_seconds"])
-            width = max(1, self.workers)
-            for i in range(0, len(alive), width):  # fastest first, `width` at a time: the first that fits wins
-                self.compile(alive[i:i + width])
-                hit = next((c for c in alive[i:i + width] if c.fits()), None)
-                if hit is not None:
-                    fitting.append(hit)
-                    break
-            found = [c for c in cands if c.fits()]
-            compiled = sum(c.row is not None for c in cands)
-            self.path.append(f"{name}: " + (f"fits ({found[0].label})" if found else
-                                            f"no candidate fits ({len(cands)} planned, {compiled} compiled)"))
-            if found and first_fit is None:
-                first_fit = index
+            best = self.best(fitting)
+            hit = self.first_fitting(cands, best)
+            if hit is not None:
+                fitting.append(hit)
+                first_fit = index if first_fit is None else first_fit
+            self.path.append(f"{name}: " + self.stage_outcome(cands, hit, best))
             if time.monotonic() >= self.budget_end:
                 self.path.append("budget spent")
                 break
         if not fitting:
             return None
-        for c in list(fitting):  # raise the micro-batch as far as memory allows
-            fitting += self.raise_micro_batch(c)
-        best = max(fitting, key=lambda c: (c.tokens_per_second(), -c.row["device_bytes"]))
+        for c in sorted(fitting, key=lambda c: -c.tokens_per_second()):  # raise the micro-batch where it may win
+            fitting += self.raise_micro_batch(c, fitting)
+        best = self.best(fitting)
         self.path.append(f"best: {best.label} at {best.tokens_per_second():,.0f} tokens/s (estimated)")
         return best
 
-    def raise_micro_batch(self, cand: Candidate) -> list[Candidate]:
+    @staticmethod
+    def stage_outcome(cands: list[Candidate], hit: Candidate | None, best: Candidate | None) -> str:
+        compiled = sum(c.row is not None for c in cands)
+        if hit is not None:
+            return f"fits ({hit.label})"
+        if best is not None and compiled == 0:
+            return f"none could beat {best.label} ({len(cands)} planned, none compiled)"
+        return f"no candidate fits ({len(cands)} planned, {compiled} compiled)"
+
+    def raise_micro_batch(self, cand: Candidate, fitting: list[Candidate]) -> list[Candidate]:
+        """`cand` with the micro-batch doubled while memory allows; a larger one is compiled only where it could
+        win and its analytic bill, scaled by `cand`'s compiled/analytic ratio, is near the usable memory."""
         out, micro = [], 1
         ways = _data_ways(self._load(cand.overrides), self.n)
+        ratio = cand.row["device_bytes"] / cand.row["analytic_device_bytes"]
         while time.monotonic() < self.budget_end:
             micro *= 2
             batch = batch_overrides(micro, ways, self.global_batch)
@@ -219,6 +270,12 @@ class Tuner:
             if not self.analytic(bigger):
                 self.path.append(f"micro-batch {micro} with {cand.label}: does not fit (analytic)")
                 break
+            if bigger.analytic["device_total"] * ratio > CALIBRATED_SLACK * bigger.analytic["usable"]:
+                self.path.append(f"micro-batch {micro} with {cand.label}: does not fit (analytic x {ratio:.2f}, "
+                                 "the compiled/analytic ratio of the smaller micro-batch)")
+                break
+            if not self.could_win(bigger, self.best(fitting + out)):
+                continue  # slower than a winner already found; a larger one may still be faster
             self.compile([bigger])
             if not bigger.fits():
                 self.path.append(f"micro-batch {micro} with {cand.label}: does not fit (compiled)")
@@ -248,14 +305,20 @@ def _gib(x) -> str:
     return f"{x / 2**30:,.2f}" if x is not None else "-"
 
 
+LINE = 120  # the most characters a candidate's line takes
+
+
 def table(tuner: Tuner) -> list[str]:
-    """One line per compiled candidate: levers, device and host bytes (compiled), fits, tokens/s (estimated)."""
-    lines = [f"{'levers':<100} {'device GiB':>10} {'host GiB':>9} {'fits':>5} {'tok/s (est.)':>13}"]
+    """One line per compiled candidate (at most LINE characters): device and host GiB per GPU (compiled for the
+    target), fits, tokens/s (estimated), levers (cut short with ... where longer; --json has them whole)."""
+    lines = [f"{'device':>8} {'host':>7} {'fits':>4} {'tok/s':>11}  levers (GiB per GPU compiled for the target; "
+             "tok/s estimated)"]
     for c in tuner.candidates:
         if c.row is None or c.row.get("status") == "failed":
             continue
-        lines.append(f"{c.label:<100} {_gib(c.row['device_bytes']):>10} {_gib(c.row['host_bytes']):>9} "
-                     f"{'yes' if c.fits() else 'no':>5} {c.tokens_per_second():>13,.0f}")
+        line = (f"{_gib(c.row['device_bytes']):>8} {_gib(c.row['host_bytes']):>7} {'yes' if c.fits() else 'no':>4} "
+                f"{c.tokens_per_second():>11,.0f}  {c.label}")
+        lines.append(line if len(line) <= LINE else line[:LINE - 3] + "...")
     return lines
 
 
@@ -332,7 +395,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", dest="json_path", default=None, help="also write every candidate as JSON")
     ap.add_argument("--plot", default=None, help="Pareto plot of the compiled candidates (PNG)")
     ap.add_argument("--cache", default=".cache/jaxmem-tune", help="plan cache folder (default: .cache/jaxmem-tune)")
-    ap.add_argument("--workers", type=int, default=2, help="compile worker processes; 0: in this process")
+    ap.add_argument("--workers", type=int, default=2, help="compile worker processes (a candidate that may not fit is "
+                                                            "compiled beside the next ones); 0: in this process")
     ap.add_argument("--verify", action="store_true", help="run `jaxmem bench` on the winner on the attached "
                                                           "devices and print planned vs measured")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
@@ -346,7 +410,7 @@ def main(argv: list[str] | None = None) -> int:
                   args.workers)
     best = tuner.run()
     print("\n".join(table(tuner)))
-    print("path: " + " -> ".join(tuner.path))
+    print("path:\n" + "\n".join(f"  {step}" for step in tuner.path))
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(to_json(tuner, best), indent=2, default=str))
     if args.plot:

@@ -38,7 +38,8 @@ def _f(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> 
 
 
 _FROM_PRESET = "; from model.preset unless set"
-_FILL = "; -1: fill the remaining devices (at most one axis)"
+_FILL = ("; -1: fill the remaining devices (at most one axis; on a CPU host where no device count is set, "
+         "`jaxmem train` and `bench` make as many devices as the other axes take, so -1 is 1)")
 _POW2 = " (a power of two >= 16)"
 
 
@@ -189,7 +190,8 @@ class TrainConfig:
     log_every: int = _f(10, "write a metrics record every this many steps (and at the first and last step)")
     seed: int = _f(0, "random seed of the parameter init and of which samples the data source draws, in "
                       "[0, 2**63)")
-    progress: bool = _f(True, "show a progress bar; false: print one plain log line per metrics record")
+    progress: bool = _f(True, "show a progress bar when stdout is a terminal; false (or not a terminal): print "
+                              "one plain log line per metrics record")
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
     wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
                         "local); empty: off")

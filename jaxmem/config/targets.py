@@ -105,6 +105,7 @@ def get_target(name: str) -> GpuTarget:
 
 def target_for_device_kind(kind: str) -> GpuTarget | None:
     """The GPU target whose device description is exactly `kind` (`Device.device_kind`, case and spaces
-    ignored), else None: a near miss (an H100 PCIe, an H200 NVL) has other peaks, so it gets no target."""
+    ignored), else None: a near miss (another form factor of a target's GPU) has other peaks, so it gets no
+    target."""
     key = " ".join(kind.split()).lower()
     return next((t for t in TARGETS.values() if t.description.lower() == key), None)

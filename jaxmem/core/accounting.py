@@ -15,8 +15,8 @@ from jaxmem.core.optim import split_layers
 from jaxmem.core.precision import Precision
 from jaxmem.mesh.sharding import spec_ways
 
-# XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): 80% of the device memory,
-# less the device-resident arguments, times xla_gpu_memory_limit_slop_factor (95 by default).
+# XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): SCHEDULER_MEMORY_FRACTION of
+# the device memory, less the device-resident arguments, times xla_gpu_memory_limit_slop_factor (its default).
 SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP = 0.80, 0.95
 
 
@@ -106,9 +106,8 @@ def scheduler_limit(device: dict[str, int], device_memory: int) -> float:
 def head_grad_itemsize(layout: Layout, prec: Precision) -> int:
     """Bytes per element of the LM head's whole gradient in the loss's backward. A fused loss (chunked, Pallas)
     writes dW in the dtype the head is used in, the compute dtype: with weights stored in that dtype it stays
-    so (`jaxmem explain` of Qwen2.5-7B, 8 x H100 FSDP, full remat: one bf16 [3584, 152064] dW at the loss's
-    peak, reduce-scattered before the layers' backward). The plain-XLA loss's dot with the fp32 logits
-    gradient makes it fp32, as does the cast back to wider stored weights."""
+    so (benchmarks/constants.md, accounting). The plain-XLA loss's dot with the fp32 logits gradient makes it
+    fp32, as does the cast back to wider stored weights."""
     cd, param = itemsize(prec.compute), itemsize(prec.param)
     return cd if layout.kernels["loss"] != "naive" and param == cd else 4
 
@@ -117,19 +116,18 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
                        device_memory: int) -> int:
     """Device bytes at the peak of an optimizer update streamed from the host (state on the host, update on
     the device). The non-layer leaves (embedding, LM head, final norm) are updated whole, or a piece at a time
-    with the layers' weights on the host too (_streamed_rest_elems; the figures below are of whole leaves,
-    before that): at the largest one's update (compiled llama3-8b 1 x 4090 recipe, 8 and 32 layers, read
-    with `jaxmem explain --dump-dir`, device buffers only) the device holds its fp32 master, m and v brought
-    in, their three updated copies, its new bf16 weight, and every gradient not yet consumed (its own, the
-    embedding's); activations, the layer phase and the old weights are dead. XLA's scheduler also prefetches the next
-    leaf's state while that fits under its memory limit (`SCHEDULER_*`): on an 80 GB H100 all three
-    copies (+5.87 GiB: 20.55 GiB compiled on the GPU), on a 24 GB RTX 4090 none (14.68 GiB)."""
+    with the layers' weights on the host too (_streamed_rest_elems). At the largest one's update the device
+    holds its fp32 master, m and v brought in, their three updated copies, its new bf16 weight, and every
+    gradient not yet consumed (its own, the embedding's); activations, the layer phase and the old weights are
+    dead. XLA's scheduler also prefetches the next leaf's state while that fits under its memory limit
+    (`SCHEDULER_*`): a large device takes all three copies, a small one none (how this was read off compiles:
+    benchmarks/constants.md, accounting)."""
     leaves = streamed_rest_elems(layout)
     largest = leaves[0] if leaves else 0
     state = [largest * itemsize(d) for d in state_dtypes(prec)]
     # in pieces the new weights are written over the old ones, which stay live through the loop (optim.
-    # _rest_in_chunks; explain of the 1 x 4090 recipe: the bf16 embedding and LM head, 1.96 GiB, at its
-    # 6.12 GiB peak, with the gradients, a piece's state in and out and the next piece's state prefetched)
+    # _rest_in_chunks; explain shows them at the peak, with the gradients, a piece's state in and out and the
+    # next piece's state prefetched: benchmarks/constants.md, accounting)
     weights = device["params"] if layout.rest_pieces else largest * itemsize(prec.param)
     peak = device["grads"] + weights + 2 * sum(state)
     limit = scheduler_limit(device, device_memory)

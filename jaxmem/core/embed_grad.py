@@ -1,7 +1,7 @@
 """The embedding table's gradient as the rows a step touched, not a [vocab, d_model] fp32 table.
 
 The plain step differentiates the loss with respect to the whole table: the transpose of the lookup
-scatter-adds each token's fp32 row gradient into zeros the table's size (2 GiB at Llama-3's vocabulary),
+scatter-adds each token's fp32 row gradient into zeros the table's size (vocab x d_model x 4 bytes),
 and that buffer lives from the end of the backward to the end of the update. The default step instead
 differentiates with respect to the looked-up rows (the layer stack's input) and keeps `RowGrad`: the step's
 distinct token ids and, per id, the sum of its rows' gradients, added in token order as the scatter-add

@@ -1,14 +1,12 @@
 """A step-0 train state whose pinned-host layer stacks are filled a layer at a time.
 
 Built as one program, a fresh state's host-resident parts (master, Adam's m and v, offloaded layer params)
-are made on the GPU whole and copied out: the Llama-3-8B RTX 4090 recipe held 21.0 GiB of device
-temporaries at init (22.96 GiB in all, compiled deviceless) against its 14.68 GiB step, and assembling a
-loaded model held the loaded bf16 layers on the device beside 7.0 GiB more. Here those stacks start as host
-zeros made outside any program, are donated, and a loop over the layers writes each layer's slice in place
-(optim.put_layer): the device holds one layer's worth. The host leaves outside the layer stack (the
-embedding's and LM head's master, m and v) are filled the same way in pieces of at most CHUNK_BYTES:
-built whole, Gemma 3's 262k x 3840 embedding alone put 12 GiB of fp32 on the device (12.03 GiB measured on
-one H200 for a 9.33 GiB step). The values are the plain assembly's, bit for bit.
+are made on the GPU whole and copied out, so init could need more device memory than the step it starts
+(benchmarks/constants.md, host_init). Here those stacks start as host zeros made outside any program, are
+donated, and a loop over the layers writes each layer's slice in place (optim.put_layer): the device holds
+one layer's worth. The host leaves outside the layer stack (the embedding's and LM head's master, m and v)
+are filled the same way in pieces of at most CHUNK_BYTES, as a large vocabulary's table alone, built whole,
+would take more than a step. The values are the plain assembly's, bit for bit.
 """
 from __future__ import annotations
 

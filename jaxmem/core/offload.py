@@ -64,9 +64,8 @@ class StateHomes:
     def rest_in_pieces(self) -> bool:
         """A streamed update moves the non-layer leaves' state (embedding, LM head) a piece at a time
         (jaxmem.core.optim.rest_chunks) where the layers' weights live on the host too: its peak is then that
-        state (the Llama-3-8B RTX 4090 recipe: 14.68 -> 6.12 GiB compiled deviceless). With the layers on the
-        device the peak is the backward's, and the pieces' loop kept the old embedding and LM head live through
-        it (+0.25 to +1.22 GiB on the Qwen2-72B, Gemma 3 and 1-GPU 128k recipes): moved whole there."""
+        state. With the layers on the device the peak is the backward's, and the pieces' loop kept the old
+        embedding and LM head live through it: moved whole there (benchmarks/constants.md, offload)."""
         return self.update_streamed and self.params_on_host
 
     def host_keys(self) -> tuple[str, ...]:

@@ -124,9 +124,8 @@ def adam_count(opt_state: dict) -> jax.Array:
 # The new params must be the rounding of the new weights as stored. From jax 0.12 on, XLA may recompute a weight
 # inside its cast's fusion with another contraction (XLA:CPU: an FMA, one bf16 ulp apart where the fp32 value sits
 # at a rounding boundary); a barrier on each weight before its cast keeps the two one value. One barrier per leaf:
-# one over the whole tree held every new weight of the layer at once (+2 GiB of temporaries at 8B widths, 8
-# layers); per leaf the compiled bytes of the default Llama-3-8B step and the RTX 4090 recipe do not move. jax 0.10
-# and 0.11 round the stored value without it, and their programs (the ones measured on the H100) stay as they were.
+# one over the whole tree held every new weight of the layer at once (benchmarks/constants.md, optim). jax 0.10
+# and 0.11 round the stored value without it, and their programs stay as they were.
 _BARRIER_BEFORE_CAST = compat.version_tuple(jax.__version__) >= (0, 12, 0)
 
 
@@ -232,8 +231,8 @@ def _rest_in_chunks(one, opt, chunks, g, s, w, p_old, home, param_dtype):
                 jax.tree.map(lambda x, n, a: put(x, n, a, i), p_all, new_p, axes)), scalars
 
     # the new params are written over the old ones in place (without old params, an update that makes its own,
-    # into zeros); stacked out of the loop or written into fresh zeros, they took 2-3 GiB more at the
-    # backward's peak (compiled for the 1-GPU 128k recipe)
+    # into zeros); stacked out of the loop or written into fresh zeros, they took more at the backward's peak
+    # (benchmarks/constants.md, optim)
     p_all = p_old if p_old is not None else jax.tree.map(lambda x: jnp.zeros(x.shape, param_dtype), w)
     (new_s, new_w, new_p), scalars = jax.lax.scan(body, (s, w, p_all), jnp.arange(count))
     leaves, treedef = jax.tree.flatten(new_s)

@@ -25,9 +25,8 @@ def in_backward_grads(cfg: Config, layout: Layout, dtype) -> int:
 def in_backward_stream_bytes(cfg: Config, layout: Layout, prec: Precision, device_memory: int) -> int:
     """Device bytes of a host-resident state streamed through optimizer.update_in_backward's layer backward
     (offload.optimizer=host): the largest layer leaf's master, m and v brought in and their updated copies,
-    and the next leaf's prefetched while that fits under XLA's scheduler limit. Read off deviceless H100
-    compiles of small models, one device (d_model 512, 4 / 8 layers: over the device-resident state the
-    compiled temporaries grow 28.9 MB at d_ff 1536, this gives 28.3; 6.1 MB at d_ff 512, this gives 9.4)."""
+    and the next leaf's prefetched while that fits under XLA's scheduler limit (read off deviceless compiles:
+    benchmarks/constants.md, inbackward)."""
     _, layer_params = split_layers(layout.abstract_params)
     _, layer_specs = split_layers(layout.opt_specs)
     per_elem = sum(itemsize(d) for d in state_dtypes(prec))

@@ -77,24 +77,16 @@ def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool =
     """The implementation each op runs on `platform` in a program over `n_devices` devices (its mesh; a
     pipeline stage's own): the one place `auto` is decided.
 
-    attention: cuDNN on NVIDIA GPUs, measured 1.45-1.9x faster than the Pallas flash kernel on an H100
-    (docs/attention.md), where the program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute
-    dtype, packed documents and sinks, jaxmem.core.layout); else the Pallas kernel. XLA on CPU, where Pallas
-    would only interpret. A call that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel
-    whatever the program chose (select_attention). loss: chunked, the fastest on an H100 at the same scratch
-    (benchmarks/kernels.md). norm: XLA, which already fuses it (the Pallas kernel saved no bytes).
-    grouped_matmul: never ragged_dot, which XLA:GPU densifies (64 GiB of temporaries fwd+bwd at the
-    Qwen3-30B-A3B shape where blocked compiles to 1.19, benchmarks/grouped_matmul.md). On one GPU the Pallas
-    kernel, leaner and faster wherever it was measured (one H200, jax 0.11.2, benchmarks/gpu_h200.md): at
-    that shape fwd+bwd 3.41 ms vs blocked's 13.32 in bf16 and 13.40 vs 20.51 in fp32, with 0.43 GiB of temp
-    vs 1.22; run with the smaller tiles it fits to an A100's or RTX 4090's shared memory, 3.61 / 4.75 ms in
-    bf16 and 12.43 / 17.17 in fp32, still ahead of blocked on that H200 (those GPUs themselves are not
-    measured); the 4-layer seq-8192 QLoRA step 0.144 s vs 0.347 s at 7.87 vs 9.48 GiB peak; a 2-layer
-    Mixtral-8x7B step 0.194 s vs 0.687 s at the same peak. Over several
-    devices blocked, because GSPMD runs the Pallas custom call whole on every device (the 8-GPU fsdp
-    Qwen3-30B-A3B step: 50.56 GiB per device against blocked's 29.14, compiled deviceless); and on CPU
-    blocked, measured 23x faster fwd+bwd than ragged_dot at 4096 rows (same file), where Pallas would only
-    interpret.
+    attention: cuDNN on NVIDIA GPUs, faster than the Pallas flash kernel (docs/attention.md), where the
+    program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute dtype, packed documents and
+    sinks, jaxmem.core.layout); else the Pallas kernel. XLA on CPU, where Pallas would only interpret. A call
+    that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel whatever the program chose
+    (select_attention). loss: chunked, the fastest at the same scratch (benchmarks/kernels.md). norm: XLA,
+    which already fuses it (the Pallas kernel saved no bytes). grouped_matmul: never ragged_dot, which XLA:GPU
+    densifies (benchmarks/grouped_matmul.md). On one GPU the Pallas kernel, leaner and faster wherever it was
+    measured (benchmarks/gpu_h200.md, benchmarks/constants.md: kernels). Over several devices blocked,
+    because GSPMD runs the Pallas custom call whole on every device; and on CPU blocked, faster than ragged_dot
+    (benchmarks/grouped_matmul.md), where Pallas would only interpret.
     """
     gpu = _is_gpu(platform)
     cudnn = cudnn_fits and cudnn_present()

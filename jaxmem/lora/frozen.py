@@ -103,10 +103,8 @@ def _outside_layers(setup: LoraSetup, params: dict, param_dtype) -> dict:
 
 def base_from_seed(setup: LoraSetup, cfg: Config, seed: int, param_dtype) -> dict:
     """make_base of the model init_model(seed) builds, its layers initialized and stored one at a time (a
-    loop over the layer keys). The whole-model init held every layer's weights before storing them: the QLoRA
-    Llama-3-8B q,v run peaked at 12.54 GiB during init against its 9.09 GiB step (measured on an H200,
-    benchmarks/gpu_h200.md); its init compiled for one H100 held 7.00 GiB of temporaries (nf4; 14.00 with an
-    int8 base) beside the 5.49 GiB state, and holds none this way (compiled deviceless). The values are the
+    loop over the layer keys). The whole-model init held every layer's weights before storing them, more than
+    the step it starts (benchmarks/constants.md, lora); this way it holds none. The values are the
     whole init's (nf4 and bf16 bit for bit; an int8 code may land one step away where XLA fuses the rounding
     product differently: 1 in 180224 in tiny's w_gate on CPU). Call it under jit: the whole model below gives
     the embedding, final norm and LM head; its layers are unused, so XLA does not compute them."""

@@ -156,7 +156,7 @@ def cotangent_barrier(x):
     """x; in the backward its gradient is materialized as it arrives (an optimization barrier). The activation's
     backward then writes d gate and d up once in their dtype: without it XLA fused that elementwise backward
     into the grouped matmul's row gather and kept an fp32 [rows, width] intermediate for it (one per projection
-    under the clamped SwiGLU: 2 x 2.8 GiB at gpt-oss-20b seq 65536, compiled deviceless for an H100)."""
+    under the clamped SwiGLU: benchmarks/constants.md, moe)."""
     return x
 
 

@@ -29,8 +29,8 @@ def take_rows(table: jax.Array, ids: jax.Array) -> jax.Array:
 def take_rows_late_zeros(table: jax.Array, ids: jax.Array) -> jax.Array:
     """take_rows whose gradient makes its [vocab, d] zeros only once the rows' cotangent exists. Made from
     nothing, they are free to be made anywhere: on a mesh XLA's scheduler made them at the end of the loss to
-    hide the LM head gradient's reduce-scatter and held them through the layers' backward (Llama-3-8B over
-    8 x H100: 1.96 GiB of fp32). Same values as take_rows'."""
+    hide the LM head gradient's reduce-scatter and held them through the layers' backward
+    (benchmarks/constants.md, transformer). Same values as take_rows'."""
     return jnp.take(table, ids, axis=0)
 
 

@@ -140,9 +140,8 @@ def working_names(cfg: Config, per_name: dict[str, int]) -> dict[str, int]:
 
 # kernels.grouped_matmul=ragged_dot only. Above this size of one [G, R, F] copy XLA no longer keeps three
 # whole expert-width copies at the peak: it splits them over the data axes (or drops them) and keeps the rows
-# expanded twice. A FITTED constant, not derived: from seven deviceless h100-80g compiles (ragged_dot, ep = 1):
-# copies of 0.003-6 GiB (tiny-moe, Qwen3-30B-A3B widths at seq 256 and 512, Mixtral widths at seq 1024) kept
-# three whole; 12, 28 and 96 GiB (Qwen3 at seq 1024 and 8192, Mixtral at seq 8192) did not.
+# expanded twice. A FITTED constant, not derived: from seven deviceless h100-80g compiles (ragged_dot, ep = 1),
+# small copies kept three whole, large ones did not (the compiles: benchmarks/constants.md, moe).
 WHOLE_COPY_LIMIT = 8 * 1024**3
 
 
@@ -162,7 +161,7 @@ def ragged_dot_copy_bytes(cfg: Config, layout, cd: int) -> int:
         # inside the expert-parallel shard_map nothing is split: the rows expanded twice and four expert-width
         # copies (Qwen3-30B-A3B widths, ep 8, 16 experts a device, seq 1024 dropless and capacity 1.25: two
         # [16, R, 2048], three [16, R, 768] and one [R, 16, 768]); above WHOLE_COPY_LIMIT the rows expanded three
-        # times and no expert-width copy (seq 8192 dropless: three 32 GiB [R, 16, 2048]). Observed, not derived.
+        # times and no expert-width copy (seq 8192 dropless: three [R, 16, 2048]). Observed, not derived.
         if g * rows * f * cd <= WHOLE_COPY_LIMIT:
             return g * rows * (2 * d + 4 * f) * cd
         return g * rows * 3 * d * cd

@@ -25,8 +25,8 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
     """Bytes of a streamed optimizer update (state on the host, weights on the device) that XLA's scheduler
     brings forward into the layers' backward while they fit under its memory limit: the first updated
     leaf's fp32 master, m and v (the largest non-layer leaf) and the buffer the layers' new weights are
-    written into (`jaxmem explain` of the 1-GPU 128k recipe, jax 0.11.2: the LM head's three fp32 copies,
-    5.87 GiB, and the new bf16 layer weights, 1.63 GiB, live at the device peak in the MLP backward)."""
+    written into (`jaxmem explain` of the 1-GPU 128k recipe: the LM head's three fp32 copies and the new bf16
+    layer weights live at the device peak in the MLP backward; benchmarks/constants.md, offload)."""
     largest = next(iter(streamed_rest_elems(layout)), 0)
     new_layers = state_bytes(layout, layout.param_specs, prec.param, part="layers")
     prefetch = largest * sum(itemsize(d) for d in state_dtypes(prec)) + new_layers
@@ -46,7 +46,7 @@ def _host(d) -> None:
     """The optimizer state (fp32 master, m, v) and the decoder layers in host memory. With the update on the
     host it holds the fp32 gradients, new m and v and new params there (compiles agree). The decoder layers'
     gradients go straight to the host with their weights, whatever runs the update (compiled llama3-8b
-    1 x 4090 recipe and qwen2.5-7b 1 x H100: the [L, ...] layer gradient buffers are host memory); only the
+    1 x rtx4090-24g recipe and qwen2.5-7b 1 x h100-80g: the [L, ...] layer gradient buffers are host memory); only the
     embedding / final norm / LM head gradients are device buffers, and with the update on the host those too
     go (explain: the LM head's bf16 gradient is live at the layer peak, the donated embedding is not)."""
     layout, prec, device, host = d.layout, d.prec, d.device, d.host

@@ -87,7 +87,7 @@ _compiled: dict[tuple, _Compiled] = {}
 def _compile(lowered, devices) -> _Compiled:
     """The figures of `lowered` compiled for `devices`, compiled once per process (same text, same devices:
     the same executable). The devices themselves are the key, not their ids: two deviceless topologies
-    (8 x H100 and 2 x 8 x H100) number their devices alike, and the cached output shardings name the devices
+    (8 x h100-80g and 2 x 8 x h100-80g) number their devices alike, and the cached output shardings name the devices
     of the topology that compiled them."""
     key = (hashlib.sha256(lowered.as_text().encode()).hexdigest(), tuple(devices))
     if key not in _compiled:

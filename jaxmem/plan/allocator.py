@@ -2,7 +2,7 @@
 
 The trap: XLA's GPU client takes `XLA_PYTHON_CLIENT_MEM_FRACTION` (0.75 when unset) of the GPU's memory
 and caps every allocation there, preallocating it unless `XLA_PYTHON_CLIENT_PREALLOCATE=false`. A step that
-the plan says needs 67 GiB of an 80 GB H100 then runs out of memory at 59 GiB. `jaxmem train` and
+the plan says needs more than that share of the GPU then runs out of memory at the cap. `jaxmem train` and
 `jaxmem bench` derive the settings from the plan before the backend starts: preallocation off, and a
 fraction that covers the plan's device total (its step's, or its init's where larger) plus `target.headroom`,
 never below XLA's default and never above `MAX_FRACTION`. The device total is the compiled one for this
@@ -28,8 +28,8 @@ from jaxmem.config.targets import TARGETS, target_for_device_kind
 from jaxmem.config.validate import fixed_mesh_size
 
 DEFAULT_FRACTION = 0.75  # XLA's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
-# The highest fraction run on a GPU here: every H100 measurement of 2026-11-22 and 2026-11-23 ran at 0.95 (the
-# rest of the 79.1 GiB, ~4 GiB, is left to the CUDA context and library workspaces outside XLA's pool).
+# The highest fraction the GPU runs used (the rest is left to the CUDA context and library workspaces outside
+# XLA's pool: benchmarks/constants.md, allocator).
 MAX_FRACTION = 0.95
 ENV_KEYS = ("XLA_PYTHON_CLIENT_PREALLOCATE", "XLA_PYTHON_CLIENT_MEM_FRACTION", "XLA_PYTHON_CLIENT_ALLOCATOR")
 GIB = 2**30

@@ -243,7 +243,7 @@ def _temporaries(d: Draft) -> None:
     """A layer's full weight gradients (one device: written whole, then stored), and under FSDP its weights
     all-gathered in the compute dtype. A dense layer under FSDP: each weight's gradient is reduce-scattered
     as its dot makes it and the weights are gathered one by one, so at the MLP backward's peak at most the
-    layer's gathered weights are held, no whole gradient (`jaxmem explain`, 8 x H100 FSDP, full remat). A
+    layer's gathered weights are held, no whole gradient (`jaxmem explain`, 8 x h100-80g FSDP, full remat). A
     layer a feature gathers whole (experts) holds it and its whole gradient, both double-buffered."""
     cfg, layout, m, cd = d.cfg, d.layout, d.cfg.model, d.cd
     d.gathered = cfg.parallel.zero_stage == 3 and layout.data_ways * layout.mesh_sizes["sp"] > 1
@@ -297,7 +297,7 @@ def _absent(d: Draft) -> None:
     """The stored embedding / final norm / LM head weights are dead through the layers' backward where the
     step donates them and the loss reads them last, and the update writes fresh ones from the fp32 master
     without reading the old (no fp16 loss scaling, whose skipped step keeps them; features that keep them
-    say so: rest_donated). `jaxmem explain` of a full fine-tune on one H100: the embedding's and the LM
+    say so: rest_donated). `jaxmem explain` of a full fine-tune on one h100-80g: the embedding's and the LM
     head's buffers end before the layers' backward peaks."""
     if d.rest_donated and d.prec.master and not d.cfg.precision.loss_scale.enabled:
         d.absent_in_layers = d.device["params"] - state_bytes(d.layout, d.layout.param_specs, d.prec.param,

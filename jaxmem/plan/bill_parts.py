@@ -43,9 +43,8 @@ def name_shapes(cfg: Config, layout: Layout) -> dict[str, int]:
 def working_elems(cfg: Config, layout: Layout, per_name: dict[str, int]) -> int:
     """Elements per device live in one layer's backward at its peak, the MLP's backward: the layer's forward
     intermediates (recomputed or read back) once, plus the gradients of the two [tokens, d_ff] MLP inputs
-    (gate and up). `jaxmem explain` of the H100 cases (jax 0.11.2): at seq 131072 four [T, d_ff] and about
-    eight [T, d_model] buffers, at seq 32768 with selective remat the same on top of the saved stack; the
-    other gradients of the layer come later, when the MLP's are dead. With sequence tiling the parts inside
+    (gate and up), as `jaxmem explain` shows (benchmarks/constants.md, bill_parts); the other gradients of the
+    layer come later, when the MLP's are dead. With sequence tiling the parts inside
     the tiles hold one tile at a time; with sequence parallelism q, k, v and the context also exist head-split
     while the all-to-alls run."""
     n_tiles = tile_count(cfg.train.seq_len, layout.mesh_sizes["sp"], cfg.remat.seq_tile)
@@ -62,12 +61,8 @@ def attention_phase_bytes(cfg: Config, layout: Layout, per_name: dict[str, int],
     gradient, dq, dk, dv and two fp32 [T, heads] row statistics; with local and global layers in one body
     (model.global_every: a lax.cond) one more q-sized buffer; in sequence tiles the layer input's gradient
     in a buffer of its own where no q/k/v gradient has its size (_tiled_vjp writes it over one that has).
-    Read off `jaxmem explain` timelines at the Pallas backward kernels (1 x H100, deviceless, jax 0.10.2):
-    Llama-3-8B at 512K (full fine-tune) and 1M (QLoRA; full with the update in the backward) hold 5 [T, 4096]
-    and 4 [T, 1024] bf16 buffers; with 48 heads and sinks 3 [T, 6144], 3 [T, 4096] and 4 [T, 1024]; with
-    128-token local layers every other layer one [T, 4096] more; gpt-oss-20b QLoRA at 1M 4 [T, 4096],
-    3 [T, 2880] and 4 [T, 512]; with sequence parallelism (Llama-3-8B at 4M on 8 x H100, sp 8) the same per
-    device, head-split, no copies added. Without tiles the MLP backward's working set is the larger."""
+    Read off `jaxmem explain` timelines at the Pallas backward kernels (the cases: benchmarks/constants.md,
+    bill_parts). Without tiles the MLP backward's working set is the larger."""
     m = cfg.model
     q, kv, btd = (per_name[n.value] for n in (CN.QUERY_PROJ, CN.KEY_PROJ, CN.LAYER_INPUT))
     elems = 2 * btd + 3 * q + 4 * kv + (q if m.sliding_window and m.global_every else 0)
@@ -122,7 +117,7 @@ def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, devic
     then the embedding, final norm and LM head, once the layers' gradients are dead: at the largest leaf's
     update the device holds the resident state, the non-layer gradients, that leaf's gradient widened to
     fp32 (the embedding's rows made a table: jaxmem.core.embed_grad) and its new weight (`jaxmem explain` of a
-    4-layer d_model 1024 Llama-3 at seq 8192 on one H100, deviceless: the fp32 embedding gradient, the new
+    4-layer d_model 1024 Llama-3 at seq 8192 on one h100-80g, deviceless: the fp32 embedding gradient, the new
     bf16 embedding and the LM head's bf16 gradient at the peak)."""
     resident = sum(device[k] for k in ("params", "base", "master", "opt_m", "opt_v", "inputs"))
     largest = next(iter(rest_leaf_elems(layout)), 0)

@@ -126,10 +126,8 @@ def _figures(lowered, topo: Topology, start: float, lines: list[str]):
 
 
 def offload_version_warning(jax_version: str, host: int) -> str | None:
-    """The XLA of jax 0.10 and the one of jax 0.11 (which ran on the H100) schedule host-offload programs
-    differently: the 1-GPU 128k recipe (optimizer on the host, layer inputs offloaded) compiled deviceless to
-    32.35 GiB with jax 0.10.2 and 37.45 with jax 0.11.2, and peaked at 39.11 on an H100 with jax 0.11.2
-    (benchmarks/plan_accuracy.md). Without host buffers both versions agree with the GPU within 2.5%."""
+    """The XLA of jax 0.10 and the one of jax 0.11 schedule host-offload programs differently; without host
+    buffers both versions agree with the GPU (benchmarks/plan_accuracy.md; benchmarks/constants.md, compiled)."""
     if not host or compat.version_tuple(jax_version) >= (0, 11, 0):
         return None
     return (f"planned with jax {jax_version}, whose XLA schedules host-offload programs differently from jax "

@@ -21,12 +21,11 @@ update run on the host (offload.optimizer_update=host) adds its CPU time, HOST_U
 Host bytes are counted as they cross the link: master, m and v in AND out, grads, fetched weights.
 
 Fitting (benchmarks/calibration/h100_measured.json, benchmarks/costmodel.md): the per-kernel
-efficiencies come from the kernel timings alone (attention: geometric mean of the seq 8k and 32k rates;
-loss: T=8192 D=4096 V=128256); MATMUL_EFFICIENCY, HBM_EFFICIENCY and LAYER_OVERHEAD_SECONDS were then
-fitted to the seven non-offload H100 train steps, HOST_LINK_EFFICIENCY was checked (not fitted) on the
-4090-recipe row. Model FLOPs (and MFU) keep their convention: 6 x matmul params x tokens + attention
-counted unmasked (LoRA: 4 x the frozen matmul params, forward and input gradient, + 6 x the adapter params);
-only the time uses what the kernels do.
+efficiencies come from the kernel timings alone; MATMUL_EFFICIENCY, HBM_EFFICIENCY and LAYER_OVERHEAD_SECONDS
+were then fitted to the non-offload train steps, HOST_LINK_EFFICIENCY was checked (not fitted) on the
+offload row (benchmarks/constants.md, costmodel). Model FLOPs (and MFU) keep their convention: 6 x matmul
+params x tokens + attention counted unmasked (LoRA: 4 x the frozen matmul params, forward and input
+gradient, + 6 x the adapter params); only the time uses what the kernels do.
 """
 from __future__ import annotations
 
@@ -52,35 +51,30 @@ from jaxmem.core.accounting import state_elems as _state_elems
 # work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
 # LAYER_OVERHEAD_SECONDS (per decoder layer per micro-batch, forward + backward: kernel launches, the layer
 # scan's weight slicing and gradient stacking) were fitted together, by least squares on log(estimate /
-# measured), to the 7 non-offload H100 rows of benchmarks/calibration/h100_measured.json (Llama-3.2-1B and
-# 8B-width x 8 layers, seq 8k-32k). The fit is flat along matmul vs HBM efficiency (0.65 / 0.9 ... 0.75 /
-# 0.6 fit equally), so both stay at 0.7; the per-layer cost is what the data does pin down: the 16-layer 1B
-# spends more per FLOP than the 8-layer 8B-width at the same seq.
+# measured), to the non-offload rows of benchmarks/calibration/h100_measured.json. The fit is flat along
+# matmul vs HBM efficiency, so both stay equal; the per-layer cost is what the data does pin down (the fit:
+# benchmarks/costmodel.md; benchmarks/constants.md, costmodel).
 MATMUL_EFFICIENCY = 0.7
 HBM_EFFICIENCY = 0.7
 LAYER_OVERHEAD_SECONDS = 2.0e-3
 # Achieved fraction of the dense peak per attention kernel, on the FLOPs the kernel runs (causal,
-# fwd + bwd = 3.5 x fwd): H100, B=1 N=32 K=8 H=128 fwd+bwd: pallas 6.09 ms (seq 8192) / 82.8 ms (32768),
-# cudnn 4.22 / 54.8 ms -> 0.32 / 0.38 and 0.46 / 0.57; geometric means below. xla (plain attention,
-# S x S scores, runs unmasked): not measurable there (OOM at seq 8192), assumed as a plain matmul plus
-# the scores' HBM traffic.
+# fwd + bwd = 3.5 x fwd): the geometric mean of the rates timed at two sequence lengths (benchmarks/
+# kernels.md; benchmarks/constants.md, costmodel). xla (plain attention, S x S scores, runs unmasked): not
+# measurable there (out of memory), assumed as a plain matmul plus the scores' HBM traffic.
 ATTENTION_EFFICIENCY = {"pallas": 0.346, "cudnn": 0.511}
-# LM head + cross-entropy per kernel, on the matmul passes it runs (naive 3, others 4): H100, T=8192
-# D=4096 V=128256 fwd+bwd: naive 77.0 ms, chunked (1024 x 4096 tiles) 87.9 ms (2026-11-22); the Pallas
-# loss of 2026-11-23 (logsumexp kernel + the chunked backward, 256-token tiles) 62.4 ms
-# (benchmarks/kernels.md).
+# LM head + cross-entropy per kernel, on the matmul passes it runs (naive 3, others 4), from the kernels'
+# timings (benchmarks/kernels.md; benchmarks/constants.md, costmodel).
 LOSS_EFFICIENCY = {"naive": 0.339, "chunked": 0.396, "pallas": 0.557}
 LOSS_PASSES = {"naive": 3, "chunked": 4, "pallas": 4}
-# The chunked loss's rate per (tokens, vocab) tile, same shape and day (the tile sweep): 1024 x 4096
-# 87.9 ms, 2048 x 8192 72.1 ms, 4096 x 4096 72.5 ms, 8192 x 2048 65.1 ms. Other tiles: the nearest one.
+# The chunked loss's rate per (tokens, vocab) tile, from the tile sweep at the same shape (benchmarks/
+# constants.md, costmodel). Other tiles: the nearest one.
 CHUNKED_LOSS_EFFICIENCY_BY_TILE = {(1024, 4096): 0.396, (2048, 8192): 0.483, (4096, 4096): 0.480,
                                    (8192, 2048): 0.535}
 # The experts' grouped matmul per kernel, on the active FLOPs (6 x rows x D x F: forward and both gradients), by
-# (rows per expert, D, F): one H200, jax 0.11.2, bf16, rows routed uniformly at random, dense peak 989 TFLOP/s
-# (scripts/bench_grouped_matmul.py; benchmarks/gpu_h200.md, runs 3 and 5). Its rate grows with the rows per
-# expert (each expert's rows pad to whole 128-row blocks; d_w loops over an expert's blocks) and the widths.
-# Other shapes: the nearest measured one (log2 distance). ragged_dot, densified by XLA:GPU: 23.6 ms at
-# 16384 rows x 2048 x 768, 128 experts (run 1; 65536 rows ran out of memory).
+# (rows per expert, D, F), timed on a GPU with rows routed uniformly at random (scripts/bench_grouped_matmul.py;
+# benchmarks/gpu_h200.md; benchmarks/constants.md, costmodel). Its rate grows with the rows per expert (each
+# expert's rows pad to whole 128-row blocks; d_w loops over an expert's blocks) and the widths. Other shapes:
+# the nearest measured one (log2 distance). ragged_dot, densified by XLA:GPU, was timed at one shape only.
 GROUPED_MATMUL_EFFICIENCY_BY_SHAPE = {
     "pallas": {(64, 2048, 768): 0.057, (128, 2048, 768): 0.100, (512, 2048, 768): 0.183,
                (512, 4096, 1536): 0.258, (512, 4096, 14336): 0.370, (2048, 4096, 14336): 0.425},
@@ -99,15 +93,14 @@ def grouped_matmul_efficiency(kernel: str, rows_per_expert: float, d: int, f: in
 
 
 # Achieved fraction of the target's host-link figure (GpuTarget.host_link_bandwidth, already a practical
-# per-direction figure); transfers in the two directions are counted one after the other. Not fitted:
-# with it, the 4090 recipe on the H100 (~92 GB over the link per step) comes to 1.67 s, measured 1.86 s.
+# per-direction figure); transfers in the two directions are counted one after the other. Not fitted: checked
+# against one measured offload step (benchmarks/constants.md, costmodel).
 HOST_LINK_EFFICIENCY = 1.0
 
-# AdamW on the host CPU (XLA:CPU under compute_on) per trained parameter, serial after the backward. Measured
-# once: Gemma 3 12B widths x 6 layers (2.35B params) on one H200's host (16 cores, jax 0.11.2; 1-2 cores busy)
-# stepped in 13.17 s with the update on the host against 1.21 s with the state streamed through the GPU
-# (benchmarks/bench_h200/run7): 12.71 s over the model without this term. A host CPU of other cores or memory
-# bandwidth runs at another rate; the figure is the one measured host's.
+# AdamW on the host CPU (XLA:CPU under compute_on) per trained parameter, serial after the backward: the step
+# time one measured run added over the model without this term, over its parameters (benchmarks/bench_h200/
+# run7; benchmarks/constants.md, costmodel). A host CPU of other cores or memory bandwidth runs at another
+# rate; the figure is the one measured host's.
 HOST_UPDATE_SECONDS_PER_PARAM = 12.71 / 2_351_776_512
 
 # One layer's forward as a graph: value -> (producer, its inputs). Recompute walks it back to saved values.

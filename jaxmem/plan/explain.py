@@ -23,6 +23,8 @@ from jaxmem.features import build_program
 from jaxmem.plan.timeline import build
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.plan import oom
+from jaxmem.io.console import make_console
+from jaxmem.plan.report import _fmt, _unit
 
 
 # ------------------------------------------------------------------ compiling with dumps
@@ -88,16 +90,28 @@ def explain_with_timeline(cfg: Config, topo: Topology, top: int = 10, dump_dir: 
     return out, steps
 
 
+def peak_note(live_peak: int, compiled_total: int | None) -> str:
+    """Why explain's peak and plan's compiled total differ: two measures of the same compile."""
+    unit = _unit(max(live_peak, compiled_total or 0))
+    line = (f"peak {_fmt(live_peak, unit)} {unit[0]}: the bytes of the buffers live at once (live ranges of XLA's "
+            "buffer assignment)")
+    if compiled_total:
+        line += (f"; `jaxmem plan` reports XLA's memory_analysis total of the same compile, "
+                 f"{_fmt(compiled_total, unit)} {unit[0]} (argument + output - alias + temp: the temp allocation "
+                 "counted whole, with the gaps its packing leaves)")
+    return line
+
+
 def render(result: dict, console=None) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     from rich.markup import escape
 
-    console = console or Console()
-    host = result.get("host_live_bytes", 0)
-    table = Table(title=f"device buffers live at the device peak ({result['peak_live_bytes'] / 2**30:.2f} GiB"
-                        + (f"; {host / 2**30:.2f} GiB in pinned host memory then" if host else "")
+    console = console or make_console()
+    host, peak = result.get("host_live_bytes", 0), result["peak_live_bytes"]
+    unit = _unit(max(peak, result.get("compiled_device_bytes") or 0))
+    table = Table(title=f"device buffers live at the device peak ({_fmt(peak, unit)} {unit[0]}"
+                        + (f"; {_fmt(host, unit)} {unit[0]} in pinned host memory then" if host else "")
                         + f"), {result['label']}")
     for col in ("#", "MiB", "shape", "dtype", "category", "why", "source"):
         table.add_column(col, overflow="fold", justify="right" if col in ("#", "MiB") else "left")
@@ -106,6 +120,7 @@ def render(result: dict, console=None) -> None:
         table.add_row(str(i), f"{b['bytes'] / 2**20:,.1f}", escape(str(b["shape"])), b["dtype"], escape(cat),
                       escape(b.get("why", "")), escape(b["source"]))
     console.print(table)
+    console.print(peak_note(peak, result.get("compiled_device_bytes")), highlight=False)
     shown = set()
     for i, b in enumerate(result["buffers"], 1):
         if b["suggestion"] not in shown:
@@ -134,9 +149,7 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
     text = oom.exc_text(exc)
     if not (oom.is_oom(RuntimeError(text)) or oom.parse_oom(text).form):
         return False
-    from rich.console import Console
-
-    console = Console(file=file or sys.stderr, width=160)
+    console = make_console(file or sys.stderr)
     report: dict = {"message": text[:4000]}
     topo = None
     try:

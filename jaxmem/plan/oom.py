@@ -3,7 +3,7 @@ bill, and rank the config levers that would free it by their added step time (no
 
 Message formats (exact text, where each comes from):
   * `Out of memory while trying to allocate 8.02GiB with allocator GPU_0_bfc on device 0.` -- the PJRT GPU
-    client's BFC allocator, recorded on an H100 (jax 0.11.2); also nested in the autotuner's
+    client's BFC allocator, recorded on a GPU run (jax 0.11.2); also nested in the autotuner's
     `NOT_FOUND: All configs failed during profiling ... EXECUTION FAILED: RESOURCE_EXHAUSTED: ...`.
     The string `memory while trying to allocate ` is in jax_plugins/xla_cuda12/xla_cuda_plugin.so (0.10.2).
   * `Out of memory while trying to allocate 8606711808 bytes.` -- the same prefix with a byte count (older

@@ -14,6 +14,7 @@ from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
 from jaxmem.plan.allocator import derive
 from jaxmem.plan.pipeline_render import render_pipeline
+from jaxmem.io.console import make_console
 
 SCHEMA_VERSION = 1
 GIB = 1024**3
@@ -129,7 +130,7 @@ def _sig3(v: float) -> str:
 
 
 def fmt_seconds(x: float) -> str:
-    """Three significant digits in s, ms or us (1.23 s, 45.6 ms, 789 us)."""
+    """Three significant digits in s, ms or us (`1.23 s`, `45.6 ms`, `789 us`)."""
     for scale, unit in ((1, "s"), (1e-3, "ms"), (1e-6, "us")):
         if abs(x) >= scale or unit == "us":
             return f"{_sig3(x / scale)} {unit}"
@@ -146,11 +147,10 @@ def _fmt(x, unit: tuple[str, int]) -> str:
 
 def render(plan: dict, console=None) -> None:
     """Prints the plan as rich tables."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
 
-    console = console or Console()
+    console = console or make_console()
     a, c = plan["analytic"], plan["compiled"]
     unit = _unit(max(a["device_total"], a["host_total"], c["device_total"] if c else 0))
     _gib = lambda x: _fmt(x, unit)  # noqa: E731
@@ -165,12 +165,13 @@ def render(plan: dict, console=None) -> None:
     for k in CATEGORIES:
         host = a["host"].get(k) if k in HOST_CATEGORIES else None
         bill.add_row(k, _gib(a[k]), _gib(host) if host else "")
-    for name, b in a["activations_by_name"].items():
-        off = a["offloaded_by_name"].get(name)
-        bill.add_row(f"  saved {name}", _gib(b), _gib(off) if off else "")
-    for name, b in a["offloaded_by_name"].items():
-        if name not in a["activations_by_name"]:
-            bill.add_row(f"  offloaded {name}", "", _gib(b))
+        if k == "activations":  # its parts, by checkpoint name: they sum to it
+            for name, b in a["activations_by_name"].items():
+                off = a["offloaded_by_name"].get(name)
+                bill.add_row(f"  saved {name}", _gib(b), _gib(off) if off else "")
+            for name, b in a["offloaded_by_name"].items():
+                if name not in a["activations_by_name"]:
+                    bill.add_row(f"  offloaded {name}", "", _gib(b))
     bill.add_row("peak = state + activations + max(layer phase, loss phase)", _gib(a["device_total"]),
                  _gib(a["host_total"]), style="bold")
     console.print(bill)
@@ -186,6 +187,9 @@ def render(plan: dict, console=None) -> None:
             comp.add_row(f"init (the step-0 state from {c['init']['source']})", _gib(c["init"]["device_total"]),
                          _gib(c["init"]["host_total"]))
         console.print(comp)
+        console.print("total: XLA's memory_analysis of the compiled step, each allocation whole; `jaxmem explain` "
+                      "ranks the buffers live at once at its peak (their live ranges), which the temp allocation's "
+                      "packing can leave below this total", highlight=False)
     render_pipeline(plan, console)
     avc = plan.get("analytic_vs_compiled")
     if avc and avc["compiled_device_bytes"] is not None:

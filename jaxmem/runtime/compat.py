@@ -12,8 +12,8 @@ import re
 import jax
 
 # [lowest, first unsupported): 0.10.2 is tested here (Python 3.11); the 0.11 series was checked against
-# jax 0.11.2's source, and training ran on it on an H100 (Python 3.12); 0.12.0.1 was checked against its
-# source and the suite ran on it on CPU with deviceless H100 compiles (Python 3.12; not yet on a GPU).
+# jax 0.11.2's source, and training ran on it on a GPU (Python 3.12); 0.12.0.1 was checked against its
+# source and the suite ran on it on CPU with deviceless GPU compiles (Python 3.12; not yet on a GPU).
 JAX_RANGE = ("0.10.2", "0.13")
 
 # Features that reach into JAX internals, with the range each was checked for.

@@ -4,9 +4,10 @@ Must run before anything asks JAX for devices: the backend is created on first u
 and cannot join a cluster afterwards.
 
 Failure settings (docs/lifecycle.md): jax's coordination service declares a process dead after
-HEARTBEAT_S seconds without a heartbeat (jax's default: 100 s) and a finishing process waits at most
-SHUTDOWN_S seconds for the others at the exit barrier (jax's default: 300 s). jaxmem.train.peer_watch notices a
-dead peer sooner (10 s) and ends the survivors with one line; the heartbeat is the backstop.
+HEARTBEAT_S seconds without a heartbeat (sooner than jax's default) and a finishing process waits at most
+SHUTDOWN_S seconds for the others at the exit barrier (also below jax's default). jaxmem.train.peer_watch
+notices a dead peer sooner still (its STALE_S) and ends the survivors with one line; the heartbeat is the
+backstop.
 """
 from __future__ import annotations
 
@@ -18,16 +19,12 @@ import jax
 
 from jaxmem.config.schema import DistributedConfig
 from jaxmem.config.validate import check_distributed
+from jaxmem.runtime import cpu_host
 from jaxmem.runtime.compat import JAX_RANGE, in_range
 
 
-HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S (10 s) that a loaded host cannot let it fire first
+HEARTBEAT_S = 45  # the backstop: far enough above peer_watch.STALE_S that a loaded host cannot let it fire first
 SHUTDOWN_S = 60
-
-
-def _on_cpu() -> bool:
-    platforms = os.environ.get("JAX_PLATFORMS") or (jax.config.jax_platforms or "")
-    return platforms.split(",")[0] == "cpu" or not os.path.exists("/proc/driver/nvidia")
 
 
 def slurm_tasks(env: Mapping[str, str]) -> int:
@@ -51,12 +48,20 @@ def init_settings(cfg: DistributedConfig, env: Mapping[str, str]) -> dict | None
     return None
 
 
+def expected_processes(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> int:
+    """How many processes the run will have (before any joined): the config's, SLURM's, else 1."""
+    kwargs = init_settings(cfg, os.environ if env is None else env)
+    if kwargs is None:
+        return 1
+    return kwargs.get("num_processes") or slurm_tasks(os.environ if env is None else env) or 1
+
+
 def initialize(cfg: DistributedConfig, env: Mapping[str, str] | None = None) -> bool:
     """Joins the process group if the config or SLURM asks for one; returns whether it did."""
     kwargs = init_settings(cfg, os.environ if env is None else env)
     if kwargs is None or jax.distributed.is_initialized():
         return False
-    if _on_cpu():  # cross-process collectives on CPU need gloo
+    if cpu_host.on_cpu():  # cross-process collectives on CPU need gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(**kwargs, **failure_settings())
     return True

@@ -1,24 +1,23 @@
 """ptxas with a cache of its outputs, for deviceless GPU compiles.
 
-A deviceless compile of a training step runs ptxas once per kernel, each a process of its own: 125-130 runs for
-a two-layer Llama-3.2-1B-width step on an H100 target, about half of its 5.5-6.6 s compile (measured on this
-2-core CPU machine: benchmarks/ptxas_cache.md). Compiles of related programs share most kernels: the remat
-presets of that step share 66-90 of their 130, and the compile of each after the first takes 30-40% less
-with this cache; the same program again takes ~45% less. The figures come out the same (they are XLA's buffer
-assignment, made before ptxas runs).
+A deviceless compile of a training step runs ptxas once per kernel, each a process of its own: a large share
+of the compile's time (benchmarks/ptxas_cache.md). Compiles of related programs share most kernels (the remat
+presets of one step), so a compile after the first takes less with this cache, and the same program again
+less still (benchmarks/ptxas_cache.md). The figures come out the same (they are XLA's buffer assignment, made
+before ptxas runs).
 
 `install()` puts a small shell script named ptxas first on PATH (and, where jax hands XLA a CUDA directory of
 its own, a directory that looks like it). The script keys each call by the PTX's sha256, under a folder for
 the real ptxas's path and `--version`; on a hit (same PTX, same arguments but the file names) it copies the
 stored cubin and replays ptxas's output instead of running it. Same input, same compiler: same cubin. A miss
-costs ~5 ms more than ptxas alone.
+costs a hash and a copy more than ptxas alone.
 
 Off unless `JAXMEM_PTXAS_CACHE` names a directory; subprocesses inherit it. The test suite does not set it:
 its extra processes per ptxas run (the script, sha256sum, cp) once met a fork failure in CI, and it saves a
-cold suite a minute or two at most (measured on CPU). `jaxmem sweep` and `jaxmem tune` turn it on for their
+cold suite little (benchmarks/ptxas_cache.md). `jaxmem sweep` and `jaxmem tune` turn it on for their
 workers, in their cache folder. Entries are written atomically (a cubin appears only once its output is
-stored). The cache is not pruned: it holds each distinct kernel once (62 MB after a whole test-suite run,
-4656 kernels).
+stored). The cache is not pruned: it holds each distinct kernel once (its size after a whole test-suite run:
+benchmarks/constants.md, ptxas_cache).
 """
 from __future__ import annotations
 
@@ -99,7 +98,8 @@ def real_ptxas() -> Path | None:
 
 def _shell() -> str:
     """bash where there is one: when a fork fails for want of processes (EAGAIN), bash waits and tries again
-    (1+2+4+8 s) where dash gives up at once ("Cannot fork", seen in CI under the test suite's load)."""
+    (for longer each time) where dash gives up at once ("Cannot fork", seen in CI under the test suite's
+    load)."""
     return "/bin/bash" if os.access("/bin/bash", os.X_OK) else "/bin/sh"
 
 

@@ -28,6 +28,7 @@ from jaxmem.core.checkpoint import (RUN_META_KEYS, Checkpoints, SaveFailed, init
                                     run_meta)
 from jaxmem.config.schema import Config, dump_yaml, to_dict
 from jaxmem.io.data import Batches, TokenSource, make_source
+from jaxmem.io.console import is_terminal
 from jaxmem.train.evaluate import Evaluator
 from jaxmem.train.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
                                   summary_writer_class, wandb_available)
@@ -148,7 +149,7 @@ class _Outputs:
 
     def __init__(self, cfg: Config, start: int):
         self.lead = jax.process_index() == 0
-        self.plain = not cfg.train.progress
+        self.plain = not (cfg.train.progress and is_terminal())  # a pipe or a file: one plain line per record
         self.writers = []
         if self.lead:
             out = Path(cfg.out_dir)
@@ -162,7 +163,7 @@ class _Outputs:
             if jsonl.cut:
                 _note(jsonl.cut)
             self.writers.append(jsonl)
-        self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and cfg.train.progress)
+        self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and not self.plain)
 
     def record(self, record: dict) -> None:
         if not self.lead:

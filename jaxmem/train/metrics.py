@@ -120,7 +120,8 @@ class WandbWriter:
 
 
 class ProgressBar:
-    """A rich progress bar with loss, tokens/s and step time; `enabled=False` prints nothing."""
+    """A rich progress bar with loss, tokens/s and step time; `enabled=False` prints nothing (the loop then prints
+    log_line itself). Meant for a terminal: where stdout is not one, the loop prints plain lines instead."""
 
     def __init__(self, total: int, start: int, enabled: bool = True):
         self._progress = None
@@ -141,7 +142,7 @@ class ProgressBar:
     def show(self, record: dict) -> None:
         """Updates the bar's fields and prints the record's line above the bar."""
         if self._progress:
-            self._progress.console.print(log_line(record), highlight=False)
+            self._progress.console.print(log_line(record), highlight=False, soft_wrap=True)  # one line, unwrapped
             self._progress.update(self._task, loss=_fmt(record["loss"], 4), tps=_fmt(record["tokens_per_sec"], 0),
                                   step_time=_fmt(record["step_time_s"], 3))
 

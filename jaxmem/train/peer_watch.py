@@ -2,7 +2,7 @@
 store every second and watches the others' beats from a daemon thread.
 
 Why not leave it to jax: its coordination service notices a dead process only after heartbeat_timeout_seconds
-(100 s by default), and the survivors then abort from C++ with a check-failure trace, after collectives have
+(long by default), and the survivors then abort from C++ with a check-failure trace, after collectives have
 hung on the dead peer. Here a peer whose beat has not moved for STALE_S seconds (or a coordinator that no
 longer answers, when process 0 is the one that died) ends this process at once with one line naming the lost
 process and the last saved step, exit code 76 (jaxmem.train.signals). jax.distributed's own heartbeat is set to
@@ -23,7 +23,7 @@ from jaxmem.runtime import distributed
 from jaxmem.train.signals import EXIT_PEER_LOST
 from jaxmem.runtime.stderr_guard import start
 
-STALE_S = 10.0  # a peer silent this long is lost; well under the 30 s a survivor may take to exit
+STALE_S = 10.0  # a peer silent this long is lost; well under the time a survivor may take to exit
 PERIOD_S = 1.0
 _PREFIX, _DONE = "jaxmem/alive/", "jaxmem/done/"
 

@@ -18,7 +18,7 @@ def agreed(flag: bool) -> bool:
 
 
 class SaveClock:
-    """Says when `checkpoint.every_minutes` have passed since the last save (or the start); 0 minutes: never.
+    """Says when `checkpoint.every_minutes` have passed since the last save (or the start); `0`: never.
 
     One process checks at every step. Several processes could read their clocks at different steps, so they
     check only when `check` is true (the train loop passes its log steps, the same on every process) and

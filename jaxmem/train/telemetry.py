@@ -14,9 +14,9 @@ None) none of these keys is written and the plan/* figures are left out too. Onl
 TensorBoard (as train/mem/..., train/plan/...); the lists and warning names are in metrics.jsonl only.
 
 Warnings, each printed once per run and listed in the run summary's `memory_warnings` (name -> text):
-  leak           between steps, bytes_in_use exceeds the compiled argument bytes by more than 5%
-  peak           peak_bytes_in_use exceeds the compiled device total by more than 2%
-  fragmentation  largest_free_block_bytes is below half of (bytes_limit - bytes_in_use)
+  leak           between steps, bytes_in_use exceeds the compiled argument bytes by more than LEAK_MARGIN
+  peak           peak_bytes_in_use exceeds the compiled device total by more than PEAK_MARGIN
+  fragmentation  largest_free_block_bytes is below FRAGMENTATION_RATIO of (bytes_limit - bytes_in_use)
 
 `save_memory_profile` writes `jax.profiler.device_memory_profile()` (pprof format, `pprof -http`) to
 `<out_dir>/memory_profile_step<N>.prof` (train.memory_profile_at=N).

@@ -72,3 +72,24 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
     assert "--global-batch: must be >= 1" in capsys.readouterr().err
     assert cli.main(["tune", str(ROOT / "configs/tiny.yaml")]) == 2  # no target: tune plans for a GPU
     assert "needs a GPU target" in capsys.readouterr().err
+
+
+def test_each_candidate_is_one_line_of_at_most_120_characters():
+    from types import SimpleNamespace
+
+    from jaxmem.cli.tune import BF16, RESET, Candidate, table
+
+    row = {"device_bytes": 70 * 2**30, "host_bytes": 900 * 2**30, "fits": True, "host_fits": True,
+           "step_seconds_estimated": 1.0, "tokens_per_step": 10**9, "status": "planned"}
+    short = Candidate(BF16 + RESET + ["parallel.dp=1", "parallel.tp=1", "parallel.rules=fsdp", "parallel.fsdp=8",
+                                      "train.micro_batch=1", "train.grad_accum=4"], "bf16", row=row)
+    long = Candidate(BF16 + RESET + ["remat.preset=offload_layer_inputs", "remat.seq_tile=16384",
+                                     "offload.optimizer=host", "offload.optimizer_update=device",
+                                     "offload.params=host", "parallel.fsdp=4", "parallel.tp=2",
+                                     "parallel.zero_stage=3", "train.micro_batch=16", "train.grad_accum=1"],
+                     "parameters offloaded", row=row)
+    assert short.label == "fsdp=8 micro_batch=1 grad_accum=4"  # the axes at 1 and the implied rules left out
+    lines = table(SimpleNamespace(candidates=[short, long]))
+    assert len(lines) == 3 and all(len(line) <= 120 for line in lines)
+    assert lines[1].endswith("  fsdp=8 micro_batch=1 grad_accum=4") and "1,000,000,000" in lines[1]
+    assert lines[2].endswith("...") and "preset=offload_layer_inputs seq_tile=16384" in lines[2]

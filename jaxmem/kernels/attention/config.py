@@ -22,8 +22,8 @@ class AttentionBlocks:
                 raise ValueError(f"attention block size {name}: {value} must be a power of two >= 16")
 
 
-# Smallest opt-in shared memory per block among the shipped targets (RTX 4090 / L40S, sm_89: 99 KiB, 101376
-# bytes): blocks that fit it build on every target.
+# Smallest opt-in shared memory per block among the shipped targets (sm_89's, in bytes): blocks that fit it
+# build on every target.
 SHARED_MEMORY_BUDGET = 99 * 1024
 
 
@@ -32,9 +32,8 @@ def fit_shared_memory(blocks: AttentionBlocks, head_dim: int, itemsize: int,
     """Halves block_k, then block_q (not below 16) until the tiles fit `budget` bytes of shared memory.
 
     Estimate: one q tile plus `num_stages` pipelined k and v tiles, the kernels' largest working set, plus
-    16 bytes per head-dim column of Triton's own scratch: bf16 head_dim 256 (Gemma 3) at 64 x 32 asked sm_89
-    for 102400 and 102912 bytes in two compiles (deviceless; this estimate: 102400, 98304 without the scratch
-    term, which let it through to the compile failure); fp32 head_dim 128 at 64 x 32 (100352) builds.
+    16 bytes per head-dim column of Triton's own scratch (without that term a Gemma 3 tile passed the
+    estimate and failed to compile: benchmarks/constants.md, attention).
     """
     def need(b: AttentionBlocks) -> int:
         return itemsize * head_dim * (b.block_q + 2 * b.num_stages * b.block_k) + 16 * head_dim

@@ -106,6 +106,6 @@ def _packed_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt, max_segments, wind
 
 def backward_workspace_bytes(batch: int, seq: int, heads: int, head_dim: int) -> int:
     """cuDNN's backward workspace (fp32 dQ accumulation, twice): about 2 x B x T x N x H x 4 bytes. XLA sizes
-    it only when it compiles with a device, so a deviceless compile leaves it out; measured on an H100
-    (jax 0.11.2) at B=1 T=8192 N=32 H=128: u8[269484288], this formula's 268435456 plus 1 MiB."""
+    it only when it compiles with a device, so a deviceless compile leaves it out (the formula against a
+    compile on a GPU: benchmarks/constants.md, attention)."""
     return 2 * batch * seq * heads * head_dim * 4

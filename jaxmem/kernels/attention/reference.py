@@ -45,14 +45,13 @@ def attention_reference(q_btnh, k_bskh, v_bskh, *, causal: bool = True, segment_
 
 
 # Per score element XLA keeps live while differentiating plain attention: fp32 scores and their fp32
-# gradient, the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless H100
+# gradient, the compute-dtype probs and the boolean mask (read off `jaxmem explain` of deviceless GPU
 # compiles).
 _WORKING_F32_COPIES = 2
 _MASK_BYTES = 1
 # Per score element saved for the backward when plain attention is not rematerialized: fp32 scores and the
-# fp32 softmax output, plus the compute-dtype probs fed to the second matmul. Fitted to deviceless H100
-# compiles of configs/ladder/{1-fp32,2-bf16}.yaml (Llama-3-8B, seq 4096, no remat): 11.2 and 9.5 bytes per
-# element measured from the compiled totals, 12 and 10 here.
+# fp32 softmax output, plus the compute-dtype probs fed to the second matmul; checked against deviceless
+# compiles of configs/ladder/{1-fp32,2-bf16}.yaml (benchmarks/constants.md, attention).
 _SAVED_F32_BYTES = 8
 
 

@@ -7,9 +7,8 @@ written once in W's dtype (no fp32 [D, V] accumulator), while dh accumulates
 in a fp32 [T, D] buffer. Runs on every backend.
 
 Tiles by shape (`tiles`): every local token in one tile, up to TILE_ELEMS / block_v, and narrow vocab
-slabs of AUTO_BLOCK_V columns. Measured on an H100 at T=8192, D=4096, V=128256 (benchmarks/kernels.md):
-8192 x 2048 took 65 ms fwd+bwd where 1024 x 4096 took 88 ms, at about the same compiled scratch: fewer,
-larger matmuls, and W is read once per token tile.
+slabs of AUTO_BLOCK_V columns: at about the same compiled scratch, fewer and larger matmuls, and W read once
+per token tile, ran faster than square tiles (benchmarks/kernels.md).
 """
 from __future__ import annotations
 
@@ -34,7 +33,7 @@ def _pad_tokens(h_td, labels_t, block_t: int, ignore_index: int):
 
 
 AUTO_BLOCK_V = 2048  # vocab columns per tile when kernels.loss_block_v is 0
-TILE_ELEMS = 8192 * 2048  # largest [block_t, block_v] tile by shape: a 64 MiB fp32 logits tile
+TILE_ELEMS = 8192 * 2048  # largest [block_t, block_v] tile by shape, in fp32 logits elements
 
 
 def tiles(t: int, v: int, blocks: CrossEntropyBlocks) -> tuple[int, int]:

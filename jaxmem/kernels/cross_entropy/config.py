@@ -8,7 +8,7 @@ import dataclasses
 class CrossEntropyBlocks:
     block_t: int = 0  # tokens per tile (chunked; 0: by shape, chunked.tiles); Pallas uses pallas_block_t
     block_v: int = 0  # vocab columns per tile (chunked; 0: by shape); Pallas uses pallas_block_v
-    pallas_block_t: int = 256  # tokens per tile of the Pallas kernels (H100 sweep: benchmarks/kernels.md)
+    pallas_block_t: int = 256  # tokens per tile of the Pallas kernels (the tile sweep: benchmarks/kernels.md)
     pallas_block_v: int = 128
     pallas_block_d: int = 64  # embed dims per inner matmul step of the Pallas kernels
     num_warps: int = 8

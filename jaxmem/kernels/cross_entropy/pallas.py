@@ -7,11 +7,10 @@ outside the kernel, so the grid fills the GPU without atomics.
 
 Backward: the chunked loss's tiled backward (cuBLAS matmuls over [tokens, 2048]
 vocab tiles: dlogits recomputed per tile, dh accumulated in fp32, each dW tile
-accumulated in fp32 and written once). Measured on an H100 (benchmarks/kernels.md)
-it beat every Pallas backward tried: one kernel scattering dh and dW with atomic
-adds (733 ms fwd+bwd), and a Pallas dlogits kernel feeding cuBLAS (62 ms backward
-against 47). One kernel that owns dh or dW tiles would recompute each logit tile
-D / 128 times.
+accumulated in fp32 and written once). It beat every Pallas backward tried: one
+kernel scattering dh and dW with atomic adds, and a Pallas dlogits kernel feeding
+cuBLAS (benchmarks/kernels.md, benchmarks/constants.md: cross_entropy). One kernel
+that owns dh or dW tiles would recompute each logit tile D / 128 times.
 
 Vocab blocks that would run past V are pulled back to end at V and mask the
 columns they re-read, so every load is in bounds (no padded copy of W).
@@ -30,7 +29,7 @@ from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
 
-TARGET_PROGRAMS = 512  # forward grid size to aim for: ~4 programs per SM on a 132-SM H100
+TARGET_PROGRAMS = 512  # forward grid size to aim for: a few programs per SM on the largest targets
 
 
 def _pow2_divisor(n: int, cap: int) -> int:

@@ -7,7 +7,7 @@ are combined over tp (pmax, psum) and the global lse goes back into the
 local backward, so dh needs one psum over tp and dW one sum over the token axes: a reduce-scatter along D
 over the axes the caller keeps the head's gradient split over (FSDP, ZeRO-2/3) where they divide D, a psum
 over the rest. Either way dh is released only with the reduced dW, so the kernel's [D, V] partial sum dies before
-the layers' backward (XLA had scheduled its reduction late: 1 GiB per device for Llama-3-8B on 8 GPUs).
+the layers' backward (XLA had scheduled its reduction late, holding the partial sum through it).
 """
 from __future__ import annotations
 

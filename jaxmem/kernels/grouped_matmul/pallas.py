@@ -80,7 +80,7 @@ def _tile(size: int, wanted: int) -> int:
 def _shared_memory() -> int:
     """Shared memory per block (opt-in) of the GPU being compiled for, from jaxmem's GPU targets by compute
     capability: the default device (jaxmem.runtime.aot's lowering_target sets it for a deviceless compile),
-    else the first device; the targets' smallest (sm_89's 99 KiB) for a GPU none of them is."""
+    else the first device; the targets' smallest (sm_89's) for a GPU none of them is."""
     by_capability = {".".join(map(str, t.compute_capability)): t.shared_memory_per_block_optin
                      for t in TARGETS.values()}
     device = jax.config.jax_default_device or jax.devices()[0]
@@ -91,8 +91,8 @@ def _fit(a: int, b: int, elems: Callable[[int, int], int], itemsize: int, blocks
          ) -> tuple[int, int, int]:
     """(a, b, stages): a kernel's two column tiles and its pipeline stages, halved from the configured ones (b
     first, then a, to 32; then fewer stages) until stages x elems(a, b) x itemsize, its tiles in flight, fit
-    the GPU's shared memory. The configured tiles asked for more than there is in fp32, and in bf16 on a
-    99 KiB sm_89 (Qwen3-30B-A3B widths, compiled deviceless); bf16 on sm_80 and sm_90 keeps them."""
+    the GPU's shared memory. The configured tiles asked for more than there is in fp32, and in bf16 on sm_89
+    (Qwen3-30B-A3B widths, compiled deviceless); bf16 on sm_80 and sm_90 keeps them."""
     budget, stages = _shared_memory(), blocks.num_stages
     while stages * elems(a, b) * itemsize > budget:
         if b > 32:
@@ -145,9 +145,9 @@ def _output_grad(dy, lhs, rhs):
     """The output gradient as the backward reads it: in the inputs' dtype. A bf16 x bf16 grouped matmul with an
     fp32 output (a LoRA adapter's, preferred_element_type) gets an fp32 gradient, gathered whole to padded rows:
     at QLoRA Qwen3-30B-A3B widths the largest buffer at the backward's peak, an fp32 [P, D] (`jaxmem explain`;
-    rounding it to bf16 took the 1-GPU 131072-token plan from 67.85 to 62.27 GiB, compiled deviceless). Rounded,
-    it feeds bf16 products accumulated in fp32, as the gradient of a bf16 output would. The blocked kernel keeps
-    the fp32 gradient: its peak holds the fp32 forward output instead, and the cast added 0.33 GiB there."""
+    benchmarks/constants.md, grouped_matmul). Rounded, it feeds bf16 products accumulated in fp32, as the
+    gradient of a bf16 output would. The blocked kernel keeps the fp32 gradient: its peak holds the fp32
+    forward output instead, and the cast added to it there."""
     return dy.astype(jnp.promote_types(lhs.dtype, rhs.dtype))
 
 
