@@ -323,3 +323,33 @@ def test_command(case, tmp_path_factory, monkeypatch, capsys):
 
 
 _DONE = set()
+
+
+# ------------------------------------------------------------------------------------------------ names in the prose
+
+# Names that look like repository paths or modules and are not: other projects' files, a schema id, placeholders.
+NOT_OURS = {"benchmarks/llama3_h100_202412_torchtitan.md", "jaxmem.timeline", "jaxmem/FILE",
+            "benchmarks/bench_h200/run"}
+
+
+def _module_exists(dotted: str) -> bool:
+    """`jaxmem.a.b[.name]`: the longest prefix is a module of the package and the rest, if any, a name in it."""
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        base = REPO.joinpath(*parts[:i])
+        source = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
+        if source.is_file():
+            return i == len(parts) or re.search(rf"\b{parts[i]}\b", source.read_text()) is not None
+    return False
+
+
+@pytest.mark.parametrize("page", pages() + sorted(str(p.relative_to(REPO)) for p in (REPO / "benchmarks").glob("*.md"))
+                         + ["STYLE.md"])
+def test_the_paths_and_modules_a_page_names_exist(page):
+    text = (REPO / page).read_text()
+    missing = [p for p in set(re.findall(r"(?<![\w./-])((?:jaxmem|tests|scripts|configs|benchmarks|docs)/[\w./*-]*\w)", text))
+               if p not in NOT_OURS and not (REPO / p).exists() and not list(REPO.glob(p))]
+    missing += [m for m in set(re.findall(r"(?<![\w/.-])(jaxmem(?:\.\w+)+)", text))
+                if m not in NOT_OURS and not _module_exists(m)]
+    assert not missing, f"{page} names what the repository does not have (moved or renamed?): {sorted(missing)}"
+    assert "../" not in re.sub(r"```.*?```", "", text, flags=re.S), f"{page} links outside the repository"
