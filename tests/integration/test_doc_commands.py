@@ -353,3 +353,15 @@ def test_the_paths_and_modules_a_page_names_exist(page):
                 if m not in NOT_OURS and not _module_exists(m)]
     assert not missing, f"{page} names what the repository does not have (moved or renamed?): {sorted(missing)}"
     assert "../" not in re.sub(r"```.*?```", "", text, flags=re.S), f"{page} links outside the repository"
+
+
+def test_the_readme_stays_a_first_page():
+    text = (REPO / "README.md").read_text()
+    assert len(text.encode()) <= 15_000, "README.md is over 15 KB: move the detail to docs/ or benchmarks/"
+    assert not re.search(r"\bissue \d+", text, re.I), "README.md names an issue: say what it is instead"
+    assert not re.search(r"(?<![\w-])[0-9a-f]{7,40}(?![\w-])", text), "README.md names a commit"
+    rows = [line for line in text.split("## Headline results", 1)[1].split("\n## ", 1)[0].splitlines()
+            if line.startswith("| ") and not line.startswith("| result")]
+    assert 0 < len(rows) <= 10, "at most ten headline rows"
+    assert all(re.search(r"measured on (GPU|CPU)|compiled deviceless|estimated", row) for row in rows), \
+        "every headline row says how its figure was obtained"
