@@ -23,13 +23,17 @@ Train a config: load CONFIG (YAML) with dotted key=value overrides, validate eve
 built, then train on the attached devices. The run writes out_dir/config.resolved.yaml (the resolved config),
 out_dir/metrics.jsonl (one record per logged step) and out_dir/checkpoints/; starting again in an out_dir
 that holds checkpoints resumes from the latest complete one. With overrides but no CONFIG, the embedded
-tiny config (configs/tiny.yaml) is used. Key reference: docs/config.md, `jaxmem config`, `jaxmem list`."""
+tiny config (configs/tiny.yaml) is used. On a machine without a GPU, XLA gets as many virtual CPU devices as
+the parallel.* axes take (unless XLA_FLAGS sets a count). checkpoint.init_from may name a Hugging Face folder:
+with no model section, its config.json gives the model. Key reference: docs/config.md, `jaxmem config`,
+`jaxmem list`."""
 _EPILOG = """\
 examples:
   jaxmem train configs/tiny.yaml out_dir=runs/demo             # the demo: a tiny model on CPU
   jaxmem train configs/tiny.yaml train.steps=200 parallel.fsdp=4 parallel.tp=2 parallel.rules=fsdp_tp
   jaxmem train train.steps=10 out_dir=runs/quick               # overrides only: the tiny config
-  jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/ckpt   # from `jaxmem import-hf`"""
+  jaxmem train configs/llama3-8b-8xh100.yaml checkpoint.init_from=out/ckpt   # from `jaxmem import-hf`
+  jaxmem train configs/lora/llama3-8b-qlora-1x4090.yaml checkpoint.init_from=/path/to/hf_model  # an HF folder"""
 
 
 def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
