@@ -87,7 +87,7 @@ TITAN_SAME = ("same class: torchtitan's op-level selective AC keeps every matmul
               "(recomputes k, o, up) and SDPA's outputs, which `alternate_matmuls` keeps too; its state is fp32 "
               "params + fp32 Adam (16 B/param), ours bf16 params + fp32 master + fp32 Adam (14 B/param)")
 TITAN_OTHER = "not the same class: {what}; torchtitan recomputes k, o and up and reruns no attention"
-HF = "HF transformers + PyTorch, measured on one H100 (../shared/docs/gpu-truth-h100.md section 2, 2026-11-22)"
+HF = "HF transformers + PyTorch, measured on one H100 (benchmarks/gpu_h100.md, speed of a train step, 2026-11-22)"
 HF_NOTE = ("same recipe: {ckpt}; HF keeps fp32 weights + bf16 autocast + fused AdamW (16 B/param), jaxmem bf16 "
            "weights + fp32 master + fp32 Adam (14 B/param)")
 

@@ -175,7 +175,7 @@ def _gib(x) -> str:
 GPU_RUNS = OUT / "kernels_gpu.jsonl"
 DROPPED_LOSSES = [  # (what, setting, fwd+bwd ms, temp GiB, source): backward designs measured and dropped
     ("pallas, backward: one kernel with atomic adds of dh and dW", "128 x 128 x 64", 733.0, 0.38,
-     "measured on GPU, 2026-11-22 (shared/docs/gpu-truth-h100.md)"),
+     "measured on GPU, 2026-11-22 (benchmarks/gpu_h100.md)"),
     ("pallas, backward: Pallas dlogits kernel per vocab slab + two cuBLAS matmuls", "256 x 128 x 64, slab 4096",
      76.6, 0.25, "measured on GPU, 2026-11-23 (kernels_gpu.jsonl run 5)"),
 ]

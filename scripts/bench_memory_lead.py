@@ -58,7 +58,7 @@ BEFORE = ("same case before the lean default update (commit 2e38dd8)", {
 PEERS = [  # (what, GiB, how)
     ("8B widths x 8 layers, seq 8192: Hugging Face transformers + PyTorch, gradient checkpointing, fp32 "
      "weights + bf16 autocast + fused AdamW", 48.7,
-     "measured on GPU (one H100, 2026-11-22, shared/docs/gpu-truth-h100.md section 2)"),
+     "measured on GPU (one H100, 2026-11-22, benchmarks/gpu_h100.md, speed of a train step)"),
     ("Llama-3-8B, FSDP 8 x H100, seq 8192, micro-batch 2, selective activation checkpointing: torchtitan",
      TORCHTITAN_GIB,
      "published by torchtitan (measured on H100 there)"),

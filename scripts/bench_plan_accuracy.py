@@ -186,7 +186,7 @@ def write(rows: list[dict], qwen_s: float | None, target: str) -> None:
     (out / "plan_accuracy.md").write_text("\n".join(lines) + "\n")
 
 
-# Measured on one H100 80GB (jax 0.11.2): shared/docs/gpu-truth-h100.md section 1 (2026-11-22). GiB:
+# Measured on one H100 80GB (jax 0.11.2): benchmarks/gpu_h100.md, memory (2026-11-22). GiB:
 # (case name in benchmarks/calibration/h100_measured.json, compiled on the GPU, measured peak)
 GPU_TRUTH_2026_11_22 = [
     ("1b_s8k_auto_sel", 30.30, 30.30), ("1b_s8k_auto_none", 41.31, 41.31), ("1b_s8k_auto_full", 25.94, 25.94),

@@ -250,7 +250,7 @@ def render(rows: list[dict]) -> str:
             tried = ", ".join(f"seq {s}: {_gib(v['compiled_bytes'])} compiled / {_gib(v['analytic_bytes'])} "
                               f"analytic GiB" for s, v in r["search"].items())
             lines.append(f"|  | | | search (powers of 2) | | {tried} | | | | | | |")
-    lines += ["", "Peers, measured on their GPUs (../shared/docs/field-notes.md): Unsloth trains gpt-oss-20b QLoRA on "
+    lines += ["", "Peers, measured on their GPUs (their own published figures): Unsloth trains gpt-oss-20b QLoRA on "
               "one 80 GB H100 at 290K tokens with its chunked cross-entropy alone and at 500K+ with its tiled MLP. "
               "Class: both 4-bit QLoRA with activation checkpoints in host memory (ours: each layer's input) and a "
               "chunked loss, tiled MLP against our `remat.seq_tile`; Unsloth's rank and targets are not in our "

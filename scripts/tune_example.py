@@ -40,7 +40,7 @@ def run(workers: int = 2) -> tuple[str, dict]:
     if code != 0:
         raise SystemExit(f"tune_example: jaxmem tune exited {code}:\n{out.getvalue()}")
     command = " ".join(["jaxmem tune", CONFIG, *ARGS])
-    return "\n".join([BEGIN, "```", f"$ {command}", out.getvalue().rstrip(), "```", END]), result
+    return "\n".join([BEGIN, "```text", f"$ {command}", out.getvalue().rstrip(), "```", END]), result
 
 
 def current(text: str) -> str:

@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # before anything is written into out_dir, which is never the config file's folder nor someone else's
         with run_lock.owned(cfg.out_dir, config_path=path):
-            allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (README, allocator)
+            allocator.prepare(cfg, "train", out_dir=cfg.out_dir)  # before the backend starts (docs/allocator.md)
             summary = run(cfg)
     except run_lock.RunLockError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)

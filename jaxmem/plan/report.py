@@ -217,7 +217,7 @@ def render(plan: dict, console=None) -> None:
         a = plan["allocator"]
         cap = "no cap (platform allocator)" if a["limit_bytes"] is None else f"{_fmt(a['limit_bytes'], gib)} GiB"
         console.print(f"allocator: `jaxmem train` runs with {' '.join(f'{k}={v}' for k, v in a['env'].items())} "
-                      f"(XLA may hold {cap} per device; README: the allocator trap)", highlight=False)
+                      f"(XLA may hold {cap} per device; docs/allocator.md)", highlight=False)
     if plan["offload"]["requested"]:
         console.print(plan["offload"]["message"])
     for w in plan["warnings"]:

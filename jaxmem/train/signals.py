@@ -1,6 +1,6 @@
 """SIGTERM and Ctrl-C during `jaxmem train`: finish the step, save, say so, exit with a documented code.
 
-Exit codes of `jaxmem train` (README, docs/lifecycle.md):
+Exit codes of `jaxmem train` (docs/lifecycle.md):
   0   trained to train.steps
   1   stopped by a problem the message names (NaN loss, out of memory)
   2   bad config or input (one line naming the key or file)
