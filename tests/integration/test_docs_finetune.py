@@ -15,7 +15,6 @@ once the run has started (the run then saves the step it is on and exits 75), an
 step.
 Besides each command's exit code, the test checks what the page promises of it (EXPECT below)."""
 import json
-import os
 import signal
 import subprocess
 import sys
