@@ -42,8 +42,9 @@ def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> dict:
     """Compiles in a fresh process whose XLA_FLAGS ask for dumps into `dump_dir`; returns the compile's
     memory figures (jaxmem.runtime.compiled_memory.memory_figures)."""
     flags = f"--xla_dump_to={dump_dir} --xla_dump_hlo_as_text --xla_dump_hlo_module_re=jit_step"
+    # the persistent compilation cache off: a step read back from it is not compiled, so XLA writes no dump
     env = dict(os.environ, JAX_PLATFORMS="cpu" if topo.name else os.environ.get("JAX_PLATFORMS", ""),
-               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip())
+               XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flags).strip(), JAX_ENABLE_COMPILATION_CACHE="false")
     topo_json = json.dumps({k: getattr(topo, k) for k in ("name", "gpus_per_host", "hosts", "headroom",
                                                          "host_ram_bytes")})
     code = "import sys; from jaxmem.plan.explain import _worker; _worker(sys.argv[1], sys.argv[2])"
