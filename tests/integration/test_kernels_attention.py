@@ -87,11 +87,10 @@ def test_bad_inputs_and_dispatch():
 def test_auto_on_gpu_sends_packed_documents_to_pallas(monkeypatch):
     """auto picks cuDNN on GPUs with the cuDNN library, Pallas without it, and a call with segment ids
     always goes to the Pallas kernel (traced here, not run: this machine has no GPU)."""
-    import jaxmem.kernels.attention.cudnn as cudnn_module
     from jaxmem import kernels
 
     calls = []
-    monkeypatch.setattr(cudnn_module, "cudnn_attention", lambda q, k, v, seg: calls.append(seg is None) or q)
+    monkeypatch.setattr(kernels, "cudnn_attention", lambda q, k, v, seg: calls.append(seg is None) or q)
     monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
     assert kernels.resolve(KernelConfig(), "gpu", 1)["attention"] == "cudnn"
     fn = select_attention(KernelConfig(), "gpu")

@@ -198,11 +198,10 @@ def test_explicit_cudnn_refuses_sinks_before_any_work(monkeypatch):
 def test_auto_on_gpu_sends_sinks_to_pallas(monkeypatch):
     """auto picks cuDNN on a GPU with the cuDNN library; a call with sinks goes to the Pallas kernel (traced
     here, not run)."""
-    import jaxmem.kernels.attention.cudnn as cudnn_module
     from jaxmem import kernels
 
     calls = []
-    monkeypatch.setattr(cudnn_module, "cudnn_attention", lambda q, k, v, seg, **kw: calls.append(kw) or q)
+    monkeypatch.setattr(kernels, "cudnn_attention", lambda q, k, v, seg, **kw: calls.append(kw) or q)
     monkeypatch.setattr(kernels, "cudnn_present", lambda: True)
     fn = select_attention(KernelConfig(), "gpu")
     q, kv = jnp.zeros((1, 32, 2, 16), jnp.bfloat16), jnp.zeros((1, 32, 1, 16), jnp.bfloat16)  # what cuDNN takes
