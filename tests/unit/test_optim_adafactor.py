@@ -1,6 +1,7 @@
 """Adafactor (jaxmem.optim.adafactor) is optax.adafactor on the run's schedule with AdamW-style decoupled
 decay; its factored state takes the param's spec without the reduced dim (jaxmem.optim.specs), and
-specs.state_specs gives optax's AdamW state the same specs as jaxmem.core.optim.opt_state_specs."""
+specs.state_specs gives optax's AdamW state the same specs as optax's own tree_map_params (what the program
+used before it)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.features import load_config
-from jaxmem.core import optim as core_optim
+from jaxmem.optim import choice, hyper, layerwise
 from jaxmem.optim import adafactor, specs
 
 CFG = ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1", "optimizer.lr=1e-2"]
@@ -25,7 +26,7 @@ def test_is_optax_adafactor():
     """Three steps equal optax.adafactor's with the LR schedule, no parameter scaling, and weight decay
     lr(t) * weight_decay on all but the norms; the factored state is a row and a column per matrix."""
     cfg = load_config("configs/tiny.yaml", CFG)
-    lr = core_optim.schedule(cfg)
+    lr = hyper.schedule(cfg)
     mask = {"w": True, "stack": True, "attn_norm": False}
     reference = optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: lr(t) * 0.1,
                                 weight_decay_mask=mask)
@@ -66,15 +67,26 @@ def test_specs_and_fsdp8_step():
     assert got_s[0].v_row["stack"].sharding.spec == P(None, "fsdp")
 
 
-def test_adamw_specs_as_core():
-    """For optax's AdamW layer-wise state, state_specs gives what jaxmem.core.optim.opt_state_specs does."""
-    opt = core_optim.make_optimizer(load_config("configs/tiny.yaml", []))
+def _tree_map_params_specs(opt, abstract_opt, weight_specs):
+    """The layer-wise state's specs by optax.tree_utils.tree_map_params: param-shaped leaves follow the weights'."""
+    def specs_of(state, tree):
+        return optax.tree_utils.tree_map_params(opt, lambda _, spec: spec, state, tree,
+                                                transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+    rest = {k: v for k, v in weight_specs.items() if k != "layers"}
+    return {"rest": specs_of(abstract_opt["rest"], rest), "layers": specs_of(abstract_opt["layers"],
+                                                                             weight_specs["layers"])}
+
+
+def test_adamw_specs_as_optax():
+    """For optax's AdamW layer-wise state, state_specs gives what optax's tree_map_params gives."""
+    opt = choice.make_optimizer(load_config("configs/tiny.yaml", []))
     weights = {"embed": jax.ShapeDtypeStruct((512, 64), jnp.float32),
                "layers": {"w": jax.ShapeDtypeStruct((2, 64, 256), jnp.float32),
                           "attn_norm": jax.ShapeDtypeStruct((2, 64), jnp.float32)}}
     weight_specs = {"embed": P("fsdp", None), "layers": {"w": P(None, "fsdp", None), "attn_norm": P()}}
-    abstract = jax.eval_shape(lambda w: core_optim.init_opt_state(opt, w), weights)
-    want = core_optim.opt_state_specs(opt, abstract, weight_specs, P())
+    abstract = jax.eval_shape(lambda w: layerwise.init_opt_state(opt, w), weights)
+    want = _tree_map_params_specs(opt, abstract, weight_specs)
     got = specs.layerwise_state_specs(abstract, weights, weight_specs, {"fsdp": 8})
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     flat = lambda t: [tuple(s) + (None,) * 4 for s in jax.tree.leaves(t, is_leaf=is_spec)]  # noqa: E731

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.features import load_config
-from jaxmem.core import optim as core_optim
+from jaxmem.optim import choice, layerwise
 from jaxmem.optim import adamw_lowbit, codes, specs
 
 SHAPES = {"big": (8, 4096), "odd": (9, 41, 341), "norm": (64,)}
@@ -113,7 +113,7 @@ def test_chain_is_adamw():
     decay without norms): the same updates and the same state layout."""
     cfg = load_config("configs/tiny.yaml", ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1"])
     lowbit = adamw_lowbit.make_lowbit_adamw(cfg, 8, threshold=10 ** 9)
-    reference = core_optim.make_optimizer(cfg)
+    reference = choice.make_optimizer(cfg)
     params = _tree(0)
     s_low, s_ref = lowbit.init(params), reference.init(params)
     assert jax.tree.structure(s_low) == jax.tree.structure(s_ref)
@@ -126,15 +126,15 @@ def test_chain_is_adamw():
 
 
 def test_layerwise_update_slices_layers():
-    """jaxmem.core.optim.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
+    """jaxmem.optim.layerwise.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
     (init vmapped over the layers) is updated a layer at a time (take_layer / put_layer slice codes and
     scales alike), and equals updating the whole stack at once."""
     opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), 8)
     shapes = {"embed": (16, 4096), "layers": {"w": (3, 8, 1024), "norm": (3, 64)}}
     weights = _tree(0, shapes=shapes)
-    state = core_optim.init_opt_state(opt, weights)
+    state = layerwise.init_opt_state(opt, weights)
     grads = _tree(1, 1e-2, shapes)
-    update = jax.jit(lambda g, s, w: core_optim.layerwise_update(
+    update = jax.jit(lambda g, s, w: layerwise.layerwise_update(
         opt, g, s, w, None, jnp.float32(1.0), clip_norm=0.0, param_dtype=jnp.bfloat16, skip_nonfinite=False))
     _, new_state, new_w, _ = update(grads, state, weights)
     assert codes.is_quantized(_adam_state(new_state["layers"]).mu["w"])
