@@ -6,7 +6,7 @@ dynamic-update-slice of the stacked state is emitted over the whole stack, and c
 whole-stack copies inside the loop, so the update's time grows as layers x stack (benchmarks/host_update.md).
 Host memory is not what the scan saves there, so this update runs the per-layer optimizer vmapped over the
 stack: each tensor is a handful of elementwise passes, in place where the caller donates the state, and the
-global-norm clip is folded into those passes (no clipped copy of the gradients is kept).
+global-norm clip is one multiplication folded into those passes.
 
 Same contract as `layerwise_update` for the host path (`jaxmem.core.offload.run_update` calls
 `update(grads, opt_state, weights, old_params, scale)` there): no fetch, homes or pieces, since an update on
@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.optim import rows as embed_grad
-from jaxmem.optim.layerwise import apply_update, clip_by_global_norm, layer_key, split_layers
+from jaxmem.optim.layerwise import apply_update, clipped, layer_key, split_layers
 
 
 def _norm_and_finite(grads, scale):
@@ -67,8 +67,7 @@ def whole_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm
     own_norm, finite = _norm_and_finite(grads, scale)
     norm = own_norm if norm is None else norm
     finite = finite if skip_nonfinite else jnp.bool_(True)
-    g = embed_grad.map_values(lambda x: x.astype(jnp.float32) / scale, grads)
-    g = embed_grad.densify(clip_by_global_norm(g, norm, clip_norm))
+    g = embed_grad.densify(clipped(grads, norm, clip_norm, scale))
 
     g_rest, g_layers = split_layers(g)
     w_rest, w_layers = split_layers(weights)
