@@ -167,8 +167,8 @@ def _md(rows: list[dict], source: str) -> str:
         "(update on the device); it is that host's rate (XLA:CPU kept 1-2 cores busy) and prices that case. The "
         "step now runs the whole-tensor update (jaxmem.optim.host_update), priced at "
         f"HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {cm.HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT} s (estimated: "
-        "its time per parameter on a shared 2-core CPU, benchmarks/host_update.md; not yet measured in a GPU "
-        "step).",
+        "the update alone on one H100 machine's host CPU, benchmarks/host_update_gpu_host.md; not yet measured in "
+        "a GPU train step).",
         "- A mixture of experts' expert matmuls (the k active experts' FLOPs) at the grouped matmul's own rate, "
         "by kernel and by shape (a device's routed rows per expert, D, F; the nearest measured shape): one H200, "
         "bf16, fwd + both gradients, e.g. Qwen3-30B-A3B's experts at 8192 tokens (512 rows per expert, 2048 x "

@@ -240,8 +240,10 @@ def markdown(result: dict) -> str:
         "d=1024 plus an 8192 x 1024 embedding), fp32 gradients, master, m and v, bf16 params; "
         f"{result['rounds']} rounds, best of them. " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
         + ".",
-        "Regenerate: `python scripts/bench_host_update.py --params N --json benchmarks/host_update.json "
-        "--md benchmarks/host_update.md`.",
+        ("Regenerate: `python scripts/bench_host_update.py --params N --json benchmarks/host_update.json "
+         "--md benchmarks/host_update.md`." if m["jax_backend"] == "cpu" else
+         "Regenerate on a GPU machine: `bash scripts/gpu_optimizer_states.sh OUT` (`--platform cuda`); "
+         "`--from-json FILE --md FILE` rewrites this page."),
         "",
         "| XLA flags | candidate | best ms | median ms | params/s | vs torch same work | vs torch step "
         "| fusions / array copies / while loops |",
@@ -268,8 +270,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the measuring processes (cuda: the "
                                                           "update under host compute inside a GPU program)")
+    parser.add_argument("--from-json", default=None, help="write --md from this earlier --json, measuring nothing")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f, open(args.md, "w") as out:
+            out.write(markdown(json.load(f)))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.params, args.rounds)))
         return

@@ -106,11 +106,12 @@ HOST_LINK_EFFICIENCY = 1.0
 
 # The optimizer update on the host CPU (offload.optimizer_update=host: jaxmem.optim.host_update.whole_update under
 # XLA host compute), serial after the backward, per trained parameter, by how AdamW keeps its moments. Estimated:
-# the update's best time per parameter measured on a shared 2-core CPU (benchmarks/host_update.md, written by
-# scripts/bench_host_update.py: `whole`, `whole_int8`, `whole_int4`, default XLA flags). The update is bound by
-# memory traffic, so a GPU host with more cores and memory bandwidth runs it faster: these err long. Adafactor
-# (no first moment, factored second) is priced as fp32 AdamW.
-HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {"float32": 4.6e-9, "bfloat16": 4.6e-9, "int8": 3.8e-8, "int4": 5.2e-8}
+# the update's best time per parameter measured on the host CPU of one H100 machine (16 cores, jax 0.11.2), the
+# update alone inside a GPU program, outside a train step (benchmarks/host_update_gpu_host.md, written by
+# scripts/bench_host_update.py --platform cuda: `whole`, `whole_int8`, `whole_int4`, default XLA flags). Another
+# host's cores and memory bandwidth give another rate. Adafactor (no first moment, factored second) is priced as
+# fp32 AdamW.
+HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {"float32": 2.65e-9, "bfloat16": 2.65e-9, "int8": 4.9e-9, "int4": 4.9e-9}
 HOST_UPDATE_SECONDS_PER_PARAM = HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT["float32"]
 # The layer-scan update the whole one replaced (jaxmem.optim.layerwise.layerwise_update under host compute),
 # measured once: Gemma 3 12B widths x 6 layers (2.35B params) on one H200's host (16 cores, jax 0.11.2; 1-2
