@@ -222,3 +222,15 @@ def test_bill_counts_the_state_as_stored():
     assert 0.25 <= int8["opt_m"] / fp32["opt_m"] <= 0.26 and 0.25 <= int8["opt_v"] / fp32["opt_v"] <= 0.26
     assert 0.125 <= int4["opt_m"] / fp32["opt_m"] <= 0.14
     assert ada["opt_m"] == 0 and ada["opt_v"] < 0.01 * fp32["opt_v"]
+
+
+def test_explain_names_the_state_buffers():
+    """`jaxmem explain` names an optimizer-state argument by what it holds (its path in the train state)."""
+    from jaxmem.plan.buffer_kinds import state_leaf_words
+
+    cfg = load_config(None, KINDS["int8"])
+    assert state_leaf_words(cfg, "state['opt']['layers'][0].mu['w_up'].codes") == "m codes (int8) of layers.w_up"
+    assert state_leaf_words(cfg, "state['opt']['layers'][0].nu['wq'].scales") == "v block scales (fp32) of layers.wq"
+    assert state_leaf_words(cfg, "state['opt']['rest'][0].mu['embed']") == "m of embed"
+    assert state_leaf_words(cfg, "state['master']['layers']['wo']") == "fp32 master of layers.wo"
+    assert state_leaf_words(cfg, "state['opt']['rest'][0].v_row['lm_head']") == "v row factors of lm_head"
