@@ -234,3 +234,21 @@ def test_explain_names_the_state_buffers():
     assert state_leaf_words(cfg, "state['opt']['rest'][0].mu['embed']") == "m of embed"
     assert state_leaf_words(cfg, "state['master']['layers']['wo']") == "fp32 master of layers.wo"
     assert state_leaf_words(cfg, "state['opt']['rest'][0].v_row['lm_head']") == "v row factors of lm_head"
+
+
+def test_quantized_non_layer_leaves_update_in_pieces_as_whole(monkeypatch):
+    """With quantized moments the device updates the embedding and LM head a piece of rows at a time (their
+    blocks run along the last dim, so a piece's codes and scales are the whole's rows): the same numbers as
+    updating them whole."""
+    from jaxmem.optim import layerwise
+
+    kind = KINDS["int8"]  # (with stochastic rounding each piece draws bits of its own)
+    whole, s_whole = _steps(kind, n=2)
+    monkeypatch.setattr(layerwise, "CHUNK_BYTES", 4096)
+    cfg = load_config(None, SMALL + ["parallel.fsdp=1"] + kind)
+    axes, count = build_program(cfg, devices=jax.devices()[:1]).layout.rest_pieces  # (split over fsdp: along d)
+    assert count >= 4 and axes["embed"] == 0, (axes, count)
+    pieces, s_pieces = _steps(kind, n=2)
+    assert pieces == whole
+    jax.tree.map(np.testing.assert_array_equal, s_pieces["params"], s_whole["params"])
+    jax.tree.map(np.testing.assert_array_equal, s_pieces["opt"], s_whole["opt"])
