@@ -34,7 +34,7 @@ from jaxmem.mesh import sharding
 from jaxmem.core.checkpoint import Checkpoints, run_meta
 from jaxmem.features import load_config
 from jaxmem.io.data import batches
-from jaxmem.core.optim import make_optimizer
+from jaxmem.optim.choice import make_optimizer
 from jaxmem.core.program import TrainProgram, loss_sum_fn
 from jaxmem.features import build_program
 from jaxmem.config.schema import Config

@@ -33,7 +33,7 @@ def estimate_case(case: dict):
     """(cfg, bill, Cost) for one measured case, estimated for the device it was measured on."""
     from jaxmem.features import load_config
     from jaxmem.plan.bill import compute_bill
-    from jaxmem.plan.costmodel import estimate
+    from jaxmem.plan.costmodel import LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM, estimate
     from jaxmem.config.targets import get_target
 
     cwd = os.getcwd()
@@ -44,7 +44,9 @@ def estimate_case(case: dict):
         os.chdir(cwd)
     n = int(case.get("n_devices", 1))
     bill = compute_bill(cfg, n, gpu=True)
-    cost = estimate(cfg, bill, get_target(case["target"]), n, bill.layout.grad_accum, bill.layout.rows)
+    # a case measured with the layer-scan host update is priced at that update's measured rate
+    rate = LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM if case.get("host_update") == "layer_scan" else None
+    cost = estimate(cfg, bill, get_target(case["target"]), n, bill.layout.grad_accum, bill.layout.rows, rate)
     return cfg, bill, cost
 
 
@@ -158,11 +160,15 @@ def _md(rows: list[dict], source: str) -> str:
         "grads out; with the optimizer on host and the update on the device master, m and v in AND out, "
         "plus (params on host) the layer grads in twice (global norm, update), old params in, new params "
         "out. Not fitted: the 4090 recipe's ~92 GB at 55 GB/s lands near the measured 1.86 s.",
-        f"- The AdamW update on the host CPU (offload.optimizer_update=host) at HOST_UPDATE_SECONDS_PER_PARAM = "
-        f"{cm.HOST_UPDATE_SECONDS_PER_PARAM:.3g} s per trained parameter, serial: the one measurement, Gemma 3 12B "
-        "widths x 6 layers (2.35B params) on one H200's 16-core host, 13.17 s per step against 1.21 s with the "
-        "same state streamed through the GPU (update on the device); the term was missing before (0.46 s "
-        "estimated). It is that host's rate: XLA:CPU kept 1-2 cores busy.",
+        f"- The AdamW update on the host CPU (offload.optimizer_update=host), serial, per trained parameter. The "
+        f"measured case ran the layer-scan update at LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM = "
+        f"{cm.LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM:.3g} s: Gemma 3 12B widths x 6 layers (2.35B params) on one "
+        "H200's 16-core host, 13.17 s per step against 1.21 s with the same state streamed through the GPU "
+        "(update on the device); it is that host's rate (XLA:CPU kept 1-2 cores busy) and prices that case. The "
+        "step now runs the whole-tensor update (jaxmem.optim.host_update), priced at "
+        f"HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {cm.HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT} s (estimated: "
+        "the update alone on one H100 machine's host CPU, benchmarks/host_update_gpu_host.md; not yet measured in "
+        "a GPU train step).",
         "- A mixture of experts' expert matmuls (the k active experts' FLOPs) at the grouped matmul's own rate, "
         "by kernel and by shape (a device's routed rows per expert, D, F; the nearest measured shape): one H200, "
         "bf16, fwd + both gradients, e.g. Qwen3-30B-A3B's experts at 8192 tokens (512 rows per expert, 2048 x "

@@ -91,6 +91,9 @@ HF = "HF transformers + PyTorch, measured on one H100 (benchmarks/gpu_h100.md, s
 HF_NOTE = ("same recipe: {ckpt}; HF keeps fp32 weights + bf16 autocast + fused AdamW (16 B/param), jaxmem bf16 "
            "weights + fp32 master + fp32 Adam (14 B/param)")
 
+INT8_STATE = ("precision.master_weights=false", "precision.moment_dtype=int8", "precision.grad_reduce_dtype=bfloat16",
+              "kernels.attention=pallas", "kernels.loss=chunked")
+
 RECIPES = [
     Recipe("llama3-8b-lora-qv-s512-mb1-24g", "Llama-3-8B", "lora", "none", 512, 1, 1, 24, "q,v", LITGPT_RECIPE,
            Peer("LitGPT llama-3-8b/lora.yaml", LITGPT, 19.73, "GB", True, LITGPT_NOTE)),
@@ -137,6 +140,12 @@ RECIPES = [
     Recipe("llama3-8b-full-fsdp8-s2048-full-24g", "Llama-3-8B", "full", "full", 2048, 1, 8, 24),
     Recipe("qwen2.5-7b-full-host-s8192-full-80g", "Qwen2.5-7B", "full", "full", 8192, 1, 1, 80,
            extra=("offload.optimizer=host", "offload.params=host")),
+    # a full fine-tune's state at 4 bytes per parameter (issue 45): bf16 weights rounded stochastically without an
+    # fp32 master, AdamW's m and v in int8 (configs/llama3-8b-1xh100-8bit.yaml, configs/llama3-8b-1x4090-8bit.yaml)
+    Recipe("llama3-8b-full-int8-s8192-full-80g", "Llama-3-8B", "full", "full", 8192, 1, 1, 80, extra=INT8_STATE),
+    Recipe("qwen2.5-7b-full-int8-s8192-full-80g", "Qwen2.5-7B", "full", "full", 8192, 1, 1, 80, extra=INT8_STATE),
+    Recipe("llama3-8b-full-int8-host-s4096-24g", "Llama-3-8B", "full", "offload_layer_inputs", 4096, 1, 1, 24,
+           extra=INT8_STATE + ("offload.optimizer=host", "offload.optimizer_update=device", "offload.params=host")),
     # the families people fine-tune today (no peer publishes a measured peak for these recipes)
     Recipe("qwen3-8b-qlora-all-s2048-sel-24g", "Qwen3-8B", "qlora", "selective", 2048, 1, 1, 24, "all"),
     Recipe("gemma3-12b-qlora-all-s4096-full-24g", "Gemma-3-12B", "qlora", "full", 4096, 1, 1, 24, "all"),
@@ -259,7 +268,9 @@ def render_md(rows: list[dict]) -> str:
         "CPU machine (device total per GPU = argument + output - alias + temp); **analytic** = the planner's bill "
         "(estimated); **peer** = the peer's own published peak, measured on their GPU (GB converted to GiB). "
         "Every recipe: bf16 weights and compute, kernels `auto`, no offload unless named; full fine-tunes keep an "
-        "fp32 master and fp32 AdamW; LoRA / QLoRA rank 32, alpha 16 (QLoRA: nf4). Goals: analytic within "
+        "fp32 master and fp32 AdamW, but the `int8` rows (no master: bf16 weights rounded stochastically; AdamW's "
+        "m and v in int8, docs/optimizers.md; bf16 gradients; Pallas attention, chunked loss); LoRA / QLoRA rank "
+        "32, alpha 16 (QLoRA: nf4). Goals: analytic within "
         f"+-{TOLERANCE:.0%} of compiled; compiled <= {PEER_GOAL}x the peer where one publishes the same recipe.", "",
         f"**Analytic within +-{TOLERANCE:.0%}: {bill_ok} of {len(ok)} rows. Compiled <= {PEER_GOAL}x peer: "
         f"{peer_ok} of {len(peered)} rows with a peer ({sum(r['same_class'] and 'peer' not in misses(r) for r in peered)}"

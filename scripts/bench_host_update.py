@@ -4,8 +4,10 @@ torch.optim.AdamW(fused=True).
 The jax candidates run what the train step runs for `offload.optimizer=host, offload.optimizer_update=host`:
 `jaxmem.core.offload.run_update` (compat.host_compute, state and fp32 master in pinned host memory, the state
 donated as the step donates it) over fp32 gradients, fp32 master weights, m and v, writing bf16 params:
-- layerwise: the update as it runs today (jaxmem.core.optim.layerwise_update, a lax.scan over the layers);
-- whole: jaxmem.optim.host_update.whole_update (the layers vmapped, the clip one scalar factor);
+- layerwise: the update as it ran before (jaxmem.optim.layerwise.layerwise_update, a lax.scan over the layers);
+- whole: jaxmem.optim.host_update.whole_update (the layers vmapped), what the step runs on the host now;
+- whole_int8, whole_int4: the same with AdamW's m and v block-quantized (precision.moment_dtype=int8 / int4; no
+  torch counterpart here: its fused AdamW keeps fp32 moments);
 - whole_plain (a diagnostic): whole_update jitted on its own, no host compute, so without the copies of the
   gradients to the host and of the new params back that run_update makes (transfers over PCIe on a GPU box);
 - adamw_only (a diagnostic, not an update jaxmem runs): optax AdamW on the fp32 master alone, no clip, no bf16
@@ -53,11 +55,11 @@ def _jax_candidates(tree_shapes: dict):
     import numpy as np
 
     from jaxmem.features import load_config
-    from jaxmem.core import offload, optim as core_optim
-    from jaxmem.optim import host_update
+    from jaxmem.core import offload
+    from jaxmem.optim import adamw_lowbit, choice, host_update, layerwise
 
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"), OVERRIDES)
-    opt = core_optim.make_optimizer(cfg)
+    opt = choice.make_optimizer(cfg)
     rng = np.random.default_rng(0)
     draw = lambda scale: jax.tree.map(  # noqa: E731
         lambda s: jnp.asarray(scale * rng.standard_normal(s, dtype=np.float32)), tree_shapes,
@@ -68,8 +70,11 @@ def _jax_candidates(tree_shapes: dict):
     on_host = lambda t: jax.tree.map(  # noqa: E731
         lambda x: jax.device_put(x, host if x.ndim else jax.sharding.SingleDeviceSharding(device)), t)
     kw = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=jnp.bfloat16, skip_nonfinite=False)
-    updates = {"layerwise": functools.partial(core_optim.layerwise_update, opt, **kw),
+    updates = {"layerwise": functools.partial(layerwise.layerwise_update, opt, **kw),
                "whole": functools.partial(host_update.whole_update, opt, **kw)}
+    lowbit = {f"whole_int{bits}": adamw_lowbit.make_lowbit_adamw(cfg, bits) for bits in (8, 4)}
+    updates.update({name: functools.partial(host_update.whole_update, low, **kw) for name, low in lowbit.items()})
+    optimizers = dict(dict.fromkeys(updates, opt), **lowbit)
     out = {}
     for name, update in updates.items():
         def step(g, state, update=update):
@@ -79,7 +84,7 @@ def _jax_candidates(tree_shapes: dict):
 
         master = draw(1.0)
         state = {"params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), master),
-                 "opt": on_host(core_optim.init_opt_state(opt, master)), "master": on_host(master)}
+                 "opt": on_host(layerwise.init_opt_state(optimizers[name], master)), "master": on_host(master)}
         out[name] = (jax.jit(step, donate_argnums=(1,), keep_unused=True), state)
 
     def whole_plain(g, state):
@@ -93,7 +98,7 @@ def _jax_candidates(tree_shapes: dict):
     if jax.default_backend() == "cpu":  # elsewhere these would run on the accelerator, not the host
         master = draw(1.0)
         state = {"params": jax.tree.map(lambda x: x.astype(jnp.bfloat16), master),
-                 "opt": core_optim.init_opt_state(opt, master), "master": master}
+                 "opt": layerwise.init_opt_state(opt, master), "master": master}
         out["whole_plain"] = (jax.jit(whole_plain, donate_argnums=(1,), keep_unused=True), state)
         master = draw(1.0)
         out["adamw_only"] = (jax.jit(adamw_only, donate_argnums=(1,)), {"opt": opt.init(master), "master": master})
@@ -165,7 +170,7 @@ def child(flag_set: str, n_params: float, rounds: int) -> dict:
     figures = {name: {"best_s": min(s), "median_s": sorted(s)[len(s) // 2], "params_per_s": n / min(s)}
                for name, s in seconds.items()}
     torch_same = figures["torch_same_work"]["params_per_s"]
-    for name in jax_runs:
+    for name in jax_runs:  # the low-bit updates do more work than torch's: their ratios are for scale only
         figures[name].update(counts[name])
         figures[name]["ratio_vs_torch_same_work"] = figures[name]["params_per_s"] / torch_same
         figures[name]["ratio_vs_torch_step"] = figures[name]["params_per_s"] / figures["torch_step"]["params_per_s"]
@@ -235,8 +240,10 @@ def markdown(result: dict) -> str:
         "d=1024 plus an 8192 x 1024 embedding), fp32 gradients, master, m and v, bf16 params; "
         f"{result['rounds']} rounds, best of them. " + ", ".join(f"{k} {v}" for k, v in result["versions"].items())
         + ".",
-        "Regenerate: `python scripts/bench_host_update.py --params N --json benchmarks/host_update.json "
-        "--md benchmarks/host_update.md`.",
+        ("Regenerate: `python scripts/bench_host_update.py --params N --json benchmarks/host_update.json "
+         "--md benchmarks/host_update.md`." if m["jax_backend"] == "cpu" else
+         "Regenerate on a GPU machine: `bash scripts/gpu_optimizer_states.sh OUT` (`--platform cuda`); "
+         "`--from-json FILE --md FILE` rewrites this page."),
         "",
         "| XLA flags | candidate | best ms | median ms | params/s | vs torch same work | vs torch step "
         "| fusions / array copies / while loops |",
@@ -245,8 +252,12 @@ def markdown(result: dict) -> str:
     lines += [_row(flag_set, name, f) for flag_set, run in result["runs"].items() for name, f in run["figures"].items()]
     lines += ["", f"**ratio_vs_torch** (fastest jaxmem update, {result['best_jax']}, over torch doing the same work): "
                   f"{result['ratio_vs_torch']:.2f}x; over torch's fused step alone: "
-                  f"{result['ratio_vs_torch_step']:.2f}x. Today's update (layerwise, default flags): "
-                  f"{result['today_ratio_vs_torch']:.2f}x.",
+                  f"{result['ratio_vs_torch_step']:.2f}x. The update the step runs on the host (whole, default "
+                  f"flags): {result['default_ratio_vs_torch']:.2f}x of torch's same work, "
+                  f"{result['default_ratio_vs_torch_step']:.2f}x of its step; the one it ran before (layerwise, "
+                  f"default flags): {result['today_ratio_vs_torch']:.2f}x. With int8 / int4 moments (whole_int8, "
+                  "whole_int4) the update does more per parameter (dequantize, requantize) and moves fewer bytes; "
+                  "torch's fused AdamW has no such state, so their ratios only give the scale.",
               FINDINGS if m["jax_backend"] == "cpu" else ""]
     return "\n".join(lines)
 
@@ -259,8 +270,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--platform", default="cpu", help="JAX_PLATFORMS of the measuring processes (cuda: the "
                                                           "update under host compute inside a GPU program)")
+    parser.add_argument("--from-json", default=None, help="write --md from this earlier --json, measuring nothing")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.from_json:
+        with open(args.from_json) as f, open(args.md, "w") as out:
+            out.write(markdown(json.load(f)))
+        return
     if args.child:
         print(json.dumps(child(args.child, args.params, args.rounds)))
         return
@@ -277,7 +293,11 @@ def main() -> None:
               "params": runs["default"]["params"], "layers": runs["default"]["layers"], "rounds": args.rounds,
               "versions": _versions(), "runs": runs, "best_jax": f"{best_name} ({best_flags} flags)",
               "ratio_vs_torch": best["ratio_vs_torch_same_work"], "ratio_vs_torch_step": best["ratio_vs_torch_step"],
-              "today_ratio_vs_torch": runs["default"]["figures"]["layerwise"]["ratio_vs_torch_same_work"]}
+              "today_ratio_vs_torch": runs["default"]["figures"]["layerwise"]["ratio_vs_torch_same_work"],
+              "default_ratio_vs_torch": runs["default"]["figures"]["whole"]["ratio_vs_torch_same_work"],
+              "default_ratio_vs_torch_step": runs["default"]["figures"]["whole"]["ratio_vs_torch_step"],
+              "seconds_per_param": {name: 1 / runs["default"]["figures"][name]["params_per_s"]
+                                    for name in ("whole", "whole_int8", "whole_int4")}}
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:

@@ -1,7 +1,8 @@
 """`jaxmem tune CONFIG --target T`: the memory decision flow, automated.
 
 The flow practitioners run by hand, one OOM at a time: start in bf16 mixed precision; if it does not fit,
-recompute activations; then offload the optimizer state, then the activations, then the parameters; once
+recompute activations; then (only with --allow-lossy-optimizer) shrink the optimizer state itself; then
+offload the optimizer state, then the activations, then the parameters; once
 it fits, raise the micro-batch as far as memory allows; then accumulate gradients up to the target global
 batch. Here every step is planned instead of run: each candidate's analytic bill prunes what clearly does
 not fit, the survivors are compiled for the target (deviceless, in worker processes, cached by config hash
@@ -53,6 +54,28 @@ BASE_STAGES = (
                                   ["remat.preset=full", "remat.names.attn_context=device"]]),
 )
 STAGES = BASE_STAGES + tuple(stage for feature in registry.FEATURES for stage in feature.search_axes)
+# With --allow-lossy-optimizer, after recomputation and before any offload: the optimizer state itself, smaller
+# but lossy (docs/optimizers.md): int8 moments with the fp32 master, then bf16 weights rounded stochastically
+# without a master (int8, then int4 moments).
+LOSSY_STAGE = ("optimizer state quantized (lossy)", [
+    [r, "precision.moment_dtype=int8"] + extra
+    for extra in ([], ["precision.master_weights=false"]) for r in ("remat.preset=selective", "remat.preset=full")
+] + [["remat.preset=full", "precision.moment_dtype=int4", "precision.master_weights=false"]])
+# Without the flag the config's own optimizer state is kept; with it tune decides, from lossless fp32 moments.
+LOSSLESS_RESET = ["precision.moment_dtype=float32", "precision.moment_block=0"]
+
+
+def stages(allow_lossy: bool) -> tuple:
+    """The flow's stages: the lossy optimizer-state stage after recomputation only where allowed."""
+    return STAGES[:len(BASE_STAGES)] + ((LOSSY_STAGE,) if allow_lossy else ()) + STAGES[len(BASE_STAGES):]
+
+
+def optimizer_note(allow_lossy: bool) -> str:
+    if allow_lossy:
+        return ("optimizer state: searched, lossy kinds included (int8 / int4 moments, bf16 weights without an "
+                "fp32 master) because of --allow-lossy-optimizer")
+    return ("optimizer state: not searched (kept as the config sets it); --allow-lossy-optimizer also tries "
+            "int8 / int4 moments and bf16 weights without an fp32 master")
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",
         "kernels.loss=chunked"]
 # The memory levers tune decides, reset in every candidate (the config's own choices do not carry over;
@@ -60,7 +83,7 @@ BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "p
 RESET = ["remat.preset=none", "remat.granularity=layer", "remat.seq_tile=0", "remat.names={}",
          "offload.optimizer=device", "offload.optimizer_update=host", "offload.params=device",
          "optimizer.update_in_backward=false"]
-_UNLABELED = set(BF16 + RESET + ["train.global_batch=0"])
+_UNLABELED = set(BF16 + RESET + LOSSLESS_RESET + ["train.global_batch=0"])
 _IMPLIED = {"parallel.dp=1", "parallel.sp=1", "parallel.tp=1", "parallel.ep=1", "parallel.rules=fsdp",
             "parallel.rules=fsdp_tp"}
 _SHORT = {"offload.optimizer_update": "update"}
@@ -132,8 +155,11 @@ def batch_overrides(micro_batch: int, data_ways: int, global_batch: int) -> list
 
 class Tuner:
     def __init__(self, config: str, overrides: list[str], target: dict, global_batch: int | None,
-                 budget_s: float, cache_dir: Path, workers: int):
+                 budget_s: float, cache_dir: Path, workers: int, allow_lossy: bool = False):
         self.config, self.user, self.target = config, list(overrides), target
+        self.allow_lossy = allow_lossy
+        self.stages = stages(allow_lossy)
+        self.reset = RESET + (LOSSLESS_RESET if allow_lossy else [])
         self.budget_end = time.monotonic() + budget_s
         self.cache_dir, self.workers = cache_dir, workers
         base = load_config(config, overrides)
@@ -213,7 +239,7 @@ class Tuner:
                 micro = self.global_batch // ways if "offload.params=host" in lever else 1
                 batch = batch_overrides(max(micro, 1), ways, self.global_batch)
                 if batch is not None:
-                    out.append(Candidate(BF16 + RESET + lever + mesh + batch, name))
+                    out.append(Candidate(BF16 + self.reset + lever + mesh + batch, name))
         return out
 
     # ------------------------------------------------------------ the flow
@@ -222,7 +248,7 @@ class Tuner:
         with a better mesh or a larger micro-batch can be faster than less with a worse one)."""
         fitting: list[Candidate] = []
         first_fit = None
-        for index, (name, levers) in enumerate(STAGES):
+        for index, (name, levers) in enumerate(self.stages):
             if first_fit is not None and index > first_fit + 1:
                 break
             cands = self.stage_candidates(name, levers)
@@ -324,7 +350,8 @@ def table(tuner: Tuner) -> list[str]:
 
 def to_json(tuner: Tuner, best: Candidate | None) -> dict:
     return {"config": tuner.config, "overrides": tuner.user, "target": tuner.topo.label,
-            "global_batch": tuner.global_batch, "path": tuner.path,
+            "global_batch": tuner.global_batch, "path": tuner.path, "lossy_optimizer": tuner.allow_lossy,
+            "optimizer_note": optimizer_note(tuner.allow_lossy),
             "best": None if best is None else {"overrides": best.overrides, "row": best.row,
                                                "tokens_per_second_estimated": best.tokens_per_second()},
             "candidates": [{"overrides": c.overrides, "stage": c.stage, "analytic": c.analytic, "compiled": c.row,
@@ -397,6 +424,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cache", default=".cache/jaxmem-tune", help="plan cache folder (default: .cache/jaxmem-tune)")
     ap.add_argument("--workers", type=int, default=2, help="compile worker processes (a candidate that may not fit is "
                                                             "compiled beside the next ones); 0: in this process")
+    ap.add_argument("--allow-lossy-optimizer", action="store_true",
+                    help="also search the optimizer state: int8 / int4 AdamW moments and bf16 weights without an fp32 "
+                         "master (smaller, but lossy: docs/optimizers.md); without it the config's own is kept")
     ap.add_argument("--verify", action="store_true", help="run `jaxmem bench` on the winner on the attached "
                                                           "devices and print planned vs measured")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
@@ -407,7 +437,8 @@ def main(argv: list[str] | None = None) -> int:
     target = {k: v for k, v in (("name", args.target), ("gpus_per_host", args.gpus_per_host),
                                 ("hosts", args.hosts)) if v is not None}
     tuner = Tuner(args.config, args.overrides, target, args.global_batch, args.budget_s, Path(args.cache),
-                  args.workers)
+                  args.workers, allow_lossy=args.allow_lossy_optimizer)
+    print(optimizer_note(tuner.allow_lossy))
     best = tuner.run()
     print("\n".join(table(tuner)))
     print("path:\n" + "\n".join(f"  {step}" for step in tuner.path))

@@ -154,13 +154,25 @@ class PrecisionConfig:
                                      "param_dtype is not float32)")
     grad_reduce_dtype: Dtype = _f("float32", "dtype the gradients are reduced across devices and held in until "
                                              "the update, one of float32, bfloat16, float16")
-    moment_dtype: Literal["float32", "bfloat16"] = _f("float32", "dtype of AdamW's moments m and v, one of "
-                                                                 "float32, bfloat16")
+    moment_dtype: Literal["float32", "bfloat16", "int8", "int4"] = _f(
+        "float32", "how AdamW keeps its moments m and v, one of float32, bfloat16, int8, int4 (block-quantized "
+                   "with a per-block fp32 scale: 2 or 1 bytes per parameter for m and v together, plus the scales; "
+                   "vectors and tensors under 4096 values stay float32; lossy, see docs/optimizers.md)")
+    moment_block: int = _f(0, "values per quantization block along a tensor's last dim for int8 / int4 moments; "
+                              "0: 2048 for int8, 128 for int4 (an even number for int4)")
+    stochastic_rounding: bool | None = _f(
+        None, "round each update into bf16 params stochastically (unbiased: updates below half a bf16 step still "
+              "move the weights on average), seeded per step from train.seed; only for param_dtype=bfloat16 "
+              "without master_weights; null: on exactly there")
     loss_scale: LossScaleConfig = _f(LossScaleConfig(), "fp16 dynamic loss scaling")
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
+    name: Literal["adamw", "adafactor"] = _f(
+        "adamw", "the optimizer, one of adamw (AdamW; its moments' storage: precision.moment_dtype), adafactor "
+                 "(optax.adafactor: factored second moment, no first moment, lr and weight_decay as AdamW's; "
+                 "b1, b2 and eps unused)")
     lr: float = _f(3e-4, "peak AdamW learning rate, reached at the end of the warmup; >= 0")
     warmup_steps: int = _f(10, "steps of linear warmup from 0 to lr; >= 0")
     decay_steps: int = _f(0, "length of the warmup + cosine decay schedule in steps, >= 0; 0: train.steps "
@@ -387,7 +399,8 @@ class Config:
     model: ModelConfig = _f(ModelConfig(), "model shape")
     parallel: ParallelConfig = _f(ParallelConfig(), "device mesh and sharding")
     precision: PrecisionConfig = _f(PrecisionConfig(), "dtypes and fp16 loss scaling")
-    optimizer: OptimizerConfig = _f(OptimizerConfig(), "AdamW with warmup and cosine decay")
+    optimizer: OptimizerConfig = _f(OptimizerConfig(), "the optimizer (AdamW or Adafactor) with warmup and cosine "
+                                                       "decay")
     train: TrainConfig = _f(TrainConfig(), "steps, batch and logging")
     data: DataConfig = _f(DataConfig(), "token source")
     eval: EvalConfig = _f(EvalConfig(), "held-out loss and perplexity during training")

@@ -82,6 +82,30 @@ def check_precision(cfg: Config) -> None:
     p = cfg.precision
     if p.loss_scale.enabled and p.compute_dtype != "float16":
         raise ConfigError("precision.loss_scale.enabled: loss scaling is for compute_dtype=float16 only")
+    _check_moments(cfg)
+    if p.stochastic_rounding and p.param_dtype != "bfloat16":
+        raise ConfigError(f"precision.stochastic_rounding: rounds updates into bfloat16 params; param_dtype is "
+                          f"{p.param_dtype}")
+    if p.stochastic_rounding and p.master_weights:
+        raise ConfigError("precision.stochastic_rounding: the fp32 master already keeps every update; set "
+                          "master_weights=false to round into the bf16 params instead")
+
+
+def _check_moments(cfg: Config) -> None:
+    """Low-bit moments: a positive block (even for int4, whose codes pair values), AdamW's only."""
+    p = cfg.precision
+    low_bit = p.moment_dtype in ("int8", "int4")
+    if p.moment_block < 0:
+        raise ConfigError(f"precision.moment_block: must be >= 0 (0: the default block), got {p.moment_block}")
+    if p.moment_block and not low_bit:
+        raise ConfigError(f"precision.moment_block: blocks are for int8 / int4 moments; moment_dtype is "
+                          f"{p.moment_dtype}")
+    if p.moment_dtype == "int4" and p.moment_block % 2:
+        raise ConfigError(f"precision.moment_block: int4 moments pair values in a byte, so the block must be even, "
+                          f"got {p.moment_block}")
+    if cfg.optimizer.name == "adafactor" and p.moment_dtype != "float32":
+        raise ConfigError(f"precision.moment_dtype: {p.moment_dtype} is for AdamW's moments; optimizer.name="
+                          "adafactor keeps its factored second moment in float32")
 
 
 def check_data(cfg: Config) -> None:

@@ -5,14 +5,18 @@ from __future__ import annotations
 import math
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad
 from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.core.layout import Layout, spec_leaves
-from jaxmem.core.optim import split_layers
+from jaxmem.optim.layerwise import split_layers
 from jaxmem.core.precision import Precision
+from jaxmem.core.step_state import assemble_state
+from jaxmem.optim.choice import make_optimizer
+from jaxmem.optim.specs import layerwise_state_specs
 from jaxmem.mesh.sharding import spec_ways
 
 # XLA's GPU scheduler memory limit (gpu_hlo_schedule.cc GetSchedulerMemoryLimit): SCHEDULER_MEMORY_FRACTION of
@@ -92,9 +96,40 @@ def streamed_rest_elems(layout: Layout) -> list[int]:
     return [elems // count for elems in rest_leaf_elems(layout)]
 
 
-def state_dtypes(prec: Precision) -> list:
-    """The optimizer state kept per weight: fp32 master (if any), Adam's m and v."""
-    return ([np.float32] if prec.master else []) + [prec.moment, prec.moment]
+def state_elem_bytes(layout: Layout, prec: Precision) -> list:
+    """Bytes per weight value of the optimizer state kept with it, one entry per part: the fp32 master (if
+    any), then the first and second moment (jaxmem.optim.kind.StateKind.moment_bytes_per_value: a float
+    moment's itemsize, a quantized one's code bits and its block's scale, Adafactor's factored ~0)."""
+    return ([4] if prec.master else []) + list(layout.optimizer.moment_bytes_per_value())
+
+
+def abstract_train_state(cfg: Config, layout: Layout, prec: Precision) -> dict:
+    """The train state the program assembles around the layout's trainable params (ShapeDtypeStructs)."""
+    return jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)
+
+
+def opt_state_bytes(layout: Layout, abstract_state: dict) -> tuple[int, int]:
+    """Per-device bytes of the optimizer state's first- and second-moment leaves, from the state as the program
+    builds it (`abstract_train_state`) sharded as the program shards it (jaxmem.optim.specs): float moments at
+    their dtype, quantized ones as uint8 codes + fp32 block scales (fp32 under the threshold), Adafactor's
+    factored rows and columns (its second moment; it keeps no first). The step counts are counter bytes."""
+    opt = abstract_state["opt"]
+    specs = layerwise_state_specs(opt, layout.abstract_params, layout.opt_specs, layout.mesh_sizes)
+    first = second = 0
+    for (path, x), spec in zip(jax.tree_util.tree_flatten_with_path(opt)[0], spec_leaves(specs), strict=True):
+        if not is_state_value(x):
+            continue
+        size = shard_elems(x.shape, spec, layout.mesh_sizes) * itemsize(x.dtype)
+        if "mu" in (getattr(k, "name", None) for k in path):
+            first += size
+        else:
+            second += size
+    return first, second
+
+
+def is_state_value(x) -> bool:
+    """A value of the optimizer state (a float moment, a quantized one's uint8 codes), not a step count."""
+    return jnp.issubdtype(x.dtype, jnp.floating) or x.dtype == jnp.uint8
 
 
 def scheduler_limit(device: dict[str, int], device_memory: int) -> float:
@@ -124,15 +159,34 @@ def update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dic
     benchmarks/constants.md, accounting)."""
     leaves = streamed_rest_elems(layout)
     largest = leaves[0] if leaves else 0
-    state = [largest * itemsize(d) for d in state_dtypes(prec)]
+    state = [int(largest * b) for b in state_elem_bytes(layout, prec)]
     # in pieces the new weights are written over the old ones, which stay live through the loop (optim.
     # _rest_in_chunks; explain shows them at the peak, with the gradients, a piece's state in and out and the
     # next piece's state prefetched: benchmarks/constants.md, accounting)
     weights = device["params"] if layout.rest_pieces else largest * itemsize(prec.param)
     peak = device["grads"] + weights + 2 * sum(state)
     limit = scheduler_limit(device, device_memory)
-    for copy in ([leaves[1] * itemsize(d) for d in state_dtypes(prec)] if len(leaves) > 1 else []):
+    for copy in ([int(leaves[1] * b) for b in state_elem_bytes(layout, prec)] if len(leaves) > 1 else []):
         if peak + copy > limit:
             break
         peak += copy
     return peak
+
+
+def quantized_layer_update_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int]) -> int:
+    """Device bytes at one decoder layer's update with block-quantized moments streamed from the host (state on
+    the host, update on the device): the non-layer weights and gradients still on the device, the buffer their
+    new values are written into a piece at a time (Layout.rest_pieces), and one layer's fetched codes and
+    weights, its new weights and the fp32 m and v its largest leaves are requantized from (two leaves in flight).
+    Read off `jaxmem explain` of configs/llama3-8b-1x4090-8bit.yaml (deviceless): the bf16 embedding and LM head
+    with their gradients and new buffers, then the layer's u8 codes, bf16 weights and two fp32 [4096, 14336]."""
+    _, layer_params = split_layers(layout.abstract_params)
+    _, layer_specs = split_layers(layout.opt_specs)
+    leaves = sorted((shard_elems(x.shape, sp, layout.mesh_sizes) // cfg.model.n_layers
+                     for x, sp in zip(jax.tree.leaves(layer_params), spec_leaves(layer_specs), strict=True)),
+                    reverse=True)
+    layer = sum(leaves)
+    fetched = layer * (sum(state_elem_bytes(layout, prec)) + 2 * itemsize(prec.param))
+    rest = device["params"] + device["grads"] + (device["params"] if layout.rest_pieces else 0)
+    return int(rest + fetched + 2 * leaves[0] * 4)
+

@@ -20,7 +20,8 @@ import orbax.checkpoint as ocp
 
 from jaxmem.config.schema import Config, ConfigError, config_hash
 from jaxmem.core import host_init
-from jaxmem.core.optim import schedule_steps
+from jaxmem.optim.hyper import schedule_steps
+from jaxmem.optim.kind import StateKind
 from jaxmem.core.plugins import FROZEN
 from jaxmem.core import checksum
 from jaxmem.io import hf
@@ -134,7 +135,7 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
     warmup, decay = schedule_steps(cfg)
     meta = {"step": int(step), "data_position": int(data_position), "batch_rows": int(batch_rows),
             "seed": cfg.train.seed, "data_kind": cfg.data.kind, "config_hash": math_hash(cfg),
-            "decay_steps": int(decay), "warmup_steps": int(warmup)}
+            "decay_steps": int(decay), "warmup_steps": int(warmup), OPTIMIZER_STATE: state_kind_id(cfg)}
     return meta
 
 
@@ -166,6 +167,26 @@ def _written_bytes(state: dict) -> int:
     """Bytes of `state` this process writes into a checkpoint, uncompressed (an upper bound of the files)."""
     return sum(shard.data.nbytes for leaf in jax.tree.leaves(state) if isinstance(leaf, jax.Array)
                for shard in leaf.addressable_shards if shard.replica_id == 0)
+OPTIMIZER_STATE = "optimizer_state"  # meta key: how the optimizer state is stored (state_kind_id)
+
+
+def state_kind_id(cfg: Config) -> str:
+    """'adamw/int8/2048', 'adamw/float32', 'adafactor/float32': the optimizer state's form in a checkpoint."""
+    kind = StateKind.from_config(cfg)
+    return "/".join([kind.name, kind.moment] + ([str(kind.block)] if kind.block else []))
+
+
+def check_state_kind(cfg: Config, meta: dict | None, where) -> None:
+    """A checkpoint whose optimizer state another form saved (another optimizer, quantized moments or another
+    block) is refused in one line; float32 and bfloat16 moments convert on restore, as any dtype does."""
+    saved = (meta or {}).get(OPTIMIZER_STATE)
+    mine = state_kind_id(cfg)
+    floats = {"adamw/float32", "adamw/bfloat16"}
+    if saved is None or saved == mine or {saved, mine} <= floats:
+        return
+    raise ConfigError(f"{where}: its optimizer state is {saved}, this run's {mine} (optimizer.name, "
+                      "precision.moment_dtype, precision.moment_block); resume with the settings that saved it, or "
+                      "use a new out_dir")
 
 
 class Checkpoints:
@@ -413,6 +434,7 @@ def restore_whole(prog, ckpts: "Checkpoints", step: int | None, required_meta: t
     program's `foreign_layouts`, which its features bring: a pipeline's) is read on the host and placed on the
     program's shardings."""
     meta = ckpts.meta(step) if step is not None else None
+    check_state_kind(prog.cfg, meta, ckpts.directory / str(step))
     other = next((layout for layout in prog.foreign_layouts if meta and layout.saved(meta)), None)
     if other is not None:
         return jax.device_put(other.read_whole(prog.cfg, ckpts, step, meta, required_meta),

@@ -13,8 +13,6 @@ not tied to the LM head, and the step is the plain one (no LoRA, layers on the d
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
 from types import SimpleNamespace
 
 import jax
@@ -25,20 +23,7 @@ from jaxmem.mesh import sharding
 from jaxmem.mesh.axes import activation_rules
 from jaxmem.model.transformer import Transformer
 from jaxmem.model.moe import is_moe
-
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["ids", "sums"], meta_fields=["vocab"])
-@dataclasses.dataclass(frozen=True)
-class RowGrad:
-    """Gradient of a [vocab, d] table: `sums[i]` is the summed gradient of row `ids[i]`; unused slots have the
-    id `vocab` (out of range) and zero sums."""
-    ids: jax.Array  # [n] int32, distinct
-    sums: jax.Array  # [n, d] fp32
-    vocab: int
-
-
-def is_rows(x) -> bool:
-    return isinstance(x, RowGrad)
+from jaxmem.optim.rows import RowGrad, dense, densify, is_rows, map_values  # noqa: F401 (the gradient's form)
 
 
 def applies(cfg, layout, prec) -> bool:
@@ -83,25 +68,6 @@ def from_rows(tokens, row_grads, vocab: int) -> RowGrad:
     uniq, inverse = jnp.unique(ids, size=ids.shape[0], fill_value=vocab, return_inverse=True)
     sums = jax.ops.segment_sum(rows, inverse.reshape(-1), num_segments=ids.shape[0])
     return RowGrad(uniq.astype(jnp.int32), sums, vocab)
-
-
-def dense(g: RowGrad, sharding=None) -> jax.Array:
-    zeros = jnp.zeros((g.vocab, g.sums.shape[-1]), g.sums.dtype)
-    space = jax.typeof(g.sums).memory_space  # the host, inside an update on the host
-    if jax.typeof(zeros).memory_space != space:
-        zeros = jax.device_put(zeros, space)
-    if sharding is not None:
-        zeros = jax.lax.with_sharding_constraint(zeros, sharding)
-    return zeros.at[g.ids].add(g.sums, mode="drop")
-
-
-def map_values(fn, tree):
-    """fn over the values of a gradient tree: a RowGrad's sums, every other leaf."""
-    return jax.tree.map(lambda x: dataclasses.replace(x, sums=fn(x.sums)) if is_rows(x) else fn(x), tree, is_leaf=is_rows)
-
-
-def densify(tree):
-    return jax.tree.map(lambda x: dense(x) if is_rows(x) else x, tree, is_leaf=is_rows)
 
 
 def grad_fn(prog, after_embed):

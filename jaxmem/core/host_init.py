@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.core.offload import DEVICE
-from jaxmem.core.optim import CHUNK_BYTES, chunking, put_layer, put_slice, take_layer
+from jaxmem.optim.layerwise import CHUNK_BYTES, chunking, put_layer, put_slice, take_layer
 from jaxmem.core.step_state import assemble_state
 from jaxmem.runtime.memory_kinds_shim import is_host
 from jaxmem.model.transformer import init_layer, init_model, layer_keys

@@ -22,7 +22,8 @@ from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
-from jaxmem.core.optim import rest_chunks, split_layers
+from jaxmem.optim.kind import StateKind
+from jaxmem.optim.layerwise import rest_chunks, split_layers
 from jaxmem.core.precision import Precision
 from jaxmem.io.data import batch_keys
 from jaxmem.model.seq_tiling import INSIDE_TILES, tile_count
@@ -61,6 +62,7 @@ class Layout:
     # feature the registry knows that the config leaves off.
     parts: dict = dataclasses.field(default_factory=dict)
     part_names: tuple = ()
+    optimizer: StateKind = StateKind("adamw", "float32", 0)  # the optimizer state the run keeps (optim.kind)
 
     def __getattr__(self, name: str):
         if name in ("parts", "part_names"):  # not set yet (copying, unpickling)
@@ -86,12 +88,13 @@ class Layout:
     @property
     def rest_pieces(self):
         """The non-layer leaves' pieces (optim.rest_chunks: per-leaf axes, count) where a streamed update moves
-        them a piece at a time (offload.StateHomes.rest_in_pieces), else None."""
-        if not self.homes.rest_in_pieces:
+        them a piece at a time (offload.StateHomes.rest_in_pieces), or where the device requantizes block-quantized
+        moments (its encode's temporaries are the leaf's size: the LM head's, a piece of it), else None."""
+        if not (self.homes.rest_in_pieces or (self.optimizer.quantized and not self.homes.update_on_host)):
             return None
         rest, _ = split_layers(self.abstract_params)
         rest_specs, _ = split_layers(self.opt_specs)
-        return rest_chunks(rest, spec_leaves(rest_specs), self.mesh_sizes)
+        return rest_chunks(rest, spec_leaves(rest_specs), self.mesh_sizes, kind=self.optimizer)
 
     @property
     def data_ways(self) -> int:
@@ -146,7 +149,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=homes.host_keys(), homes=homes, layer_param_elems=layer_param_count(cfg.model),
-        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]))
+        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]), optimizer=StateKind.from_config(cfg))
 
 
 def platform_of(devices) -> str:

@@ -63,7 +63,7 @@ class StateHomes:
     @property
     def rest_in_pieces(self) -> bool:
         """A streamed update moves the non-layer leaves' state (embedding, LM head) a piece at a time
-        (jaxmem.core.optim.rest_chunks) where the layers' weights live on the host too: its peak is then that
+        (jaxmem.optim.layerwise.rest_chunks) where the layers' weights live on the host too: its peak is then that
         state. With the layers on the device the peak is the backward's, and the pieces' loop kept the old
         embedding and LM head live through it: moved whole there (benchmarks/constants.md, offload)."""
         return self.update_streamed and self.params_on_host
@@ -149,7 +149,7 @@ def cast_for_grad(cfg: Config, params: dict, dtype) -> dict:
 
 
 def run_update(cfg: Config, update: Callable, grads, opt_state, weights, params, scale):
-    """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.core.optim.layerwise_update)
+    """Runs `update(grads, opt, weights, params, scale, fetch=, homes=)` (jaxmem.optim.layerwise.layerwise_update)
     where the config says: on the host (compat.host_compute), or on the device with each
     layer's slice of a host-resident state streamed in and its results streamed back."""
     opt_home = HOST if cfg.offload.optimizer == "host" else DEVICE

@@ -30,7 +30,12 @@ from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 from jaxmem.mesh import axes
 from jaxmem.mesh.axes import activation_rules
 from jaxmem.model.moe import ROUTER_METRICS, is_moe
-from jaxmem.core.optim import adam_count, layerwise_update, make_optimizer, opt_state_specs, schedule
+from jaxmem.optim.choice import make_optimizer
+from jaxmem.optim.hyper import schedule
+from jaxmem.optim import stochastic_round
+from jaxmem.optim.host_update import whole_update
+from jaxmem.optim.layerwise import adam_count, layerwise_update
+from jaxmem.optim.specs import layerwise_state_specs
 from jaxmem.core.plugins import FROZEN, Features, ProgramPlugin
 from jaxmem.core.precision import Precision, update_loss_scale
 from jaxmem.model.seq_tiling import per_token_tiles, tile_count
@@ -232,7 +237,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
 
     abstract = jax.eval_shape(lambda p: assemble_state(cfg, prec, opt, p), layout.abstract_params)
     specs = {"step": P(), "params": layout.param_specs}
-    specs["opt"] = opt_state_specs(opt, abstract["opt"], layout.opt_specs, P())
+    specs["opt"] = layerwise_state_specs(abstract["opt"], layout.abstract_params, layout.opt_specs, layout.mesh_sizes)
     if "master" in abstract:
         specs["master"] = layout.opt_specs
     if "loss_scale" in abstract:
@@ -427,18 +432,29 @@ def _gradients(prog: TrainProgram, grad_fn, rows_grad_fn, router_zero: dict, sta
     return grads, loss_sum, router
 
 
+def rounding_key(prog: TrainProgram, step):
+    """The stochastic-rounding key of optimizer step `step` (the train state's step before the update: the same
+    on a resume), or None where the update rounds to nearest (precision.stochastic_rounding off)."""
+    if not prog.precision.stochastic_rounding:
+        return None
+    return stochastic_round.step_key(prog.cfg.train.seed, step)
+
+
 def _updated_state(prog: TrainProgram, state: dict, grads, scale):
     """(the state after the optimizer update, the gradients' global norm, whether they were finite)."""
     cfg, prec = prog.cfg, prog.precision
     scaling = cfg.precision.loss_scale
     params = state["params"]
     weights = state["master"] if "master" in state else params
-    update = functools.partial(layerwise_update, prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
-                               param_dtype=prec.param, skip_nonfinite=scaling.enabled,
-                               rest_chunks=prog.layout.rest_pieces)
+    host_update = prog.layout.homes.update_on_host
+    common = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=prec.param, skip_nonfinite=scaling.enabled,
+                  round_key=rounding_key(prog, state["step"]))
+    if host_update:  # whole tensors (optim.host_update): the layer scan's copies are what XLA:CPU's update cost
+        update = functools.partial(whole_update, prog.optimizer, **common)
+    else:
+        update = functools.partial(layerwise_update, prog.optimizer, rest_chunks=prog.layout.rest_pieces, **common)
     # the old params are the buffer the new ones are written into, a layer at a time (an update on the host
     # makes its own, and reads the old ones only to skip a non-finite fp16 step)
-    host_update = cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"
     old_params = params if scaling.enabled or not host_update else None
     with jax.named_scope(UPDATE_SCOPE):
         new_params, new_opt, new_weights, (grad_norm, finite) = offload.run_update(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.core.optim import init_opt_state
+from jaxmem.optim.layerwise import init_opt_state
 from jaxmem.core.precision import Precision, init_loss_scale
 from jaxmem.config.schema import Config
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 import jax
 
 from jaxmem.config.schema import Config
-from jaxmem.core.accounting import (SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP, itemsize, shard_elems, state_dtypes,
+from jaxmem.core.accounting import (SCHEDULER_MEMORY_FRACTION, SCHEDULER_SLOP, itemsize, shard_elems, state_elem_bytes,
                                     state_elems, update_phase_bytes)
 from jaxmem.core.layout import Layout, spec_leaves
-from jaxmem.core.optim import split_layers
+from jaxmem.optim.layerwise import split_layers
 from jaxmem.core.precision import Precision
 
 
@@ -29,14 +29,14 @@ def in_backward_stream_bytes(cfg: Config, layout: Layout, prec: Precision, devic
     benchmarks/constants.md, inbackward)."""
     _, layer_params = split_layers(layout.abstract_params)
     _, layer_specs = split_layers(layout.opt_specs)
-    per_elem = sum(itemsize(d) for d in state_dtypes(prec))
+    per_elem = sum(state_elem_bytes(layout, prec))
     leaves = sorted((shard_elems(x.shape, s, layout.mesh_sizes) // cfg.model.n_layers
                      for x, s in zip(jax.tree.leaves(layer_params), spec_leaves(layer_specs), strict=True)),
                     reverse=True)
     peak = 2 * leaves[0] * per_elem
     if len(leaves) > 1 and peak + leaves[1] * per_elem <= SCHEDULER_MEMORY_FRACTION * device_memory * SCHEDULER_SLOP:
         peak += leaves[1] * per_elem
-    return peak
+    return int(peak)
 
 
 def _state(d) -> None:

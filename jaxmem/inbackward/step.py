@@ -40,13 +40,14 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.core.optim import apply_update, put_layer, split_layers, take_layer
+from jaxmem.optim import stochastic_round
+from jaxmem.optim.layerwise import adam_count, apply_update, layer_key, put_layer, split_layers, take_layer
 from jaxmem.core.plugins import ProgramPlugin
 from jaxmem.model.moe import is_moe
 from jaxmem.core.offload import DEVICE, HOST
 from jaxmem.core import offload
 from jaxmem.mesh import sharding
-from jaxmem.core.optim import adam_count, schedule
+from jaxmem.optim.hyper import schedule
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE, split_batch
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 
@@ -92,18 +93,35 @@ def layer_specs(stacked_specs):
     return jax.tree.map(lambda s: P(*tuple(s)[1:]), stacked_specs, is_leaf=lambda s: isinstance(s, P))
 
 
+# Bytes of a quantized moment's codes (jaxmem.optim.codes) ride the cotangents as a float of the same width,
+# bit for bit: no value is computed on them on the way.
+_CODE_FLOAT = jnp.float8_e4m3fn
+
+
 def ints_as_floats(tree):
-    """Integer leaves (Adam's step counts) as fp32: a cotangent of an integer input cannot carry a value."""
-    return jax.tree.map(lambda x: x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else x, tree)
+    """Integer leaves as floats: a cotangent of an integer input cannot carry a value. Step counts become fp32
+    (exact); uint8 codes of quantized moments are bitcast to an 8-bit float (no wider copy of the state)."""
+    def one(x):
+        if x.dtype == jnp.uint8:
+            return jax.lax.bitcast_convert_type(x, _CODE_FLOAT)
+        return x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.integer) else x
+
+    return jax.tree.map(one, tree)
 
 
 def floats_as_ints(tree, like):
-    return jax.tree.map(lambda x, t: x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x, tree, like)
+    """ints_as_floats undone, leaf by leaf in `like`'s dtypes."""
+    def one(x, t):
+        if t.dtype == jnp.uint8:
+            return jax.lax.bitcast_convert_type(x, jnp.uint8) if x.dtype != jnp.uint8 else x
+        return x.astype(t.dtype) if jnp.issubdtype(t.dtype, jnp.integer) else x
+
+    return jax.tree.map(one, tree, like)
 
 
 def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch=lambda t: t,
-              offload_inputs=False):
-    """scan_layers(body, h, stacked_params, state) -> h, with the update in the backward.
+              offload_inputs=False, rounds=False):
+    """scan_layers(body, h, stacked_params, state, opt_like, key_data) -> h, with the update in the backward.
 
     state = (weights or None, opt_state with `ints_as_floats`, clip_factor, squared_norm_seed); weights None
     means the params are the weights (no fp32 master). Each layer sees its params in `grad_dtype`, as the
@@ -111,8 +129,10 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
     `fetch(tree)` brings one layer's slice of weights and optimizer state to the device (host-resident
     stacks); the updated slice goes back into the stack's own memory space (`put_layer`). With
     `offload_inputs` (remat.preset=offload_layer_inputs) each layer's input is written to pinned host memory
-    as the forward makes it and fetched back when the backward rebuilds that layer."""
-    def update(dp, p, w, s, factor, like):
+    as the forward makes it and fetched back when the backward rebuilds that layer. With `rounds` (bf16 params
+    without a master) layer i rounds stochastically with layer_key(the key of `key_data`, i), as the plain
+    step's update does."""
+    def update(dp, p, w, s, factor, like, key):
         """like = (one layer's weights, one layer's optimizer state), abstract: the trees the optimizer knows
         (the model hands the layer as an nnx.State)."""
         w_like, s_like = like
@@ -121,13 +141,13 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
         sq = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g))
         g = jax.tree.map(lambda x: x * factor, _restructure(g, w_like))
         weights = _restructure(p, w_like) if w is None else w
-        new_p, new_s, new_w = apply_update(opt, g, floats_as_ints(s, s_like), weights, param_dtype)
+        new_p, new_s, new_w = apply_update(opt, g, floats_as_ints(s, s_like), weights, param_dtype, key)
         return _restructure(new_p, p), (None if w is None else new_w), ints_as_floats(new_s), sq
 
     cast = lambda p: jax.tree.map(lambda x: x.astype(grad_dtype), p)  # noqa: E731
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-    def stack(body, opt_like, h, params, state, consts):
+    def stack(body, opt_like, h, params, state, consts, key_data):
         return _forward(body, h, params, consts)[0]
 
     def _forward(body, h, params, consts):
@@ -136,13 +156,14 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
 
         return jax.lax.scan(step, h, params)
 
-    def stack_fwd(body, opt_like, h, params, state, consts):
+    def stack_fwd(body, opt_like, h, params, state, consts, key_data):
         y, inputs = _forward(body, h, params, consts)
-        return y, (inputs, params, state, consts)
+        return y, (inputs, params, state, consts, key_data)
 
     def stack_bwd(body, opt_like, res, dy):
-        inputs, params, (weights, opt_state, factor, _), consts = res
+        inputs, params, (weights, opt_state, factor, _), consts, key_data = res
         n = jax.tree.leaves(params)[0].shape[0]
+        round_key = jax.random.wrap_key_data(key_data) if rounds else None
 
         def layer(carry, i):
             dh, params_all, weights_all, opt_all, sq = carry
@@ -152,20 +173,21 @@ def make_scan(opt, *, param_dtype, grad_dtype, constrain_grad=lambda g: g, fetch
             _, vjp = jax.vjp(lambda x, p32: body(x, p32, *consts), x, cast(p))
             dx, dp = vjp(dh)
             w = None if weights_all is None else take_layer(weights_all, i)
-            new_p, new_w, new_s, sq_i = update(dp, p, w, take_layer(opt_all, i), factor, opt_like.value)
+            new_p, new_w, new_s, sq_i = update(dp, p, w, take_layer(opt_all, i), factor, opt_like.value,
+                                               layer_key(round_key, i))
             weights_all = None if weights_all is None else put_layer(weights_all, new_w, i)
             return (dx, put_layer(params_all, new_p, i), weights_all, put_layer(opt_all, new_s, i), sq + sq_i), None
 
         init = (dy, params, weights, opt_state, jnp.float32(0.0))
         (dx, new_params, new_weights, new_opt, sq), _ = jax.lax.scan(layer, init, jnp.arange(n - 1, -1, -1))
         state_ct = (new_weights, new_opt, jnp.zeros_like(factor), sq)
-        return dx, new_params, state_ct, jax.tree.map(_zero_cotangent, consts)
+        return dx, new_params, state_ct, jax.tree.map(_zero_cotangent, consts), _zero_cotangent(key_data)
 
     stack.defvjp(stack_fwd, stack_bwd)
 
-    def scan_layers(body, h, stacked, state, opt_like):
+    def scan_layers(body, h, stacked, state, opt_like, key_data):
         closed, consts = jax.closure_convert(body, h, cast(take_layer(stacked, 0)))
-        return stack(closed, _Static(opt_like), h, stacked, state, tuple(consts))
+        return stack(closed, _Static(opt_like), h, stacked, state, tuple(consts), key_data)
 
     return scan_layers
 
@@ -186,7 +208,7 @@ def make_step(prog, loss_sum_fn):
     fetch = offload.to_device if prog.layout.homes.optimizer_on_host else (lambda t: t)
     scan = make_scan(prog.optimizer, param_dtype=prec.param, grad_dtype=prec.grad_reduce,
                      constrain_grad=constrain_grad, fetch=fetch,
-                     offload_inputs=cfg.remat.preset == "offload_layer_inputs")
+                     offload_inputs=cfg.remat.preset == "offload_layer_inputs", rounds=prec.stochastic_rounding)
     lr_at = schedule(cfg)
 
     def step(state, batch):
@@ -196,7 +218,9 @@ def make_step(prog, loss_sum_fn):
         n_valid = jnp.maximum(jnp.sum(micro[1] != IGNORE_INDEX), 1).astype(jnp.float32)
         params, master = state["params"], state.get("master")
         factor = clip_factor(state["grad_norm"], cfg.optimizer.clip_norm)
-        loss = _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state)
+        round_key = stochastic_round.step_key(cfg.train.seed, state["step"]) if prec.stochastic_rounding else None
+        key_data = jnp.zeros((0,), jnp.uint32) if round_key is None else jax.random.key_data(round_key)
+        loss = _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state, key_data)
         rest = jax.tree.map(lambda x: x.astype(prec.grad_reduce), split_layers(params)[0])
         with jax.named_scope(GRADS_SCOPE):
             grads, (loss_sum, router) = jax.grad(loss, argnums=(0, 1, 2, 3, 4), has_aux=True)(
@@ -204,7 +228,7 @@ def make_step(prog, loss_sum_fn):
                 ints_as_floats(_counts_to_device(state["opt"]["layers"])), jnp.float32(0.0))
         g_rest, new_layer_params, new_layer_weights, new_layer_opt, sq_layers = grads
         with jax.named_scope(UPDATE_SCOPE):
-            new_p, new_s, new_w, sq_rest = _update_rest(prog, state, g_rest, factor, fetch)
+            new_p, new_s, new_w, sq_rest = _update_rest(prog, state, g_rest, factor, fetch, round_key)
         grad_norm = jnp.sqrt(sq_rest + sq_layers)
         layer_opt = state["opt"]["layers"]
         new_opt = {"rest": new_s, "layers": _home(floats_as_ints(new_layer_opt, layer_opt), layer_opt)}
@@ -230,7 +254,7 @@ def _home(tree, like):
     return jax.tree.map(lambda x, h: jax.device_put(x, jax.typeof(h).memory_space), tree, like)
 
 
-def _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state):
+def _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state, key_data):
     """loss(rest, layers, layer weights, layer optimizer state, squared-norm seed) -> (loss share, (loss sum,
     router statistics)): the program's loss with the layer scan that updates each layer in the backward; a
     mixture of experts adds its router losses weighted like the plain step's (jaxmem.core.program)."""
@@ -243,7 +267,7 @@ def _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state):
     def loss(rest, layers, layer_weights, layer_opt, sq_seed):
         layer_state = (layer_weights, layer_opt, factor, sq_seed)
         ctx = dataclasses.replace(prog.ctx, scan_layers=lambda body, h, stacked: scan(
-            body, h, stacked, layer_state, opt_like))
+            body, h, stacked, layer_state, opt_like, key_data))
         out = loss_sum_fn(prog, ctx)(dict(rest, layers=layers), *micro, router_losses=routed)
         if not routed:
             return out[0] / n_valid, (out[0], {})
@@ -255,16 +279,17 @@ def _loss_fn(prog, loss_sum_fn, scan, micro, n_valid, factor, state):
     return loss
 
 
-def _update_rest(prog, state, g_rest, factor, fetch):
+def _update_rest(prog, state, g_rest, factor, fetch, round_key):
     """The embedding, final norm and LM head updated after the backward: (new params, new optimizer state,
-    new master, their gradients' squared norm)."""
+    new master, their gradients' squared norm); rounded with the key the plain update gives them."""
     rest_shardings, _ = split_layers(sharding.named(prog.mesh, prog.grad_specs))
     g_rest = jax.lax.with_sharding_constraint(jax.tree.map(lambda x: x.astype(jnp.float32), g_rest), rest_shardings)
     sq_rest = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(g_rest))
     w_rest, _ = split_layers(state.get("master") or state["params"])
     s_rest = state["opt"]["rest"]
+    n_layers = prog.cfg.model.n_layers
     new_p, new_s, new_w = apply_update(prog.optimizer, jax.tree.map(lambda x: x * factor, g_rest), fetch(s_rest),
-                                       fetch(w_rest), prog.precision.param)
+                                       fetch(w_rest), prog.precision.param, layer_key(round_key, n_layers))
     return new_p, _home(new_s, s_rest), _home(new_w, w_rest), sq_rest
 
 

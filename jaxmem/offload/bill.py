@@ -6,8 +6,8 @@ import numpy as np
 
 from jaxmem.config.names import CheckpointName as CN
 from jaxmem.config.schema import Config
-from jaxmem.core.accounting import (head_grad_itemsize, itemsize, scheduler_limit, state_bytes, state_dtypes,
-                                    streamed_rest_elems, update_phase_bytes)
+from jaxmem.core.accounting import (head_grad_itemsize, quantized_layer_update_bytes, scheduler_limit, state_bytes,
+                                    state_elem_bytes, streamed_rest_elems, update_phase_bytes)
 from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
 
@@ -29,7 +29,7 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
     layer weights live at the device peak in the MLP backward; benchmarks/constants.md, offload)."""
     largest = next(iter(streamed_rest_elems(layout)), 0)
     new_layers = state_bytes(layout, layout.param_specs, prec.param, part="layers")
-    prefetch = largest * sum(itemsize(d) for d in state_dtypes(prec)) + new_layers
+    prefetch = int(largest * sum(state_elem_bytes(layout, prec))) + new_layers
     phase = sum(device.values())  # an upper bound of the backward's own peak
     return prefetch if phase + prefetch <= scheduler_limit(device, device_memory) else 0
 
@@ -77,6 +77,8 @@ def _update(d) -> None:
     streamed = layout.homes.update_streamed and not d.update_in_layers
     if streamed:
         d.update_phase = update_phase_bytes(d.cfg, layout, d.prec, d.device, d.memory)
+    if streamed and layout.optimizer.quantized:  # the layers' requantizing can be the larger phase
+        d.update_phase = max(d.update_phase, quantized_layer_update_bytes(d.cfg, layout, d.prec, d.device))
     if streamed and "params" not in layout.host_state:
         d.device["temporaries"] += update_prefetch_bytes(d.cfg, layout, d.prec, d.device, d.memory)
 

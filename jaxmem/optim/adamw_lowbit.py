@@ -3,8 +3,8 @@
 Each step dequantizes m and v, runs optax's own Adam moment and bias-correction arithmetic in fp32, takes the
 update from those fp32 values, and requantizes them for storage: one jittable function that XLA fuses per
 tensor. So a step's update is the fp32 update of the stored moments; the quantization error enters only
-through what is stored for the next step. Tensors with fewer than `threshold` values keep fp32 moments (norms,
-biases: few bytes, and the most sensitive to rounding), as bitsandbytes does.
+through what is stored for the next step. Vectors (norms, biases: few bytes, and the most sensitive to
+rounding) and tensors with fewer than `threshold` values keep fp32 moments (jaxmem.optim.kind.quantizes).
 
 The state is an `optax.ScaleByAdamState` whose mu and nu leaves are `codes.QTensor`s (or fp32 arrays), so
 code that looks for Adam's count keeps working, and the state vmaps over a layer stack like optax's.
@@ -16,28 +16,29 @@ import jax.numpy as jnp
 import optax
 
 from jaxmem.config.schema import Config
-from jaxmem.core.optim import _decay_mask, schedule
+from jaxmem.optim.hyper import decay_mask, schedule
 from jaxmem.optim import codes
+from jaxmem.optim.kind import DEFAULT_BLOCK, THRESHOLD, quantizes
 
-# (code of m, code of v) per bit width, and the default block length along the last dim.
+# (code of m, code of v) per bit width.
 MOMENT_CODES = {8: ("dynamic8_signed", "dynamic8_unsigned"), 4: ("dynamic4_signed", "linear_square4")}
-DEFAULT_BLOCK = {8: 2048, 4: 128}
-# Tensors with fewer values than this keep fp32 moments (bitsandbytes' min_8bit_size).
-THRESHOLD = 4096
+# The default block length along the last dim, and tensors with fewer values than THRESHOLD keep fp32 moments
+# (bitsandbytes' min_8bit_size): jaxmem.optim.kind's.
 
 
 def scale_by_adam_lowbit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
                          bits: int = 8, block: int | None = None, threshold: int = THRESHOLD
                          ) -> optax.GradientTransformation:
     """`optax.scale_by_adam` with m and v stored in `bits` (8 or 4) bits, blocks of `block` values (default
-    2048 for 8 bits, 128 for 4) along each tensor's last dim; tensors under `threshold` values stay fp32."""
+    2048 for 8 bits, 128 for 4) along each tensor's last dim; vectors and tensors under `threshold` values stay
+    fp32 (kind.quantizes)."""
     if bits not in MOMENT_CODES:
         raise ValueError(f"scale_by_adam_lowbit: bits must be one of {sorted(MOMENT_CODES)}, got {bits}")
     m_code, v_code = MOMENT_CODES[bits]
     block = block or DEFAULT_BLOCK[bits]
 
     def stored_zeros(p, code):
-        if p.ndim == 0 or p.size < threshold:
+        if not quantizes(p.shape, threshold):
             return jnp.zeros(p.shape, jnp.float32)
         return codes.zeros(p.shape, code, block)
 
@@ -76,9 +77,9 @@ def stored_like(old, new):
 
 def make_lowbit_adamw(cfg: Config, bits: int, *, block: int | None = None, threshold: int = THRESHOLD
                       ) -> optax.GradientTransformation:
-    """`jaxmem.core.optim.make_optimizer`'s AdamW (its schedule, betas, eps, decoupled weight decay without
+    """`jaxmem.optim.choice.make_optimizer`'s AdamW (its schedule, betas, eps, decoupled weight decay without
     norms and biases) with m and v in `bits` bits; the chain and its state's layout are optax.adamw's."""
     o = cfg.optimizer
     return optax.chain(scale_by_adam_lowbit(o.b1, o.b2, o.eps, bits=bits, block=block, threshold=threshold),
-                       optax.add_decayed_weights(o.weight_decay, _decay_mask),
+                       optax.add_decayed_weights(o.weight_decay, decay_mask),
                        optax.scale_by_learning_rate(schedule(cfg)))

@@ -162,12 +162,17 @@ def _constant(values: np.ndarray, like: jax.Array) -> jax.Array:
 
 
 def _encode(code: Code, y: jax.Array) -> jax.Array:
-    """Index of the nearest code value to each normalized y: the number of midpoints at or below y, found by
-    a binary search unrolled over the bits (no constant is broadcast, so host values stay on the host)."""
+    """Index of the nearest code value to each normalized y: the number of midpoints at or below y. On the
+    device every midpoint is compared and the hits summed, one fused reduction that writes only the index (the
+    binary search's gathers left each step's comparisons and indices as tensor-sized temporaries of the update);
+    on the host, where those cost host RAM and the extra comparisons cost time, a binary search unrolled over
+    the bits (no constant is broadcast, so host values stay on the host)."""
     if code.sqrt_linear:
         k = jnp.round(jnp.sqrt(jnp.maximum(y, 0.0)) * 16.0)
         return (jnp.clip(k, 1, 16) - 1).astype(jnp.uint8)
     midpoints = _constant(code.midpoints, y)
+    if jax.typeof(y).memory_space != jax.memory.Space.Host:
+        return jnp.sum(y[..., None] >= midpoints, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
     step = 2 ** (code.bits - 1)
     idx = (y >= midpoints[step - 1]).astype(jnp.int32) * step
     while step > 1:

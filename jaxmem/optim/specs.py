@@ -77,8 +77,8 @@ def state_specs(abstract_state, abstract_params, param_specs, mesh_sizes: dict, 
 
 def layerwise_state_specs(abstract_opt: dict, abstract_weights: dict, weight_specs: dict, mesh_sizes: dict,
                           non_param_spec=P()) -> dict:
-    """`state_specs` of the layer-wise state {"rest": ..., "layers": ...} (jaxmem.core.optim.init_opt_state)
-    of `abstract_weights` (the layer stack stacked along dim 0), like jaxmem.core.optim.opt_state_specs."""
+    """`state_specs` of the layer-wise state {"rest": ..., "layers": ...} (jaxmem.optim.layerwise.init_opt_state)
+    of `abstract_weights` (the layer stack stacked along dim 0)."""
     def part(tree, key):
         return tree[key] if key == "layers" else {k: v for k, v in tree.items() if k != "layers"}
 

@@ -19,6 +19,9 @@ def to_bf16(x: jax.Array, key: jax.Array) -> jax.Array:
     """x (fp32) stochastically rounded to bf16; NaN stays NaN, inf stays inf."""
     x = x.astype(jnp.float32)
     noise = jax.random.bits(key, x.shape, jnp.uint16).astype(jnp.uint32)
+    space = jax.typeof(x).memory_space  # the host, in an update under host compute
+    if jax.typeof(noise).memory_space != space:
+        noise = jax.device_put(noise, space)
     bits = jax.lax.bitcast_convert_type(x, jnp.uint32)
     rounded = jax.lax.bitcast_convert_type((bits + noise) & jnp.uint32(0xFFFF0000), jnp.float32)
     return jnp.where(jnp.isfinite(x), rounded, x).astype(jnp.bfloat16)

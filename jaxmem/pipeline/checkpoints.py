@@ -13,9 +13,10 @@ from flax import nnx
 from jax.sharding import SingleDeviceSharding
 
 from jaxmem.model import abstract_model
-from jaxmem.core.optim import make_optimizer
+from jaxmem.optim.choice import make_optimizer
 from jaxmem.pipeline import partition
 from jaxmem.pipeline.stage_store import STAGES
+from jaxmem.core.checkpoint import check_state_kind
 from jaxmem.core.precision import Precision
 from jaxmem.core.step_state import assemble_state
 from jaxmem.config.schema import Config
@@ -68,6 +69,7 @@ def read_whole(cfg: Config, ckpts, step: int, meta: dict, required_meta=()) -> d
 def restore_pipeline(prog, ckpts, step: int, required_meta=()) -> tuple[dict, dict]:
     """(state, meta) of a pipeline run from any run's checkpoint."""
     meta = ckpts.meta(step)
+    check_state_kind(prog.cfg, meta, ckpts.directory / str(step))
     if meta.get(PP_META) == list(prog.counts):
         return ckpts.restore(prog.abstract_state, step, required_meta, item=STAGES)
     return prog.state_from_whole(read_whole(prog.cfg, ckpts, step, meta, required_meta)), meta

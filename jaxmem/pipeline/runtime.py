@@ -20,7 +20,8 @@ from jaxmem.mesh import sharding
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout
 from jaxmem.model import init_model
-from jaxmem.core.optim import adam_count, schedule as lr_schedule
+from jaxmem.optim.hyper import schedule as lr_schedule
+from jaxmem.optim.layerwise import adam_count
 from jaxmem.pipeline import partition, schedule as schedules
 from jaxmem.pipeline.checkpoints import PP_META, on_cpu_host, restore_pipeline
 from jaxmem.pipeline.stage_store import STAGES

@@ -26,8 +26,9 @@ from jaxmem.core import offload
 from jaxmem.mesh import sharding
 from jaxmem.model.layers import ACT_BTD
 from jaxmem.model.moe import expert_count
-from jaxmem.core.optim import layerwise_update
-from jaxmem.core.program import TrainProgram, build_program, stage_fn
+from jaxmem.optim.host_update import whole_update
+from jaxmem.optim.layerwise import layerwise_update
+from jaxmem.core.program import TrainProgram, build_program, rounding_key, stage_fn
 from jaxmem.config.schema import Config
 
 
@@ -148,8 +149,14 @@ class Stage:
         prec, cfg = self.prog.precision, self.cfg
         state = offload.mark_host_entries(cfg, state)
         weights = state["master"] if "master" in state else state["params"]
-        update = functools.partial(layerwise_update, self.prog.optimizer, clip_norm=cfg.optimizer.clip_norm,
-                                   param_dtype=prec.param, skip_nonfinite=False, norm=norm)
+        # the stage's index folded in: each stage's layers round with bits of their own
+        key = rounding_key(self.prog, state["step"])
+        common = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=prec.param, skip_nonfinite=False, norm=norm,
+                      round_key=None if key is None else jax.random.fold_in(key, self.index))
+        if self.prog.layout.homes.update_on_host:  # whole tensors, as the one-program step (core.program)
+            update = functools.partial(whole_update, self.prog.optimizer, **common)
+        else:
+            update = functools.partial(layerwise_update, self.prog.optimizer, **common)
         new_params, new_opt, new_weights, _ = offload.run_update(cfg, update, grads, state["opt"], weights, None,
                                                                  jnp.float32(1.0))
         new_params = offload.constrain_device_part(cfg, new_params, self.prog.state_shardings["params"])

@@ -16,8 +16,8 @@ import numpy as np
 from jaxmem import features as registry
 from jaxmem import kernels
 from jaxmem.config.schema import Config
-from jaxmem.core.accounting import (frozen_bytes, head_grad_itemsize, itemsize, model_elems, plain_grad_bytes,
-                                    state_bytes, state_elems)
+from jaxmem.core.accounting import (abstract_train_state, frozen_bytes, head_grad_itemsize, itemsize, model_elems,
+                                    opt_state_bytes, plain_grad_bytes, state_bytes, state_elems)
 from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
@@ -187,13 +187,14 @@ def _shapes(d: Draft) -> None:
 
 def _state(d: Draft) -> None:
     cfg, layout, prec = d.cfg, d.layout, d.prec
-    moment = state_bytes(layout, layout.opt_specs, prec.moment)
+    state = abstract_train_state(cfg, layout, prec)
+    opt_m, opt_v = opt_state_bytes(layout, state)  # the moments as the optimizer stores them (optim.kind)
     accum, rows = layout.grad_accum, layout.rows
     d.device.update(
         params=state_bytes(layout, layout.param_specs, prec.param), base=frozen_bytes(layout),
         grads=plain_grad_bytes(cfg, layout, prec),  # cast to fp32 on use
-        master=state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0, opt_m=moment, opt_v=moment,
-        inputs=accum * (rows // layout.data_ways) * parts.batch_row_elems(cfg) * 4 + parts.counter_bytes(cfg, layout))
+        master=state_bytes(layout, layout.opt_specs, np.float32) if prec.master else 0, opt_m=opt_m, opt_v=opt_v,
+        inputs=accum * (rows // layout.data_ways) * parts.batch_row_elems(cfg) * 4 + parts.counter_bytes(state))
 
 
 def _activations(d: Draft) -> None:

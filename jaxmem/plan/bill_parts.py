@@ -5,21 +5,18 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 
 from jaxmem import kernels
 from jaxmem.config.names import CheckpointName as CN
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad
-from jaxmem.core.accounting import itemsize, plain_grad_bytes, rest_leaf_elems
+from jaxmem.core.accounting import is_state_value, itemsize, plain_grad_bytes, rest_leaf_elems
 from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
 from jaxmem.model.layers import ACT_BTD, ACT_BTF, ACT_BTNH
 from jaxmem.model.seq_tiling import INSIDE_TILES, tile_count
 from jaxmem.config.targets import TARGETS
 from jaxmem.io.data import batch_keys
-from jaxmem.core.optim import make_optimizer
-from jaxmem.core.step_state import assemble_state
 
 _BTD = (CN.LAYER_INPUT, CN.ATTN_NORM, CN.ATTN_OUT, CN.MLP_NORM, CN.MLP_OUT)
 _BTF = (CN.MLP_GATE, CN.MLP_UP, CN.MLP_ACT)
@@ -112,7 +109,7 @@ def logits_bytes(cfg: Config, layout: Layout) -> int:
 
 
 def plain_update_phase_bytes(cfg: Config, layout: Layout, prec: Precision, device: dict[str, int]) -> int:
-    """Device bytes at the peak of the default update, state on the device (jaxmem.core.optim.layerwise_update):
+    """Device bytes at the peak of the default update, state on the device (jaxmem.optim.layerwise.layerwise_update):
     the layers are updated in place one at a time (one layer's fp32 temporaries, under the backward's peak),
     then the embedding, final norm and LM head, once the layers' gradients are dead: at the largest leaf's
     update the device holds the resident state, the non-layer gradients, that leaf's gradient widened to
@@ -140,11 +137,9 @@ def batch_row_elems(cfg: Config) -> int:
     return cfg.train.seq_len + 1 if keys == ("tokens",) else len(keys) * cfg.train.seq_len
 
 
-def counter_bytes(cfg: Config, layout: Layout) -> int:
+def counter_bytes(state: dict) -> int:
     """Replicated bookkeeping in the train state (step, optimizer counters, loss scale), read off the
-    program's own state layout so it follows jaxmem.core.program."""
-    prec = Precision.from_config(cfg.precision)
-    state = jax.eval_shape(lambda p: assemble_state(cfg, prec, make_optimizer(cfg), p), layout.abstract_params)
+    program's own state layout (jaxmem.core.accounting.abstract_train_state) so it follows jaxmem.core.program."""
     small = [x for k, x in state.items() if k not in ("params", "master", "opt")]
-    small += [x for x in jax.tree.leaves(state["opt"]) if not jnp.issubdtype(x.dtype, jnp.floating)]
+    small += [x for x in jax.tree.leaves(state["opt"]) if not is_state_value(x)]
     return sum(math.prod(x.shape) * itemsize(x.dtype) for x in jax.tree.leaves(small))

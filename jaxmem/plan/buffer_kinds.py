@@ -9,7 +9,7 @@ import jaxmem.kernels
 import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
-import jaxmem.core.optim
+import jaxmem.optim
 from jaxmem import features as registry
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
@@ -26,7 +26,7 @@ from jaxmem.core.remat import group_size
 CATEGORIES = EXPLAIN_CATEGORIES
 # Where per-layer values are computed (the scan call in transformer.py only owns the stacking).
 _LAYER_CODE = tuple(module_path(m) for m in (jaxmem.model.layers, jaxmem.model.rope, jaxmem.kernels))
-_OPTIM_CODE = (module_path(jaxmem.core.optim),)  # the optimizer update
+_OPTIM_CODE = (module_path(jaxmem.optim),)  # the optimizer update
 _LOSS_CODE = (module_path(jaxmem.kernels.cross_entropy),)
 
 
@@ -80,6 +80,25 @@ def _state_path(op_name: str) -> str:
     keys = re.findall(r"\['([^']+)'\]", op_name)[1:]
     keys = [k for k in keys if k not in ("rest",)]
     return ("layers." if "layers" in keys[:-1] else "") + keys[-1] if keys else op_name
+
+
+# What an optimizer-state leaf holds, by the field names on its path (optax's states, jaxmem.optim.codes.QTensor).
+_MOMENTS = {".mu": "m", ".nu": "v", ".v_row": "v row factors", ".v_col": "v column factors", ".v": "v"}
+
+
+def state_leaf_words(cfg: Config, path: str) -> str:
+    """"m codes (int8) of layers.w_up" for the train-state path of an optimizer-state argument
+    (state['opt']['layers'][0].mu['w_up'].codes), "fp32 master of embed" for a master weight."""
+    param = _state_path(path)
+    if path.startswith("state['master']"):
+        return f"fp32 master of {param}"
+    moment = next((word for field, word in _MOMENTS.items() if re.search(re.escape(field) + r"(\[|\.|$)", path)),
+                  "state")
+    if path.endswith(".codes"):
+        return f"{moment} codes ({cfg.precision.moment_dtype}) of {param}"
+    if path.endswith(".scales"):
+        return f"{moment} block scales (fp32) of {param}"
+    return f"{moment} of {param}"
 
 
 def state_shapes(cfg: Config, module: hlo_dump.HloModuleText | None = None) -> StateShapes:
@@ -472,8 +491,10 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     if owner.opcode == "parameter" and owner.computation == module.entry:  # the step's arguments
         path = owner.op_name
         cat = next((c for prefix, c in _STATE_CATEGORY if path.startswith(prefix)), "temp")
+        what = "input" if not path.startswith("state[") else "train state" + (
+            f": {state_leaf_words(cfg, path)}" if cat == "optimizer" else "")
         return _entry(name + index, size, shape, dtype, cat, cat, None, path or owner.name, path,
-                      f"argument of the step ({'train state' if path.startswith('state[') else 'input'}){host}")
+                      f"argument of the step ({what}){host}")
     b = _facts(cfg, module, ins, owned, state, shape)
     rules, refiners = rules_for(cfg)
     cat, key, why = next(found for found in (rule(b) for rule in rules) if found)

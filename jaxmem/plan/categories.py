@@ -62,14 +62,17 @@ SUGGESTIONS = {
     "scores": "S x S attention scores: use a flash kernel (kernels.attention=pallas) or a remat policy that "
               "does not save dots (remat.preset=full or selective)",
     "param": "parameters: shard them (parallel.zero_stage=3 with a larger fsdp axis) or offload.params=host",
-    "optimizer": "optimizer state: offload.optimizer=host, or precision.moment_dtype=bfloat16",
+    "optimizer": "optimizer state: offload.optimizer=host, or precision.moment_dtype=bfloat16 / int8 / int4 (int8 "
+                 "quarters the moments, lossy: docs/optimizers.md), or precision.master_weights=false",
     "optimizer_temp": "optimizer update temporary (AdamW math, or a new copy of the state or params before it "
                       "replaces the old): offload.optimizer=host with offload.optimizer_update=host runs the "
-                      "update off the GPU; precision.moment_dtype=bfloat16 halves the moments",
+                      "update off the GPU; precision.moment_dtype=bfloat16 halves the moments, int8 quarters "
+                      "them (docs/optimizers.md)",
     "optimizer_fetch": "optimizer state streamed from pinned host memory for the update (offload.optimizer=host, "
                        "optimizer_update=device): XLA brings leaves forward while they fit under its scheduler "
                        "limit; optimizer.update_in_backward streams one layer's at a time; "
-                       "precision.moment_dtype=bfloat16 halves the moments",
+                       "precision.moment_dtype=bfloat16 halves the moments, int8 quarters them "
+                       "(docs/optimizers.md)",
     "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
                   "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
                   "a larger fsdp axis) shrinks it",

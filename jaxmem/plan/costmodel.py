@@ -17,7 +17,7 @@ achieved rate:
 Collectives and host transfers that run inside the forward/backward (FSDP gathers, fetched host weights,
 offloaded layer inputs) overlap with compute (step = max of them); the optimizer state streamed through
 the device when it lives on the host (update on device) moves after the backward, serially, and adds; an
-update run on the host (offload.optimizer_update=host) adds its CPU time, HOST_UPDATE_SECONDS_PER_PARAM.
+update run on the host (offload.optimizer_update=host) adds its CPU time, HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT.
 Host bytes are counted as they cross the link: master, m and v in AND out, grads, fetched weights.
 
 Fitting (benchmarks/calibration/h100_measured.json, benchmarks/costmodel.md): the per-kernel
@@ -46,6 +46,7 @@ from jaxmem.kernels.attention.pallas import score_pairs
 from jaxmem.kernels import loss_blocks
 from jaxmem.kernels.cross_entropy.chunked import tiles
 from jaxmem.core.accounting import state_elems as _state_elems
+from jaxmem.optim.kind import StateKind
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
 # work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
@@ -97,11 +98,25 @@ def grouped_matmul_efficiency(kernel: str, rows_per_expert: float, d: int, f: in
 # against one measured offload step (benchmarks/constants.md, costmodel).
 HOST_LINK_EFFICIENCY = 1.0
 
-# AdamW on the host CPU (XLA:CPU under compute_on) per trained parameter, serial after the backward: the step
-# time one measured run added over the model without this term, over its parameters (benchmarks/bench_h200/
-# run7; benchmarks/constants.md, costmodel). A host CPU of other cores or memory bandwidth runs at another
-# rate; the figure is the one measured host's.
-HOST_UPDATE_SECONDS_PER_PARAM = 12.71 / 2_351_776_512
+# The optimizer update on the host CPU (offload.optimizer_update=host: jaxmem.optim.host_update.whole_update under
+# XLA host compute), serial after the backward, per trained parameter, by how AdamW keeps its moments. Estimated
+# from the update alone measured on one GPU machine's host CPU (scripts/bench_host_update.py --platform cuda;
+# benchmarks/host_update_gpu_host.md, benchmarks/constants.md); another host's cores and memory bandwidth give
+# another rate. Adafactor (no first moment, factored second) is priced as fp32 AdamW.
+HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {"float32": 2.65e-9, "bfloat16": 2.65e-9, "int8": 4.9e-9, "int4": 4.9e-9}
+HOST_UPDATE_SECONDS_PER_PARAM = HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT["float32"]
+# The layer-scan update the whole one replaced (jaxmem.optim.layerwise.layerwise_update under host compute): the
+# step time one measured run added over the model without this term, over its parameters (benchmarks/bench_h200/
+# run7; benchmarks/constants.md, costmodel). The cost model prices the cases measured with it
+# (benchmarks/calibration: "host_update": "layer_scan") at this rate.
+LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM = 12.71 / 2_351_776_512
+
+
+def host_update_seconds_per_param(kind: StateKind) -> float:
+    """The host update's estimated seconds per trained parameter for this optimizer state (fp32 for Adafactor)."""
+    moment = kind.moment if kind.name == "adamw" else "float32"
+    return HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT[moment]
+
 
 # One layer's forward as a graph: value -> (producer, its inputs). Recompute walks it back to saved values.
 _GRAPH = {
@@ -163,7 +178,7 @@ class Cost:
                             "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
                                                                 in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
-                            "host_update_seconds_per_param": HOST_UPDATE_SECONDS_PER_PARAM,
+                            "host_update_seconds_per_param": dict(HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT),
                             "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
 
@@ -308,8 +323,10 @@ def _expert_efficiency(cfg: Config, bill: Bill, kernel: str) -> float:
                                      bill_moe.expert_width(cfg))
 
 
-def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int) -> dict:
-    """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device)."""
+def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int,
+                   host_update_rate: float | None = None) -> dict:
+    """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device). `host_update_rate`:
+    seconds per parameter of an update on the host (default: host_update_seconds_per_param of the state)."""
     seq = cfg.train.seq_len
     tokens = grad_accum * rows * seq
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
@@ -328,7 +345,8 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     overlapped, serial = _host_link_bytes(cfg, bill, grad_accum)
     link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
     homes = bill.layout.homes
-    host_update_s = _opt_elems(bill) * HOST_UPDATE_SECONDS_PER_PARAM if homes.update_on_host else 0.0
+    rate = host_update_seconds_per_param(bill.layout.optimizer) if host_update_rate is None else host_update_rate
+    host_update_s = _opt_elems(bill) * rate if homes.update_on_host else 0.0
     compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
     return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
             "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
@@ -400,12 +418,12 @@ def _memory_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, tokens: int, n_devi
         * m.n_layers / n_devices
     opt_elems = _opt_elems(bill)
     grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
-    moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
+    moments_b = sum(bill.layout.optimizer.moment_bytes_per_value())  # m + v as stored (optim.kind)
     master_b = 4 if p.master_weights else 0
     homes = bill.layout.homes
     plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and not homes.params_on_host
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
-    update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 4 * moment_b)
+    update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 2 * moments_b)
     hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
     return (elementwise_bytes + (0 if homes.update_on_host else update_bytes)) / hbm, elementwise_bytes + update_bytes
 
@@ -417,7 +435,7 @@ def _host_link_bytes(cfg: Config, bill: Bill, grad_accum: int) -> tuple[float, f
     on the host)."""
     p = cfg.precision
     grad_b, param_b = _itemsize(p.grad_reduce_dtype), _itemsize(p.param_dtype)
-    moment_b = _itemsize(getattr(p, "moment_dtype", "float32"))
+    moments_b = sum(bill.layout.optimizer.moment_bytes_per_value())
     master_b = 4 if p.master_weights else 0
     homes = bill.layout.homes
     overlapped = 2 * bill.host.get("activations", 0) * grad_accum
@@ -428,7 +446,7 @@ def _host_link_bytes(cfg: Config, bill: Bill, grad_accum: int) -> tuple[float, f
     if homes.optimizer_on_host:
         opt_elems = _opt_elems(bill)
         if homes.update_streamed:
-            serial = 2 * opt_elems * (master_b + 2 * moment_b)
+            serial = 2 * opt_elems * (master_b + moments_b)
             if homes.params_on_host:  # host layer grads in twice (norm, update), old params in, new out
                 serial += layer_params * (2 * grad_b + 2 * param_b)
         else:
@@ -475,8 +493,9 @@ def zero3_gathered_bytes(cfg: Config, bill: Bill, n_params: int) -> float:
 
 
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
-             rows: int) -> Cost:
-    """Step FLOPs and, for a GPU target, time and MFU (estimated by the cost model)."""
+             rows: int, host_update_rate: float | None = None) -> Cost:
+    """Step FLOPs and, for a GPU target, time and MFU (estimated by the cost model); `host_update_rate` as in
+    time_breakdown."""
     m = cfg.model
     tokens = grad_accum * rows * cfg.train.seq_len
     n_params = param_count(m)
@@ -494,7 +513,7 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
-    parts = time_breakdown(cfg, bill, gpu, n_devices, grad_accum, rows)
+    parts = time_breakdown(cfg, bill, gpu, n_devices, grad_accum, rows, host_update_rate)
     compute = parts["compute_seconds"]
     # ZeRO-3: all-gather weights for forward and backward, reduce-scatter gradients, every micro-batch, over the
     # state axes (dp x fsdp x ep: ep devices hold different tokens, so the state shards over them too). Expert

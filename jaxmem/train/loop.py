@@ -32,7 +32,7 @@ from jaxmem.io.console import is_terminal
 from jaxmem.train.evaluate import Evaluator
 from jaxmem.train.metrics import (JsonlWriter, ProgressBar, TensorBoardWriter, WandbWriter, log_line,
                                   summary_writer_class, wandb_available)
-from jaxmem.core.optim import schedule_steps
+from jaxmem.optim.hyper import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram

@@ -55,7 +55,7 @@ def test_save_restore_keep_and_only_finalized(tmp_path):
     restored, meta = ckpts.restore(prog.abstract_state)
     assert meta == run_meta(cfg, 3, 48, 16)
     _leaves_equal(restored, state)
-    spec = _adam(restored["opt"]["layers"]).mu["w_up"].sharding.spec  # opt: {"rest", "layers"} (jaxmem.core.optim)
+    spec = _adam(restored["opt"]["layers"]).mu["w_up"].sharding.spec  # opt: {"rest", "layers"} (jaxmem.optim.layerwise)
     assert spec == _adam(prog.state_shardings["opt"]["layers"]).mu["w_up"].spec
     ckpts.close()
 

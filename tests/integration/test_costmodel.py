@@ -11,7 +11,7 @@ from jaxmem.features import load_config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan import costmodel
 from jaxmem.plan.costmodel import estimate, time_breakdown
-from jaxmem.config.targets import TARGETS
+from jaxmem.config.targets import TARGETS, get_target
 
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_costmodel", ROOT / "scripts" / "bench_costmodel.py")
@@ -106,13 +106,18 @@ def test_offload_step_time_within_25_percent_of_the_measured_step(case):
 
 
 def test_the_host_side_update_is_priced_per_trained_param():
-    """Gemma 3 12B widths x 6 layers on one H200: 13.17 s per step with the AdamW update on the host CPU, 1.21 s
-    with the state streamed through the GPU (measured). The host's update is serial, per trained param, and the
-    two estimates keep the measured ratio."""
+    """Gemma 3 12B widths x 6 layers on one H200: 13.17 s per step with the AdamW update on the host CPU (the
+    layer-scan update, the case's "host_update"), 1.21 s with the state streamed through the GPU (measured). The
+    host's update is serial, per trained param, and the two estimates keep the measured ratio; the whole-tensor
+    update the step runs now is priced at its own rate, per moment kind."""
     host, device = _case("h200_gemma3_x6_s8k_host_update"), _case("h200_gemma3_x6_s8k_device_update")
-    (_, _, on_host), (_, _, streamed) = bench.estimate_case(host), bench.estimate_case(device)
+    assert host["host_update"] == "layer_scan"
+    (cfg, bill, on_host), (_, _, streamed) = bench.estimate_case(host), bench.estimate_case(device)
     assert on_host.breakdown["host_update_seconds"] == pytest.approx(
-        on_host.params * costmodel.HOST_UPDATE_SECONDS_PER_PARAM)
+        on_host.params * costmodel.LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM)
+    now = costmodel.estimate(cfg, bill, get_target(host["target"]), 1, bill.layout.grad_accum, bill.layout.rows)
+    assert now.breakdown["host_update_seconds"] == pytest.approx(
+        on_host.params * costmodel.HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT["float32"])
     assert streamed.breakdown["host_update_seconds"] == 0.0
     assert on_host.serial_host_seconds >= on_host.breakdown["host_update_seconds"]
     measured = host["measured_step_seconds"] / device["measured_step_seconds"]

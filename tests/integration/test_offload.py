@@ -74,7 +74,7 @@ def test_streamed_update_in_pieces_matches_all_device(fsdp, monkeypatch):
     streams through it a piece at a time (as at full size, where one piece is CHUNK_BYTES), with the same
     training as moved whole (which test_offloaded_training_matches_all_device holds to the all-device one).
     Split over fsdp the embedding is cut along d, whole along its vocabulary."""
-    from jaxmem.core import optim
+    from jaxmem.optim import layerwise as optim
 
     layout = [f"parallel.fsdp={fsdp}"]
     overrides = layout + VARIANTS["params_and_optimizer_host"] + ["offload.optimizer_update=device"]
@@ -149,7 +149,7 @@ def test_layerwise_update_matches_plain_optax():
     import jax.numpy as jnp
     import optax
 
-    from jaxmem.core.optim import init_opt_state, layerwise_update
+    from jaxmem.optim.layerwise import init_opt_state, layerwise_update
 
     rng = np.random.RandomState(0)
     weights = {"embed": jnp.asarray(rng.randn(6, 4), jnp.float32),

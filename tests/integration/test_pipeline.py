@@ -81,6 +81,10 @@ LEVERS = {  # tied embeddings (the last stage's copy), bf16 + fp32 master, remat
     "qkv_bias": ["model.qkv_bias=true"],  # Qwen2's
     "bf16_master_full_remat": ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
                                "precision.master_weights=true", "remat.preset=full"],
+    "int8_moments": ["precision.moment_dtype=int8"],  # block-quantized AdamW state (jaxmem.optim)
+    # int4 moments, bf16 weights without a master: each stage rounds with bits of its own (its index folded in)
+    "int4_bf16_stochastic_rounding": ["precision.moment_dtype=int4", "precision.param_dtype=bfloat16",
+                                      "precision.master_weights=false"],
 }
 
 
@@ -95,8 +99,15 @@ def test_pipeline_levers_match_one_device(name):
     np.testing.assert_allclose([m[1] for m in metrics], [m[1] for m in want_metrics], rtol=1e-3 if bf16 else 2e-5)
     whole = pipe.whole_state(state, want_state)
     tol = dict(rtol=2e-2, atol=2e-3) if bf16 else dict(rtol=2e-5, atol=2e-6)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                                         **tol), whole["params"], want_state["params"])
+    # quantized moments: where another summation order moved a value across a code boundary, its later updates
+    # differ (a few values in 10^4)
+    share = 1e-3 if "int" in name else 0.0
+
+    def close(a, b):
+        a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        assert np.mean(~np.isclose(a, b, **tol)) <= share, np.mean(~np.isclose(a, b, **tol))
+
+    jax.tree.map(close, whole["params"], want_state["params"])
 
 
 # ---------------------------------------------------------------- schedules and partitions

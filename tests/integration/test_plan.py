@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from jaxmem.core import optim
+from jaxmem.optim import layerwise as optim
 
 from jaxmem.runtime.aot import resolve_topology
 from jaxmem.config import ConfigError

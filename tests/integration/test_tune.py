@@ -93,3 +93,29 @@ def test_each_candidate_is_one_line_of_at_most_120_characters():
     assert len(lines) == 3 and all(len(line) <= 120 for line in lines)
     assert lines[1].endswith("  fsdp=8 micro_batch=1 grad_accum=4") and "1,000,000,000" in lines[1]
     assert lines[2].endswith("...") and "preset=offload_layer_inputs seq_tile=16384" in lines[2]
+def test_the_optimizer_state_is_searched_only_when_lossy_is_allowed(tmp_path):
+    """Without --allow-lossy-optimizer no candidate touches precision.moment_dtype (the config's own is kept);
+    with it a stage of int8 / int4 moments (with and without the fp32 master) runs after recomputation and
+    before any offload, every other candidate starting from fp32 moments; the note says which."""
+    from jaxmem.cli import tune
+
+    def tuner(allow):
+        return tune.Tuner(str(ROOT / "configs/tiny.yaml"), ["precision.moment_dtype=int8"],
+                          {"name": "h100-80g", "gpus_per_host": 8},
+                          None, 60.0, tmp_path / "cache", 0, allow_lossy=allow)
+
+    kept, lossy = tuner(False), tuner(True)
+    assert [name for name, _ in kept.stages] == [name for name, _ in tune.STAGES]
+    names = [name for name, _ in lossy.stages]
+    assert names.index("optimizer state quantized (lossy)") == names.index("activation recomputation") + 1
+    assert names.index("optimizer state quantized (lossy)") < names.index("optimizer state offloaded")
+    for name, levers in kept.stages:
+        for cand in kept.stage_candidates(name, levers):
+            assert not any(o.startswith("precision.moment") for o in cand.overrides)
+    cands = lossy.stage_candidates(*tune.LOSSY_STAGE)
+    assert {o for c in cands for o in c.overrides if o.startswith("precision.moment_dtype=")} == {
+        "precision.moment_dtype=float32", "precision.moment_dtype=int8", "precision.moment_dtype=int4"}
+    assert all(c.overrides.index("precision.moment_dtype=float32") < c.overrides.index(
+        next(o for o in c.overrides if o in ("precision.moment_dtype=int8", "precision.moment_dtype=int4")))
+        for c in cands)  # the lossy lever comes after the reset, so it wins
+    assert "not searched" in tune.optimizer_note(False) and "--allow-lossy-optimizer" in tune.optimizer_note(True)

@@ -189,7 +189,7 @@ def _assert_billed(cfg, compiled: int, streamed: bool):
     """The bill within 5% of the compiled device total. With the barrier before each new weight's cast (jax
     0.12 on) XLA no longer prefetches the next leaf's streamed master, m and v (d_model x d_ff fp32 each, 9.4 MB
     here) that the bill counts (bill.in_backward_stream_bytes): there over by up to that more, never under."""
-    from jaxmem.core.optim import _BARRIER_BEFORE_CAST
+    from jaxmem.optim.layerwise import _BARRIER_BEFORE_CAST
     from jaxmem.plan.bill import compute_bill
 
     billed = compute_bill(cfg, 1).device_total

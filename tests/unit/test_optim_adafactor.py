@@ -1,14 +1,15 @@
 """Adafactor (jaxmem.optim.adafactor) is optax.adafactor on the run's schedule with AdamW-style decoupled
 decay; its factored state takes the param's spec without the reduced dim (jaxmem.optim.specs), and
-specs.state_specs gives optax's AdamW state the same specs as jaxmem.core.optim.opt_state_specs."""
+specs.state_specs gives optax's AdamW state the same specs as optax's own tree_map_params (what the program
+used before it)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jaxmem.features import load_config
-from jaxmem.core import optim as core_optim
+from jaxmem.optim import choice, hyper, layerwise
 from jaxmem.optim import adafactor, specs
 
 CFG = ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1", "optimizer.lr=1e-2"]
@@ -25,7 +26,7 @@ def test_is_optax_adafactor():
     """Three steps equal optax.adafactor's with the LR schedule, no parameter scaling, and weight decay
     lr(t) * weight_decay on all but the norms; the factored state is a row and a column per matrix."""
     cfg = load_config("configs/tiny.yaml", CFG)
-    lr = core_optim.schedule(cfg)
+    lr = hyper.schedule(cfg)
     mask = {"w": True, "stack": True, "attn_norm": False}
     reference = optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: lr(t) * 0.1,
                                 weight_decay_mask=mask)
@@ -42,9 +43,9 @@ def test_is_optax_adafactor():
     assert factored.v["w"].shape == (1,) and factored.v["attn_norm"].shape == (512,)
 
 
-def test_specs_and_fsdp8_step():
-    """v_row / v_col keep the param's spec without their reduced dim; a jitted step sharded so on fsdp=8
-    equals the one-device step."""
+def test_factored_state_specs():
+    """v_row / v_col keep the param's spec without their reduced dim (the fsdp=8 step sharded so:
+    tests/integration/test_optim_sharded.py)."""
     opt = adafactor.make_adafactor(load_config("configs/tiny.yaml", CFG))
     params = _tree(0)
     abstract = jax.eval_shape(opt.init, params)
@@ -54,27 +55,27 @@ def test_specs_and_fsdp8_step():
     assert factored.v_row["stack"] == P(None, "fsdp") and factored.v_col["stack"] == P(None, None)
     assert factored.v["w"] == P() and factored.v["attn_norm"] == P(None)
 
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
-                                      is_leaf=lambda x: isinstance(x, P))
-    state, grads = opt.init(params), _tree(1, 1e-2)
-    want_u, _ = jax.jit(opt.update)(*jax.device_put((grads, state, params), jax.devices()[0]))
-    step = jax.jit(opt.update, out_shardings=(named(SPECS), named(state_specs)))
-    got_u, got_s = step(*(jax.device_put(t, named(s)) for t, s in ((grads, SPECS), (state, state_specs),
-                                                                  (params, SPECS))))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7), got_u, want_u)
-    assert got_s[0].v_row["stack"].sharding.spec == P(None, "fsdp")
+
+def _tree_map_params_specs(opt, abstract_opt, weight_specs):
+    """The layer-wise state's specs by optax.tree_utils.tree_map_params: param-shaped leaves follow the weights'."""
+    def specs_of(state, tree):
+        return optax.tree_utils.tree_map_params(opt, lambda _, spec: spec, state, tree,
+                                                transform_non_params=lambda _: P(), is_leaf=lambda x: isinstance(x, P))
+
+    rest = {k: v for k, v in weight_specs.items() if k != "layers"}
+    return {"rest": specs_of(abstract_opt["rest"], rest), "layers": specs_of(abstract_opt["layers"],
+                                                                             weight_specs["layers"])}
 
 
-def test_adamw_specs_as_core():
-    """For optax's AdamW layer-wise state, state_specs gives what jaxmem.core.optim.opt_state_specs does."""
-    opt = core_optim.make_optimizer(load_config("configs/tiny.yaml", []))
+def test_adamw_specs_as_optax():
+    """For optax's AdamW layer-wise state, state_specs gives what optax's tree_map_params gives."""
+    opt = choice.make_optimizer(load_config("configs/tiny.yaml", []))
     weights = {"embed": jax.ShapeDtypeStruct((512, 64), jnp.float32),
                "layers": {"w": jax.ShapeDtypeStruct((2, 64, 256), jnp.float32),
                           "attn_norm": jax.ShapeDtypeStruct((2, 64), jnp.float32)}}
     weight_specs = {"embed": P("fsdp", None), "layers": {"w": P(None, "fsdp", None), "attn_norm": P()}}
-    abstract = jax.eval_shape(lambda w: core_optim.init_opt_state(opt, w), weights)
-    want = core_optim.opt_state_specs(opt, abstract, weight_specs, P())
+    abstract = jax.eval_shape(lambda w: layerwise.init_opt_state(opt, w), weights)
+    want = _tree_map_params_specs(opt, abstract, weight_specs)
     got = specs.layerwise_state_specs(abstract, weights, weight_specs, {"fsdp": 8})
     is_spec = lambda x: isinstance(x, P)  # noqa: E731
     flat = lambda t: [tuple(s) + (None,) * 4 for s in jax.tree.leaves(t, is_leaf=is_spec)]  # noqa: E731

@@ -1,17 +1,16 @@
 """Low-bit AdamW (jaxmem.optim.adamw_lowbit) against optax's fp32 Adam: a step from the same moments gives
 the same update, and stores new moments within the code's bound; the chain is optax.adamw's; the state's
-dtypes, shapes and bytes per parameter; the layer-wise update over a stacked state; one jitted step on an
-fsdp=8 mesh of 8 CPU devices, state sharded by `specs.state_specs`, equals the one-device step."""
+dtypes, shapes and bytes per parameter; the layer-wise update over a stacked state (the fsdp=8 step:
+tests/integration/test_optim_sharded.py)."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.features import load_config
-from jaxmem.core import optim as core_optim
-from jaxmem.optim import adamw_lowbit, codes, specs
+from jaxmem.optim import choice, layerwise
+from jaxmem.optim import adamw_lowbit, codes
 
 SHAPES = {"big": (8, 4096), "odd": (9, 41, 341), "norm": (64,)}
 
@@ -113,7 +112,7 @@ def test_chain_is_adamw():
     decay without norms): the same updates and the same state layout."""
     cfg = load_config("configs/tiny.yaml", ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1"])
     lowbit = adamw_lowbit.make_lowbit_adamw(cfg, 8, threshold=10 ** 9)
-    reference = core_optim.make_optimizer(cfg)
+    reference = choice.make_optimizer(cfg)
     params = _tree(0)
     s_low, s_ref = lowbit.init(params), reference.init(params)
     assert jax.tree.structure(s_low) == jax.tree.structure(s_ref)
@@ -126,15 +125,15 @@ def test_chain_is_adamw():
 
 
 def test_layerwise_update_slices_layers():
-    """jaxmem.core.optim.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
+    """jaxmem.optim.layerwise.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
     (init vmapped over the layers) is updated a layer at a time (take_layer / put_layer slice codes and
     scales alike), and equals updating the whole stack at once."""
     opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), 8)
     shapes = {"embed": (16, 4096), "layers": {"w": (3, 8, 1024), "norm": (3, 64)}}
     weights = _tree(0, shapes=shapes)
-    state = core_optim.init_opt_state(opt, weights)
+    state = layerwise.init_opt_state(opt, weights)
     grads = _tree(1, 1e-2, shapes)
-    update = jax.jit(lambda g, s, w: core_optim.layerwise_update(
+    update = jax.jit(lambda g, s, w: layerwise.layerwise_update(
         opt, g, s, w, None, jnp.float32(1.0), clip_norm=0.0, param_dtype=jnp.bfloat16, skip_nonfinite=False))
     _, new_state, new_w, _ = update(grads, state, weights)
     assert codes.is_quantized(_adam_state(new_state["layers"]).mu["w"])
@@ -158,61 +157,3 @@ def test_orbax_round_trip(tmp_path):
         restored = ckpt.restore(tmp_path / "state", target)
     assert jax.tree.structure(restored) == jax.tree.structure(state)
     jax.tree.map(np.testing.assert_array_equal, restored, state)
-
-
-def _indices(q):
-    idx = np.asarray(q.codes).astype(np.int32)
-    if codes.CODES[q.code].bits == 4:
-        idx = np.stack([idx & 15, idx >> 4], -1).reshape(idx.shape[:-1] + (-1,))[..., :q.last]
-    return idx
-
-
-def _assert_same_moments(got, want):
-    """Same scales, and the same codes but where XLA's fusions put a value one fp32 ulp across the midpoint
-    of two codes (then the neighbouring code, in a handful of elements)."""
-    def same(a, b):
-        if not codes.is_quantized(a):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-12)
-            return
-        np.testing.assert_allclose(a.scales, b.scales, rtol=1e-6)
-        diff = np.abs(_indices(a) - _indices(b))
-        assert diff.max() <= 1 and diff.mean() <= 1e-4
-
-    jax.tree.map(same, got, want, is_leaf=codes.is_quantized)
-
-
-def _sharded_case():
-    params = {"rows": (64, 4096), "wo": (4, 8, 512), "stack": (2, 16, 300), "norm": (64,)}
-    param_specs = {"rows": P("fsdp", None), "wo": P(None, None, "fsdp"), "stack": P(None, "fsdp", None),
-                   "norm": P()}
-    return _tree(0, shapes=params), param_specs
-
-
-@pytest.mark.parametrize("bits", [8, 4])
-def test_fsdp8_step_equals_one_device(bits):
-    """The jitted update with params and state sharded fsdp=8 (state specs from specs.state_specs: codes as
-    the param, scales too where blocks fall inside shards) equals the one-device update; each device holds
-    its shard of the codes, shaped like its shard of the param."""
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=bits, block=256 if bits == 8 else 128)
-    params, param_specs = _sharded_case()
-    shapes = jax.tree.map(jnp.shape, params)
-    state = opt.init(params)
-    _, state = jax.jit(opt.update)(_tree(1, 1e-2, shapes), state)
-    grads = _tree(2, 1e-2, shapes)
-    want_u, want_s = jax.jit(opt.update)(*jax.device_put((grads, state), jax.devices()[0]))
-
-    mesh = Mesh(np.array(jax.devices()), ("fsdp",))
-    state_specs = specs.state_specs(jax.eval_shape(lambda: state), params, param_specs, {"fsdp": 8})
-    named = lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree,  # noqa: E731
-                                      is_leaf=lambda x: isinstance(x, P))
-    put = lambda tree, spec: jax.device_put(tree, named(spec))  # noqa: E731
-    step = jax.jit(opt.update, out_shardings=(named(param_specs), named(state_specs)))
-    got_u, got_s = step(put(grads, param_specs), put(state, state_specs))
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got_u, want_u)
-    _assert_same_moments(got_s, want_s)
-    wo = got_s.mu["wo"]
-    assert wo.codes.sharding.spec == P(None, None, "fsdp") and wo.scales.sharding.spec == P(None, None, None)
-    assert wo.codes.addressable_shards[0].data.shape == (4, 8, 512 * bits // 8 // 8)
-    rows = got_s.nu["rows"]
-    assert rows.scales.sharding.spec == P("fsdp", None) and rows.codes.addressable_shards[0].data.shape == (
-        8, 4096 * bits // 8)

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from jaxmem.features import load_config
-from jaxmem.core import offload, optim as core_optim
+from jaxmem.core import offload
+from jaxmem.optim import choice, layerwise
 from jaxmem.optim import adamw_lowbit, codes, host_update
 
 SHAPES = {"embed": (64, 96), "final_norm": (96,), "layers": {"attn_norm": (3, 96), "wq": (3, 96, 128),
@@ -26,7 +27,7 @@ def _tree(seed, scale=1.0):
 
 def _both(opt, grads, state, weights, params, scale, skip):
     kw = dict(clip_norm=0.5, param_dtype=jnp.bfloat16, skip_nonfinite=skip)
-    want = jax.jit(functools.partial(core_optim.layerwise_update, opt, **kw))(grads, state, weights, params, scale)
+    want = jax.jit(functools.partial(layerwise.layerwise_update, opt, **kw))(grads, state, weights, params, scale)
     got = jax.jit(functools.partial(host_update.whole_update, opt, **kw))(grads, state, weights, params, scale)
     return got, want
 
@@ -45,9 +46,9 @@ def test_equals_layerwise(bits):
     """Two clipped steps (the gradient norm is above clip_norm) from the same state agree; the low-bit state
     agrees to a code step where the last-bit difference of the clip crosses a code boundary."""
     cfg = load_config("configs/tiny.yaml", CFG)
-    opt = core_optim.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
+    opt = choice.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
     weights = _tree(0)
-    state = core_optim.init_opt_state(opt, weights)
+    state = layerwise.init_opt_state(opt, weights)
     for seed in (1, 2):
         got, want = _both(opt, _tree(seed, 0.1), state, weights, None, jnp.float32(1.0), False)
         assert float(want[3][0]) > 0.5
@@ -61,9 +62,9 @@ def test_equals_layerwise(bits):
 def test_skips_nonfinite_step():
     """With skip_nonfinite, an inf in one layer's gradient keeps every old value, as layerwise_update does;
     a finite step with a loss scale divides it out."""
-    opt = core_optim.make_optimizer(load_config("configs/tiny.yaml", CFG))
+    opt = choice.make_optimizer(load_config("configs/tiny.yaml", CFG))
     weights = _tree(0)
-    state = core_optim.init_opt_state(opt, weights)
+    state = layerwise.init_opt_state(opt, weights)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), weights)
     bad = _tree(1, 0.1)
     bad["layers"]["wq"] = bad["layers"]["wq"].at[1, 2, 3].set(jnp.inf)
@@ -81,9 +82,9 @@ def test_under_host_compute(bits):
     """offload.run_update's host path (compat.host_compute, state in pinned host memory) runs whole_update, the
     low-bit optimizer too, and gives what it gives on the device."""
     cfg = load_config("configs/tiny.yaml", CFG + ["offload.optimizer=host", "offload.optimizer_update=host"])
-    opt = core_optim.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
+    opt = choice.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
     weights, grads = _tree(0), _tree(1, 0.1)
-    state = core_optim.init_opt_state(opt, weights)
+    state = layerwise.init_opt_state(opt, weights)
     update = functools.partial(host_update.whole_update, opt, clip_norm=0.5, param_dtype=jnp.bfloat16,
                                skip_nonfinite=False)
     device = jax.devices()[0]

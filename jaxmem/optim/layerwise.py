@@ -1,87 +1,36 @@
-"""AdamW with warmup + cosine decay (optax), its layer-wise state, and the layer-by-layer update.
+"""The layer-wise optimizer state and its update: clip by the global norm, one optimizer step per layer of the
+stack (or over whole tensors: jaxmem.optim.host_update), the new params in their dtype, rounded stochastically
+into bf16 params that have no fp32 master.
 
-Clipping and the global norm sit outside the optax chain, in `layerwise_update`,
-so the same code runs on the device and, under XLA host compute (`compat.host_compute`), on
-the host: optax's norm builds device-space zeros for the imaginary part, which a
-host computation cannot mix with host values.
+Clipping and the global norm sit outside the optax chain, in `layerwise_update`, so the same code runs on the
+device and, under XLA host compute (`compat.host_compute`), on the host: optax's norm builds device-space zeros
+for the imaginary part, which a host computation cannot mix with host values.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import jax
 import jax.numpy as jnp
 import optax
 
-from jaxmem.config.schema import Config
-from jaxmem.core.precision import Precision
-from jaxmem.core import embed_grad
 from jaxmem.mesh.sharding import spec_ways
+from jaxmem.optim import codes, rows as embed_grad
+from jaxmem.optim.kind import StateKind
+from jaxmem.optim.stochastic_round import tree_to_bf16
 from jaxmem.runtime import compat
 
 
-def schedule_steps(cfg: Config) -> tuple[int, int]:
-    """(warmup, decay) steps of the LR schedule: optimizer.decay_steps=0 means train.steps."""
-    o = cfg.optimizer
-    decay = o.decay_steps or cfg.train.steps
-    return min(o.warmup_steps, max(decay - 1, 0)), decay
+def clipped(grads, norm: jax.Array, max_norm: float, scale):
+    """The gradients unscaled by `scale` (the loss scale) and clipped by their global `norm` (optax's
+    clip_by_global_norm rule: unchanged below max_norm, else rescaled to it; <= 0: no clipping), in fp32: one
+    multiplication per value by min(1, max_norm / norm) / scale (cheaper than dividing every value, above all in
+    the host's XLA:CPU update). A RowGrad keeps its form."""
+    factor = jnp.float32(1.0) if max_norm <= 0 else jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    multiplier = (factor / scale).astype(jnp.float32)
+    return embed_grad.map_values(lambda g: g.astype(jnp.float32) * multiplier, grads)
 
-
-def schedule(cfg: Config) -> optax.Schedule:
-    o = cfg.optimizer
-    warmup, decay = schedule_steps(cfg)
-    return optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=o.lr, warmup_steps=warmup, decay_steps=max(decay, warmup + 1),
-        end_value=o.lr * o.min_lr_ratio)
-
-
-def make_optimizer(cfg: Config) -> optax.GradientTransformation:
-    """AdamW; m is kept in precision.moment_dtype, v too (see `_moments_in`)."""
-    o = cfg.optimizer
-    prec = Precision.from_config(cfg.precision)
-    adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay,
-                        mu_dtype=prec.moment, mask=_decay_mask)
-    return _moments_in(adamw, prec.moment)
-
-
-def clip_by_global_norm(tree, norm: jax.Array, max_norm: float):
-    """optax.clip_by_global_norm's rule given the norm: unchanged below max_norm, else rescaled to it."""
-    if max_norm <= 0:
-        return tree
-    return embed_grad.map_values(lambda g: jnp.where(norm < max_norm, g, (g / norm.astype(g.dtype)) * max_norm),
-                                 tree)
-
-
-def _decay_mask(params):
-    """No weight decay on norms and biases (1-D per layer)."""
-
-    def keep(path, x):
-        last = str(getattr(path[-1], "key", path[-1]))
-        return not (last.endswith("norm") or last in ("bq", "bk", "bv"))
-
-    return jax.tree_util.tree_map_with_path(keep, params)
-
-
-def _moments_in(inner: optax.GradientTransformation, dtype) -> optax.GradientTransformation:
-    """Keeps Adam's second moment in `dtype` too (optax's mu_dtype only covers the first; its nu takes the
-    params' dtype, so bf16 params without a master kept v in bf16 under moment_dtype float32)."""
-
-    def cast(state):
-        def fix(s):
-            if isinstance(s, optax.ScaleByAdamState):
-                return s._replace(nu=jax.tree.map(lambda v: v if v.dtype == dtype else v.astype(dtype), s.nu))
-            return s
-
-        return jax.tree.map(fix, state, is_leaf=lambda s: isinstance(s, optax.ScaleByAdamState))
-
-    def init(params):
-        return cast(inner.init(params))
-
-    def update(updates, state, params=None):
-        new_updates, new_state = inner.update(updates, state, params)
-        return new_updates, cast(new_state)
-
-    return optax.GradientTransformation(init, update)
 
 
 # ---------------------------------------------------------------- layer-wise state and update
@@ -101,22 +50,11 @@ def init_opt_state(opt: optax.GradientTransformation, weights: dict) -> dict:
     return state
 
 
-def opt_state_specs(opt: optax.GradientTransformation, abstract_opt: dict, weight_specs: dict, non_param_spec):
-    """Partition specs of the layer-wise state: param-shaped leaves follow the weights' specs."""
-    rest_specs = {k: v for k, v in weight_specs.items() if k != "layers"}
-
-    def specs(state, tree):
-        return optax.tree_utils.tree_map_params(opt, lambda _, spec: spec, state, tree,
-                                                transform_non_params=lambda _: non_param_spec,
-                                                is_leaf=lambda x: isinstance(x, type(non_param_spec)))
-
-    return {"rest": specs(abstract_opt["rest"], rest_specs), "layers": specs(abstract_opt["layers"],
-                                                                             weight_specs["layers"])}
-
-
 def adam_count(opt_state: dict) -> jax.Array:
-    for leaf in jax.tree.leaves(opt_state["rest"], is_leaf=lambda x: isinstance(x, optax.ScaleByAdamState)):
-        if isinstance(leaf, optax.ScaleByAdamState):
+    """The optimizer's step count (Adam's, or Adafactor's factored state's) from the non-layer state."""
+    counted = (optax.ScaleByAdamState, optax.FactoredState)
+    for leaf in jax.tree.leaves(opt_state["rest"], is_leaf=lambda x: isinstance(x, counted)):
+        if isinstance(leaf, counted):
             return leaf.count
     return jnp.int32(0)
 
@@ -129,14 +67,24 @@ def adam_count(opt_state: dict) -> jax.Array:
 _BARRIER_BEFORE_CAST = compat.version_tuple(jax.__version__) >= (0, 12, 0)
 
 
-def apply_update(opt, g, s, w, param_dtype):
-    """One AdamW step of the (clipped, fp32) gradient g on weights w with state s:
-    (new params in param_dtype, new state, new weights)."""
+def apply_update(opt, g, s, w, param_dtype, round_key=None):
+    """One optimizer step of the (clipped, fp32) gradient g on weights w with state s:
+    (new params in param_dtype, new state, new weights). With `round_key` (bf16 weights without an fp32
+    master, precision.stochastic_rounding) the new weights are rounded stochastically into bf16, leaf i with
+    fold_in(round_key, i), instead of to the nearest bf16."""
     updates, new_s = opt.update(g, s, w)
+    if round_key is not None:
+        new_w = tree_to_bf16(jax.tree.map(lambda x, u: x.astype(jnp.float32) + u, w, updates), round_key)
+        return new_w, new_s, new_w
     new_w = optax.apply_updates(w, updates)
     if _BARRIER_BEFORE_CAST:
         new_w = jax.tree.map(jax.lax.optimization_barrier, new_w)
     return jax.tree.map(lambda x: x.astype(param_dtype), new_w), new_s, new_w
+
+
+def layer_key(round_key, index):
+    """The rounding key of layer `index` of the stack (the non-layer leaves take the stack's length), or None."""
+    return None if round_key is None else jax.random.fold_in(round_key, index)
 
 
 def _same_space(x, like):
@@ -188,11 +136,13 @@ def chunking(shape: tuple, spec, limit: int, shards: int = 1) -> tuple[int, int]
     return axis, count
 
 
-def rest_chunks(abstract_rest: dict, rest_specs: list, mesh_sizes: dict, limit: int | None = None):
+def rest_chunks(abstract_rest: dict, rest_specs: list, mesh_sizes: dict, limit: int | None = None,
+                kind: StateKind | None = None):
     """(axes, count) for `layerwise_update(rest_chunks=)`: every non-layer leaf cut in `count` pieces along its
     `axes` leaf, count the largest any leaf needs under `limit` (CHUNK_BYTES by default). `rest_specs`: each
     leaf's partition spec, in leaf order; `mesh_sizes`: devices per mesh axis. None where no leaf needs pieces
-    or some leaf cannot be cut so (its whole axis does not divide by count)."""
+    or some leaf cannot be cut so (its whole axis does not divide by count, or its optimizer state `kind`
+    cannot be cut there: StateKind.cuts)."""
     limit = CHUNK_BYTES if limit is None else limit
     leaves, treedef = jax.tree.flatten(abstract_rest)
     plans = [chunking(x.shape, spec, limit, spec_ways(spec, mesh_sizes)) if x.ndim else (0, 1)
@@ -200,16 +150,43 @@ def rest_chunks(abstract_rest: dict, rest_specs: list, mesh_sizes: dict, limit: 
     count = max((c for _, c in plans), default=1)
     if count == 1 or not all(x.ndim and x.shape[axis] % count == 0 for x, (axis, _) in zip(leaves, plans)):
         return None
+    if kind is not None and not all(kind.cuts(x.shape, axis, count) for x, (axis, _) in zip(leaves, plans)):
+        return None
     return treedef.unflatten([axis for axis, _ in plans]), count
 
 
-def _rest_in_chunks(one, opt, chunks, g, s, w, p_old, home, param_dtype):
+def state_axes(state, weights, axes):
+    """Each leaf of the optimizer `state` of `weights` cut along its weight's axis in `axes` (a tree shaped like
+    the weights): the param-shaped leaves (Adam's m and v, a QTensor's codes and scales) along that axis, every
+    other leaf (counts) -1, kept whole."""
+    weights_def = jax.tree.structure(weights)
+
+    def leaf(axis, w, x):
+        if codes.is_quantized(x):
+            return dataclasses.replace(x, codes=axis, scales=axis)
+        return axis if tuple(x.shape) == tuple(w.shape) else -1
+
+    def walk(node):
+        if jax.tree.structure(node, is_leaf=codes.is_quantized) == weights_def:
+            return jax.tree.map(leaf, axes, weights, node, is_leaf=codes.is_quantized)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(walk(x) for x in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(x) for x in node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return jax.tree.map(lambda _: -1, node)
+
+    return walk(state)
+
+
+def _rest_in_chunks(one, chunks, g, s, w, p_old, home, param_dtype, round_key):
     """`one` over the non-layer leaves a piece at a time (chunks = rest_chunks(...)): each leaf's state, weights
     and gradient sliced along its axis, updated, and written back in place, so a host-resident state streams
-    through the device a piece at a time instead of whole (the embedding's fp32 master, m and v)."""
+    through the device a piece at a time instead of whole (the embedding's fp32 master, m and v). Piece i
+    rounds with layer_key(round_key, i)."""
     axes, count = chunks
-    state_axes = optax.tree_utils.tree_map_params(opt, lambda _, axis: axis, s, axes,
-                                                  transform_non_params=lambda _: -1)
+    s_axes = state_axes(s, w, axes)
     size = lambda x, axis: x.shape[axis] // count  # noqa: E731
     take = lambda x, axis, i: x if axis < 0 else jax.lax.dynamic_slice_in_dim(  # noqa: E731
         x, i * size(x, axis), size(x, axis), axis)
@@ -221,12 +198,12 @@ def _rest_in_chunks(one, opt, chunks, g, s, w, p_old, home, param_dtype):
     def body(carry, i):
         s_all, w_all, p_all = carry
         g_i = jax.tree.map(lambda x, axis: grad_piece(x, axis, i), g, axes, is_leaf=embed_grad.is_rows)
-        new_p, new_s, new_w = one(g_i, jax.tree.map(lambda x, a: take(x, a, i), s_all, state_axes),
+        new_p, new_s, new_w = one(g_i, jax.tree.map(lambda x, a: take(x, a, i), s_all, s_axes),
                                   jax.tree.map(lambda x, a: take(x, a, i), w_all, axes),
                                   None if p_old is None else jax.tree.map(lambda x, a: take(x, a, i), p_all, axes),
-                                  home)
-        scalars = [n for n, a in zip(jax.tree.leaves(new_s), jax.tree.leaves(state_axes), strict=True) if a < 0]
-        return (jax.tree.map(lambda x, n, a: put(x, n, a, i), s_all, new_s, state_axes),
+                                  home, layer_key(round_key, i))
+        scalars = [n for n, a in zip(jax.tree.leaves(new_s), jax.tree.leaves(s_axes), strict=True) if a < 0]
+        return (jax.tree.map(lambda x, n, a: put(x, n, a, i), s_all, new_s, s_axes),
                 jax.tree.map(lambda x, n, a: put(x, n, a, i), w_all, new_w, axes),
                 jax.tree.map(lambda x, n, a: put(x, n, a, i), p_all, new_p, axes)), scalars
 
@@ -237,20 +214,23 @@ def _rest_in_chunks(one, opt, chunks, g, s, w, p_old, home, param_dtype):
     (new_s, new_w, new_p), scalars = jax.lax.scan(body, (s, w, p_all), jnp.arange(count))
     leaves, treedef = jax.tree.flatten(new_s)
     last = iter(x[-1] for x in scalars)
-    new_s = treedef.unflatten([next(last) if a < 0 else x for x, a in zip(leaves, jax.tree.leaves(state_axes))])
+    new_s = treedef.unflatten([next(last) if a < 0 else x for x, a in zip(leaves, jax.tree.leaves(s_axes))])
     return new_p, new_s, new_w
 
 
 def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
-                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None, rest_chunks=None):
-    """AdamW over the non-layer params, then layer by layer.
+                     skip_nonfinite: bool, fetch=lambda t: t, homes=None, norm=None, rest_chunks=None,
+                     round_key=None):
+    """The optimizer over the layers one at a time, then over the non-layer params.
 
     grads are unscaled by `scale`, clipped by their global norm (optax's rule), and with
     `skip_nonfinite` an inf/nan anywhere keeps every old value. `fetch(tree)` brings a slice to where the
     math runs; `homes[part]` = (params, opt, weights) functions put the results of part "rest" or "layers"
     back where that state lives. `norm`: the global gradient norm when these grads are one part of the model's
     (a pipeline stage's), else it is computed here. `rest_chunks` (optim.rest_chunks): the non-layer leaves are
-    updated a piece at a time (a host-resident state streamed through the device).
+    updated a piece at a time (a host-resident state streamed through the device). `round_key`: the step's
+    stochastic-rounding key (bf16 weights without a master), folded with each layer's index (layer_key; the
+    non-layer leaves take the stack's length).
     Returns (new_params, new_opt_state, new_weights, (grad_norm, finite)).
     """
     same = (lambda t: t,) * 3
@@ -277,10 +257,10 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     else:
         finite = jnp.bool_(True)
 
-    def one(g, s, w, p_old, home):
+    def one(g, s, w, p_old, home, key):
         g, s, w, p_old = fetch((g, s, w, p_old))
-        g = embed_grad.densify(clip_by_global_norm(unscaled(g), norm, clip_norm))
-        new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype)
+        g = embed_grad.densify(clipped(g, norm, clip_norm, scale))
+        new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype, key)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731
             new_p, new_s, new_w = keep(new_p, p_old), keep(new_s, s), keep(new_w, w)
@@ -294,7 +274,8 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     # stacked output.
     def layer(carry, _):
         i, s_all, w_all, p_all = carry
-        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_all)), homes["layers"])
+        p, s, w = one(*(take_layer(t, i) for t in (g_layers, s_all, w_all, p_all)), homes["layers"],
+                      layer_key(round_key, i))
         s_all, w_all = put_layer(s_all, s, i), put_layer(w_all, w, i)
         if p_all is None:
             return (i + 1, s_all, w_all, None), p
@@ -307,9 +288,10 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     # Then the embedding, final norm and LM head, once the layers' gradients are dead (the barrier orders it):
     # the largest of them is widened to its full fp32 shape only here.
     _, g_rest = jax.lax.optimization_barrier((done, g_rest))
+    rest_key = layer_key(round_key, n_layers)
     if rest_chunks is None:
-        new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"])
+        new_p, new_s, new_w = one(g_rest, opt_state["rest"], w_rest, p_rest, homes["rest"], rest_key)
     else:
-        new_p, new_s, new_w = _rest_in_chunks(one, opt, rest_chunks, g_rest, opt_state["rest"], w_rest, p_rest,
-                                              homes["rest"], param_dtype)
+        new_p, new_s, new_w = _rest_in_chunks(one, rest_chunks, g_rest, opt_state["rest"], w_rest, p_rest,
+                                              homes["rest"], param_dtype, rest_key)
     return (dict(new_p, layers=lp), {"rest": new_s, "layers": ls}, dict(new_w, layers=lw), (norm, finite))
