@@ -85,6 +85,6 @@ def test_an_import_up_the_floors_or_across_features_is_named(tmp_path, capsys):
     })
     status, lines = _check(package, capsys)
     assert status == 1
-    assert lines == ["jaxmem.config.schema (schema.py:1) imports jaxmem.core.program: floor 6 > 0",
+    assert lines == ["jaxmem.config.schema (schema.py:1) imports jaxmem.core.program: floor 7 > 0",
                      "jaxmem.lora.plugin (plugin.py:1) imports jaxmem.moe.bill: a feature on the same floor",
                      "jaxmem.moe.bill (bill.py:2): a function-level import without its reason"]

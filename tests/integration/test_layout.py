@@ -85,9 +85,11 @@ def test_kernels_the_step_runs_are_the_bill_kernels(program_and_bill):
 
 
 def _per_device_bytes(tree, dtype=None, host=None) -> int:
+    """Bytes of `tree`'s arrays on one device; quantized moments count their uint8 codes and fp32 scales."""
     total = 0
     for x in jax.tree.leaves(tree):
-        if not x.ndim or not jnp.issubdtype(x.dtype, jnp.floating):
+        quantized_codes = x.dtype == jnp.uint8 and x.ndim  # (a QTensor's codes; its scales are floats)
+        if not x.ndim or not (jnp.issubdtype(x.dtype, jnp.floating) or quantized_codes):
             continue  # counters are bookkeeping (the bill's `inputs`)
         if host is not None and memory_kinds_shim.is_host(x.sharding) != host:
             continue
