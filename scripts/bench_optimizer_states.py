@@ -157,25 +157,28 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--md", default=None)
     parser.add_argument("--resume", action="store_true", help="also resume each run from its mid-run checkpoint")
+    parser.add_argument("--from-json", default=None, help="write --md from a JSON this script wrote; run nothing")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--devices", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.devices, args.steps, args.resume)))
         return
+    if args.from_json:
+        Path(args.md).write_text(markdown(json.loads(Path(args.from_json).read_text())) + "\n")
+        return
     from importlib.metadata import version
 
-    runs = []
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
+    result = {"steps": args.steps, "machine": f"{os.cpu_count()} cores, {cpu}", "label": "measured on CPU",
+              "versions": {p: version(p) for p in ("jax", "jaxlib", "optax")}, "runs": []}
     for model in MODELS:
         for mesh, devices in MESHES.items():
             run = dict(_run_child(model, devices, args), mesh=mesh)
             run["verdicts"] = verdicts(run)
-            runs.append(run)
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if "model name" in line), "?")
-    result = {"steps": args.steps, "machine": f"{os.cpu_count()} cores, {cpu}", "label": "measured on CPU",
-              "versions": {p: version(p) for p in ("jax", "jaxlib", "optax")}, "runs": runs}
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            result["runs"].append(run)
+            if args.json:  # after each (model, mesh): a long run that stops keeps what it measured
+                Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     if args.md:
         Path(args.md).write_text(markdown(result) + "\n")
     print(markdown(result))

@@ -24,6 +24,11 @@ def hf_logits(model, tokens):
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
 
 
+def random_tokens(vocab, batch=2, seq=20):
+    """The parity tests' input ids: a fixed draw, the same for every family."""
+    return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
+
+
 def saved_checkpoints(tmp_path_factory, names, build) -> dict:
     """{name: (directory, model)}: `build(name)`'s transformers model saved as safetensors in its own directory."""
     out = {}

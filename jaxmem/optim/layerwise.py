@@ -18,6 +18,7 @@ import optax
 from jaxmem.mesh.sharding import spec_ways
 from jaxmem.optim import codes, rows as embed_grad
 from jaxmem.optim.kind import StateKind
+from jaxmem.optim.specs import map_param_subtrees
 from jaxmem.optim.stochastic_round import tree_to_bf16
 from jaxmem.runtime import compat
 
@@ -166,18 +167,9 @@ def state_axes(state, weights, axes):
             return dataclasses.replace(x, codes=axis, scales=axis)
         return axis if tuple(x.shape) == tuple(w.shape) else -1
 
-    def walk(node):
-        if jax.tree.structure(node, is_leaf=codes.is_quantized) == weights_def:
-            return jax.tree.map(leaf, axes, weights, node, is_leaf=codes.is_quantized)
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*(walk(x) for x in node))
-        if isinstance(node, (tuple, list)):
-            return type(node)(walk(x) for x in node)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        return jax.tree.map(lambda _: -1, node)
-
-    return walk(state)
+    return map_param_subtrees(state, weights_def,
+                              lambda node: jax.tree.map(leaf, axes, weights, node, is_leaf=codes.is_quantized),
+                              lambda node: jax.tree.map(lambda _: -1, node))
 
 
 def _rest_in_chunks(one, chunks, g, s, w, p_old, home, param_dtype, round_key):

@@ -49,6 +49,26 @@ def _array_spec(leaf, param, spec: P) -> P:
     return P()
 
 
+def map_param_subtrees(state, params_def, on_params, on_other):
+    """`state` (an optimizer's state) rebuilt: each subtree shaped like the params (treedef `params_def`,
+    QTensors as leaves) becomes on_params(subtree), each other node that is not a container on_other(node);
+    namedtuples, tuples, lists and dicts are walked into, None kept."""
+    def walk(node):
+        if node is None:
+            return None
+        if jax.tree.structure(node, is_leaf=codes.is_quantized) == params_def:
+            return on_params(node)
+        if isinstance(node, tuple) and hasattr(node, "_fields"):
+            return type(node)(*(walk(x) for x in node))
+        if isinstance(node, (tuple, list)):
+            return type(node)(walk(x) for x in node)
+        if isinstance(node, dict):
+            return {k: walk(v) for k, v in node.items()}
+        return on_other(node)
+
+    return walk(state)
+
+
 def state_specs(abstract_state, abstract_params, param_specs, mesh_sizes: dict, non_param_spec=P()):
     """Specs of `abstract_state` (one optimizer's state of `abstract_params`, whose specs are `param_specs`;
     `mesh_sizes`: devices per mesh axis name). Shaped like the state, QTensors holding their parts' specs."""
@@ -59,20 +79,10 @@ def state_specs(abstract_state, abstract_params, param_specs, mesh_sizes: dict, 
             return _quantized_specs(leaf, spec, mesh_sizes)
         return _array_spec(leaf, param, spec)
 
-    def walk(node):
-        if node is None:
-            return None
-        if jax.tree.structure(node, is_leaf=codes.is_quantized) == params_def:
-            return jax.tree.map(leaf_spec, param_specs, abstract_params, node, is_leaf=_is_spec)
-        if isinstance(node, tuple) and hasattr(node, "_fields"):
-            return type(node)(*(walk(x) for x in node))
-        if isinstance(node, (tuple, list)):
-            return type(node)(walk(x) for x in node)
-        if isinstance(node, dict):
-            return {k: walk(v) for k, v in node.items()}
-        return non_param_spec
-
-    return walk(abstract_state)
+    return map_param_subtrees(
+        abstract_state, params_def,
+        lambda node: jax.tree.map(leaf_spec, param_specs, abstract_params, node, is_leaf=_is_spec),
+        lambda node: non_param_spec)
 
 
 def layerwise_state_specs(abstract_opt: dict, abstract_weights: dict, weight_specs: dict, mesh_sizes: dict,

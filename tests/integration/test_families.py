@@ -10,7 +10,8 @@ import torch
 import transformers
 from flax import nnx
 
-from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, saved_checkpoints
+from hf_parity import (hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, random_tokens,
+                       saved_checkpoints)
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -50,10 +51,6 @@ def _hf_model(name):
     return model.eval()
 
 
-def _tokens(vocab, batch=2, seq=SEQ):
-    return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return saved_checkpoints(tmp_path_factory, CASES, _hf_model)
@@ -63,7 +60,7 @@ def checkpoints(tmp_path_factory):
 def test_load_hf_matches_transformers(checkpoints, name):
     directory, hf_model = checkpoints[name]
     model = jaxmem.load_hf(directory)
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     ref = _ref_logits(hf_model, tokens)
     ours = _logits(model, tokens)
     assert np.abs(ours - ref).max() < 1e-4, np.abs(ours - ref).max()
@@ -78,7 +75,7 @@ def test_export_reloads_in_transformers(checkpoints, name, tmp_path):
     assert written["architectures"] == [hf_model.config.architectures[0]]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32,
                                                               attn_implementation="eager").eval()
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     assert np.abs(_ref_logits(again, tokens) - _ref_logits(hf_model, tokens)).max() < 1e-4
     assert jaxmem.load_hf(tmp_path).cfg == model.cfg  # and the config round-trips exactly
 
@@ -98,7 +95,7 @@ def test_gemma3_layer_kinds_matter(checkpoints):
     import dataclasses
 
     model = jaxmem.load_hf(checkpoints["gemma3"][0])
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     base = _logits(model, tokens)
     for change in (dict(global_every=2), dict(sliding_window=0, global_every=0), dict(rope_local_theta=1e6)):
         other = nnx.merge(*_swap_cfg(model, dataclasses.replace(model.cfg, **change)))
@@ -115,7 +112,7 @@ def _swap_cfg(model, cfg):
 def test_gemma3_pallas_window_matches_xla(checkpoints):
     """The windowed Pallas kernel (interpret mode) inside the model: same logits as plain XLA attention."""
     model = jaxmem.load_hf(checkpoints["gemma3"][0])
-    tokens = _tokens(model.cfg.vocab_size, seq=40)  # > block size 16 and > 2 windows
+    tokens = random_tokens(model.cfg.vocab_size, seq=40)  # > block size 16 and > 2 windows
     kernels = KernelConfig(attention="pallas", attn_block_q=16, attn_block_k=16)
     ctx = ForwardContext(attention=select_attention(kernels, "cpu"))
     np.testing.assert_allclose(_logits(model, tokens, ctx), _logits(model, tokens), atol=2e-4, rtol=1e-4)

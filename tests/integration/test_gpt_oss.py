@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 
-from hf_parity import hf_logits, jax_logits, meta_param_count, saved_checkpoints
+from hf_parity import hf_logits, jax_logits, meta_param_count, saved_checkpoints, random_tokens
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -45,10 +45,6 @@ def _hf_model(name):
     return model.eval()
 
 
-def _tokens(vocab, batch=2, seq=SEQ):
-    return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     return saved_checkpoints(tmp_path_factory, ["gpt_oss"], _hf_model)["gpt_oss"]
@@ -60,7 +56,7 @@ def test_load_hf_matches_transformers(checkpoint):
     cfg = model.cfg
     assert (cfg.sliding_window, cfg.global_every, cfg.n_experts, cfg.experts_per_token) == (5, 2, 5, 2)
     assert cfg.attention_sinks and cfg.attn_out_bias and cfg.moe_biases and cfg.activation == "swiglu_clamped"
-    tokens = _tokens(cfg.vocab_size)
+    tokens = random_tokens(cfg.vocab_size)
     np.testing.assert_allclose(jax_logits(model, tokens), hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -68,7 +64,7 @@ def test_sinks_and_biases_matter(checkpoint):
     """The parity above is not reached without them: zeroed sinks or expert biases move the logits."""
     directory, hf_model = checkpoint
     model = jaxmem.load_hf(directory)
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     ref = jax_logits(model, tokens)
     for name in ("sinks", "bq", "bo", "router_bias", "expert_gate_bias", "expert_up_bias", "expert_down_bias"):
         changed = jaxmem.load_hf(directory)
@@ -85,7 +81,7 @@ def test_export_reloads_in_transformers(checkpoint, tmp_path):
     assert written["architectures"] == ["GptOssForCausalLM"]
     assert written["layer_types"] == ["sliding_attention", "full_attention", "sliding_attention"]
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     np.testing.assert_array_equal(hf_logits(again, tokens), hf_logits(hf_model, tokens))  # the same tensors
     assert jaxmem.load_hf(tmp_path).cfg == model.cfg
 
@@ -181,7 +177,7 @@ def test_an_mxfp4_checkpoint_loads_as_transformers_dequantizes_it(tmp_path):
     gate_up = hf_model.model.layers[1].mlp.experts.gate_up_proj.detach().numpy()
     np.testing.assert_array_equal(np.asarray(model.layers.expert_gate[...][1]), gate_up[..., 0::2])
     np.testing.assert_array_equal(np.asarray(model.layers.expert_up[...][1]), gate_up[..., 1::2])
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     np.testing.assert_allclose(jax_logits(model, tokens), hf_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
     # a slice across MXFP4 groups, not aligned to them, reads what the whole tensor holds there
     reader = Mxfp4Reader(CheckpointReader(tmp_path))

@@ -10,7 +10,8 @@ import torch
 import transformers
 from flax import nnx
 
-from hf_parity import hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, saved_checkpoints
+from hf_parity import (hf_logits as _ref_logits, jax_logits as _logits, meta_param_count, random_tokens,
+                       saved_checkpoints)
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
@@ -24,7 +25,6 @@ from jaxmem.model.presets import (PUBLISHED_ACTIVE_PARAMS_B, PUBLISHED_PARAM_COU
 from jaxmem.model.transformer import DEFAULT_CONTEXT, init_model
 from jaxmem.features import build_program
 
-SEQ = 20
 # Odd sizes: vocab 97, hidden 72 with 6 heads of 16, 5 experts of width 40 (Qwen3-MoE: d_ff 136 is the unused
 # dense width), top 2 / top 3.
 _SHAPE = dict(hidden_size=72, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2, head_dim=16,
@@ -54,10 +54,6 @@ def _hf_model(name):
     return model.eval()
 
 
-def _tokens(vocab, batch=2, seq=SEQ):
-    return np.random.RandomState(3).randint(0, vocab, (batch, seq)).astype(np.int32)
-
-
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
     return saved_checkpoints(tmp_path_factory, CASES, _hf_model)
@@ -68,7 +64,7 @@ def test_load_hf_matches_transformers(checkpoints, name):
     directory, hf_model = checkpoints[name]
     model = jaxmem.load_hf(directory)
     assert model.cfg.n_experts == 5 and model.cfg.experts_per_token == CASES[name][1]["num_experts_per_tok"]
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     ref = _ref_logits(hf_model, tokens)
     np.testing.assert_allclose(_logits(model, tokens), ref, atol=1e-4, rtol=1e-4)
 
@@ -79,7 +75,7 @@ def test_export_reloads_in_transformers(checkpoints, name, tmp_path):
     save_hf(jaxmem.load_hf(directory), tmp_path)
     reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="eager").eval()
     assert type(reloaded) is type(hf_model)
-    tokens = _tokens(hf_model.config.vocab_size)
+    tokens = random_tokens(hf_model.config.vocab_size)
     np.testing.assert_allclose(_ref_logits(reloaded, tokens), _ref_logits(hf_model, tokens), atol=1e-4, rtol=1e-4)
 
 
@@ -103,7 +99,7 @@ def _numpy_router_losses(layer_logits, k):
 def test_router_losses_match_numpy_and_transformers(checkpoints, name):
     directory, hf_model = checkpoints[name]
     model = jaxmem.load_hf(directory)
-    tokens = _tokens(model.cfg.vocab_size)
+    tokens = random_tokens(model.cfg.vocab_size)
     with torch.no_grad():
         out = hf_model(torch.tensor(tokens, dtype=torch.long), output_router_logits=True)
     layer_logits = [r.float().numpy() for r in out.router_logits]
