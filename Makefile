@@ -53,10 +53,13 @@ LATEST := .venv-latest
 # another fusion order (and the one-ulp bf16 param flips they cause), which jax 0.12 shows and jax 0.10.2 does not.
 # test_lean_update too since then: the default AdamW step against optax on the users' jax. test_remat since
 # 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12;
-# test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax.
+# test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax. The optimizer
+# state kinds' codes, stochastic rounding, host update and sharded steps (jaxmem/optim) too.
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
-	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py
+	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py \
+	tests/unit/test_optim_codes.py tests/unit/test_optim_stochastic_round.py tests/unit/test_optim_host_update.py \
+	tests/unit/test_optim_adamw_lowbit.py tests/integration/test_optim_sharded.py
 
 $(LATEST)/.installed: pyproject.toml
 	$(PYTHON_LATEST) -m venv $(LATEST)
