@@ -71,11 +71,12 @@ def stages(allow_lossy: bool) -> tuple:
 
 
 def optimizer_note(allow_lossy: bool) -> str:
+    """tune's first line: whether the optimizer state was searched (lossy kinds change the numerics)."""
     if allow_lossy:
-        return ("optimizer state: searched, lossy kinds included (int8 / int4 moments, bf16 weights without an "
-                "fp32 master) because of --allow-lossy-optimizer")
-    return ("optimizer state: not searched (kept as the config sets it); --allow-lossy-optimizer also tries "
-            "int8 / int4 moments and bf16 weights without an fp32 master")
+        return "optimizer state: searched (--allow-lossy-optimizer): int8 / int4 moments, no fp32 master; lossy"
+    return "optimizer state: not searched, kept as configured (--allow-lossy-optimizer tries int8 / int4, no master)"
+
+
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",
         "kernels.loss=chunked"]
 # The memory levers tune decides, reset in every candidate (the config's own choices do not carry over;
