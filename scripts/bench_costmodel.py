@@ -120,7 +120,7 @@ def _md(rows: list[dict], source: str) -> str:
         "",
         "Every constant but two was fitted on the H100 rows above before these ran: the grouped-matmul rates come "
         "from the H200 kernel timings alone (the MoE rows: kernel "
-        + ", ".join(sorted({f"`{kernel(r)}`" for r in other if kernel(r)})) + "), and HOST_UPDATE_SECONDS_PER_PARAM "
+        + ", ".join(sorted({f"`{kernel(r)}`" for r in other if kernel(r)})) + "), and LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM "
         "from the one row whose update runs on the host (h200_gemma3_x6_s8k_host_update, in sample: it matches "
         "by construction).",
         head, *map(line, other),

@@ -104,7 +104,6 @@ HOST_LINK_EFFICIENCY = 1.0
 # benchmarks/host_update_gpu_host.md, benchmarks/constants.md); another host's cores and memory bandwidth give
 # another rate. Adafactor (no first moment, factored second) is priced as fp32 AdamW.
 HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {"float32": 2.65e-9, "bfloat16": 2.65e-9, "int8": 4.9e-9, "int4": 4.9e-9}
-HOST_UPDATE_SECONDS_PER_PARAM = HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT["float32"]
 # The layer-scan update the whole one replaced (jaxmem.optim.layerwise.layerwise_update under host compute): the
 # step time one measured run added over the model without this term, over its parameters (benchmarks/bench_h200/
 # run7; benchmarks/constants.md, costmodel). The cost model prices the cases measured with it
