@@ -165,6 +165,8 @@ def main() -> None:
         print(json.dumps(child(args.child, args.devices, args.steps, args.resume)))
         return
     if args.from_json:
+        if not args.md:
+            parser.error("--from-json writes the table to --md FILE; give one")
         Path(args.md).write_text(markdown(json.loads(Path(args.from_json).read_text())) + "\n")
         return
     from importlib.metadata import version
