@@ -54,7 +54,9 @@ LATEST := .venv-latest
 # test_lean_update too since then: the default AdamW step against optax on the users' jax. test_remat since
 # 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12;
 # test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax. The optimizer
-# state kinds' codes, stochastic rounding, host update and sharded steps (jaxmem/optim) too.
+# state kinds' codes, stochastic rounding, host update and sharded steps (jaxmem/optim) too. The fused host AdamW
+# kernel, built against the users' jax's FFI headers, on one device (its default runs in one-device programs).
+LATEST_ONE_DEVICE := tests/unit/test_host_adamw.py
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
 	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py \
@@ -74,7 +76,8 @@ test-latest:
 		echo "test-latest: could not install into $(LATEST) (no package index?); skipped"; \
 	else \
 		$(LATEST)/bin/python -c 'import jax; print("test-latest: jax", jax.__version__)' && \
-		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(LATEST_TESTS); \
+		$(CPU_ENV) $(LATEST)/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder $(LATEST_TESTS) && \
+		JAXMEM_TEST_DEVICES=1 JAX_PLATFORMS=cpu $(LATEST)/bin/python -m pytest -q $(LATEST_ONE_DEVICE); \
 	fi
 
 clean:

@@ -69,6 +69,9 @@ KERNEL_HELP = {
     ("grouped_matmul", "blocked"): "XLA loop over blocks of one expert's rows; no dense [rows, G x D] lhs",
     ("grouped_matmul", "pallas"): "Pallas (Triton) grouped GEMM over the same blocks (compiled on GPU, "
                                   "interpreted on CPU)",
+    ("host_update", "xla"): "XLA:CPU code under host compute; one loop per output (master, m, v, params)",
+    ("host_update", "fused"): "one pass per tensor (C++ through XLA's FFI, built here on first use); CPU "
+                              "programs; fp32 moments and master, bf16 params",
 }
 
 
@@ -319,8 +322,8 @@ def list_kernels() -> str:
     hints = _hints(KernelConfig)
     one_gpu, gpus, cpu = (kernels.resolve(KernelConfig(), platform, n) for platform, n in
                           (("gpu", 1), ("gpu", 8), ("cpu", 1)))
-    lines = ["kernel implementations (kernels.loss / kernels.attention / kernels.norm / kernels.grouped_matmul); "
-             "`auto` picks per platform and device count:"]
+    lines = ["kernel implementations (kernels.loss / kernels.attention / kernels.norm / kernels.grouped_matmul / "
+             "kernels.host_update); `auto` picks per platform and device count:"]
     for op in ("loss", "attention", "norm", "grouped_matmul"):
         on_gpu = (f"{one_gpu[op]} on gpu" if one_gpu[op] == gpus[op]
                   else f"{one_gpu[op]} on one gpu, {gpus[op]} on several")
@@ -329,6 +332,10 @@ def list_kernels() -> str:
         lines.append(f"  kernels.{op}: auto -> {on_gpu}, {cpu[op]} on cpu")
         impls = [a for a in typing.get_args(hints[op]) if a != "auto"]
         lines.append(_table([(impl, KERNEL_HELP.get((op, impl), "")) for impl in impls], indent="    "))
+    # decided where the update is built (jaxmem.optim.fused_host.choose): it also asks the state kind
+    lines.append("  kernels.host_update: auto -> xla on gpu and over several devices; fused in a one-device cpu "
+                 "program whose state it covers and where it builds, else xla")
+    lines.append(_table([(impl, KERNEL_HELP[("host_update", impl)]) for impl in ("xla", "fused")], indent="    "))
     return "\n".join(lines)
 
 

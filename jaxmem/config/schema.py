@@ -368,6 +368,12 @@ class KernelConfig:
                 "ragged_dot (jax.lax.ragged_dot: XLA:GPU densifies it, G x the FLOPs and a [rows, G x D] lhs), "
                 "blocked (groups padded to whole blocks, a loop over chunks of blocks; no dense lhs), pallas "
                 "(Triton grouped GEMM over the same blocks)")
+    host_update: Literal["auto", "xla", "fused"] = _f(
+        "auto", "the AdamW update on the host (offload.optimizer_update=host), one of auto (fused in a one-device "
+                "CPU program where the kernel builds and covers the state, else xla), xla (XLA:CPU code under "
+                "host compute: a loop per output), fused (one pass per tensor in C++ through XLA's FFI, built "
+                "with the machine's C++ compiler on first use; one-device CPU programs; fp32 moments, fp32 "
+                "master, bf16 params)")
     grouped_matmul_block_rows: int = _f(128, "blocked and pallas grouped matmul: rows per block (each expert's "
                                              "rows are padded to a multiple)" + _POW2)
     loss_block_t: int = _f(0, "chunked loss: tokens per tile; 0: by shape (all local tokens, up to "

@@ -33,6 +33,8 @@ from jaxmem.model.moe import ROUTER_METRICS, is_moe
 from jaxmem.optim.choice import make_optimizer
 from jaxmem.optim.hyper import schedule
 from jaxmem.optim import stochastic_round
+from jaxmem.optim import fused_host
+from jaxmem.optim.fused_host import FusedAdamW
 from jaxmem.optim.host_update import whole_update
 from jaxmem.optim.layerwise import adam_count, layerwise_update
 from jaxmem.optim.specs import layerwise_state_specs
@@ -59,6 +61,7 @@ class TrainProgram:
     layout: Layout  # every decision the step is built from, as the planner reads them
     plugin: ProgramPlugin = dataclasses.field(default_factory=ProgramPlugin)  # an add-on's hooks (core.plugins)
     features: Features = dataclasses.field(default_factory=Features)  # what the program was built with
+    fused_update: FusedAdamW | None = None  # the host update through the one-pass kernel (optim.fused_host)
 
     @property
     def foreign_layouts(self) -> tuple:
@@ -262,8 +265,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          # backward (one device: no collective to hide, and the scheduler's choice was as lean)
                          lookup=take_rows_late_zeros if layout.data_ways * layout.mesh_sizes["sp"] > 1 else take_rows)
     ctx = features.forward_context(cfg, mesh, ctx)  # an expert-parallel dispatcher, ...
+    fused = fused_host.choose(cfg, platform, mesh.size, prec.param)
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin,
-                        features)
+                        features, fused)
 
 
 def loss_sum_fn(prog: TrainProgram, ctx: ForwardContext | None = None):
@@ -450,7 +454,7 @@ def _updated_state(prog: TrainProgram, state: dict, grads, scale):
     common = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=prec.param, skip_nonfinite=scaling.enabled,
                   round_key=rounding_key(prog, state["step"]))
     if host_update:  # whole tensors (optim.host_update): the layer scan's copies are what XLA:CPU's update cost
-        update = functools.partial(whole_update, prog.optimizer, **common)
+        update = functools.partial(whole_update, prog.optimizer, fused=prog.fused_update, **common)
     else:
         update = functools.partial(layerwise_update, prog.optimizer, rest_chunks=prog.layout.rest_pieces, **common)
     # the old params are the buffer the new ones are written into, a layer at a time (an update on the host

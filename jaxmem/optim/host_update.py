@@ -18,7 +18,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.optim import rows as embed_grad
-from jaxmem.optim.layerwise import apply_update, clipped, layer_key, split_layers
+from jaxmem.optim.fused_host import FusedAdamW, fused_update
+from jaxmem.optim.layerwise import apply_update, clip_multiplier, clipped, layer_key, split_layers
 
 
 def _norm_and_finite(grads, scale):
@@ -58,15 +59,20 @@ def _vmapped_layers(opt, g, state, w, param_dtype, round_key=None):
 
 
 def whole_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm: float, param_dtype,
-                 skip_nonfinite: bool, norm=None, round_key=None):
+                 skip_nonfinite: bool, norm=None, round_key=None, fused: FusedAdamW | None = None):
     """`layerwise_update`'s step (unscale by `scale`, clip to `clip_norm` by the global norm, AdamW, new params
     in `param_dtype`; with `skip_nonfinite` an inf/nan anywhere keeps every old value) over whole tensors.
     The same arithmetic as layerwise_update's, element by element. `round_key`: the step's
     stochastic-rounding key, folded with each layer's index as layerwise_update folds it (the same bits).
-    Returns (new_params, new_opt_state, new_weights, (grad_norm, finite))."""
+    `fused`: the step through the one-pass host AdamW kernel (jaxmem.optim.fused_host), for the state kind it
+    covers; the same step up to the last bits of the fp32 master. Returns (new_params, new_opt_state, new_weights, (grad_norm, finite))."""
     own_norm, finite = _norm_and_finite(grads, scale)
     norm = own_norm if norm is None else norm
     finite = finite if skip_nonfinite else jnp.bool_(True)
+    if fused is not None:
+        new_p, new_s, new_w = fused_update(fused, grads, opt_state, weights, norm, finite,
+                                           clip_multiplier(norm, clip_norm, scale))
+        return new_p, new_s, new_w, (norm, finite)
     g = embed_grad.densify(clipped(grads, norm, clip_norm, scale))
 
     g_rest, g_layers = split_layers(g)

@@ -28,9 +28,14 @@ def clipped(grads, norm: jax.Array, max_norm: float, scale):
     clip_by_global_norm rule: unchanged below max_norm, else rescaled to it; <= 0: no clipping), in fp32: one
     multiplication per value by min(1, max_norm / norm) / scale (cheaper than dividing every value, above all in
     the host's XLA:CPU update). A RowGrad keeps its form."""
-    factor = jnp.float32(1.0) if max_norm <= 0 else jnp.where(norm < max_norm, 1.0, max_norm / norm)
-    multiplier = (factor / scale).astype(jnp.float32)
+    multiplier = clip_multiplier(norm, max_norm, scale)
     return embed_grad.map_values(lambda g: g.astype(jnp.float32) * multiplier, grads)
+
+
+def clip_multiplier(norm: jax.Array, max_norm: float, scale) -> jax.Array:
+    """min(1, max_norm / norm) / scale in fp32: what `clipped` multiplies every gradient value by."""
+    factor = jnp.float32(1.0) if max_norm <= 0 else jnp.where(norm < max_norm, 1.0, max_norm / norm)
+    return (factor / scale).astype(jnp.float32)
 
 
 

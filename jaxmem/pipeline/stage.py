@@ -154,7 +154,7 @@ class Stage:
         common = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=prec.param, skip_nonfinite=False, norm=norm,
                       round_key=None if key is None else jax.random.fold_in(key, self.index))
         if self.prog.layout.homes.update_on_host:  # whole tensors, as the one-program step (core.program)
-            update = functools.partial(whole_update, self.prog.optimizer, **common)
+            update = functools.partial(whole_update, self.prog.optimizer, fused=self.prog.fused_update, **common)
         else:
             update = functools.partial(layerwise_update, self.prog.optimizer, **common)
         new_params, new_opt, new_weights, _ = offload.run_update(cfg, update, grads, state["opt"], weights, None,

@@ -11,7 +11,7 @@ import pytest
 from jaxmem.features import load_config
 from jaxmem.core import offload
 from jaxmem.optim import choice, layerwise
-from jaxmem.optim import adamw_lowbit, codes, host_update
+from jaxmem.optim import adamw_lowbit, codes, fused_host, host_update
 
 SHAPES = {"embed": (64, 96), "final_norm": (96,), "layers": {"attn_norm": (3, 96), "wq": (3, 96, 128),
                                                             "w_down": (3, 256, 96)}}
@@ -25,10 +25,11 @@ def _tree(seed, scale=1.0):
                         is_leaf=lambda x: isinstance(x, tuple))
 
 
-def _both(opt, grads, state, weights, params, scale, skip):
+def _both(opt, grads, state, weights, params, scale, skip, fused=None):
     kw = dict(clip_norm=0.5, param_dtype=jnp.bfloat16, skip_nonfinite=skip)
     want = jax.jit(functools.partial(layerwise.layerwise_update, opt, **kw))(grads, state, weights, params, scale)
-    got = jax.jit(functools.partial(host_update.whole_update, opt, **kw))(grads, state, weights, params, scale)
+    got = jax.jit(functools.partial(host_update.whole_update, opt, fused=fused, **kw))(grads, state, weights, params,
+                                                                                      scale)
     return got, want
 
 
@@ -41,16 +42,26 @@ def _same_state(a, b):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("bits", [None, 8])
+def _fused(cfg):
+    return fused_host.FusedAdamW.from_config(cfg)
+
+
+@pytest.mark.parametrize("bits", [None, 8, "fused"])
 def test_equals_layerwise(bits):
     """Two clipped steps (the gradient norm is above clip_norm) from the same state agree; the low-bit state
-    agrees to a code step where the last-bit difference of the clip crosses a code boundary."""
+    agrees to a code step where the last-bit difference of the clip crosses a code boundary. Through the
+    one-pass kernel (fused) too: the same state tree, counts and values up to fp32 rounding."""
     cfg = load_config("configs/tiny.yaml", CFG)
-    opt = choice.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
+    opt = choice.make_optimizer(cfg) if bits in (None, "fused") else adamw_lowbit.make_lowbit_adamw(
+        cfg, bits, threshold=1024)
+    fused = _fused(cfg) if bits == "fused" else None
     weights = _tree(0)
     state = layerwise.init_opt_state(opt, weights)
     for seed in (1, 2):
-        got, want = _both(opt, _tree(seed, 0.1), state, weights, None, jnp.float32(1.0), False)
+        got, want = _both(opt, _tree(seed, 0.1), state, weights, None, jnp.float32(1.0), False, fused)
+        assert jax.tree.structure(got[1]) == jax.tree.structure(want[1])
+        jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b) if a.dtype == jnp.int32 else None,
+                     got[1], want[1])  # Adam's and the schedule's step counts
         assert float(want[3][0]) > 0.5
         np.testing.assert_allclose(got[3][0], want[3][0], rtol=1e-6)
         jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got[2], want[2])
@@ -59,34 +70,37 @@ def test_equals_layerwise(bits):
         state, weights = want[1], want[2]
 
 
-def test_skips_nonfinite_step():
+@pytest.mark.parametrize("fused", [False, True])
+def test_skips_nonfinite_step(fused):
     """With skip_nonfinite, an inf in one layer's gradient keeps every old value, as layerwise_update does;
-    a finite step with a loss scale divides it out."""
-    opt = choice.make_optimizer(load_config("configs/tiny.yaml", CFG))
+    a finite step with a loss scale divides it out. Through the one-pass kernel too."""
+    cfg = load_config("configs/tiny.yaml", CFG)
+    opt, fused = choice.make_optimizer(cfg), _fused(cfg) if fused else None
     weights = _tree(0)
     state = layerwise.init_opt_state(opt, weights)
     params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), weights)
     bad = _tree(1, 0.1)
     bad["layers"]["wq"] = bad["layers"]["wq"].at[1, 2, 3].set(jnp.inf)
-    got, want = _both(opt, bad, state, weights, params, jnp.float32(1.0), True)
+    got, want = _both(opt, bad, state, weights, params, jnp.float32(1.0), True, fused)
     assert not bool(got[3][1]) and not bool(want[3][1])
     jax.tree.map(np.testing.assert_array_equal, got[:3], (params, state, weights))
-    got, want = _both(opt, _tree(2, 128.0), state, weights, params, jnp.float32(1024.0), True)
+    got, want = _both(opt, _tree(2, 128.0), state, weights, params, jnp.float32(1024.0), True, fused)
     assert bool(got[3][1])
     np.testing.assert_allclose(got[3][0], want[3][0], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), got[2], want[2])
 
 
-@pytest.mark.parametrize("bits", [None, 8, 4])
+@pytest.mark.parametrize("bits", [None, 8, 4, "fused"])
 def test_under_host_compute(bits):
     """offload.run_update's host path (compat.host_compute, state in pinned host memory) runs whole_update, the
     low-bit optimizer too, and gives what it gives on the device."""
     cfg = load_config("configs/tiny.yaml", CFG + ["offload.optimizer=host", "offload.optimizer_update=host"])
-    opt = choice.make_optimizer(cfg) if bits is None else adamw_lowbit.make_lowbit_adamw(cfg, bits, threshold=1024)
+    opt = choice.make_optimizer(cfg) if bits in (None, "fused") else adamw_lowbit.make_lowbit_adamw(
+        cfg, bits, threshold=1024)
     weights, grads = _tree(0), _tree(1, 0.1)
     state = layerwise.init_opt_state(opt, weights)
     update = functools.partial(host_update.whole_update, opt, clip_norm=0.5, param_dtype=jnp.bfloat16,
-                               skip_nonfinite=False)
+                               skip_nonfinite=False, fused=_fused(cfg) if bits == "fused" else None)
     device = jax.devices()[0]
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     on_host = lambda t: jax.tree.map(  # noqa: E731

@@ -1,0 +1,45 @@
+"""One AdamW step over a tensor on the host CPU in one pass (host_adamw.cc through XLA's FFI), beside its
+pure-jnp reference.
+
+`host_adamw` reads the gradient, the fp32 master weights and the fp32 moments once and writes the master and
+the moments in place (aliased: the caller donates them) and the bf16 params; XLA:CPU's own code for the same
+step writes each output from a loop of its own (benchmarks/host_update.md). CPU programs only: the library is
+built for the machine's CPU on first use (jaxmem.kernels.host_adamw.build) and registered for the CPU platform.
+
+`scalars` is f32[5]: [lr, 1 - b1^t, 1 - b2^t, multiplier, skip]. The multiplier (the global-norm clip over the
+loss scale) scales every gradient value first; skip != 0 keeps the weights and moments and writes the params
+as the old weights rounded (a non-finite fp16 step).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxmem.kernels.host_adamw.build import BuildError, register
+
+__all__ = ["BuildError", "host_adamw", "host_adamw_reference", "register"]
+
+
+def host_adamw(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: float, decay: float):
+    """(new weights, new mu, new nu, new bf16 params); grad float32 or bfloat16, the rest float32."""
+    target = register()
+    f32 = jax.ShapeDtypeStruct(weights.shape, jnp.float32)
+    call = jax.ffi.ffi_call(target, (f32, f32, f32, jax.ShapeDtypeStruct(weights.shape, jnp.bfloat16)),
+                            input_output_aliases={1: 0, 2: 1, 3: 2})
+    # 1 - b1 and 1 - b2 rounded from double, as optax's (1 - decay) * g is
+    return call(grad, weights, mu, nu, scalars, b1=np.float32(b1), one_minus_b1=np.float32(1.0 - b1),
+                b2=np.float32(b2), one_minus_b2=np.float32(1.0 - b2), eps=np.float32(eps), decay=np.float32(decay))
+
+
+def host_adamw_reference(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: float, decay: float):
+    """The kernel's arithmetic in jnp, operation for operation (the executable spec its tests compare with)."""
+    lr, bc1, bc2, multiplier, skip = (scalars[i] for i in range(5))
+    g = grad.astype(jnp.float32) * multiplier
+    m = (1.0 - b1) * g + b1 * mu
+    v = (1.0 - b2) * (g * g) + b2 * nu
+    u = (m * (1.0 / bc1)) / (jnp.sqrt(v * (1.0 / bc2)) + eps) + decay * weights
+    w = weights - lr * u
+    keep = skip != 0
+    w, m, v = (jnp.where(keep, old, new) for old, new in ((weights, w), (mu, m), (nu, v)))
+    return w, m, v, w.astype(jnp.bfloat16)

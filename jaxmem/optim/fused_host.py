@@ -1,0 +1,133 @@
+"""The host update through the one-pass AdamW kernel (kernels.host_update=fused, jaxmem.kernels.host_adamw).
+
+It runs `whole_update`'s step (unscale, clip by the global norm, AdamW, bf16 params) for the state kind the
+kernel covers: AdamW with fp32 moments, an fp32 master and bf16 params rounded to nearest. The step's scalars
+(learning rate, bias corrections, the clip multiplier) are computed here as optax computes them, each tensor
+then goes through the kernel once, and the optax state comes back with the same structure and counts, so a
+checkpoint, a resume or a switch to the XLA update reads it unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxmem.config.schema import Config, ConfigError
+from jaxmem.kernels.host_adamw import BuildError, host_adamw, register
+from jaxmem.optim import rows as embed_grad
+from jaxmem.optim.hyper import decay_mask, schedule
+from jaxmem.optim.kind import StateKind
+from jaxmem.optim.layerwise import split_layers
+
+_COUNTED = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
+
+
+def not_covered(cfg: Config, param_dtype) -> str | None:
+    """Why the kernel cannot run this config's update (one line naming the key), or None where it can."""
+    kind, p = StateKind.from_config(cfg), cfg.precision
+    if kind.name != "adamw" or kind.moment != "float32":
+        return f"it keeps AdamW's moments in float32 (optimizer.name={kind.name}, precision.moment_dtype={kind.moment})"
+    if not p.master_weights:
+        return "it updates an fp32 master copy (precision.master_weights=false)"
+    if jnp.dtype(param_dtype) != jnp.bfloat16:
+        return f"it writes bfloat16 params (precision.param_dtype={jnp.dtype(param_dtype).name})"
+    return None
+
+
+def choose(cfg: Config, platform: str, n_devices: int, param_dtype) -> "FusedAdamW | None":
+    """The fused update for a program of `n_devices` `platform` devices, or None for XLA's (kernels.host_update).
+    `auto` takes the kernel in a one-device CPU program whose state kind it covers and where it builds, else
+    XLA's update: over several devices GSPMD would run the custom call on whole tensors, and in a GPU program's
+    host compute the kernel has not been run. An explicit `fused` that cannot run raises ConfigError, before
+    any compile."""
+    impl = cfg.kernels.host_update
+    if impl == "xla" or not (cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"):
+        return None
+    reason = not_covered(cfg, param_dtype)
+    if reason is None and (platform != "cpu" or n_devices != 1):
+        reason = f"it runs in one-device CPU programs (this one: {n_devices} {platform} device(s))"
+    if reason is None:
+        try:
+            register()
+            return FusedAdamW.from_config(cfg)
+        except BuildError as e:
+            reason = str(e)
+    if cfg.kernels.host_update == "fused":
+        raise ConfigError(f"kernels.host_update=fused cannot run here: {reason}; use auto or xla")
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAdamW:
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    lr: Callable  # the schedule: step count -> learning rate
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> "FusedAdamW":
+        o = cfg.optimizer
+        return cls(o.b1, o.b2, o.eps, o.weight_decay, schedule(cfg))
+
+
+def _counts(state):
+    """(Adam's count, the schedule's count) of one chain state; a layer stack's are [layers], all equal."""
+    found = {type(s): s.count for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, _COUNTED))
+             if isinstance(s, _COUNTED)}
+    first = lambda c: c.reshape(-1)[0]  # noqa: E731
+    return first(found[optax.ScaleByAdamState]), first(found[optax.ScaleByScheduleState])
+
+
+def _moments(state):
+    adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, _COUNTED))
+                if isinstance(s, optax.ScaleByAdamState))
+    return adam.mu, adam.nu
+
+
+def _rebuilt(state, mu, nu, adam_count, schedule_count):
+    def fix(s):
+        if isinstance(s, optax.ScaleByAdamState):
+            return s._replace(count=jnp.broadcast_to(adam_count, s.count.shape), mu=mu, nu=nu)
+        if isinstance(s, optax.ScaleByScheduleState):
+            return s._replace(count=jnp.broadcast_to(schedule_count, s.count.shape))
+        return s
+
+    return jax.tree.map(fix, state, is_leaf=lambda s: isinstance(s, _COUNTED))
+
+
+def _part(hyper: FusedAdamW, g, state, w, multiplier, finite):
+    """One chain state's tensors (the non-layer params, or the stacked layers) through the kernel."""
+    adam_count, schedule_count = _counts(state)
+    t = optax.safe_increment(adam_count)
+    bc1, bc2 = 1 - hyper.b1 ** t, 1 - hyper.b2 ** t  # optax's bias corrections, in the same dtype
+    skip = jnp.where(finite, 0.0, 1.0)
+    scalars = jnp.stack([hyper.lr(schedule_count), bc1, bc2, multiplier, skip]).astype(jnp.float32)
+    mu, nu = _moments(state)
+    decays = decay_mask(w)
+
+    def one(g, w, m, v, decays):
+        g = g if g.dtype in (jnp.float32, jnp.bfloat16) else g.astype(jnp.float32)
+        return host_adamw(g, w, m, v, scalars, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps,
+                          decay=hyper.weight_decay if decays else 0.0)
+
+    out = jax.tree.map(one, g, w, mu, nu, decays)
+    pick = lambda i: jax.tree.map(lambda _, o: o[i], w, out)  # noqa: E731
+    new_w, new_mu, new_nu, new_p = (pick(i) for i in range(4))
+    new_counts = (jnp.where(finite, t, adam_count), jnp.where(finite, optax.safe_increment(schedule_count),
+                                                             schedule_count))
+    return new_p, _rebuilt(state, new_mu, new_nu, *new_counts), new_w
+
+
+def fused_update(hyper: FusedAdamW, grads, opt_state, weights, norm, finite, multiplier):
+    """whole_update's step through the kernel: (new_params, new_opt_state, new_weights). `multiplier` is the
+    clip factor over the loss scale; `finite` False (a non-finite fp16 step) keeps every old value."""
+    g_rest, g_layers = split_layers(embed_grad.densify(grads))
+    w_rest, w_layers = split_layers(weights)
+    p_rest, s_rest, new_w_rest = _part(hyper, g_rest, opt_state["rest"], w_rest, multiplier, finite)
+    p_layers, s_layers, new_w_layers = _part(hyper, g_layers, opt_state["layers"], w_layers, multiplier, finite)
+    return (dict(p_rest, layers=p_layers), {"rest": s_rest, "layers": s_layers},
+            dict(new_w_rest, layers=new_w_layers))

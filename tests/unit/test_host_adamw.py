@@ -1,0 +1,149 @@
+"""The one-pass host AdamW kernel (jaxmem.kernels.host_adamw) against its jnp reference, its build cache, and the
+choice of the fused update (jaxmem.optim.fused_host.choose): where it runs, and the one-line errors where an
+explicit kernels.host_update=fused cannot."""
+import functools
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.config.schema import ConfigError
+from jaxmem.features import build_program, load_config
+from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_reference
+from jaxmem.optim import fused_host
+from jaxmem.train import run
+
+from tiny_config import tiny_config
+
+HYPER = dict(b1=0.9, b2=0.95, eps=1e-8)
+
+
+def _inputs(shape, grad_dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    draw = lambda scale: jnp.asarray(scale * rng.standard_normal(shape), jnp.float32)  # noqa: E731
+    return (draw(1e-2).astype(grad_dtype), draw(1.0), draw(1e-3), jnp.abs(draw(1e-5)))
+
+
+def _close(a, b):
+    """Equal up to fp32 rounding: relative to each value, and to the tensor's largest where terms cancel."""
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6 * float(np.abs(b).max()))
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 70_001), (1_000_003,)])  # one piece; several, with a ragged end
+@pytest.mark.parametrize("grad_dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("decay", [0.0, 0.1])
+def test_matches_reference(shape, grad_dtype, decay):
+    """Three steps with a clip multiplier and bias corrections: weights and moments equal the jnp reference's
+    up to fp32 rounding (multiply-add contraction, the order of the reciprocals), the bf16 params are the
+    rounding of the kernel's own weights, bit for bit."""
+    g, w, m, v = _inputs(shape, grad_dtype)
+    kernel = jax.jit(functools.partial(host_adamw, decay=decay, **HYPER))
+    reference = jax.jit(functools.partial(host_adamw_reference, decay=decay, **HYPER))
+    want = (w, m, v)
+    for t in (1, 2, 3):
+        scalars = jnp.array([1e-2 / t, 1 - 0.9 ** t, 1 - 0.95 ** t, 0.7, 0.0], jnp.float32)
+        got = kernel(g, w, m, v, scalars)
+        want = reference(g, *want[:3], scalars)
+        for a, b in zip(got[:3], want[:3]):
+            _close(a, b)
+        np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(got[0].astype(jnp.bfloat16)))
+        w, m, v = got[:3]
+    assert float(jnp.max(jnp.abs(w - _inputs(shape, grad_dtype)[1]))) > 1e-3  # the weights moved
+
+
+def test_skip_keeps_state_and_rounds_old_weights():
+    g, w, m, v = _inputs((200_000,), jnp.float32)
+    g = g.at[5].set(jnp.inf)
+    scalars = jnp.array([1e-2, 0.1, 0.05, 1.0, 1.0], jnp.float32)
+    got = jax.jit(functools.partial(host_adamw, decay=0.1, **HYPER))(g, w, m, v, scalars)
+    for a, b in zip(got, (w, m, v, w.astype(jnp.bfloat16))):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_updates_in_place_when_donated():
+    """Weights and moments are written into the donated input buffers: no new host allocation per tensor."""
+    g, w, m, v = _inputs((300_000,), jnp.float32)
+    pointers = [x.unsafe_buffer_pointer() for x in (w, m, v)]
+    step = jax.jit(functools.partial(host_adamw, decay=0.1, **HYPER), donate_argnums=(1, 2, 3))
+    out = step(g, w, m, v, jnp.array([1e-2, 0.1, 0.05, 1.0, 0.0], jnp.float32))
+    assert [x.unsafe_buffer_pointer() for x in out[:3]] == pointers
+
+
+def test_build_is_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXMEM_KERNEL_CACHE", str(tmp_path))
+    first = build.library_path()
+    stamp = first.stat().st_mtime_ns
+    assert build.library_path() == first and first.stat().st_mtime_ns == stamp
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temporary left behind
+
+
+def test_no_compiler_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXMEM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    with pytest.raises(build.BuildError, match=r"no C\+\+ compiler"):
+        build.library_path()
+
+
+HOST = ["offload.optimizer=host", "precision.param_dtype=bfloat16", "precision.master_weights=true"]
+
+
+def _choose(overrides, platform="cpu", n_devices=1):
+    cfg = load_config("configs/tiny.yaml", HOST + overrides)
+    return fused_host.choose(cfg, platform, n_devices, jnp.dtype(cfg.precision.param_dtype))
+
+
+def test_choose(monkeypatch):
+    assert isinstance(_choose([]), fused_host.FusedAdamW)
+    assert _choose(["kernels.host_update=xla"]) is None
+    assert _choose([], platform="gpu") is None and _choose([], n_devices=8) is None
+    assert _choose(["offload.optimizer_update=device"]) is None  # the update streams through the device
+    assert _choose(["precision.moment_dtype=int8"]) is None  # auto: XLA's update for a kind it does not cover
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*precision.moment_dtype=int8"):
+        _choose(["kernels.host_update=fused", "precision.moment_dtype=int8"])
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*one-device CPU programs"):
+        _choose(["kernels.host_update=fused"], n_devices=8)
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*1 gpu device"):
+        _choose(["kernels.host_update=fused"], platform="gpu")
+
+    def unbuildable():
+        raise build.BuildError("no C++ compiler")
+
+    monkeypatch.setattr(fused_host, "register", unbuildable)
+    assert _choose([]) is None
+    with pytest.raises(ConfigError, match="kernels.host_update=fused cannot run here: no C\\+\\+ compiler"):
+        _choose(["kernels.host_update=fused"])
+
+
+# ---------------------------------------------------------------- in the train step
+
+SMALL = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "optimizer.warmup_steps=0",
+         "optimizer.lr=1e-2", "train.micro_batch=4", "checkpoint.async_save=false", "train.log_every=1"]
+
+
+def _losses(tmp_path, impl, steps):
+    cfg = tiny_config(tmp_path, *HOST, *SMALL, f"kernels.host_update={impl}", f"train.steps={steps}",
+                      "checkpoint.every=3")
+    return run(cfg)
+
+
+def test_train_step_runs_the_kernel_and_resumes_exactly(tmp_path):
+    """A one-device CPU run with the state on the host takes the kernel by default (auto): its compiled step
+    calls it, its losses follow XLA's update within fp32 rounding, and a run resumed from its step-3
+    checkpoint gives the straight run's losses bit for bit."""
+    assert jax.device_count() == 1, "the unit tier's one device (JAXMEM_TEST_DEVICES=1): run() takes every device"
+    cfg = load_config(None, HOST + SMALL)
+    prog = build_program(cfg, devices=jax.devices()[:1])
+    assert prog.fused_update is not None
+    batch = prog.shard_batch(np.zeros(prog.batch_shape, np.int32))
+    assert build.TARGET in prog.jit_step().lower(prog.abstract_state, batch).as_text()
+    xla = [r["loss"] for r in _losses(tmp_path / "xla", "xla", 6)["records"]]
+    straight = _losses(tmp_path / "fused", "auto", 6)
+    fused = [r["loss"] for r in straight["records"]]
+    np.testing.assert_allclose(fused, xla, rtol=1e-4)
+    shutil.rmtree(tmp_path / "fused" / "checkpoints" / "6")
+    resumed = _losses(tmp_path / "fused", "auto", 6)
+    assert resumed["resumed_from"] == 3
+    assert [r["loss"] for r in resumed["records"]] == fused[3:]
