@@ -17,6 +17,7 @@ from jaxmem.plan.allocator import ENV_KEYS as ALLOCATOR_VARS, derive
 from jaxmem.runtime.compat import JAX_RANGE, in_range, version_tuple
 from jaxmem.runtime.compat import UnsupportedVersion, installed_version, require_matching_cuda_plugin
 from jaxmem.kernels import cudnn_present
+from jaxmem.kernels.host_adamw.build import BuildError, library_path
 from jaxmem.runtime.distributed import slurm_tasks
 from jaxmem.config.schema import ConfigError
 from jaxmem.config.validate import check_distributed as rules
@@ -70,6 +71,18 @@ def check_cuda_plugin(on_gpu: bool) -> dict:
     if on_gpu:
         return check("cuda plugin", "fail", "no jax CUDA plugin installed; pip install 'jaxmem[gpu]'")
     return check("cuda plugin", "skip", "not installed (deviceless GPU plans need it: pip install 'jaxmem[aot]')")
+
+
+def check_host_kernel(on_gpu: bool) -> dict:
+    """The one-pass host AdamW kernel (kernels.host_update): built, or cached, for this machine's CPU."""
+    name = "host AdamW"
+    if on_gpu:
+        return check(name, "skip", "a GPU program's host update runs XLA's code (kernels.host_update)")
+    try:
+        path = library_path()
+    except BuildError as e:
+        return check(name, "warn", f"{e}: a one-device CPU program's host update runs XLA's code (slower)")
+    return check(name, "ok", f"fused kernel built for this CPU ({path})")
 
 
 def check_cudnn(on_gpu: bool) -> dict:
@@ -177,7 +190,8 @@ def run_checks(cfg=None, env: Mapping[str, str] | None = None, ram: int | None =
     with contextlib.nullcontext() if os.path.exists("/proc/driver/nvidia") else _quiet_native_stderr():
         devices = jax.devices()
     on_gpu = devices[0].platform == "gpu"
-    out = [check_platform(devices), check_jax(), check_cuda_plugin(on_gpu), check_cudnn(on_gpu)]
+    out = [check_platform(devices), check_jax(), check_cuda_plugin(on_gpu), check_cudnn(on_gpu),
+           check_host_kernel(on_gpu)]
     if cfg is None:
         return out + [check_allocator(env, None, None, NO_CONFIG), check_pinned_host(devices, None),
                       check_host_ram(None, None), check("distributed", "skip", NO_CONFIG)]
@@ -211,7 +225,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="jaxmem doctor", formatter_class=HelpFormatter,
         description="Checks this machine for a run: platform and devices, jax / jaxlib / CUDA plugin / cuDNN "
-                    "versions, the XLA allocator environment, pinned host memory (offload), host RAM against "
+                    "versions, the fused host AdamW kernel's build, the XLA allocator environment, pinned host memory (offload), host RAM against "
                     "the plan's host bytes, and the distributed settings. One line per check: ok, warn, fail, "
                     "or skip (cannot be checked here). Exits 1 when a check fails. Without a config, the "
                     "config-dependent checks are skipped. What to do on warn/fail: docs/doctor.md.",

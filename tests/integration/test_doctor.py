@@ -22,8 +22,9 @@ def test_no_config_json_and_gpu_checks_skip(tmp_path):
     checks = json.loads(out.read_text())
     assert [set(c) for c in checks] == [{"name", "status", "detail"}] * len(checks)
     got = by_name(checks)
-    assert list(got) == ["platform", "jax", "cuda plugin", "cudnn", "allocator", "pinned host", "host RAM",
-                         "distributed"]
+    assert list(got) == ["platform", "jax", "cuda plugin", "cudnn", "host AdamW", "allocator", "pinned host",
+                         "host RAM", "distributed"]
+    assert got["host AdamW"]["status"] == "ok" and "host_adamw-" in got["host AdamW"]["detail"]  # g++ is here
     assert got["platform"]["status"] == "ok"
     assert got["platform"]["detail"] == "8 x cpu (cpu); cpu only: GPU checks skipped"
     assert f"jax {jax.__version__}" in got["jax"]["detail"] and ">=0.10.2,<0.13" in got["jax"]["detail"]
@@ -136,3 +137,11 @@ def test_bad_config_is_config_error(tmp_path):
         doctor.main([str(tmp_path / "missing.yaml")])
     with pytest.raises(ConfigError):
         doctor.main(["configs/tiny.yaml", "target.name=nope"])
+
+
+def test_host_kernel_without_a_compiler_warns(tmp_path, monkeypatch):
+    monkeypatch.setenv("JAXMEM_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
+    got = doctor.check_host_kernel(on_gpu=False)
+    assert got["status"] == "warn" and "no C++ compiler" in got["detail"] and "XLA's code" in got["detail"]
+    assert doctor.check_host_kernel(on_gpu=True)["status"] == "skip"
