@@ -225,10 +225,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(
         prog="jaxmem doctor", formatter_class=HelpFormatter,
         description="Checks this machine for a run: platform and devices, jax / jaxlib / CUDA plugin / cuDNN "
-                    "versions, the fused host AdamW kernel's build, the XLA allocator environment, pinned host memory (offload), host RAM against "
-                    "the plan's host bytes, and the distributed settings. One line per check: ok, warn, fail, "
-                    "or skip (cannot be checked here). Exits 1 when a check fails. Without a config, the "
-                    "config-dependent checks are skipped. What to do on warn/fail: docs/doctor.md.",
+                    "versions, the fused host AdamW kernel's build, the XLA allocator environment, pinned host "
+                    "memory (offload), host RAM against the plan's host bytes, and the distributed settings. "
+                    "One line per check: ok, warn, fail, or skip (cannot be checked here). Exits 1 when a check "
+                    "fails. Without a config, the config-dependent checks are skipped. What to do on warn/fail: "
+                    "docs/doctor.md.",
         epilog="examples:\n"
                "  jaxmem doctor                                   # the machine alone\n"
                "  jaxmem doctor configs/qwen2-72b-8xh100.yaml --json doctor.json\n"

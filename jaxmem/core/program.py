@@ -34,7 +34,6 @@ from jaxmem.optim.choice import make_optimizer
 from jaxmem.optim.hyper import schedule
 from jaxmem.optim import stochastic_round
 from jaxmem.optim import fused_host
-from jaxmem.optim.fused_host import FusedAdamW
 from jaxmem.optim.host_update import whole_update
 from jaxmem.optim.layerwise import adam_count, layerwise_update
 from jaxmem.optim.specs import layerwise_state_specs
@@ -61,7 +60,7 @@ class TrainProgram:
     layout: Layout  # every decision the step is built from, as the planner reads them
     plugin: ProgramPlugin = dataclasses.field(default_factory=ProgramPlugin)  # an add-on's hooks (core.plugins)
     features: Features = dataclasses.field(default_factory=Features)  # what the program was built with
-    fused_update: FusedAdamW | None = None  # the host update through the one-pass kernel (optim.fused_host)
+    fused_update: fused_host.FusedAdamW | None = None  # the host update through the one-pass kernel (optim.fused_host)
 
     @property
     def foreign_layouts(self) -> tuple:

@@ -55,7 +55,7 @@ def choose(cfg: Config, platform: str, n_devices: int, param_dtype) -> "FusedAda
             return FusedAdamW.from_config(cfg)
         except BuildError as e:
             reason = str(e)
-    if cfg.kernels.host_update == "fused":
+    if impl == "fused":
         raise ConfigError(f"kernels.host_update=fused cannot run here: {reason}; use auto or xla")
     return None
 
@@ -74,18 +74,10 @@ class FusedAdamW:
         return cls(o.b1, o.b2, o.eps, o.weight_decay, schedule(cfg))
 
 
-def _counts(state):
-    """(Adam's count, the schedule's count) of one chain state; a layer stack's are [layers], all equal."""
-    found = {type(s): s.count for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, _COUNTED))
-             if isinstance(s, _COUNTED)}
-    first = lambda c: c.reshape(-1)[0]  # noqa: E731
-    return first(found[optax.ScaleByAdamState]), first(found[optax.ScaleByScheduleState])
-
-
-def _moments(state):
-    adam = next(s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, _COUNTED))
-                if isinstance(s, optax.ScaleByAdamState))
-    return adam.mu, adam.nu
+def _counted(state) -> dict:
+    """{ScaleByAdamState: its node, ScaleByScheduleState: its node} of one chain state."""
+    return {type(s): s for s in jax.tree.leaves(state, is_leaf=lambda s: isinstance(s, _COUNTED))
+            if isinstance(s, _COUNTED)}
 
 
 def _rebuilt(state, mu, nu, adam_count, schedule_count):
@@ -101,20 +93,20 @@ def _rebuilt(state, mu, nu, adam_count, schedule_count):
 
 def _part(hyper: FusedAdamW, g, state, w, multiplier, finite):
     """One chain state's tensors (the non-layer params, or the stacked layers) through the kernel."""
-    adam_count, schedule_count = _counts(state)
+    nodes = _counted(state)
+    adam, first = nodes[optax.ScaleByAdamState], lambda c: c.reshape(-1)[0]  # noqa: E731
+    # a layer stack's counts are [layers], all equal
+    adam_count, schedule_count = first(adam.count), first(nodes[optax.ScaleByScheduleState].count)
     t = optax.safe_increment(adam_count)
     bc1, bc2 = 1 - hyper.b1 ** t, 1 - hyper.b2 ** t  # optax's bias corrections, in the same dtype
     skip = jnp.where(finite, 0.0, 1.0)
     scalars = jnp.stack([hyper.lr(schedule_count), bc1, bc2, multiplier, skip]).astype(jnp.float32)
-    mu, nu = _moments(state)
-    decays = decay_mask(w)
-
     def one(g, w, m, v, decays):
         g = g if g.dtype in (jnp.float32, jnp.bfloat16) else g.astype(jnp.float32)
         return host_adamw(g, w, m, v, scalars, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps,
                           decay=hyper.weight_decay if decays else 0.0)
 
-    out = jax.tree.map(one, g, w, mu, nu, decays)
+    out = jax.tree.map(one, g, w, adam.mu, adam.nu, decay_mask(w))
     pick = lambda i: jax.tree.map(lambda _, o: o[i], w, out)  # noqa: E731
     new_w, new_mu, new_nu, new_p = (pick(i) for i in range(4))
     new_counts = (jnp.where(finite, t, adam_count), jnp.where(finite, optax.safe_increment(schedule_count),
@@ -122,7 +114,7 @@ def _part(hyper: FusedAdamW, g, state, w, multiplier, finite):
     return new_p, _rebuilt(state, new_mu, new_nu, *new_counts), new_w
 
 
-def fused_update(hyper: FusedAdamW, grads, opt_state, weights, norm, finite, multiplier):
+def fused_update(hyper: FusedAdamW, grads, opt_state, weights, finite, multiplier):
     """whole_update's step through the kernel: (new_params, new_opt_state, new_weights). `multiplier` is the
     clip factor over the loss scale; `finite` False (a non-finite fp16 step) keeps every old value."""
     g_rest, g_layers = split_layers(embed_grad.densify(grads))

@@ -65,12 +65,13 @@ def whole_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm
     The same arithmetic as layerwise_update's, element by element. `round_key`: the step's
     stochastic-rounding key, folded with each layer's index as layerwise_update folds it (the same bits).
     `fused`: the step through the one-pass host AdamW kernel (jaxmem.optim.fused_host), for the state kind it
-    covers; the same step up to the last bits of the fp32 master. Returns (new_params, new_opt_state, new_weights, (grad_norm, finite))."""
+    covers; the same step up to the last bits of the fp32 master.
+    Returns (new_params, new_opt_state, new_weights, (grad_norm, finite))."""
     own_norm, finite = _norm_and_finite(grads, scale)
     norm = own_norm if norm is None else norm
     finite = finite if skip_nonfinite else jnp.bool_(True)
     if fused is not None:
-        new_p, new_s, new_w = fused_update(fused, grads, opt_state, weights, norm, finite,
+        new_p, new_s, new_w = fused_update(fused, grads, opt_state, weights, finite,
                                            clip_multiplier(norm, clip_norm, scale))
         return new_p, new_s, new_w, (norm, finite)
     g = embed_grad.densify(clipped(grads, norm, clip_norm, scale))

@@ -98,15 +98,14 @@ template <typename Body>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   constexpr int64_t kMinPiece = 1 << 16;
   const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  const int64_t count = std::max<int64_t>(1, std::min<int64_t>(4 * workers, n / kMinPiece));
-  if (count == 1) {
+  const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * workers, n / kMinPiece));
+  if (wanted == 1) {
     body(0, n);
     return;
   }
   auto state = std::make_shared<Pieces>();
-  state->count = count;
   state->n = n;
-  state->per = ((n + count - 1) / count + 15) / 16 * 16;  // whole cache lines for every piece but the last
+  state->per = ((n + wanted - 1) / wanted + 15) / 16 * 16;  // whole cache lines for every piece but the last
   state->count = (n + state->per - 1) / state->per;
   const Body* shared_body = &body;  // read only by a task that takes a piece, which the caller waits for
   for (int64_t t = 1; t < std::min(workers, state->count); ++t) {
