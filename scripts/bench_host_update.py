@@ -62,7 +62,7 @@ def _jax_candidates(tree_shapes: dict):
 
     from jaxmem.features import load_config
     from jaxmem.core import offload
-    from jaxmem.kernels.host_adamw import host_adamw
+    from jaxmem.kernels.host_adamw import host_adamw, register
     from jaxmem.optim import adamw_lowbit, choice, fused_host, host_update, layerwise
 
     cfg = load_config(os.path.join(os.path.dirname(__file__), "..", "configs", "tiny.yaml"), OVERRIDES)
@@ -76,6 +76,8 @@ def _jax_candidates(tree_shapes: dict):
     host = jax.sharding.SingleDeviceSharding(device, memory_kind="pinned_host")
     on_host = lambda t: jax.tree.map(  # noqa: E731
         lambda x: jax.device_put(x, host if x.ndim else jax.sharding.SingleDeviceSharding(device)), t)
+    if jax.default_backend() == "gpu":  # whole_fused: the kernel in a GPU program's host computation
+        register("gpu")
     kw = dict(clip_norm=cfg.optimizer.clip_norm, param_dtype=jnp.bfloat16, skip_nonfinite=False)
     updates = {"layerwise": functools.partial(layerwise.layerwise_update, opt, **kw),
                "whole": functools.partial(host_update.whole_update, opt, **kw),

@@ -2,7 +2,8 @@
 # One device call: train-step benches (`jaxmem bench`, each case in its own process), results under $1 (default $OUT).
 # Run from the repo root on a GPU machine: PYTHONPATH=. bash scripts/gpu_session.sh OUTDIR [CASE ...]
 # With no CASE, every case below runs in order; GMM=1 also runs scripts/bench_grouped_matmul.py (GMM_ARGS: its
-# extra flags), KERNELS=1 scripts/bench_kernels_gpu.py, NUMERICS=1 (first) scripts/gpu_kernel_numerics.py.
+# extra flags), KERNELS=1 scripts/bench_kernels_gpu.py, NUMERICS=1 (first) scripts/gpu_kernel_numerics.py,
+# HOST_ADAMW=1 (first) scripts/gpu_host_update_check.py (the fused host update's numerics and speed on the GPU).
 # The device tool brings back 8 files at most: tar OUTDIR.
 set -u
 out=${1:-$OUT}; shift || true
@@ -29,6 +30,10 @@ declare -A CASES=(
   [gptoss_x2_s64k_qlora]="configs/moe/gpt-oss-20b-qlora-1xh100.yaml model.n_layers=2 checkpoint.every=0
     data.kind=synthetic"
   [gemma3_x6_s8k_host]="configs/gemma3-12b-1xh100.yaml model.n_layers=6 checkpoint.every=0 data.kind=synthetic"
+  [gemma3_x6_s8k_hostupd]="configs/gemma3-12b-1xh100.yaml model.n_layers=6 checkpoint.every=0 data.kind=synthetic
+    offload.optimizer_update=host kernels.host_update=xla"
+  [gemma3_x6_s8k_hostupd_fused]="configs/gemma3-12b-1xh100.yaml model.n_layers=6 checkpoint.every=0
+    data.kind=synthetic offload.optimizer_update=host kernels.host_update=fused"
 )
 ORDER=(8bx8_s8k_full_auto qwen3moe_x2_s4k_full qlora_8b_qv_s512 1b_s8k_sel_auto 1b_s8k_sel_pallas)
 [ $# -gt 0 ] && ORDER=("$@")
@@ -37,6 +42,11 @@ if [ "${NUMERICS:-0}" = 1 ]; then
   timeout "${NUMERICS_TIMEOUT:-150}" python3 scripts/gpu_kernel_numerics.py "$out/kernel_numerics.json" \
     > "$out/kernel_numerics.txt" 2>&1
   echo "numerics rc=$?"; grep -E ": (ok|FAIL)" "$out/kernel_numerics.txt"
+fi
+if [ "${HOST_ADAMW:-0}" = 1 ]; then
+  timeout "${HOST_ADAMW_TIMEOUT:-240}" python3 scripts/gpu_host_update_check.py "$out/host_update_check.json" \
+    > "$out/host_update_check.txt" 2>&1
+  echo "host adamw rc=$?"; grep -E "^(numerics|median)" "$out/host_update_check.txt"
 fi
 for name in "${ORDER[@]}"; do
   # shellcheck disable=SC2086

@@ -17,7 +17,7 @@ from jaxmem.plan.allocator import ENV_KEYS as ALLOCATOR_VARS, derive
 from jaxmem.runtime.compat import JAX_RANGE, in_range, version_tuple
 from jaxmem.runtime.compat import UnsupportedVersion, installed_version, require_matching_cuda_plugin
 from jaxmem.kernels import cudnn_present
-from jaxmem.kernels.host_adamw.build import BuildError, library_path
+from jaxmem.kernels.host_adamw.build import BuildError, library_path, register
 from jaxmem.runtime.distributed import slurm_tasks
 from jaxmem.config.schema import ConfigError
 from jaxmem.config.validate import check_distributed as rules
@@ -74,14 +74,20 @@ def check_cuda_plugin(on_gpu: bool) -> dict:
 
 
 def check_host_kernel(on_gpu: bool) -> dict:
-    """The one-pass host AdamW kernel (kernels.host_update): built, or cached, for this machine's CPU."""
+    """The one-pass host AdamW kernel (kernels.host_update): built, or cached, for this machine's CPU; on a GPU
+    also registered with the CUDA plugin for its programs' host computations."""
     name = "host AdamW"
-    if on_gpu:
-        return check(name, "skip", "a GPU program's host update runs XLA's code (kernels.host_update)")
     try:
         path = library_path()
+        if on_gpu:
+            register("gpu")
     except BuildError as e:
-        return check(name, "warn", f"{e}: a one-device CPU program's host update runs XLA's code (slower)")
+        where = "a GPU program's host update runs XLA's code" if on_gpu else \
+            "a one-device CPU program's host update runs XLA's code (slower)"
+        return check(name, "warn", f"{e}: {where}")
+    if on_gpu:
+        return check(name, "ok", f"fused kernel built and registered for the GPU's host programs ({path}); "
+                                 "kernels.host_update=fused takes it in one-GPU programs, auto keeps XLA's code")
     return check(name, "ok", f"fused kernel built for this CPU ({path})")
 
 

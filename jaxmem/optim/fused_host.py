@@ -40,18 +40,21 @@ def not_covered(cfg: Config, param_dtype) -> str | None:
 def choose(cfg: Config, platform: str, n_devices: int, param_dtype) -> "FusedAdamW | None":
     """The fused update for a program of `n_devices` `platform` devices, or None for XLA's (kernels.host_update).
     `auto` takes the kernel in a one-device CPU program whose state kind it covers and where it builds, else
-    XLA's update: over several devices GSPMD would run the custom call on whole tensors, and in a GPU program's
-    host compute the kernel has not been run. An explicit `fused` that cannot run raises ConfigError, before
-    any compile."""
+    XLA's update: over several devices GSPMD would run the custom call on whole tensors, and a GPU program's
+    host computation through the kernel compiles (the kernel registered with the CUDA plugin) but has not yet
+    run on a GPU, so there it is `fused`'s to ask for. An explicit `fused` that cannot run raises ConfigError,
+    before any compile."""
     impl = cfg.kernels.host_update
     if impl == "xla" or not (cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"):
         return None
     reason = not_covered(cfg, param_dtype)
-    if reason is None and (platform != "cpu" or n_devices != 1):
-        reason = f"it runs in one-device CPU programs (this one: {n_devices} {platform} device(s))"
+    if reason is None and (platform not in ("cpu", "gpu") or n_devices != 1):
+        reason = f"it runs in one-device CPU or GPU programs (this one: {n_devices} {platform} device(s))"
+    if reason is None and platform == "gpu" and impl == "auto":
+        return None
     if reason is None:
         try:
-            register()
+            register(platform)
             return FusedAdamW.from_config(cfg)
         except BuildError as e:
             reason = str(e)

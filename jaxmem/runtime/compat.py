@@ -22,6 +22,7 @@ FEATURES = {
     "host-side optimizer update (compute_on)": JAX_RANGE,
     "deviceless GPU topologies (jaxmem.runtime.aot)": JAX_RANGE,
     "shard_map varying axes of a value (varying_axes)": JAX_RANGE,
+    "FFI handlers for a GPU plugin's host programs (jaxmem.runtime.pjrt_ffi)": JAX_RANGE,
 }
 
 

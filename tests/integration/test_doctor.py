@@ -144,4 +144,11 @@ def test_host_kernel_without_a_compiler_warns(tmp_path, monkeypatch):
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-c++"))
     got = doctor.check_host_kernel(on_gpu=False)
     assert got["status"] == "warn" and "no C++ compiler" in got["detail"] and "XLA's code" in got["detail"]
-    assert doctor.check_host_kernel(on_gpu=True)["status"] == "skip"
+    got = doctor.check_host_kernel(on_gpu=True)
+    assert got["status"] == "warn" and "a GPU program's host update runs XLA's code" in got["detail"]
+
+
+def test_host_kernel_on_a_gpu_is_registered_with_the_cuda_plugin():
+    pytest.importorskip("jax_cuda12_plugin")
+    got = doctor.check_host_kernel(on_gpu=True)
+    assert got["status"] == "ok" and "registered for the GPU's host programs" in got["detail"], got

@@ -145,6 +145,29 @@ def test_deviceless_optimizer_and_params_on_host():
         (opt, par, layers)
 
 
+def test_deviceless_gpu_host_update_through_the_kernel():
+    """kernels.host_update=fused in a one-GPU program: the kernel, registered with the CUDA plugin for its host
+    programs, is compiled into the step's host computation (one call per state tensor) and the step keeps XLA's
+    update's device and host bytes. auto keeps XLA's update on a GPU (the kernel has not run on one yet)."""
+    pytest.importorskip("jax_cuda12_plugin")
+    from jaxmem.kernels.host_adamw import build
+    from jaxmem.runtime import aot
+
+    small = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=256", "parallel.fsdp=1",
+             "precision.param_dtype=bfloat16", "precision.master_weights=true", "offload.optimizer=host"]
+    figures = {}
+    for impl in ("auto", "fused"):
+        prog = build_program(load_config(None, small + [f"kernels.host_update={impl}"]),
+                             devices=aot.target_devices("h100-80g", 1))
+        assert (prog.fused_update is not None) == (impl == "fused")
+        compiled = prog.lower().compile()
+        calls = compiled.as_text().count(f'custom_call_target="{build.TARGET}"')
+        assert calls == (len(jax.tree.leaves(prog.abstract_state["master"])) if impl == "fused" else 0)
+        figures[impl] = memory_figures(compiled)
+    assert figures["fused"]["device"] == figures["auto"]["device"]
+    assert figures["fused"]["host_argument"] == figures["auto"]["host_argument"]
+
+
 def test_layerwise_update_matches_plain_optax():
     import jax.numpy as jnp
     import optax

@@ -63,6 +63,21 @@ def test_skip_keeps_state_and_rounds_old_weights():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("threads", ["1", "3"])
+def test_threads_of_its_own_give_the_pool_s_result(threads, monkeypatch):
+    """Without XLA's intra-op pool (a GPU plugin's host program may pass none) the kernel splits the tensor
+    over threads of its own (JAXMEM_HOST_ADAMW_THREADS forces them here): the same values bit for bit."""
+    g, w, m, v = _inputs((1_000_003,), jnp.bfloat16)
+    scalars = jnp.array([1e-2, 0.1, 0.05, 0.7, 0.0], jnp.float32)
+    kernel = jax.jit(functools.partial(host_adamw, decay=0.1, **HYPER))
+    pooled = kernel(g, w, m, v, scalars)
+    monkeypatch.setenv("JAXMEM_HOST_ADAMW_THREADS", threads)
+    own = kernel(g, w, m, v, scalars)
+    for a, b in zip(own, pooled):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert not np.array_equal(np.asarray(own[0]), np.asarray(w))
+
+
 def test_updates_in_place_when_donated():
     """Weights and moments are written into the donated input buffers: no new host allocation per tensor."""
     g, w, m, v = _inputs((300_000,), jnp.float32)
@@ -103,15 +118,15 @@ def test_choose(monkeypatch):
     assert _choose(["precision.moment_dtype=int8"]) is None  # auto: XLA's update for a kind it does not cover
     with pytest.raises(ConfigError, match="kernels.host_update=fused.*precision.moment_dtype=int8"):
         _choose(["kernels.host_update=fused", "precision.moment_dtype=int8"])
-    with pytest.raises(ConfigError, match="kernels.host_update=fused.*one-device CPU programs"):
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*one-device CPU or GPU programs.*8 cpu"):
         _choose(["kernels.host_update=fused"], n_devices=8)
-    with pytest.raises(ConfigError, match="kernels.host_update=fused.*1 gpu device"):
-        _choose(["kernels.host_update=fused"], platform="gpu")
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*1 tpu device"):
+        _choose(["kernels.host_update=fused"], platform="tpu")
 
     def unbuildable():
         raise build.BuildError("no C++ compiler")
 
-    monkeypatch.setattr(fused_host, "register", unbuildable)
+    monkeypatch.setattr(fused_host, "register", lambda platform: unbuildable())
     assert _choose([]) is None
     with pytest.raises(ConfigError, match="kernels.host_update=fused cannot run here: no C\\+\\+ compiler"):
         _choose(["kernels.host_update=fused"])
@@ -147,3 +162,11 @@ def test_train_step_runs_the_kernel_and_resumes_exactly(tmp_path):
     resumed = _losses(tmp_path / "fused", "auto", 6)
     assert resumed["resumed_from"] == 3
     assert [r["loss"] for r in resumed["records"]] == fused[3:]
+
+
+def test_registering_for_a_missing_plugin_is_one_line():
+    from jaxmem.runtime import pjrt_ffi
+
+    with pytest.raises(pjrt_ffi.PluginUnavailable, match="^no ROCM PJRT plugin is loaded") as e:
+        pjrt_ffi.register_host_handler(build.TARGET, 0, plugin="ROCM")
+    assert "\n" not in str(e.value)

@@ -3,8 +3,9 @@ pure-jnp reference.
 
 `host_adamw` reads the gradient, the fp32 master weights and the fp32 moments once and writes the master and
 the moments in place (aliased: the caller donates them) and the bf16 params; XLA:CPU's own code for the same
-step writes each output from a loop of its own (benchmarks/host_update.md). CPU programs only: the library is
-built for the machine's CPU on first use (jaxmem.kernels.host_adamw.build) and registered for the CPU platform.
+step writes each output from a loop of its own (benchmarks/host_update.md). It runs on the host CPU: in a CPU
+program, or in a GPU program's host computation (compute_on). The library is built for the machine's CPU on
+first use and registered with jaxlib's CPU FFI, or with the CUDA plugin's (jaxmem.kernels.host_adamw.build).
 
 `scalars` is f32[5]: [lr, 1 - b1^t, 1 - b2^t, multiplier, skip]. The multiplier (the global-norm clip over the
 loss scale) scales every gradient value first; skip != 0 keeps the weights and moments and writes the params

@@ -1,4 +1,5 @@
-"""Builds host_adamw.cc with the machine's C++ compiler on first use and registers it with XLA's FFI (CPU).
+"""Builds host_adamw.cc with the machine's C++ compiler on first use and registers it with XLA's FFI (a CPU
+program's, or the CUDA plugin's for a GPU program's host computation).
 
 As DeepSpeed builds its CPU Adam: no binary ships with jaxmem. The shared library is cached under
 ~/.cache/jaxmem/kernels (JAXMEM_KERNEL_CACHE overrides), keyed by the source, the compiler's version, the
@@ -25,7 +26,8 @@ TARGET = "jaxmem_host_adamw"
 SYMBOL = "JaxmemHostAdamW"
 # -ffp-contract=fast: multiply-adds fused as XLA:CPU fuses them (m' then equals optax's under XLA, bit for bit);
 # -fno-math-errno lets the square root vectorize. No -ffast-math: NaN and inf keep their IEEE behaviour.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-shared", "-w")
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-shared",
+         "-pthread", "-w")
 
 
 class BuildError(RuntimeError):
@@ -88,12 +90,22 @@ def library_path() -> Path:
 
 
 @functools.cache
-def register() -> str:
-    """Builds (once per machine), loads and registers the kernel for the CPU platform; returns its FFI target
-    name. BuildError where it cannot."""
+def register(platform: str = "cpu") -> str:
+    """Builds (once per machine), loads and registers the kernel; returns its FFI target name. `platform`
+    "cpu": for CPU programs (jaxlib's registry); "gpu": for the host computations of GPU programs (the CUDA
+    plugin's registry, platform Host: jaxmem.runtime.pjrt_ffi). BuildError where it cannot."""
     try:
         library = ctypes.cdll.LoadLibrary(str(library_path()))
     except OSError as e:
         raise BuildError(f"loading the fused host AdamW kernel failed: {e}") from e
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(getattr(library, SYMBOL)), platform="cpu")
+    handler = getattr(library, SYMBOL)
+    if platform == "cpu":
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        return TARGET
+    from jaxmem.runtime import compat, pjrt_ffi  # lazy: only a GPU program's update reaches the plugin
+
+    try:
+        pjrt_ffi.register_host_handler(TARGET, ctypes.cast(handler, ctypes.c_void_p).value)
+    except (pjrt_ffi.PluginUnavailable, compat.UnsupportedVersion) as e:
+        raise BuildError(f"registering the fused host AdamW kernel for a GPU program's host: {e}") from e
     return TARGET

@@ -2,7 +2,8 @@
 // the fp32 moments once, writes the master and the moments in place and the bf16 params beside them.
 // XLA:CPU emits the same update as one loop per output (master, m, v, params), each reading back what the
 // previous one wrote; this loop moves each value through memory once and splits the tensor over XLA's
-// intra-op thread pool. The arithmetic follows optax.adamw's order (optax/_src/transform.py):
+// intra-op thread pool (or threads of its own where the call comes without one). The arithmetic follows
+// optax.adamw's order (optax/_src/transform.py):
 //   g' = g * multiplier                       (global-norm clip and loss-scale unscale, folded)
 //   m' = (1 - b1) g' + b1 m,  v' = (1 - b2) g'^2 + b2 v
 //   u  = (m' / bc1) / (sqrt(v' / bc2) + eps) + decay * w,  w' = w - lr u,  p = bf16(w')
@@ -14,9 +15,12 @@
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <mutex>
+#include <thread>
+#include <vector>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -94,10 +98,20 @@ void RunPieces(Pieces& s, const Body& body) {
   }
 }
 
+// Threads of our own where the call has no intra-op pool (a host program run by another XLA client may pass
+// none: its pool then reports 0 threads) or JAXMEM_HOST_ADAMW_THREADS asks for a count; 0 keeps XLA's pool.
+int64_t OwnThreads(int64_t pool_threads) {
+  const char* asked = std::getenv("JAXMEM_HOST_ADAMW_THREADS");
+  if (asked != nullptr && std::atoll(asked) > 0) return std::atoll(asked);
+  if (pool_threads > 0) return 0;
+  return std::max<int64_t>(1, std::thread::hardware_concurrency());
+}
+
 template <typename Body>
 void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   constexpr int64_t kMinPiece = 1 << 16;
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  const int64_t own = OwnThreads(pool.num_threads());
+  const int64_t workers = own > 0 ? own : std::max<int64_t>(1, pool.num_threads());
   const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * workers, n / kMinPiece));
   if (wanted == 1) {
     body(0, n);
@@ -107,8 +121,16 @@ void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
   state->n = n;
   state->per = ((n + wanted - 1) / wanted + 15) / 16 * 16;  // whole cache lines for every piece but the last
   state->count = (n + state->per - 1) / state->per;
+  const int64_t helpers = std::min(workers, state->count) - 1;
+  if (own > 0) {  // joined before returning: they may share the body by reference
+    std::vector<std::thread> threads;
+    for (int64_t t = 0; t < helpers; ++t) threads.emplace_back([&] { RunPieces(*state, body); });
+    RunPieces(*state, body);
+    for (auto& thread : threads) thread.join();
+    return;
+  }
   const Body* shared_body = &body;  // read only by a task that takes a piece, which the caller waits for
-  for (int64_t t = 1; t < std::min(workers, state->count); ++t) {
+  for (int64_t t = 0; t < helpers; ++t) {
     pool.Schedule([state, shared_body] { RunPieces(*state, *shared_body); });
   }
   RunPieces(*state, body);
