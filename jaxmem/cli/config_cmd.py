@@ -70,8 +70,8 @@ KERNEL_HELP = {
     ("grouped_matmul", "pallas"): "Pallas (Triton) grouped GEMM over the same blocks (compiled on GPU, "
                                   "interpreted on CPU)",
     ("host_update", "xla"): "XLA:CPU code under host compute; one loop per output (master, m, v, params)",
-    ("host_update", "fused"): "one pass per tensor (C++ through XLA's FFI, built here on first use); one-device "
-                              "CPU or GPU programs; fp32 moments and master, bf16 params",
+    ("host_update", "fused"): "one pass per tensor (C++ through XLA's FFI, built here on first use); CPU or GPU "
+                              "programs, each device's shard; fp32 moments and master, bf16 params",
 }
 
 
@@ -334,8 +334,8 @@ def list_kernels() -> str:
         lines.append(_table([(impl, KERNEL_HELP.get((op, impl), "")) for impl in impls], indent="    "))
     # decided where the update is built (jaxmem.optim.fused_host.choose): it also asks the state kind
     lines.append("  kernels.host_update: auto -> xla on gpu (fused there on request: compiled, not yet measured on a "
-                 "gpu) and over several devices; fused in a one-device cpu program whose state it covers and where "
-                 "it builds, else xla")
+                 "gpu) and over several devices (fused on request); fused in a one-device cpu program whose state "
+                 "it covers and where it builds, else xla")
     lines.append(_table([(impl, KERNEL_HELP[("host_update", impl)]) for impl in ("xla", "fused")], indent="    "))
     return "\n".join(lines)
 

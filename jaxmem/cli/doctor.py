@@ -87,7 +87,7 @@ def check_host_kernel(on_gpu: bool) -> dict:
         return check(name, "warn", f"{e}: {where}")
     if on_gpu:
         return check(name, "ok", f"fused kernel built and registered for the GPU's host programs ({path}); "
-                                 "kernels.host_update=fused takes it in one-GPU programs, auto keeps XLA's code")
+                                 "kernels.host_update=fused takes it in GPU programs, auto keeps XLA's code")
     return check(name, "ok", f"fused kernel built for this CPU ({path})")
 
 

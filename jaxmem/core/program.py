@@ -264,7 +264,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
                          # backward (one device: no collective to hide, and the scheduler's choice was as lean)
                          lookup=take_rows_late_zeros if layout.data_ways * layout.mesh_sizes["sp"] > 1 else take_rows)
     ctx = features.forward_context(cfg, mesh, ctx)  # an expert-parallel dispatcher, ...
-    fused = fused_host.choose(cfg, platform, mesh.size, prec.param)
+    fused = fused_host.choose(cfg, platform, mesh.size, prec.param, mesh, specs.get("master"))
     return TrainProgram(cfg, mesh, prec, opt, shardings, abstract, plugin.forward_context(ctx), layout, plugin,
                         features, fused)
 

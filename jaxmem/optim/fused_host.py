@@ -9,11 +9,13 @@ checkpoint, a resume or a switch to the XLA update reads it unchanged.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+import functools
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import PartitionSpec
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.kernels.host_adamw import BuildError, host_adamw, register
@@ -37,25 +39,29 @@ def not_covered(cfg: Config, param_dtype) -> str | None:
     return None
 
 
-def choose(cfg: Config, platform: str, n_devices: int, param_dtype) -> "FusedAdamW | None":
+def choose(cfg: Config, platform: str, n_devices: int, param_dtype, mesh=None,
+           specs=None) -> "FusedAdamW | None":
     """The fused update for a program of `n_devices` `platform` devices, or None for XLA's (kernels.host_update).
     `auto` takes the kernel in a one-device CPU program whose state kind it covers and where it builds, else
     XLA's update: over several devices GSPMD would run the custom call on whole tensors, and a GPU program's
     host computation through the kernel compiles (the kernel registered with the CUDA plugin) but has not yet
-    run on a GPU, so there it is `fused`'s to ask for. An explicit `fused` that cannot run raises ConfigError,
-    before any compile."""
+    run on a GPU, so there it is `fused`'s to ask for. Over several devices `fused` runs the kernel on each
+    device's shard (a shard_map over `mesh` with the weights' partition `specs`). An explicit `fused` that
+    cannot run raises ConfigError, before any compile."""
     impl = cfg.kernels.host_update
     if impl == "xla" or not (cfg.offload.optimizer == "host" and cfg.offload.optimizer_update == "host"):
         return None
     reason = not_covered(cfg, param_dtype)
-    if reason is None and (platform not in ("cpu", "gpu") or n_devices != 1):
-        reason = f"it runs in one-device CPU or GPU programs (this one: {n_devices} {platform} device(s))"
-    if reason is None and platform == "gpu" and impl == "auto":
+    if reason is None and platform not in ("cpu", "gpu"):
+        reason = f"it runs in CPU or GPU programs (this one: {n_devices} {platform} device(s))"
+    if reason is None and n_devices > 1 and (mesh is None or specs is None):
+        reason = f"over several devices it needs the mesh and the weights' partition specs ({n_devices} devices)"
+    if reason is None and impl == "auto" and (platform == "gpu" or n_devices > 1):
         return None
     if reason is None:
         try:
             register(platform)
-            return FusedAdamW.from_config(cfg)
+            return FusedAdamW.from_config(cfg, mesh if n_devices > 1 else None, specs)
         except BuildError as e:
             reason = str(e)
     if impl == "fused":
@@ -70,11 +76,22 @@ class FusedAdamW:
     eps: float
     weight_decay: float
     lr: Callable  # the schedule: step count -> learning rate
+    mesh: Any = None  # over several devices: the kernel runs on each device's shard
+    specs: Any = None  # the weights' PartitionSpecs (the tree of the master weights)
 
     @classmethod
-    def from_config(cls, cfg: Config) -> "FusedAdamW":
+    def from_config(cls, cfg: Config, mesh=None, specs=None) -> "FusedAdamW":
         o = cfg.optimizer
-        return cls(o.b1, o.b2, o.eps, o.weight_decay, schedule(cfg))
+        return cls(o.b1, o.b2, o.eps, o.weight_decay, schedule(cfg), mesh, specs)
+
+    def kernel(self, spec: PartitionSpec | None, decay: float) -> Callable:
+        """(grad, weights, mu, nu, scalars) -> the kernel's four outputs, on whole tensors or, with a mesh, on
+        each device's shard of `spec` (the scalars replicated)."""
+        call = functools.partial(host_adamw, b1=self.b1, b2=self.b2, eps=self.eps, decay=decay)
+        if self.mesh is None:
+            return call
+        return jax.shard_map(call, mesh=self.mesh, in_specs=(spec,) * 4 + (PartitionSpec(),), out_specs=(spec,) * 4,
+                             check_vma=False)
 
 
 def _counted(state) -> dict:
@@ -94,8 +111,9 @@ def _rebuilt(state, mu, nu, adam_count, schedule_count):
     return jax.tree.map(fix, state, is_leaf=lambda s: isinstance(s, _COUNTED))
 
 
-def _part(hyper: FusedAdamW, g, state, w, multiplier, finite):
-    """One chain state's tensors (the non-layer params, or the stacked layers) through the kernel."""
+def _part(hyper: FusedAdamW, g, state, w, positioned_specs, multiplier, finite):
+    """One chain state's tensors (the non-layer params, or the stacked layers) through the kernel.
+    `positioned_specs`: (each weight's position in the tree of `w`, the specs in that order)."""
     nodes = _counted(state)
     adam, first = nodes[optax.ScaleByAdamState], lambda c: c.reshape(-1)[0]  # noqa: E731
     # a layer stack's counts are [layers], all equal
@@ -104,12 +122,13 @@ def _part(hyper: FusedAdamW, g, state, w, multiplier, finite):
     bc1, bc2 = 1 - hyper.b1 ** t, 1 - hyper.b2 ** t  # optax's bias corrections, in the same dtype
     skip = jnp.where(finite, 0.0, 1.0)
     scalars = jnp.stack([hyper.lr(schedule_count), bc1, bc2, multiplier, skip]).astype(jnp.float32)
-    def one(g, w, m, v, decays):
-        g = g if g.dtype in (jnp.float32, jnp.bfloat16) else g.astype(jnp.float32)
-        return host_adamw(g, w, m, v, scalars, b1=hyper.b1, b2=hyper.b2, eps=hyper.eps,
-                          decay=hyper.weight_decay if decays else 0.0)
+    positions, specs = positioned_specs
 
-    out = jax.tree.map(one, g, w, adam.mu, adam.nu, decay_mask(w))
+    def one(g, w, m, v, decays, position):
+        g = g if g.dtype in (jnp.float32, jnp.bfloat16) else g.astype(jnp.float32)
+        return hyper.kernel(specs[position], hyper.weight_decay if decays else 0.0)(g, w, m, v, scalars)
+
+    out = jax.tree.map(one, g, w, adam.mu, adam.nu, decay_mask(w), positions)
     pick = lambda i: jax.tree.map(lambda _, o: o[i], w, out)  # noqa: E731
     new_w, new_mu, new_nu, new_p = (pick(i) for i in range(4))
     new_counts = (jnp.where(finite, t, adam_count), jnp.where(finite, optax.safe_increment(schedule_count),
@@ -122,7 +141,14 @@ def fused_update(hyper: FusedAdamW, grads, opt_state, weights, finite, multiplie
     clip factor over the loss scale; `finite` False (a non-finite fp16 step) keeps every old value."""
     g_rest, g_layers = split_layers(embed_grad.densify(grads))
     w_rest, w_layers = split_layers(weights)
-    p_rest, s_rest, new_w_rest = _part(hyper, g_rest, opt_state["rest"], w_rest, multiplier, finite)
-    p_layers, s_layers, new_w_layers = _part(hyper, g_layers, opt_state["layers"], w_layers, multiplier, finite)
+    # each weight's partition spec (None without a mesh), found by the weight's position among the leaves
+    leaves, tree = jax.tree.flatten(weights)
+    specs = (jax.tree.leaves(hyper.specs, is_leaf=lambda x: isinstance(x, PartitionSpec)) if hyper.mesh
+             else [None] * len(leaves))
+    at_rest, at_layers = split_layers(jax.tree.unflatten(tree, range(len(leaves))))
+    p_rest, s_rest, new_w_rest = _part(hyper, g_rest, opt_state["rest"], w_rest, (at_rest, specs), multiplier,
+                                       finite)
+    p_layers, s_layers, new_w_layers = _part(hyper, g_layers, opt_state["layers"], w_layers, (at_layers, specs),
+                                             multiplier, finite)
     return (dict(p_rest, layers=p_layers), {"rest": s_rest, "layers": s_layers},
             dict(new_w_rest, layers=new_w_layers))
