@@ -10,7 +10,8 @@ donated as the step donates it) over fp32 gradients, fp32 master weights, m and 
 - whole_fused: the same step through the one-pass C++ kernel (jaxmem.kernels.host_adamw), what a one-device CPU
   program runs by default (kernels.host_update=auto);
 - whole_int8, whole_int4: the same with AdamW's m and v block-quantized (precision.moment_dtype=int8 / int4; no
-  torch counterpart here: its fused AdamW keeps fp32 moments);
+  torch counterpart here: its fused AdamW keeps fp32 moments); whole_int8_fused, whole_int4_fused: those
+  through the kernel's block-quantized variant (the default for them in a one-device CPU program);
 - whole_plain (a diagnostic): whole_update jitted on its own, no host compute, so without the copies of the
   gradients to the host and of the new params back that run_update makes (transfers over PCIe on a GPU box);
 - adamw_only (a diagnostic, not an update jaxmem runs): optax AdamW on the fp32 master alone, no clip, no bf16
@@ -85,6 +86,10 @@ def _jax_candidates(tree_shapes: dict):
                                                 fused=fused_host.FusedAdamW.from_config(cfg), **kw)}
     lowbit = {f"whole_int{bits}": adamw_lowbit.make_lowbit_adamw(cfg, bits) for bits in (8, 4)}
     updates.update({name: functools.partial(host_update.whole_update, low, **kw) for name, low in lowbit.items()})
+    fused = fused_host.FusedAdamW.from_config(cfg)
+    updates.update({f"{name}_fused": functools.partial(host_update.whole_update, low, fused=fused, **kw)
+                    for name, low in lowbit.items()})
+    lowbit.update({f"{name}_fused": low for name, low in list(lowbit.items())})
     optimizers = dict(dict.fromkeys(updates, opt), **lowbit)
     out = {}
     for name, update in updates.items():
@@ -240,9 +245,11 @@ FINDINGS = """
 - What closes it: `whole_fused` runs each tensor through one C++ loop (jaxmem/kernels/host_adamw, through
   XLA's FFI, split over XLA's intra-op threads): it reads the gradient, master, m and v once and writes
   master, m, v and the bf16 params once (30 bytes per parameter, plus the norm pass XLA runs before it).
-  `fused_only` is that kernel alone, torch_step's work plus the bf16 params. It runs in one-device CPU
-  programs; a GPU program's host compute is compiled by the CUDA plugin's own XLA:CPU, whose FFI registry
-  the kernel is not registered in, so there the update stays `whole` (not run on a GPU yet).
+  `fused_only` is that kernel alone, torch_step's work plus the bf16 params. Its block-quantized variant
+  (`whole_int8_fused`, `whole_int4_fused`) dequantizes a block of m and v, updates it, and requantizes it
+  from a block-sized buffer, one pass over the codes. The kernel is the default in one-device CPU programs;
+  a GPU program's host compute is compiled by the CUDA plugin's own XLA:CPU, where jaxmem registers it too
+  (`kernels.host_update=fused`; compiled, not yet run on a GPU, so there the default update stays `whole`).
 - Not threads: each fusion is split over the cores (`outer_dimension_partitions` in the compiled HLO), and
   the update is bound by memory traffic, not arithmetic (`--xla_cpu_enable_fast_math` changes nothing).
 - The host-compute boundary: run_update moves the gradients to host memory and the new params back; on CPU
@@ -287,8 +294,9 @@ def markdown(result: dict) -> str:
                   f"program's host compute runs (whole, default flags): {result['xla_ratio_vs_torch']:.2f}x and "
                   f"{result['xla_ratio_vs_torch_step']:.2f}x; the layer scan before it (layerwise, default flags): "
                   f"{result['today_ratio_vs_torch']:.2f}x. With int8 / int4 moments (whole_int8, "
-                  "whole_int4) the update does more per parameter (dequantize, requantize) and moves fewer bytes; "
-                  "torch's fused AdamW has no such state, so their ratios only give the scale.",
+                  "whole_int4: XLA's code; whole_int8_fused, whole_int4_fused: the kernel) the update does more "
+                  "per parameter (dequantize, requantize) and moves fewer bytes; torch's fused AdamW has no such "
+                  "state, so their ratios only give the scale.",
               FINDINGS if m["jax_backend"] == "cpu" else ""]
     return "\n".join(lines)
 
@@ -330,7 +338,8 @@ def main() -> None:
               "xla_ratio_vs_torch": runs["default"]["figures"]["whole"]["ratio_vs_torch_same_work"],
               "xla_ratio_vs_torch_step": runs["default"]["figures"]["whole"]["ratio_vs_torch_step"],
               "seconds_per_param": {name: 1 / runs["default"]["figures"][name]["params_per_s"]
-                                    for name in ("whole", "whole_fused", "whole_int8", "whole_int4")}}
+                                    for name in ("whole", "whole_fused", "whole_int8", "whole_int4",
+                                                 "whole_int8_fused", "whole_int4_fused")}}
     text = json.dumps(result, indent=1)
     if args.json:
         with open(args.json, "w") as f:

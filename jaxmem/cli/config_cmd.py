@@ -71,7 +71,7 @@ KERNEL_HELP = {
                                   "interpreted on CPU)",
     ("host_update", "xla"): "XLA:CPU code under host compute; one loop per output (master, m, v, params)",
     ("host_update", "fused"): "one pass per tensor (C++ through XLA's FFI, built here on first use); CPU or GPU "
-                              "programs, each device's shard; fp32 moments and master, bf16 params",
+                              "programs, each device's shard; fp32 / int8 / int4 moments, fp32 master, bf16 params",
 }
 
 

@@ -374,7 +374,8 @@ class KernelConfig:
                 "host compute: a loop per output), fused (one pass per tensor in C++ through XLA's FFI, built "
                 "with the machine's C++ compiler on first use; CPU or GPU programs, over several devices on each "
                 "device's shard (on a GPU it runs in the step's host computation, registered with the CUDA "
-                "plugin; compiled for GPUs, not yet measured on one); fp32 moments, fp32 master, bf16 params)")
+                "plugin; compiled for GPUs, not yet measured on one); fp32, int8 or int4 moments, fp32 master, "
+                "bf16 params)")
     grouped_matmul_block_rows: int = _f(128, "blocked and pallas grouped matmul: rows per block (each expert's "
                                              "rows are padded to a multiple)" + _POW2)
     loss_block_t: int = _f(0, "chunked loss: tokens per tile; 0: by shape (all local tokens, up to "

@@ -54,6 +54,27 @@ class Code:
         return ((v[1:] + v[:-1]) / 2).astype(np.float32)
 
     @functools.cached_property
+    def buckets(self) -> np.ndarray:
+        """A lookup for the host kernel's encoder (jaxmem.kernels.host_adamw): uint16[2^15] indexed by a float32's
+        sign, its exponent's low 7 bits and its top 7 mantissa bits (every |y| <= 1 has an exponent below 128):
+        the number of midpoints at or below the bucket's lowest value. No bucket holds two midpoints, so the
+        index of y is that count, plus one if y reaches the next midpoint (`padded_midpoints`)."""
+        keys = np.arange(1 << 15, dtype=np.uint32)
+        low_bits = ((keys >> 7) & 127) << 23 | (keys & 127) << 16
+        low, high = (b.astype(np.uint32).view(np.float32) for b in (low_bits, low_bits | 0xFFFF))
+        negative = keys >> 14 == 1
+        lower, upper = np.where(negative, -high, low), np.where(negative, -low, high)
+        base = np.searchsorted(self.midpoints, lower, side="right")
+        if np.any(np.searchsorted(self.midpoints, upper, side="right") - base > 1):
+            raise ValueError(f"code {self.name}: a bucket of 2^-7 of an octave holds two midpoints")
+        return base.astype(np.uint16)
+
+    @functools.cached_property
+    def padded_midpoints(self) -> np.ndarray:
+        """The midpoints and a +inf after them (the host kernel's encoder reads one past the last)."""
+        return np.append(self.midpoints, np.float32(np.inf)).astype(np.float32)
+
+    @functools.cached_property
     def max_error(self) -> float:
         """The largest |dequantized - x| as a fraction of the block's |scale|: half the widest gap between
         neighbouring values, or the part of [-1, 1] below the lowest value (a signed code has no -1); for
@@ -161,17 +182,27 @@ def _constant(values: np.ndarray, like: jax.Array) -> jax.Array:
     return table if jax.typeof(table).memory_space == space else jax.device_put(table, space)
 
 
+def _lowering_for_cpu() -> bool:
+    """Whether the computation being traced is for CPU devices: the default device's platform (a deviceless GPU
+    compile lowers under a compile-only GPU default device: jaxmem.runtime.aot.lowering_target), else the
+    default backend's."""
+    device = jax.config.jax_default_device
+    platform = getattr(device, "platform", None) or (device if isinstance(device, str) else jax.default_backend())
+    return platform == "cpu"
+
+
 def _encode(code: Code, y: jax.Array) -> jax.Array:
-    """Index of the nearest code value to each normalized y: the number of midpoints at or below y. On the
-    device every midpoint is compared and the hits summed, one fused reduction that writes only the index (the
-    binary search's gathers left each step's comparisons and indices as tensor-sized temporaries of the update);
-    on the host, where those cost host RAM and the extra comparisons cost time, a binary search unrolled over
-    the bits (no constant is broadcast, so host values stay on the host)."""
+    """Index of the nearest code value to each normalized y: the number of midpoints at or below y. On a GPU
+    every midpoint is compared and the hits summed, one fused reduction that writes only the index (the binary
+    search's gathers left each step's comparisons and indices as tensor-sized temporaries of the update); on
+    the host and on a CPU, where those cost host RAM and the 255 comparisons a value cost far more time, a
+    binary search unrolled over the bits (no constant is broadcast, so host values stay on the host). Both
+    give the same index."""
     if code.sqrt_linear:
         k = jnp.round(jnp.sqrt(jnp.maximum(y, 0.0)) * 16.0)
         return (jnp.clip(k, 1, 16) - 1).astype(jnp.uint8)
     midpoints = _constant(code.midpoints, y)
-    if jax.typeof(y).memory_space != jax.memory.Space.Host:
+    if jax.typeof(y).memory_space != jax.memory.Space.Host and not _lowering_for_cpu():
         return jnp.sum(y[..., None] >= midpoints, axis=-1, dtype=jnp.int32).astype(jnp.uint8)
     step = 2 ** (code.bits - 1)
     idx = (y >= midpoints[step - 1]).astype(jnp.int32) * step

@@ -1,7 +1,8 @@
 """The host update through the one-pass AdamW kernel (kernels.host_update=fused, jaxmem.kernels.host_adamw).
 
-It runs `whole_update`'s step (unscale, clip by the global norm, AdamW, bf16 params) for the state kind the
-kernel covers: AdamW with fp32 moments, an fp32 master and bf16 params rounded to nearest. The step's scalars
+It runs `whole_update`'s step (unscale, clip by the global norm, AdamW, bf16 params) for the state kinds the
+kernel covers: AdamW with fp32 or block-quantized int8 / int4 moments (jaxmem.optim.codes), an fp32 master and
+bf16 params rounded to nearest. The step's scalars
 (learning rate, bias corrections, the clip multiplier) are computed here as optax computes them, each tensor
 then goes through the kernel once, and the optax state comes back with the same structure and counts, so a
 checkpoint, a resume or a switch to the XLA update reads it unchanged.
@@ -18,11 +19,12 @@ import optax
 from jax.sharding import PartitionSpec
 
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.kernels.host_adamw import BuildError, host_adamw, register
-from jaxmem.optim import rows as embed_grad
+from jaxmem.kernels.host_adamw import BuildError, host_adamw, host_adamw_lowbit, host_adamw_reference, register
+from jaxmem.optim import codes, rows as embed_grad
 from jaxmem.optim.hyper import decay_mask, schedule
 from jaxmem.optim.kind import StateKind
 from jaxmem.optim.layerwise import split_layers
+from jaxmem.optim.specs import quantized_specs
 
 _COUNTED = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
 
@@ -30,8 +32,9 @@ _COUNTED = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
 def not_covered(cfg: Config, param_dtype) -> str | None:
     """Why the kernel cannot run this config's update (one line naming the key), or None where it can."""
     kind, p = StateKind.from_config(cfg), cfg.precision
-    if kind.name != "adamw" or kind.moment != "float32":
-        return f"it keeps AdamW's moments in float32 (optimizer.name={kind.name}, precision.moment_dtype={kind.moment})"
+    if kind.name != "adamw" or kind.moment not in ("float32", "int8", "int4"):
+        return (f"it keeps AdamW's moments in float32, int8 or int4 (optimizer.name={kind.name}, "
+                f"precision.moment_dtype={kind.moment})")
     if not p.master_weights:
         return "it updates an fp32 master copy (precision.master_weights=false)"
     if jnp.dtype(param_dtype) != jnp.bfloat16:
@@ -84,14 +87,44 @@ class FusedAdamW:
         o = cfg.optimizer
         return cls(o.b1, o.b2, o.eps, o.weight_decay, schedule(cfg), mesh, specs)
 
-    def kernel(self, spec: PartitionSpec | None, decay: float) -> Callable:
-        """(grad, weights, mu, nu, scalars) -> the kernel's four outputs, on whole tensors or, with a mesh, on
-        each device's shard of `spec` (the scalars replicated)."""
-        call = functools.partial(host_adamw, b1=self.b1, b2=self.b2, eps=self.eps, decay=decay)
+    def kernel(self, spec: PartitionSpec | None, mu, nu, decay: float) -> Callable:
+        """(grad, weights, mu, nu, scalars) -> (weights, mu, nu, bf16 params) through the kernel, mu and nu
+        fp32 arrays or QTensors as given; on whole tensors or, with a mesh, on each device's shard of `spec`
+        (the scalars replicated). A quantized tensor whose shards would cut its blocks (its last dim split
+        finer than a block) runs the same step in jnp instead (_lowbit_jnp: GSPMD splits it)."""
+        hyper = dict(b1=self.b1, b2=self.b2, eps=self.eps, decay=decay)
+        call = functools.partial(_lowbit, **hyper) if codes.is_quantized(mu) else functools.partial(host_adamw, **hyper)
         if self.mesh is None:
             return call
-        return jax.shard_map(call, mesh=self.mesh, in_specs=(spec,) * 4 + (PartitionSpec(),), out_specs=(spec,) * 4,
-                             check_vma=False)
+        m_spec, v_spec = (self._moment_spec(spec, x) for x in (mu, nu))
+        if m_spec is None or v_spec is None:
+            return functools.partial(_lowbit_jnp, **hyper)
+        return jax.shard_map(call, mesh=self.mesh, in_specs=(spec, spec, m_spec, v_spec, PartitionSpec()),
+                             out_specs=(spec, m_spec, v_spec, spec), check_vma=False)
+
+    def _moment_spec(self, spec: PartitionSpec, moment):
+        """A moment's spec for the shard_map: the weight's; a QTensor's codes and scales split with it, or None
+        where a shard would hold part of a block (the scales then stay whole: codes.py's rule)."""
+        if not codes.is_quantized(moment):
+            return spec
+        split = quantized_specs(moment, spec, dict(self.mesh.shape))
+        return split if split.codes == split.scales else None
+
+
+def _lowbit_jnp(grad, weights, mu: codes.QTensor, nu: codes.QTensor, scalars, **hyper):
+    """_lowbit's step in jnp: the moments dequantized, the kernel's reference arithmetic, requantized."""
+    w, m, v, p = host_adamw_reference(grad, weights, codes.dequantize(mu), codes.dequantize(nu), scalars, **hyper)
+    return w, codes.quantize(m, mu.code, mu.block), codes.quantize(v, nu.code, nu.block), p
+
+
+def _lowbit(grad, weights, mu: codes.QTensor, nu: codes.QTensor, scalars, **hyper):
+    """host_adamw_lowbit on QTensor moments: (weights, mu, nu, bf16 params)."""
+    m_code, v_code = codes.CODES[mu.code], codes.CODES[nu.code]
+    tables = tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
+    w, mc, ms, vc, vs, p = host_adamw_lowbit(grad, weights, mu.codes, mu.scales, nu.codes, nu.scales, scalars, tables,
+                                             bits=m_code.bits, length=mu.block, v_sqrt_linear=v_code.sqrt_linear,
+                                             **hyper)
+    return w, dataclasses.replace(mu, codes=mc, scales=ms), dataclasses.replace(nu, codes=vc, scales=vs), p
 
 
 def _counted(state) -> dict:
@@ -126,7 +159,7 @@ def _part(hyper: FusedAdamW, g, state, w, positioned_specs, multiplier, finite):
 
     def one(g, w, m, v, decays, position):
         g = g if g.dtype in (jnp.float32, jnp.bfloat16) else g.astype(jnp.float32)
-        return hyper.kernel(specs[position], hyper.weight_decay if decays else 0.0)(g, w, m, v, scalars)
+        return hyper.kernel(specs[position], m, v, hyper.weight_decay if decays else 0.0)(g, w, m, v, scalars)
 
     out = jax.tree.map(one, g, w, adam.mu, adam.nu, decay_mask(w), positions)
     pick = lambda i: jax.tree.map(lambda _, o: o[i], w, out)  # noqa: E731

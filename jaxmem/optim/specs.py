@@ -27,7 +27,8 @@ def _entries(spec: P, ndim: int) -> list:
     return entries[:ndim]
 
 
-def _quantized_specs(q: codes.QTensor, spec: P, mesh_sizes: dict) -> codes.QTensor:
+def quantized_specs(q: codes.QTensor, spec: P, mesh_sizes: dict) -> codes.QTensor:
+    """The specs of a QTensor's codes and scales for a param of `spec` (the module's rule above)."""
     entries = _entries(spec, len(q.shape))
     ways = spec_ways(P(entries[-1]), mesh_sizes) if entries else 1
     shard = q.last // ways if q.last % ways == 0 else 0
@@ -76,7 +77,7 @@ def state_specs(abstract_state, abstract_params, param_specs, mesh_sizes: dict, 
 
     def leaf_spec(spec, param, leaf):
         if codes.is_quantized(leaf):
-            return _quantized_specs(leaf, spec, mesh_sizes)
+            return quantized_specs(leaf, spec, mesh_sizes)
         return _array_spec(leaf, param, spec)
 
     return map_param_subtrees(

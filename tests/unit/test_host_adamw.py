@@ -1,6 +1,7 @@
 """The one-pass host AdamW kernel (jaxmem.kernels.host_adamw) against its jnp reference, its build cache, and the
 choice of the fused update (jaxmem.optim.fused_host.choose): where it runs, and the one-line errors where an
 explicit kernels.host_update=fused cannot."""
+import dataclasses
 import functools
 import shutil
 
@@ -11,7 +12,7 @@ import pytest
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.features import build_program, load_config
-from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_reference
+from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_lowbit, host_adamw_reference
 from jaxmem.optim import fused_host
 from jaxmem.train import run
 
@@ -52,6 +53,47 @@ def test_matches_reference(shape, grad_dtype, decay):
         np.testing.assert_array_equal(np.asarray(got[3]), np.asarray(got[0].astype(jnp.bfloat16)))
         w, m, v = got[:3]
     assert float(jnp.max(jnp.abs(w - _inputs(shape, grad_dtype)[1]))) > 1e-3  # the weights moved
+
+
+LOWBIT = {8: ("dynamic8_signed", "dynamic8_unsigned", 2048), 4: ("dynamic4_signed", "linear_square4", 128)}
+
+
+@pytest.mark.parametrize("bits,shape,grad_dtype", [(8, (64, 4096), jnp.float32), (8, (3, 70_001), jnp.bfloat16),
+                                                    (4, (64, 1000), jnp.bfloat16), (4, (5, 7, 129), jnp.float32)])
+def test_lowbit_matches_dequantize_step_quantize(bits, shape, grad_dtype):
+    """Block-quantized moments (several blocks a row, a ragged last block, an odd 4-bit row): three steps
+    through the kernel against codes.dequantize, the jnp reference step and codes.quantize, jitted (XLA's
+    contraction): the weights within fp32 rounding, the codes equal but for values that fp32 rounding moves
+    across a midpoint (at most 1 in 10^4), the scales within fp32 rounding."""
+    from jaxmem.optim import codes
+
+    m_name, v_name, block = LOWBIT[bits]
+    m_code, v_code = codes.CODES[m_name], codes.CODES[v_name]
+    g, w, m, v = _inputs(shape, grad_dtype)
+    m, v = codes.quantize(m, m_name, block), codes.quantize(v, v_name, block)
+    tables = tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
+    kernel = jax.jit(functools.partial(host_adamw_lowbit, bits=bits, length=m.block, v_sqrt_linear=v_code.sqrt_linear,
+                                       decay=0.1, **HYPER))
+
+    @jax.jit
+    def reference(g, w, m, v, scalars):
+        w, m_new, v_new, _ = host_adamw_reference(g, w, codes.dequantize(m), codes.dequantize(v), scalars,
+                                                  decay=0.1, **HYPER)
+        return w, codes.quantize(m_new, m_name, block), codes.quantize(v_new, v_name, block)
+
+    for t in (1, 2, 3):
+        scalars = jnp.array([1e-2 / t, 1 - 0.9 ** t, 1 - 0.95 ** t, 0.7, 0.0], jnp.float32)
+        got = kernel(g, w, m.codes, m.scales, v.codes, v.scales, scalars, tables)
+        want_w, want_m, want_v = reference(g, w, m, v, scalars)
+        _close(got[0], want_w)
+        np.testing.assert_array_equal(np.asarray(got[5]), np.asarray(got[0].astype(jnp.bfloat16)))
+        for codes_, scales, want in ((got[1], got[2], want_m), (got[3], got[4], want_v)):
+            assert np.mean(np.asarray(codes_) != np.asarray(want.codes)) <= 1e-4
+            np.testing.assert_allclose(np.asarray(scales), np.asarray(want.scales), rtol=1e-6)
+        w = got[0]
+        m = dataclasses.replace(m, codes=got[1], scales=got[2])
+        v = dataclasses.replace(v, codes=got[3], scales=got[4])
+    assert float(jnp.max(jnp.abs(codes.dequantize(m)))) > 0 and len(np.unique(np.asarray(m.codes))) > 4
 
 
 def test_skip_keeps_state_and_rounds_old_weights():
@@ -115,9 +157,10 @@ def test_choose(monkeypatch):
     assert _choose(["kernels.host_update=xla"]) is None
     assert _choose([], platform="gpu") is None and _choose([], n_devices=8) is None
     assert _choose(["offload.optimizer_update=device"]) is None  # the update streams through the device
-    assert _choose(["precision.moment_dtype=int8"]) is None  # auto: XLA's update for a kind it does not cover
-    with pytest.raises(ConfigError, match="kernels.host_update=fused.*precision.moment_dtype=int8"):
-        _choose(["kernels.host_update=fused", "precision.moment_dtype=int8"])
+    assert isinstance(_choose(["precision.moment_dtype=int8"]), fused_host.FusedAdamW)  # block-quantized too
+    assert _choose(["precision.moment_dtype=bfloat16"]) is None  # auto: XLA's update for a kind it does not cover
+    with pytest.raises(ConfigError, match="kernels.host_update=fused.*precision.moment_dtype=bfloat16"):
+        _choose(["kernels.host_update=fused", "precision.moment_dtype=bfloat16"])
     with pytest.raises(ConfigError, match="kernels.host_update=fused.*needs the mesh and the weights' partition"):
         _choose(["kernels.host_update=fused"], n_devices=8)
     with pytest.raises(ConfigError, match="kernels.host_update=fused.*1 tpu device"):
@@ -138,28 +181,30 @@ SMALL = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "optimizer
          "optimizer.lr=1e-2", "train.micro_batch=4", "checkpoint.async_save=false", "train.log_every=1"]
 
 
-def _losses(tmp_path, impl, steps):
+def _losses(tmp_path, impl, steps, moments):
     cfg = tiny_config(tmp_path, *HOST, *SMALL, f"kernels.host_update={impl}", f"train.steps={steps}",
-                      "checkpoint.every=3")
+                      "checkpoint.every=3", f"precision.moment_dtype={moments}")
     return run(cfg)
 
 
-def test_train_step_runs_the_kernel_and_resumes_exactly(tmp_path):
-    """A one-device CPU run with the state on the host takes the kernel by default (auto): its compiled step
-    calls it, its losses follow XLA's update within fp32 rounding, and a run resumed from its step-3
-    checkpoint gives the straight run's losses bit for bit."""
+@pytest.mark.parametrize("moments,target", [("float32", build.TARGET), ("int8", build.LOWBIT_TARGET)])
+def test_train_step_runs_the_kernel_and_resumes_exactly(tmp_path, moments, target):
+    """A one-device CPU run with the state on the host takes the kernel by default (auto), fp32 or
+    block-quantized moments: its compiled step calls it, its losses follow XLA's update within fp32 rounding,
+    and a run resumed from its step-3 checkpoint gives the straight run's losses bit for bit."""
     assert jax.device_count() == 1, "the unit tier's one device (JAXMEM_TEST_DEVICES=1): run() takes every device"
-    cfg = load_config(None, HOST + SMALL)
+    cfg = load_config(None, HOST + SMALL + [f"precision.moment_dtype={moments}"])
     prog = build_program(cfg, devices=jax.devices()[:1])
     assert prog.fused_update is not None
     batch = prog.shard_batch(np.zeros(prog.batch_shape, np.int32))
-    assert build.TARGET in prog.jit_step().lower(prog.abstract_state, batch).as_text()
-    xla = [r["loss"] for r in _losses(tmp_path / "xla", "xla", 6)["records"]]
-    straight = _losses(tmp_path / "fused", "auto", 6)
+    assert f"@{target}(" in prog.jit_step().lower(prog.abstract_state, batch).as_text()
+    xla = [r["loss"] for r in _losses(tmp_path / "xla", "xla", 6, moments)["records"]]
+    straight = _losses(tmp_path / "fused", "auto", 6, moments)
     fused = [r["loss"] for r in straight["records"]]
     np.testing.assert_allclose(fused, xla, rtol=1e-4)
+    assert fused[-1] < fused[0]
     shutil.rmtree(tmp_path / "fused" / "checkpoints" / "6")
-    resumed = _losses(tmp_path / "fused", "auto", 6)
+    resumed = _losses(tmp_path / "fused", "auto", 6, moments)
     assert resumed["resumed_from"] == 3
     assert [r["loss"] for r in resumed["records"]] == fused[3:]
 

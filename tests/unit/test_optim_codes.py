@@ -129,3 +129,21 @@ def test_pytree():
     assert paths == ["['m'].codes", "['m'].scales"]
     doubled = jax.tree.map(lambda a: a, q)
     assert (doubled.code, doubled.block, doubled.last) == ("dynamic8_unsigned", 8, 8)
+
+
+@pytest.mark.parametrize("name", ["dynamic8_signed", "dynamic8_unsigned", "dynamic4_signed"])
+def test_buckets_give_the_nearest_value_s_index(name):
+    """The host kernel's encoder (Code.buckets, then one comparison) gives the number of midpoints at or below
+    y, the index the binary search gives: for random values over [-1, 1] on a log scale, and each midpoint
+    with its float neighbours."""
+    code = codes.CODES[name]
+    rng = np.random.default_rng(0)
+    y = np.sign(rng.standard_normal(200_000)) * 10.0 ** rng.uniform(-9, 0, 200_000)
+    mid = code.midpoints
+    y = np.concatenate([y, mid, np.nextafter(mid, -2), np.nextafter(mid, 2), [0.0, -0.0, 1.0, -1.0]])
+    y = y.astype(np.float32)
+    bits = y.view(np.uint32)
+    keys = (bits >> 31) << 14 | ((bits >> 23) & 127) << 7 | (bits >> 16) & 127
+    base = code.buckets[keys].astype(np.int64)
+    got = base + (y >= code.padded_midpoints[base])
+    np.testing.assert_array_equal(got, np.searchsorted(mid, y, side="right"))

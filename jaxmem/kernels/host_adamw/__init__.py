@@ -7,6 +7,9 @@ step writes each output from a loop of its own (benchmarks/host_update.md). It r
 program, or in a GPU program's host computation (compute_on). The library is built for the machine's CPU on
 first use and registered with jaxlib's CPU FFI, or with the CUDA plugin's (jaxmem.kernels.host_adamw.build).
 
+`host_adamw_lowbit` is the same step with m and v block-quantized (codes and per-block scales, the layout of
+jaxmem.optim.codes): each block is dequantized, updated and requantized from a block-sized buffer.
+
 `scalars` is f32[5]: [lr, 1 - b1^t, 1 - b2^t, multiplier, skip]. The multiplier (the global-norm clip over the
 loss scale) scales every gradient value first; skip != 0 keeps the weights and moments and writes the params
 as the old weights rounded (a non-finite fp16 step).
@@ -17,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.kernels.host_adamw.build import BuildError, register
+from jaxmem.kernels.host_adamw.build import LOWBIT_TARGET, BuildError, register
 
-__all__ = ["BuildError", "host_adamw", "host_adamw_reference", "register"]
+__all__ = ["BuildError", "host_adamw", "host_adamw_lowbit", "host_adamw_reference", "register"]
 
 
 def host_adamw(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: float, decay: float):
@@ -31,6 +34,24 @@ def host_adamw(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: flo
     # 1 - b1 and 1 - b2 rounded from double, as optax's (1 - decay) * g is
     return call(grad, weights, mu, nu, scalars, b1=np.float32(b1), one_minus_b1=np.float32(1.0 - b1),
                 b2=np.float32(b2), one_minus_b2=np.float32(1.0 - b2), eps=np.float32(eps), decay=np.float32(decay))
+
+
+def host_adamw_lowbit(grad, weights, m_codes, m_scales, v_codes, v_scales, scalars, tables, *, bits: int,
+                      length: int, v_sqrt_linear: bool, b1: float, b2: float, eps: float, decay: float):
+    """host_adamw with m and v block-quantized (jaxmem.optim.codes' layout: uint8 codes, 4-bit ones paired along
+    the last dim, fp32 scales [rows, blocks] of `length` values): (new weights, m codes, m scales, v codes,
+    v scales, bf16 params). `tables`: (m's values, padded midpoints and buckets, v's likewise): float32,
+    float32, uint16 (jaxmem.optim.codes.Code's table, padded_midpoints, buckets). Its
+    reference is codes.dequantize, host_adamw_reference and codes.quantize in turn (tests/unit)."""
+    register()
+    like = lambda x, dtype=None: jax.ShapeDtypeStruct(x.shape, dtype or x.dtype)  # noqa: E731
+    outs = (like(weights, jnp.float32), like(m_codes), like(m_scales), like(v_codes), like(v_scales),
+            like(weights, jnp.bfloat16))
+    call = jax.ffi.ffi_call(LOWBIT_TARGET, outs, input_output_aliases={1: 0, 2: 1, 3: 2, 4: 3, 5: 4})
+    return call(grad, weights, m_codes, m_scales, v_codes, v_scales, scalars, *tables, b1=np.float32(b1),
+                one_minus_b1=np.float32(1.0 - b1), b2=np.float32(b2), one_minus_b2=np.float32(1.0 - b2),
+                eps=np.float32(eps), decay=np.float32(decay), bits=np.int64(bits),
+                v_sqrt_linear=np.int64(v_sqrt_linear), length=np.int64(length))
 
 
 def host_adamw_reference(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: float, decay: float):

@@ -24,6 +24,8 @@ import jax
 SOURCE = Path(__file__).with_name("host_adamw.cc")
 TARGET = "jaxmem_host_adamw"
 SYMBOL = "JaxmemHostAdamW"
+LOWBIT_TARGET = "jaxmem_host_adamw_lowbit"  # m and v block-quantized
+LOWBIT_SYMBOL = "JaxmemHostAdamWLowbit"
 # -ffp-contract=fast: multiply-adds fused as XLA:CPU fuses them (m' then equals optax's under XLA, bit for bit);
 # -fno-math-errno lets the square root vectorize. No -ffast-math: NaN and inf keep their IEEE behaviour.
 FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-shared",
@@ -80,8 +82,9 @@ def library_path() -> Path:
         done = subprocess.run([cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp],
                               capture_output=True, text=True, timeout=600)
         if done.returncode != 0:
-            last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-            raise BuildError(f"building {SOURCE.name} with {cxx} failed: {last}")
+            lines = done.stderr.strip().splitlines() or ["(no output)"]
+            first_error = next((line for line in lines if "error" in line), lines[-1])
+            raise BuildError(f"building {SOURCE.name} with {cxx} failed: {first_error.strip()}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
@@ -91,21 +94,24 @@ def library_path() -> Path:
 
 @functools.cache
 def register(platform: str = "cpu") -> str:
-    """Builds (once per machine), loads and registers the kernel; returns its FFI target name. `platform`
-    "cpu": for CPU programs (jaxlib's registry); "gpu": for the host computations of GPU programs (the CUDA
-    plugin's registry, platform Host: jaxmem.runtime.pjrt_ffi). BuildError where it cannot."""
+    """Builds (once per machine), loads and registers the kernels (fp32 and block-quantized moments); returns
+    the fp32 one's FFI target name. `platform` "cpu": for CPU programs (jaxlib's registry); "gpu": for the host
+    computations of GPU programs (the CUDA plugin's registry, platform Host: jaxmem.runtime.pjrt_ffi).
+    BuildError where it cannot."""
     try:
         library = ctypes.cdll.LoadLibrary(str(library_path()))
     except OSError as e:
         raise BuildError(f"loading the fused host AdamW kernel failed: {e}") from e
-    handler = getattr(library, SYMBOL)
+    handlers = {TARGET: getattr(library, SYMBOL), LOWBIT_TARGET: getattr(library, LOWBIT_SYMBOL)}
     if platform == "cpu":
-        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(handler), platform="cpu")
+        for target, handler in handlers.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="cpu")
         return TARGET
     from jaxmem.runtime import compat, pjrt_ffi  # lazy: only a GPU program's update reaches the plugin
 
     try:
-        pjrt_ffi.register_host_handler(TARGET, ctypes.cast(handler, ctypes.c_void_p).value)
+        for target, handler in handlers.items():
+            pjrt_ffi.register_host_handler(target, ctypes.cast(handler, ctypes.c_void_p).value)
     except (pjrt_ffi.PluginUnavailable, compat.UnsupportedVersion) as e:
         raise BuildError(f"registering the fused host AdamW kernel for a GPU program's host: {e}") from e
     return TARGET

@@ -17,9 +17,11 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -100,6 +102,8 @@ void RunPieces(Pieces& s, const Body& body) {
 
 // Threads of our own where the call has no intra-op pool (a host program run by another XLA client may pass
 // none: its pool then reports 0 threads) or JAXMEM_HOST_ADAMW_THREADS asks for a count; 0 keeps XLA's pool.
+constexpr int64_t kMinPiece = 1 << 16;  // values: the scheduling cost stays small beside the memory traffic
+
 int64_t OwnThreads(int64_t pool_threads) {
   const char* asked = std::getenv("JAXMEM_HOST_ADAMW_THREADS");
   if (asked != nullptr && std::atoll(asked) > 0) return std::atoll(asked);
@@ -108,11 +112,10 @@ int64_t OwnThreads(int64_t pool_threads) {
 }
 
 template <typename Body>
-void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body) {
-  constexpr int64_t kMinPiece = 1 << 16;
+void ParallelFor(ffi::ThreadPool& pool, int64_t n, const Body& body, int64_t min_piece = kMinPiece) {
   const int64_t own = OwnThreads(pool.num_threads());
   const int64_t workers = own > 0 ? own : std::max<int64_t>(1, pool.num_threads());
-  const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * workers, n / kMinPiece));
+  const int64_t wanted = std::max<int64_t>(1, std::min<int64_t>(4 * workers, n / min_piece));
   if (wanted == 1) {
     body(0, n);
     return;
@@ -184,10 +187,209 @@ ffi::Error HostAdamWImpl(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::Buffer<
   return ffi::Error::Success();
 }
 
+// ---------------------------------------------------------------- block-quantized moments
+// m and v stored as codes of a sorted table times a per-block scale (jaxmem/optim/codes.py): blocks of
+// `length` values along each row (the last dim), the block's value of largest magnitude (sign included) its
+// scale, each normalized value stored as the index of the nearest table value: the number of midpoints at
+// or below it, read from a bucket table over the float's bits and one comparison (codes.Code.buckets: the
+// same index as the jnp code's search); for the sqrt-linear code round(16 sqrt(y)) - 1. 4-bit codes pair
+// adjacent values in a byte, the even one in the low nibble. A block is read whole (its new m and v kept in
+// a buffer) before its codes are written, so the codes and scales are updated in place.
+struct Code {
+  const float* table;
+  const float* midpoints;   // 2^bits - 1 midpoints and a +inf after them
+  const uint16_t* buckets;  // codes.Code.buckets: the midpoints below each bucket of float32 bit patterns
+  int bits;
+  bool sqrt_linear;
+};
+
+// The number of midpoints at or below y: its bucket's count (the bucket of y's sign, exponent and top 7
+// mantissa bits; no bucket of a shipped code holds two midpoints) plus one if y reaches the next midpoint.
+// |y| <= 1 always (y is a value over its block's extreme); a NaN's codes are never read back (its block's
+// scale is NaN), so its exponent is clamped rather than tested.
+inline int Encode(const Code& c, float y) {
+  if (c.sqrt_linear) {
+    float k = std::nearbyint(std::sqrt(std::max(y, 0.0f)) * 16.0f);  // half to even, as jnp.round
+    return static_cast<int>(std::min(std::max(k, 1.0f), 16.0f)) - 1;
+  }
+  uint32_t bits;
+  std::memcpy(&bits, &y, sizeof(bits));
+  const uint32_t exponent = std::min((bits >> 23) & 0xffu, 127u);
+  const int base = c.buckets[(bits >> 31) << 14 | exponent << 7 | ((bits >> 16) & 127u)];
+  return base + (y >= c.midpoints[base] ? 1 : 0);
+}
+
+inline int CodeAt(const uint8_t* row, int bits, int64_t i) {
+  return bits == 4 ? (row[i / 2] >> (4 * (i % 2))) & 15 : row[i];
+}
+
+// The block's scale as codes.quantize takes it (the value of largest magnitude, sign included; NaN if any value
+// is NaN, as jnp.max) and the codes of buf / scale (buf is overwritten with the normalized values). The
+// extremes are kept in 8 lanes and the division runs as its own loop, so both vectorize.
+void StoreBlock(const Code& c, bool is_signed, float* __restrict buf, int64_t count, uint8_t* row, int64_t begin,
+                float* scale) {
+  constexpr int kLanes = 8;
+  float hi[kLanes], lo[kLanes];
+  bool nan = false;
+  for (int k = 0; k < kLanes; ++k) hi[k] = lo[k] = buf[0];
+  int64_t i = 0;
+  for (; i + kLanes <= count; i += kLanes) {
+    for (int k = 0; k < kLanes; ++k) {
+      const float x = buf[i + k];
+      hi[k] = x > hi[k] ? x : hi[k];
+      lo[k] = x < lo[k] ? x : lo[k];
+      nan |= x != x;
+    }
+  }
+  for (; i < count; ++i) {
+    hi[0] = buf[i] > hi[0] ? buf[i] : hi[0];
+    lo[0] = buf[i] < lo[0] ? buf[i] : lo[0];
+    nan |= buf[i] != buf[i];
+  }
+  float top = hi[0], bottom = lo[0];
+  for (int k = 1; k < kLanes; ++k) {
+    top = hi[k] > top ? hi[k] : top;
+    bottom = lo[k] < bottom ? lo[k] : bottom;
+  }
+  if (nan) top = bottom = std::numeric_limits<float>::quiet_NaN();
+  const float s = is_signed ? (top >= -bottom ? top : bottom) : top;
+  *scale = s;
+  const float safe = s == 0.0f ? 1.0f : s;
+  for (int64_t j = 0; j < count; ++j) buf[j] = buf[j] / safe;
+  if (c.bits == 4) {  // begin is even: a block of several is a whole number of pairs
+    for (int64_t j = 0; j < count; j += 2) {
+      const int high = j + 1 < count ? Encode(c, buf[j + 1]) : 0;
+      row[(begin + j) / 2] = static_cast<uint8_t>(Encode(c, buf[j]) | high << 4);
+    }
+  } else {
+    for (int64_t j = 0; j < count; ++j) row[begin + j] = static_cast<uint8_t>(Encode(c, buf[j]));
+  }
+}
+
+struct Lowbit {
+  Code m, v;
+  int64_t last, length, blocks, row_bytes;
+};
+
+// A block's codes as values (table value times the block's scale) into buf.
+void LoadBlock(const Code& c, const uint8_t* row, int64_t begin, int64_t count, float scale, float* __restrict buf) {
+  if (c.bits == 4) {
+    for (int64_t i = 0; i < count; ++i) buf[i] = c.table[CodeAt(row, 4, begin + i)] * scale;
+  } else {
+    for (int64_t i = 0; i < count; ++i) buf[i] = c.table[row[begin + i]] * scale;
+  }
+}
+
+// Per block: m and v dequantized into buffers, UpdateRange's step over them (the fp32 kernel's loop, which
+// vectorizes), then the new m and v requantized.
+template <typename G>
+void LowbitRows(const G* __restrict grad, float* __restrict w, uint8_t* m_codes, float* m_scales, uint8_t* v_codes,
+                float* v_scales, uint16_t* __restrict params, const Step& s, const Lowbit& q, int64_t row_begin,
+                int64_t row_end) {
+  std::vector<float> mbuf(q.length), vbuf(q.length);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    uint8_t* mrow = m_codes + r * q.row_bytes;
+    uint8_t* vrow = v_codes + r * q.row_bytes;
+    for (int64_t b = 0; b < q.blocks; ++b) {
+      const int64_t begin = b * q.length, count = std::min(q.length, q.last - begin);
+      const int64_t at = r * q.last + begin;
+      LoadBlock(q.m, mrow, begin, count, m_scales[r * q.blocks + b], mbuf.data());
+      LoadBlock(q.v, vrow, begin, count, v_scales[r * q.blocks + b], vbuf.data());
+      UpdateRange(grad + at, w + at, mbuf.data(), vbuf.data(), params + at, s, 0, count);
+      StoreBlock(q.m, true, mbuf.data(), count, mrow, begin, &m_scales[r * q.blocks + b]);
+      StoreBlock(q.v, false, vbuf.data(), count, vrow, begin, &v_scales[r * q.blocks + b]);
+    }
+  }
+}
+
+template <typename T>
+T* InPlace(ffi::Result<ffi::AnyBuffer>& out, const ffi::AnyBuffer& in) {
+  T* dst = reinterpret_cast<T*>(out->untyped_data());
+  if (dst != in.untyped_data()) std::memcpy(dst, in.untyped_data(), in.size_bytes());
+  return dst;
+}
+
+// As HostAdamWImpl, with m and v block-quantized: codes (uint8) and scales (f32 [rows, blocks]) in and out,
+// the two codes' tables and midpoints as inputs.
+ffi::Error HostAdamWLowbitImpl(ffi::ThreadPool pool, ffi::AnyBuffer grad, ffi::Buffer<ffi::F32> weights,
+                               ffi::AnyBuffer m_codes, ffi::AnyBuffer m_scales, ffi::AnyBuffer v_codes,
+                               ffi::AnyBuffer v_scales, ffi::Buffer<ffi::F32> scalars, ffi::Buffer<ffi::F32> m_table,
+                               ffi::Buffer<ffi::F32> m_midpoints, ffi::Buffer<ffi::U16> m_buckets,
+                               ffi::Buffer<ffi::F32> v_table, ffi::Buffer<ffi::F32> v_midpoints,
+                               ffi::Buffer<ffi::U16> v_buckets, ffi::Result<ffi::Buffer<ffi::F32>> new_weights,
+                               ffi::Result<ffi::AnyBuffer> new_m_codes, ffi::Result<ffi::AnyBuffer> new_m_scales,
+                               ffi::Result<ffi::AnyBuffer> new_v_codes, ffi::Result<ffi::AnyBuffer> new_v_scales,
+                               ffi::Result<ffi::Buffer<ffi::BF16>> params, float b1, float one_minus_b1, float b2,
+                               float one_minus_b2, float eps, float decay, int64_t bits, int64_t v_sqrt_linear,
+                               int64_t length) {
+  const int64_t n = weights.element_count();
+  const auto dims = weights.dimensions();
+  const int64_t last = dims.size() == 0 ? 1 : dims.back();
+  const int64_t rows = last ? n / last : 0;
+  const int64_t blocks = (last + length - 1) / length;
+  const int64_t row_bytes = bits == 4 ? (last + 1) / 2 : last;
+  if (grad.element_count() != n || params->element_count() != n || scalars.element_count() != 5 ||
+      m_codes.size_bytes() != static_cast<size_t>(rows * row_bytes) || v_codes.size_bytes() != m_codes.size_bytes() ||
+      m_scales.element_count() != rows * blocks || v_scales.element_count() != rows * blocks ||
+      (bits != 4 && bits != 8) || m_table.element_count() != (1 << bits) ||
+      m_midpoints.element_count() != (1 << bits) || v_midpoints.element_count() != (1 << bits) ||
+      v_table.element_count() != (1 << bits) || m_buckets.element_count() != (1 << 15) ||
+      v_buckets.element_count() != (1 << 15)) {
+    return ffi::Error::InvalidArgument("host_adamw_lowbit: the codes, scales, tables or block do not match");
+  }
+  float* w = new_weights->typed_data();
+  if (w != weights.typed_data()) std::memcpy(w, weights.typed_data(), n * sizeof(float));
+  uint8_t* mc = InPlace<uint8_t>(new_m_codes, m_codes);
+  uint8_t* vc = InPlace<uint8_t>(new_v_codes, v_codes);
+  float* ms = InPlace<float>(new_m_scales, m_scales);
+  float* vs = InPlace<float>(new_v_scales, v_scales);
+  uint16_t* p = reinterpret_cast<uint16_t*>(params->typed_data());
+  const float* c = scalars.typed_data();
+  // pieces of whole rows (a block never straddles two threads), each at least kMinPiece values
+  const int64_t min_rows = std::max<int64_t>(1, kMinPiece / std::max<int64_t>(last, 1));
+  auto over_rows = [&](const auto& body) { ParallelFor(pool, rows, body, min_rows); };
+  if (c[4] != 0.0f) {
+    ParallelFor(pool, n, [&](int64_t b, int64_t e) { RoundRange(w, p, b, e); });
+    return ffi::Error::Success();
+  }
+  const Step step{c[0], 1.0f / c[1], 1.0f / c[2], c[3], b1, one_minus_b1, b2, one_minus_b2, eps, decay};
+  const Lowbit q{{m_table.typed_data(), m_midpoints.typed_data(), m_buckets.typed_data(), static_cast<int>(bits),
+                  false},
+                 {v_table.typed_data(), v_midpoints.typed_data(), v_buckets.typed_data(), static_cast<int>(bits),
+                  v_sqrt_linear != 0},
+                 last, length, blocks, row_bytes};
+  switch (grad.element_type()) {
+    case ffi::DataType::F32: {
+      const float* g = reinterpret_cast<const float*>(grad.untyped_data());
+      over_rows([&](int64_t b, int64_t e) { LowbitRows(g, w, mc, ms, vc, vs, p, step, q, b, e); });
+      break;
+    }
+    case ffi::DataType::BF16: {
+      const uint16_t* g = reinterpret_cast<const uint16_t*>(grad.untyped_data());
+      over_rows([&](int64_t b, int64_t e) { LowbitRows(g, w, mc, ms, vc, vs, p, step, q, b, e); });
+      break;
+    }
+    default:
+      return ffi::Error::InvalidArgument("host_adamw_lowbit: the gradient must be float32 or bfloat16");
+  }
+  return ffi::Error::Success();
+}
+
+// AdamW's hyperparameters: the attributes both handlers take after their buffers.
+template <typename Binding>
+auto WithAdamAttrs(Binding binding) {
+  return std::move(binding).template Attr<float>("b1")
+      .template Attr<float>("one_minus_b1")
+      .template Attr<float>("b2")
+      .template Attr<float>("one_minus_b2")
+      .template Attr<float>("eps")
+      .template Attr<float>("decay");
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmemHostAdamW, HostAdamWImpl,
-                              ffi::Ffi::Bind()
+                              WithAdamAttrs(ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
@@ -197,10 +399,30 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmemHostAdamW, HostAdamWImpl,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::BF16>>()
-                                  .Attr<float>("b1")
-                                  .Attr<float>("one_minus_b1")
-                                  .Attr<float>("b2")
-                                  .Attr<float>("one_minus_b2")
-                                  .Attr<float>("eps")
-                                  .Attr<float>("decay"));
+                                  .Ret<ffi::Buffer<ffi::BF16>>()));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxmemHostAdamWLowbit, HostAdamWLowbitImpl,
+                              WithAdamAttrs(ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::U16>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::BF16>>())
+                                  .Attr<int64_t>("bits")
+                                  .Attr<int64_t>("v_sqrt_linear")
+                                  .Attr<int64_t>("length"));
