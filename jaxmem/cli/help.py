@@ -14,9 +14,3 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return super()._fill_text(text, width, indent)
         return "\n\n".join(textwrap.fill(" ".join(p.split()), width, initial_indent=indent, subsequent_indent=indent)
                            for p in text.split("\n\n"))
-
-
-def parser(prog: str, description: str, epilog: str = "", **kwargs) -> argparse.ArgumentParser:
-    """An argument parser for `jaxmem PROG` with the shared help formatter."""
-    return argparse.ArgumentParser(prog=prog, description=description, epilog=epilog or None,
-                                   formatter_class=HelpFormatter, **kwargs)
