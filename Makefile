@@ -47,15 +47,13 @@ test-integration: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
 # in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.
 PYTHON_LATEST ?= python3.12
 LATEST := .venv-latest
-# test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another mesh) aborted twice in a
-# loaded two-worker run and never alone (docs in the closing note); it runs in `make test` on the tested jax.
-# test_update_in_backward runs here since 2026-11-27: its tolerances now allow the last-bit fp32 differences of
-# another fusion order (and the one-ulp bf16 param flips they cause), which jax 0.12 shows and jax 0.10.2 does not.
-# test_lean_update too since then: the default AdamW step against optax on the users' jax. test_remat since
-# 2026-11-27 (2nd): its deviceless order of the remat presets caught the layers' gradients left fp32 on jax 0.12;
-# test_host_init: a host-offload run's init (host zeros filled a layer at a time) on the users' jax. The optimizer
-# state kinds' codes, stochastic rounding, host update and sharded steps (jaxmem/optim) too. The fused host AdamW
-# kernel, built against the users' jax's FFI headers, on one device (its default runs in one-device programs).
+# What runs there and why: the internals shim, host offload, explain's HLO reading and the deviceless kernels
+# (code on JAX internals); the update in the backward and the lean update against optax (another fusion order
+# gives last-bit fp32 differences, which their tolerances allow); the remat presets' deviceless order (it caught
+# the layers' gradients left fp32 on jax 0.12); a host-offload run's init; the optimizer state kinds (codes,
+# stochastic rounding, host update, sharded steps); the fused host AdamW kernel, built against the users' jax's
+# FFI headers, on one device. test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another
+# mesh) aborted in a loaded two-worker run, never alone; it runs in `make test` on the tested jax.
 LATEST_ONE_DEVICE := tests/unit/test_host_adamw.py
 LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
 	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \

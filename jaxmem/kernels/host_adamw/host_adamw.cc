@@ -207,16 +207,28 @@ struct Code {
 // mantissa bits; no bucket of a shipped code holds two midpoints) plus one if y reaches the next midpoint.
 // |y| <= 1 always (y is a value over its block's extreme); a NaN's codes are never read back (its block's
 // scale is NaN), so its exponent is clamped rather than tested.
-inline int Encode(const Code& c, float y) {
-  if (c.sqrt_linear) {
-    float k = std::nearbyint(std::sqrt(std::max(y, 0.0f)) * 16.0f);  // half to even, as jnp.round
-    return static_cast<int>(std::min(std::max(k, 1.0f), 16.0f)) - 1;
-  }
+inline uint32_t BucketOf(float y) {
   uint32_t bits;
   std::memcpy(&bits, &y, sizeof(bits));
   const uint32_t exponent = std::min((bits >> 23) & 0xffu, 127u);
-  const int base = c.buckets[(bits >> 31) << 14 | exponent << 7 | ((bits >> 16) & 127u)];
-  return base + (y >= c.midpoints[base] ? 1 : 0);
+  return (bits >> 31) << 14 | exponent << 7 | ((bits >> 16) & 127u);
+}
+
+inline int SqrtLinearCode(float y) {
+  const float k = std::nearbyint(std::sqrt(std::max(y, 0.0f)) * 16.0f);  // half to even, as jnp.round
+  return static_cast<int>(std::min(std::max(k, 1.0f), 16.0f)) - 1;
+}
+
+// The codes of buf[0, count) into idx, in passes over the block (each a simple loop the compiler can
+// vectorize or pipeline: the bucket numbers, the bucket table's counts, the comparison with the next midpoint).
+void EncodeBlock(const Code& c, const float* __restrict buf, int64_t count, int32_t* __restrict idx) {
+  if (c.sqrt_linear) {
+    for (int64_t j = 0; j < count; ++j) idx[j] = SqrtLinearCode(buf[j]);
+    return;
+  }
+  for (int64_t j = 0; j < count; ++j) idx[j] = static_cast<int32_t>(BucketOf(buf[j]));
+  for (int64_t j = 0; j < count; ++j) idx[j] = c.buckets[idx[j]];
+  for (int64_t j = 0; j < count; ++j) idx[j] += buf[j] >= c.midpoints[idx[j]] ? 1 : 0;
 }
 
 inline int CodeAt(const uint8_t* row, int bits, int64_t i) {
@@ -224,45 +236,52 @@ inline int CodeAt(const uint8_t* row, int bits, int64_t i) {
 }
 
 // The block's scale as codes.quantize takes it (the value of largest magnitude, sign included; NaN if any value
-// is NaN, as jnp.max) and the codes of buf / scale (buf is overwritten with the normalized values). The
-// extremes are kept in 8 lanes and the division runs as its own loop, so both vectorize.
+// is NaN, as numpy's max) and the codes of buf / scale (buf is overwritten with the normalized values; idx is
+// scratch of `count` ints). The extremes are kept in 8 lanes, NaNs found from the bits, and the division runs
+// as its own loop, so each vectorizes.
 void StoreBlock(const Code& c, bool is_signed, float* __restrict buf, int64_t count, uint8_t* row, int64_t begin,
-                float* scale) {
+                float* scale, int32_t* __restrict idx) {
+  // 8 lanes as a GCC / Clang vector (compiled to whatever vector width the CPU has); a lane's comparison
+  // with a NaN is false, so NaNs are found from the bits instead
+  typedef float Lanes __attribute__((vector_size(32)));
+  typedef uint32_t Bits __attribute__((vector_size(32)));
   constexpr int kLanes = 8;
-  float hi[kLanes], lo[kLanes];
-  bool nan = false;
+  Lanes hi, lo;
   for (int k = 0; k < kLanes; ++k) hi[k] = lo[k] = buf[0];
+  Bits nan_lanes = {};
   int64_t i = 0;
   for (; i + kLanes <= count; i += kLanes) {
-    for (int k = 0; k < kLanes; ++k) {
-      const float x = buf[i + k];
-      hi[k] = x > hi[k] ? x : hi[k];
-      lo[k] = x < lo[k] ? x : lo[k];
-      nan |= x != x;
-    }
+    Lanes x;
+    Bits bits;
+    std::memcpy(&x, buf + i, sizeof(x));
+    std::memcpy(&bits, buf + i, sizeof(bits));
+    hi = x > hi ? x : hi;
+    lo = x < lo ? x : lo;
+    nan_lanes |= (bits & 0x7fffffffu) > 0x7f800000u;
   }
-  for (; i < count; ++i) {
-    hi[0] = buf[i] > hi[0] ? buf[i] : hi[0];
-    lo[0] = buf[i] < lo[0] ? buf[i] : lo[0];
-    nan |= buf[i] != buf[i];
-  }
+  bool nan = false;
   float top = hi[0], bottom = lo[0];
-  for (int k = 1; k < kLanes; ++k) {
+  for (int k = 0; k < kLanes; ++k) {
     top = hi[k] > top ? hi[k] : top;
     bottom = lo[k] < bottom ? lo[k] : bottom;
+    nan |= nan_lanes[k] != 0;
+  }
+  for (; i < count; ++i) {
+    top = buf[i] > top ? buf[i] : top;
+    bottom = buf[i] < bottom ? buf[i] : bottom;
+    nan |= buf[i] != buf[i];
   }
   if (nan) top = bottom = std::numeric_limits<float>::quiet_NaN();
   const float s = is_signed ? (top >= -bottom ? top : bottom) : top;
   *scale = s;
   const float safe = s == 0.0f ? 1.0f : s;
   for (int64_t j = 0; j < count; ++j) buf[j] = buf[j] / safe;
+  EncodeBlock(c, buf, count, idx);
   if (c.bits == 4) {  // begin is even: a block of several is a whole number of pairs
-    for (int64_t j = 0; j < count; j += 2) {
-      const int high = j + 1 < count ? Encode(c, buf[j + 1]) : 0;
-      row[(begin + j) / 2] = static_cast<uint8_t>(Encode(c, buf[j]) | high << 4);
-    }
+    for (int64_t j = 0; j + 1 < count; j += 2) row[(begin + j) / 2] = static_cast<uint8_t>(idx[j] | idx[j + 1] << 4);
+    if (count % 2) row[(begin + count - 1) / 2] = static_cast<uint8_t>(idx[count - 1]);
   } else {
-    for (int64_t j = 0; j < count; ++j) row[begin + j] = static_cast<uint8_t>(Encode(c, buf[j]));
+    for (int64_t j = 0; j < count; ++j) row[begin + j] = static_cast<uint8_t>(idx[j]);
   }
 }
 
@@ -287,6 +306,7 @@ void LowbitRows(const G* __restrict grad, float* __restrict w, uint8_t* m_codes,
                 float* v_scales, uint16_t* __restrict params, const Step& s, const Lowbit& q, int64_t row_begin,
                 int64_t row_end) {
   std::vector<float> mbuf(q.length), vbuf(q.length);
+  std::vector<int32_t> idx(q.length);
   for (int64_t r = row_begin; r < row_end; ++r) {
     uint8_t* mrow = m_codes + r * q.row_bytes;
     uint8_t* vrow = v_codes + r * q.row_bytes;
@@ -296,8 +316,8 @@ void LowbitRows(const G* __restrict grad, float* __restrict w, uint8_t* m_codes,
       LoadBlock(q.m, mrow, begin, count, m_scales[r * q.blocks + b], mbuf.data());
       LoadBlock(q.v, vrow, begin, count, v_scales[r * q.blocks + b], vbuf.data());
       UpdateRange(grad + at, w + at, mbuf.data(), vbuf.data(), params + at, s, 0, count);
-      StoreBlock(q.m, true, mbuf.data(), count, mrow, begin, &m_scales[r * q.blocks + b]);
-      StoreBlock(q.v, false, vbuf.data(), count, vrow, begin, &v_scales[r * q.blocks + b]);
+      StoreBlock(q.m, true, mbuf.data(), count, mrow, begin, &m_scales[r * q.blocks + b], idx.data());
+      StoreBlock(q.v, false, vbuf.data(), count, vrow, begin, &v_scales[r * q.blocks + b], idx.data());
     }
   }
 }
