@@ -27,9 +27,10 @@ SYMBOL = "JaxmemHostAdamW"
 LOWBIT_TARGET = "jaxmem_host_adamw_lowbit"  # m and v block-quantized
 LOWBIT_SYMBOL = "JaxmemHostAdamWLowbit"
 # -ffp-contract=fast: multiply-adds fused as XLA:CPU fuses them (m' then equals optax's under XLA, bit for bit);
-# -fno-math-errno lets the square root vectorize. No -ffast-math: NaN and inf keep their IEEE behaviour.
-FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-ffp-contract=fast", "-std=c++17", "-fPIC", "-shared",
-         "-pthread", "-w")
+# -fno-math-errno lets the square root vectorize, -fno-trapping-math the clamps of a code (floating-point
+# exceptions are never read; every value is the same). No -ffast-math: NaN and inf keep their IEEE behaviour.
+FLAGS = ("-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=fast", "-std=c++17",
+         "-fPIC", "-shared", "-pthread", "-w")
 
 
 class BuildError(RuntimeError):

@@ -214,9 +214,12 @@ inline uint32_t BucketOf(float y) {
   return (bits >> 31) << 14 | exponent << 7 | ((bits >> 16) & 127u);
 }
 
+// round(16 sqrt(y)) - 1 clamped to [0, 15], without branches so that the block's loop vectorizes (a NaN gets 0).
 inline int SqrtLinearCode(float y) {
-  const float k = std::nearbyint(std::sqrt(std::max(y, 0.0f)) * 16.0f);  // half to even, as jnp.round
-  return static_cast<int>(std::min(std::max(k, 1.0f), 16.0f)) - 1;
+  float k = std::nearbyint(std::sqrt(y > 0.0f ? y : 0.0f) * 16.0f);  // half to even, as jnp.round
+  k = k < 1.0f ? 1.0f : k;
+  k = k > 16.0f ? 16.0f : k;
+  return static_cast<int>(k) - 1;
 }
 
 // The codes of buf[0, count) into idx, in passes over the block (each a simple loop the compiler can
@@ -229,10 +232,6 @@ void EncodeBlock(const Code& c, const float* __restrict buf, int64_t count, int3
   for (int64_t j = 0; j < count; ++j) idx[j] = static_cast<int32_t>(BucketOf(buf[j]));
   for (int64_t j = 0; j < count; ++j) idx[j] = c.buckets[idx[j]];
   for (int64_t j = 0; j < count; ++j) idx[j] += buf[j] >= c.midpoints[idx[j]] ? 1 : 0;
-}
-
-inline int CodeAt(const uint8_t* row, int bits, int64_t i) {
-  return bits == 4 ? (row[i / 2] >> (4 * (i % 2))) & 15 : row[i];
 }
 
 // The block's scale as codes.quantize takes it (the value of largest magnitude, sign included; NaN if any value
@@ -292,8 +291,13 @@ struct Lowbit {
 
 // A block's codes as values (table value times the block's scale) into buf.
 void LoadBlock(const Code& c, const uint8_t* row, int64_t begin, int64_t count, float scale, float* __restrict buf) {
-  if (c.bits == 4) {
-    for (int64_t i = 0; i < count; ++i) buf[i] = c.table[CodeAt(row, 4, begin + i)] * scale;
+  if (c.bits == 4) {  // begin is even: byte j of the block holds values 2j (low nibble) and 2j + 1
+    const uint8_t* bytes = row + begin / 2;
+    for (int64_t j = 0; j < count / 2; ++j) {
+      buf[2 * j] = c.table[bytes[j] & 15] * scale;
+      buf[2 * j + 1] = c.table[bytes[j] >> 4] * scale;
+    }
+    if (count % 2) buf[count - 1] = c.table[bytes[count / 2] & 15] * scale;
   } else {
     for (int64_t i = 0; i < count; ++i) buf[i] = c.table[row[begin + i]] * scale;
   }
