@@ -19,7 +19,8 @@ import optax
 from jax.sharding import PartitionSpec
 
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.kernels.host_adamw import BuildError, host_adamw, host_adamw_lowbit, host_adamw_reference, register
+from jaxmem.kernels.host_adamw import (BuildError, host_adamw, host_adamw_lowbit, host_adamw_reference, lowbit_tables,
+                                      register)
 from jaxmem.optim import codes, rows as embed_grad
 from jaxmem.optim.hyper import decay_mask, schedule
 from jaxmem.optim.kind import StateKind
@@ -120,7 +121,7 @@ def _lowbit_jnp(grad, weights, mu: codes.QTensor, nu: codes.QTensor, scalars, **
 def _lowbit(grad, weights, mu: codes.QTensor, nu: codes.QTensor, scalars, **hyper):
     """host_adamw_lowbit on QTensor moments: (weights, mu, nu, bf16 params)."""
     m_code, v_code = codes.CODES[mu.code], codes.CODES[nu.code]
-    tables = tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
+    tables = lowbit_tables(m_code, v_code)
     w, mc, ms, vc, vs, p = host_adamw_lowbit(grad, weights, mu.codes, mu.scales, nu.codes, nu.scales, scalars, tables,
                                              bits=m_code.bits, length=mu.block, v_sqrt_linear=v_code.sqrt_linear,
                                              **hyper)

@@ -12,7 +12,7 @@ import pytest
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.features import build_program, load_config
-from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_lowbit, host_adamw_reference
+from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_lowbit, host_adamw_reference, lowbit_tables
 from jaxmem.optim import fused_host
 from jaxmem.train import run
 
@@ -58,6 +58,15 @@ def test_matches_reference(shape, grad_dtype, decay):
 LOWBIT = {8: ("dynamic8_signed", "dynamic8_unsigned", 2048), 4: ("dynamic4_signed", "linear_square4", 128)}
 
 
+def _lowbit_codes(bits):
+    """(m's code name, v's, the block, v's Code, the kernel's tables) of the `bits` state kind."""
+    from jaxmem.optim import codes
+
+    m_name, v_name, block = LOWBIT[bits]
+    m_code, v_code = codes.CODES[m_name], codes.CODES[v_name]
+    return m_name, v_name, block, v_code, lowbit_tables(m_code, v_code)
+
+
 @pytest.mark.parametrize("bits,shape,grad_dtype", [(8, (64, 4096), jnp.float32), (8, (3, 70_001), jnp.bfloat16),
                                                     (4, (64, 1000), jnp.bfloat16), (4, (5, 7, 129), jnp.float32)])
 def test_lowbit_matches_dequantize_step_quantize(bits, shape, grad_dtype):
@@ -67,11 +76,9 @@ def test_lowbit_matches_dequantize_step_quantize(bits, shape, grad_dtype):
     across a midpoint (at most 1 in 10^4), the scales within fp32 rounding."""
     from jaxmem.optim import codes
 
-    m_name, v_name, block = LOWBIT[bits]
-    m_code, v_code = codes.CODES[m_name], codes.CODES[v_name]
+    m_name, v_name, block, v_code, tables = _lowbit_codes(bits)
     g, w, m, v = _inputs(shape, grad_dtype)
     m, v = codes.quantize(m, m_name, block), codes.quantize(v, v_name, block)
-    tables = tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
     kernel = jax.jit(functools.partial(host_adamw_lowbit, bits=bits, length=m.block, v_sqrt_linear=v_code.sqrt_linear,
                                        decay=0.1, **HYPER))
 
@@ -103,13 +110,10 @@ def test_lowbit_block_with_a_nan_gets_a_nan_scale_and_leaves_the_others(bits):
     that block is left out of the comparison); every other block's codes and scales are the reference's."""
     from jaxmem.optim import codes
 
-    m_name, v_name, block = LOWBIT[bits]
-    m_code, v_code = codes.CODES[m_name], codes.CODES[v_name]
-    shape = (4, 3 * block + 5)
-    g, w, m, v = _inputs(shape, jnp.float32, seed=3)
+    m_name, v_name, block, v_code, tables = _lowbit_codes(bits)
+    g, w, m, v = _inputs((4, 3 * block + 5), jnp.float32, seed=3)
     g = g.at[1, 2 * block - 1].set(jnp.nan)
     m, v = codes.quantize(m, m_name, block), codes.quantize(v, v_name, block)
-    tables = tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
     scalars = jnp.array([1e-2, 0.1, 0.05, 1.0, 0.0], jnp.float32)
     got = host_adamw_lowbit(g, w, m.codes, m.scales, v.codes, v.scales, scalars, tables, bits=bits, length=block,
                             v_sqrt_linear=v_code.sqrt_linear, decay=0.1, **HYPER)
@@ -122,9 +126,9 @@ def test_lowbit_block_with_a_nan_gets_a_nan_scale_and_leaves_the_others(bits):
         others[1, 1] = False
         assert np.isnan(scales[1, 1]) and np.isfinite(scales[others]).all()
         np.testing.assert_allclose(scales[others], want_scales[others], rtol=1e-6)
-        per_value = block if bits == 8 else block // 2  # a block's bytes along the row
+        block_bytes = block if bits == 8 else block // 2
         kept = np.ones(np.asarray(codes_).shape, bool)
-        kept[1, per_value:2 * per_value] = False
+        kept[1, block_bytes:2 * block_bytes] = False
         assert np.mean(np.asarray(codes_)[kept] != np.asarray(want.codes)[kept]) <= 1e-4
 
 

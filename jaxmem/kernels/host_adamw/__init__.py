@@ -22,7 +22,7 @@ import numpy as np
 
 from jaxmem.kernels.host_adamw.build import LOWBIT_TARGET, BuildError, register
 
-__all__ = ["BuildError", "host_adamw", "host_adamw_lowbit", "host_adamw_reference", "register"]
+__all__ = ["BuildError", "host_adamw", "host_adamw_lowbit", "host_adamw_reference", "lowbit_tables", "register"]
 
 
 def host_adamw(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: float, decay: float):
@@ -34,6 +34,12 @@ def host_adamw(grad, weights, mu, nu, scalars, *, b1: float, b2: float, eps: flo
     # 1 - b1 and 1 - b2 rounded from double, as optax's (1 - decay) * g is
     return call(grad, weights, mu, nu, scalars, b1=np.float32(b1), one_minus_b1=np.float32(1.0 - b1),
                 b2=np.float32(b2), one_minus_b2=np.float32(1.0 - b2), eps=np.float32(eps), decay=np.float32(decay))
+
+
+def lowbit_tables(m_code, v_code) -> tuple:
+    """host_adamw_lowbit's `tables` for m's and v's codes (jaxmem.optim.codes.Code): each one's values, padded
+    midpoints and buckets."""
+    return tuple(jnp.asarray(t) for c in (m_code, v_code) for t in (c.table, c.padded_midpoints, c.buckets))
 
 
 def host_adamw_lowbit(grad, weights, m_codes, m_scales, v_codes, v_scales, scalars, tables, *, bits: int,

@@ -203,10 +203,9 @@ struct Code {
   bool sqrt_linear;
 };
 
-// The number of midpoints at or below y: its bucket's count (the bucket of y's sign, exponent and top 7
-// mantissa bits; no bucket of a shipped code holds two midpoints) plus one if y reaches the next midpoint.
-// |y| <= 1 always (y is a value over its block's extreme); a NaN's codes are never read back (its block's
-// scale is NaN), so its exponent is clamped rather than tested.
+// y's bucket in codes.Code.buckets: its sign, exponent and top 7 mantissa bits. |y| <= 1 always (y is a value
+// over its block's extreme); a NaN's codes are never read back (its block's scale is NaN), so its exponent is
+// clamped rather than tested.
 inline uint32_t BucketOf(float y) {
   uint32_t bits;
   std::memcpy(&bits, &y, sizeof(bits));
@@ -222,8 +221,9 @@ inline int SqrtLinearCode(float y) {
   return static_cast<int>(k) - 1;
 }
 
-// The codes of buf[0, count) into idx, in passes over the block (each a simple loop the compiler can
-// vectorize or pipeline: the bucket numbers, the bucket table's counts, the comparison with the next midpoint).
+// The codes of buf[0, count) into idx. A code is the number of midpoints at or below the value: its bucket's
+// count (no bucket of a shipped code holds two midpoints) plus one if it reaches the next midpoint. Found in
+// passes over the block (bucket numbers, the table's counts, the comparison), each a loop that vectorizes.
 void EncodeBlock(const Code& c, const float* __restrict buf, int64_t count, int32_t* __restrict idx) {
   if (c.sqrt_linear) {
     for (int64_t j = 0; j < count; ++j) idx[j] = SqrtLinearCode(buf[j]);
@@ -236,12 +236,11 @@ void EncodeBlock(const Code& c, const float* __restrict buf, int64_t count, int3
 
 // The block's scale as codes.quantize takes it (the value of largest magnitude, sign included; NaN if any value
 // is NaN, as numpy's max) and the codes of buf / scale (buf is overwritten with the normalized values; idx is
-// scratch of `count` ints). The extremes are kept in 8 lanes, NaNs found from the bits, and the division runs
+// scratch of `count` ints). The extremes are kept in 8 lanes of a GCC / Clang vector (compiled to the CPU's
+// vector width; a lane's comparison with a NaN is false, so NaNs are found from the bits) and the division runs
 // as its own loop, so each vectorizes.
 void StoreBlock(const Code& c, bool is_signed, float* __restrict buf, int64_t count, uint8_t* row, int64_t begin,
                 float* scale, int32_t* __restrict idx) {
-  // 8 lanes as a GCC / Clang vector (compiled to whatever vector width the CPU has); a lane's comparison
-  // with a NaN is false, so NaNs are found from the bits instead
   typedef float Lanes __attribute__((vector_size(32)));
   typedef uint32_t Bits __attribute__((vector_size(32)));
   constexpr int kLanes = 8;
