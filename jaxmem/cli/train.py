@@ -10,8 +10,9 @@ import jax
 from jaxmem.features import load_config
 from jaxmem.runtime import cpu_host, distributed
 from jaxmem.train import TrainError, run, run_lock
+from jaxmem.train.loop import SaveError
 from jaxmem.train.save_clock import stopped_line
-from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED
+from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, exit_now
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.plan import allocator
 from jaxmem.plan.explain import report_oom
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     except run_lock.RunLockError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_LOCKED
+    except SaveError as e:  # not a traceback, and not minutes in orbax's threads on the way out
+        exit_now(f"jaxmem train: {e}", EXIT_ERROR)
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         report_oom(cfg, e)
