@@ -46,6 +46,13 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 
+def _as_program() -> bool:
+    """Whether this process is the `jaxmem` command itself (`jaxmem ...`, `python -m jaxmem.cli ...`), which may
+    end at once, rather than a program calling `jaxmem.cli.main` (a test, a notebook)."""
+    cli = sys.modules.get("jaxmem.cli")
+    return cli is not None and getattr(sys.modules.get("__main__"), "main", None) is getattr(cli, "main", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -77,8 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except run_lock.RunLockError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_LOCKED
-    except SaveError as e:  # not a traceback, and not minutes in orbax's threads on the way out
-        exit_now(f"jaxmem train: {e}", EXIT_ERROR)
+    except SaveError as e:
+        if _as_program():  # not minutes in orbax's threads on the way out, nor their tracebacks
+            exit_now(f"jaxmem train: {e}", EXIT_ERROR)
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_ERROR
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         report_oom(cfg, e)
