@@ -48,18 +48,20 @@ def _run_below(out: Path) -> Path | None:
     return None
 
 
-def _refuse_runs(out: Path, key: str, overwrite: bool) -> None:
+def refuse_runs(out: Path, key: str, overwrite: bool = False) -> None:
+    """A one-line ConfigError naming `key` when `out` is a run's folder or lies inside one, or (`overwrite`: it
+    is to be replaced) holds one further down."""
     resolved = out.resolve()
     run = _run_at_or_above(resolved)
     if run is not None:
         where = "is" if run == resolved else "lies inside"
         raise ConfigError(f"{key}: {out} {where} the training run {run} (it holds "
-                          f"{', '.join(n for n in RUN_MARKERS if (run / n).exists())}); an export never writes into "
-                          "a run's folder: name a folder outside it")
+                          f"{', '.join(n for n in RUN_MARKERS if (run / n).exists())}); nothing but that run writes "
+                          "into its folder: name a folder outside it")
     run = _run_below(resolved) if overwrite and resolved.is_dir() else None  # replacing it would delete the run
     if run is not None:
-        raise ConfigError(f"{key}: {out} holds the training run {run}; an export never replaces a folder holding a "
-                          "run: name another folder")
+        raise ConfigError(f"{key}: {out} holds the training run {run}; replacing it would delete that run: name "
+                          "another folder")
 
 
 def check_target(out: str | Path, *, overwrite: bool, key: str = "--out") -> Path:
@@ -69,7 +71,7 @@ def check_target(out: str | Path, *, overwrite: bool, key: str = "--out") -> Pat
         raise ConfigError(f"{key}: empty; name the folder to write")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}: {out} is a file; name a folder")
-    _refuse_runs(out, key, overwrite)
+    refuse_runs(out, key, overwrite)
     if out.is_dir() and any(out.iterdir()) and not overwrite:
         raise ConfigError(f"{key}: {out} is not empty; name a new folder, or pass --overwrite to replace it whole")
     return out

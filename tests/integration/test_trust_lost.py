@@ -62,7 +62,7 @@ def test_an_export_never_replaces_enters_or_swallows_a_run(finished, tmp_path, c
     for out, fragment in ((copy, f"--out: {copy} is the training run {copy} (it holds checkpoints"),
                           (copy / "hf", f"--out: {copy / 'hf'} lies inside the training run {copy}"),
                           (copy / "checkpoints", f"lies inside the training run {copy}"),
-                          (runs, f"--out: {runs} holds the training run {copy}; an export never replaces")):
+                          (runs, f"--out: {runs} holds the training run {copy}; replacing it would delete that run")):
         assert cli.main(["export-hf", str(copy), "--out", str(out), "--overwrite"]) == 2
         line = _one_error_line(capsys)
         assert line.startswith("jaxmem export-hf: config error: ") and fragment in line, line
@@ -71,6 +71,9 @@ def test_an_export_never_replaces_enters_or_swallows_a_run(finished, tmp_path, c
     link.symlink_to(copy)  # the run reached through a link is the run
     assert cli.main(["export-hf", str(copy), "--out", str(link), "--overwrite"]) == 2
     assert f"is the training run {copy}" in _one_error_line(capsys)
+    assert cli.main(["import-hf", str(tmp_path / "any_hf_folder"), str(copy)]) == 2  # checked before the source
+    assert _one_error_line(capsys).startswith(f"jaxmem import-hf: config error: OUT_DIR: {copy} is the training run")
+    assert _listing(copy) == before
 
 
 def test_a_killed_exports_leftovers_are_cleaned_and_a_live_ones_kept(finished, tmp_path, capsys):
