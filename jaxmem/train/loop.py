@@ -329,7 +329,7 @@ def _last_good(step: int | None) -> str:
 
 
 def _finished(cfg: Config, start: int) -> None:
-    """A rerun of a finished run trains nothing and writes nothing; with other model or data keys it is refused,
+    """A rerun of a finished run trains nothing and writes nothing; with other model, data or LoRA keys it is refused,
     since the run's config.resolved.yaml (what export-hf ships) must keep describing what was trained."""
     changed = changed_identity(cfg.out_dir, to_dict(cfg))
     if changed:

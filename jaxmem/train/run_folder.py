@@ -92,7 +92,8 @@ def check_checkpointless_run(out_dir: str | Path) -> None:
 
 # What a finished run was trained on: a rerun with other values here would describe it wrongly
 # (config.resolved.yaml is what export-hf ships the tokenizer and model from).
-IDENTITY_KEYS = ("model.", "data.", "checkpoint.init_from")
+IDENTITY_KEYS = ("model.", "data.", "lora.", "checkpoint.init_from")
+_BOOKKEEPING = ("data.workers", "data.cache_dir")  # how the records are read, not which
 
 
 def _dotted(tree: dict, prefix: str = "") -> dict:
@@ -106,7 +107,7 @@ def _dotted(tree: dict, prefix: str = "") -> dict:
 
 
 def changed_identity(out_dir: str | Path, config: dict) -> list[str]:
-    """The model / data / checkpoint.init_from keys whose values in `config` (a resolved config as a dict)
+    """The model / data / lora / checkpoint.init_from keys whose values in `config` (a resolved config as a dict)
     differ from those in out_dir's resolved config; [] when there is none to compare with."""
     try:
         saved = yaml.safe_load(resolved_config(out_dir).read_text())
@@ -116,4 +117,4 @@ def changed_identity(out_dir: str | Path, config: dict) -> list[str]:
         return []
     old, new = _dotted(saved), _dotted(config)
     return sorted(key for key in new.keys() & old.keys()
-                  if key.startswith(IDENTITY_KEYS) and new[key] != old[key])
+                  if key.startswith(IDENTITY_KEYS) and key not in _BOOKKEEPING and new[key] != old[key])
