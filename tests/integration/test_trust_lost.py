@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -186,18 +185,17 @@ def test_the_nan_message_names_the_step_and_the_last_good_checkpoint(tmp_path):
         ckpts.close()
 
 
-def _train_cli(out, *extra, limit_bytes=None, timeout=240):
+def _train_cli(out, *extra, limit_bytes=None):
     """`jaxmem train` in a subprocess (one CPU device); `limit_bytes`: RLIMIT_FSIZE, so a checkpoint's data
-    file fails to be written (EFBIG) as on a full disk, while the small files still are."""
+    file fails to be written (EFBIG) as on a full disk, while the small files still are. A process that hangs
+    in orbax's threads after a failed save (their barriers wait 300 s) fails the test by the timeout."""
     start = [sys.executable, "-m", "jaxmem.cli"]
     if limit_bytes is not None:  # set in the child before it becomes jaxmem (no fork of this threaded process)
         start = [sys.executable, "-c", f"import os, resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, "
                  f"({limit_bytes}, {limit_bytes})); os.execv(sys.executable, [sys.executable, '-m', 'jaxmem.cli', "
                  "*sys.argv[1:]])"]
     cmd = [*start, "train", str(TINY), f"out_dir={out}", "train.progress=false", *RUN, *extra]
-    t0 = time.monotonic()
-    proc = subprocess.run(cmd, cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=timeout)
-    return proc, time.monotonic() - t0
+    return subprocess.run(cmd, cwd=ROOT, env=cpu_env(1), capture_output=True, text=True, timeout=240)
 
 
 def _jaxmem_lines(stderr: str) -> list[str]:
@@ -208,7 +206,7 @@ def test_both_checkpoints_damaged_with_previous_set_says_so_in_one_line(finished
     copy = _copy(finished, tmp_path)
     for step in (1, 2):
         (copy / "checkpoints" / str(step) / "state" / "manifest.ocdbt").unlink()
-    proc, _ = _train_cli(copy, "train.steps=3", "checkpoint.on_corrupt=previous")
+    proc = _train_cli(copy, "train.steps=3", "checkpoint.on_corrupt=previous")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     line = _jaxmem_lines(proc.stderr)[-1]
     assert line.startswith(f"jaxmem train: config error: {copy / 'checkpoints'}: no checkpoint is intact "
@@ -220,21 +218,20 @@ def test_both_checkpoints_damaged_with_previous_set_says_so_in_one_line(finished
 # ---------------------------------------------------------------- saves that fail, fail once
 
 
-def _assert_failed_once(proc, elapsed, copy, last_good):
+def _assert_failed_once(proc, copy, last_good):
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr and "Exception ignored" not in proc.stderr, proc.stderr
     failed = [line for line in _jaxmem_lines(proc.stderr) if "writing a checkpoint" in line]
     assert len(failed) == 1 and failed == _jaxmem_lines(proc.stderr)[-1:], proc.stderr
     assert f"in {copy / 'checkpoints'} failed (" in failed[0]
     assert failed[0].endswith(" free") and f"the last good checkpoint is step {last_good}; " in failed[0]
-    assert elapsed < 150  # orbax's threads of the failed save would hold the exit for minutes
     assert not (copy / ".jaxmem.lock").exists()
 
 
 def test_a_checkpoint_that_cannot_be_written_stops_after_the_step_in_flight(finished, tmp_path):
     copy = _copy(finished, tmp_path)
-    proc, elapsed = _train_cli(copy, "train.steps=6", limit_bytes=2**20)
-    _assert_failed_once(proc, elapsed, copy, last_good=2)
+    proc = _train_cli(copy, "train.steps=6", limit_bytes=2**20)
+    _assert_failed_once(proc, copy, last_good=2)
     assert "File too large" in proc.stderr
     steps = [json.loads(line)["step"] for line in (copy / "metrics.jsonl").read_text().splitlines()]
     assert steps[:2] == [1, 2] and max(steps) <= 4  # step 3's save failed: at most the step in flight after it
@@ -253,8 +250,8 @@ def test_a_read_only_checkpoint_folder_fails_the_final_save_in_one_line_and_exit
     try:
         shutil.copytree(finished / "checkpoints", folder, dirs_exist_ok=True)
         subprocess.run(["mount", "-o", "remount,ro", str(folder)], check=True)
-        proc, elapsed = _train_cli(copy, "train.steps=3", "checkpoint.every=0")
-        _assert_failed_once(proc, elapsed, copy, last_good=2)
+        proc = _train_cli(copy, "train.steps=3", "checkpoint.every=0")
+        _assert_failed_once(proc, copy, last_good=2)
         assert "Read-only file system" in proc.stderr
     finally:
         subprocess.run(["umount", str(folder)], check=False)
