@@ -329,13 +329,14 @@ def _last_good(step: int | None) -> str:
 
 
 def _finished(cfg: Config, start: int) -> None:
-    """A rerun of a finished run trains nothing and writes nothing; with other model, data or LoRA keys it is refused,
-    since the run's config.resolved.yaml (what export-hf ships) must keep describing what was trained."""
+    """A rerun of a finished run trains nothing and writes nothing; with other model, data or LoRA keys it is
+    refused, since the run's config.resolved.yaml (what export-hf ships) must keep describing what was trained."""
     changed = changed_identity(cfg.out_dir, to_dict(cfg))
     if changed:
         shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
-        raise TrainError(f"{cfg.out_dir} holds a run finished at step {start}, trained with other {shown}; a rerun "
-                         "would not train it on those: use the run's own settings, or a new out_dir")
+        raise TrainError(f"{cfg.out_dir} holds a run finished at step {start}, trained with other {shown} than "
+                         "this config's; nothing was trained or written: rerun with the run's own settings, or use "
+                         "a new out_dir")
     _note(f"{cfg.out_dir} already holds step {start} >= train.steps={cfg.train.steps}; nothing to train")
 
 

@@ -158,8 +158,9 @@ def test_a_finished_runs_rerun_with_another_tokenizer_is_refused_and_writes_noth
     args = ["train", str(TINY), f"out_dir={copy}", "train.progress=false", *other]
     assert cli.main([*args, f"data.tokenizer={root / 'other' / 'tokenizer.json'}"]) == 1
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1] == (f"jaxmem train: {copy} holds a run finished at step 2, trained with other data.tokenizer; "
-                       "a rerun would not train it on those: use the run's own settings, or a new out_dir")
+    assert err[-1] == (f"jaxmem train: {copy} holds a run finished at step 2, trained with other data.tokenizer "
+                       "than this config's; nothing was trained or written: rerun with the run's own settings, or "
+                       "use a new out_dir")
     assert not any("Traceback" in line for line in err)
     # a rerun that trains nothing (another log_every) leaves the resolved config as the trained run wrote it
     assert cli.main([*args, f"data.tokenizer={root / 'tok' / 'tokenizer.json'}", "train.log_every=2"]) == 0
