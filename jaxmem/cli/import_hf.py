@@ -14,7 +14,9 @@ from flax import nnx
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import ConfigError, ParallelConfig
 from jaxmem.mesh import sharding
+from jaxmem.io.fresh_folder import refuse_runs
 from jaxmem.io.hf import DTYPES, load_hf
+from jaxmem.io.no_follow import write_text
 
 
 def _parse(argv):
@@ -45,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         raise ConfigError(f"{params_dir}: already exists; choose a new OUT_DIR")
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{out}: is a file; OUT_DIR must be a directory (it is created if missing)")
+    refuse_runs(out, "OUT_DIR")  # params/ and model.json never go into a training run's folder
     # Spread the params over every local device (FSDP) so no single device holds the model.
     mesh = sharding.make_mesh(ParallelConfig())
     model = load_hf(args.hf_dir, dtype=args.dtype, mesh=mesh)
@@ -55,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     checkpointer.wait_until_finished()
     model_fields = dataclasses.asdict(model.cfg)
     if jax.process_index() == 0:
-        (out / "model.json").write_text(json.dumps(model_fields, indent=2) + "\n")
+        write_text(out / "model.json", json.dumps(model_fields, indent=2) + "\n")  # never through a link
     snippet = {"model": model_fields, "checkpoint": {"init_from": str(out)}}
     if args.dtype != "float32":
         snippet["precision"] = {"param_dtype": args.dtype}

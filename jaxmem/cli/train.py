@@ -10,8 +10,9 @@ import jax
 from jaxmem.features import load_config
 from jaxmem.runtime import cpu_host, distributed
 from jaxmem.train import TrainError, run, run_lock
+from jaxmem.train.loop import SaveError
 from jaxmem.train.save_clock import stopped_line
-from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED
+from jaxmem.train.signals import EXIT_ERROR, EXIT_LOCKED, EXIT_SAVED, exit_now
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.plan import allocator
 from jaxmem.plan.explain import report_oom
@@ -45,6 +46,13 @@ def parse_args(argv: list[str]) -> tuple[str | None, list[str]]:
 
 
 
+def _as_program() -> bool:
+    """Whether this process is the `jaxmem` command itself (`jaxmem ...`, `python -m jaxmem.cli ...`), which may
+    end at once, rather than a program calling `jaxmem.cli.main` (a test, a notebook)."""
+    cli = sys.modules.get("jaxmem.cli")
+    return cli is not None and getattr(sys.modules.get("__main__"), "main", None) is getattr(cli, "main", False)
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -76,6 +84,11 @@ def main(argv: list[str] | None = None) -> int:
     except run_lock.RunLockError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         return EXIT_LOCKED
+    except SaveError as e:
+        if _as_program():  # not minutes in orbax's threads on the way out, nor their tracebacks
+            exit_now(f"jaxmem train: {e}", EXIT_ERROR)
+        print(f"jaxmem train: {e}", file=sys.stderr)
+        return EXIT_ERROR
     except TrainError as e:
         print(f"jaxmem train: {e}", file=sys.stderr)
         report_oom(cfg, e)

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import jax
@@ -48,6 +49,7 @@ def _reason(e: BaseException) -> str:
     lines = str(e).strip().splitlines()
     text = (lines[0] if lines else type(e).__name__).split(" [tensorstore_spec")[0]
     text = re.sub(r' in OCDBT database at local file "[^"]*"', "", text)  # the step directory, named already
+    text = re.sub(r'Failed writing: "[^"]*": ', "", text)  # a temporary file of the step directory
     return text if len(text) <= 300 else text[:297] + "..."
 
 
@@ -140,15 +142,54 @@ def run_meta(cfg: Config, step: int, data_position: int, batch_rows: int) -> dic
 
 
 def _quiet_failed_saves(record: logging.LogRecord) -> bool:
-    """Drops orbax's own error logs (with their tracebacks) of a save that failed: `Checkpoints.failure` names
-    it in one line and the run stops there."""
-    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname
-                and "Checkpointer failed" in record.getMessage())
+    """Drops orbax's own error logs (with their tracebacks) while a run's checkpoints are open: a save that
+    failed is named in one line by `Checkpoints.failure` / SaveFailed, and the run stops there."""
+    return not (record.levelno >= logging.ERROR and "orbax" in record.pathname)
+
+
+def _closed_loop_error(exc_type, exc, tb) -> bool:
+    """tensorstore's callbacks into an event loop orbax already closed after a failed write (reported through
+    sys.unraisablehook from its own threads): noise once the failure is named."""
+    if not (exc_type is RuntimeError and str(exc) == "Event loop is closed"):
+        return False
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and "asyncio" in tb.tb_frame.f_code.co_filename
+
+
+class _QuietOrbax:
+    """Keeps orbax's tracebacks of a failed save or restore off stderr: its error logs while checkpoints are open
+    (counted: one `Checkpoints` may live inside another's life), and from the first `Checkpoints` on, the
+    closed-loop reports its tensorstore callbacks may still make after the restore or save that failed."""
+
+    depth = 0
+    saved_hook = None
+
+    @classmethod
+    def enter(cls) -> None:
+        if cls.depth == 0:
+            logging.getLogger("absl").addFilter(_quiet_failed_saves)
+        if sys.unraisablehook != _QuietOrbax.hook:
+            cls.saved_hook = sys.unraisablehook
+            sys.unraisablehook = _QuietOrbax.hook
+        cls.depth += 1
+
+    @classmethod
+    def leave(cls) -> None:
+        cls.depth = max(cls.depth - 1, 0)
+        if cls.depth == 0:
+            logging.getLogger("absl").removeFilter(_quiet_failed_saves)
+
+    @staticmethod
+    def hook(unraisable) -> None:
+        if not _closed_loop_error(unraisable.exc_type, unraisable.exc_value, unraisable.exc_traceback):
+            (_QuietOrbax.saved_hook or sys.__unraisablehook__)(unraisable)
 
 
 class SaveFailed(RuntimeError):
     """A checkpoint could not be written; the message is one line: what failed, the last good step, the free
-    space."""
+    space. orbax may still hold threads waiting on the failed save (its barriers time out after minutes): a
+    command line that reports it exits without waiting for them (`jaxmem.train.signals.exit_now`)."""
 
 
 def _size(n: int) -> str:
@@ -203,7 +244,8 @@ class Checkpoints:
         # finds their handlers from the args' types
         self._manager = ocp.CheckpointManager(self.directory, options=options)
         self._failed: str | None = None  # why a started save failed (see `failure`)
-        logging.getLogger("absl").addFilter(_quiet_failed_saves)
+        self._open = True
+        _QuietOrbax.enter()
 
     @classmethod
     def for_run(cls, cfg: Config) -> "Checkpoints":
@@ -229,21 +271,29 @@ class Checkpoints:
 
     def failure(self) -> str | None:
         """Why a save started earlier failed (an I/O error, a full disk), in one line; None while none did."""
+        if self._failed is not None:
+            return self._failed
         try:
             self._manager.check_for_errors()
         except Exception as e:  # orbax re-raises what its writer thread hit
-            self._failed = _reason(e)
-            self._settle()
-            return (f"writing a checkpoint in {self.directory} failed ({self._failed}); {self._last_good()}; "
-                    f"{_size(_free_bytes(self.directory))} free")
+            return self._failure_line(e)
         return None
 
+    def _failure_line(self, e: BaseException) -> str:
+        """The one line on a failed save (kept: every later question gets the same answer)."""
+        if self._failed is None:  # orbax's threads of the failed save are not waited for: see SaveFailed
+            self._failed = (f"writing a checkpoint in {self.directory} failed ({_reason(e)}); {self._last_good()}; "
+                            f"{_size(_free_bytes(self.directory))} free")
+        return self._failed
+
     def _settle(self) -> None:
-        """Waits for the saves in flight (their failure is reported elsewhere), so the steps on disk are final."""
+        """Waits for the saves in flight (a failure is kept for `failure`), so the steps on disk are final."""
+        if self._failed is not None:
+            return
         try:
             self._manager.wait_until_finished()
-        except Exception:  # a failed save: `failure` names it
-            pass
+        except Exception as e:  # a failed save: `failure` names it
+            self._failure_line(e)
 
     def _last_good(self) -> str:
         steps = self.all_steps()
@@ -259,7 +309,14 @@ class Checkpoints:
         state = {k: v for k, v in state.items() if k != FROZEN}  # a frozen part is rebuilt, never saved
         meta = dict(meta, **{DIGESTS: checksum.digests(state)})  # process 0 writes the meta: its parts' digests
         args = {item.name: item.save_args(state), _META: ocp.args.JsonSave(meta)}
-        self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        if self._failed is not None:
+            raise SaveFailed(self._failed)
+        try:  # orbax first waits for the previous save, and re-raises what its writer hit
+            self._manager.save(step, args=ocp.args.Composite(**args), force=True)
+        except Exception as e:
+            if is_oom(e):
+                raise
+            raise SaveFailed(self._failure_line(e)) from None
 
     def restore(self, abstract_state: dict, step: int | None = None,
                 required_meta: tuple[str, ...] = (), item=WHOLE_STATE) -> tuple[dict, dict]:
@@ -354,19 +411,30 @@ class Checkpoints:
         return target
 
     def wait(self) -> None:
-        """Blocks until every started save is finalized."""
-        self._manager.wait_until_finished()
-
-    def close(self) -> None:
-        """Finishes the saves already started; after a failed one (reported by `failure`), closes quietly."""
+        """Blocks until every started save is finalized; SaveFailed (one line) if one failed."""
+        if self._failed is not None:
+            raise SaveFailed(self._failed)
         try:
             self._manager.wait_until_finished()
-            self._manager.close()
-        except Exception:
-            if self._failed is None and self.failure() is None:
-                raise
+        except Exception as e:
+            raise SaveFailed(self._failure_line(e)) from None
+
+    def close(self) -> None:
+        """Finishes the saves already started; after a failed one (reported by `failure`) it leaves orbax's
+        threads be (they may wait minutes on the failed save's barriers) and closes nothing more."""
+        if not self._open:
+            return
+        self._open = False
+        try:
+            if self._failed is None:
+                try:
+                    self._manager.wait_until_finished()
+                except Exception as e:
+                    self._failure_line(e)
+            if self._failed is None:
+                self._manager.close()
         finally:
-            logging.getLogger("absl").removeFilter(_quiet_failed_saves)
+            _QuietOrbax.leave()
 
 
 # ---------------------------------------------------------------- init_from
@@ -424,6 +492,12 @@ def restore_intact(prog, ckpts: "Checkpoints", on_corrupt: str, note, required_m
         if damaged:
             note(f"resuming from step {step}, the newest intact checkpoint (checkpoint.on_corrupt=previous)")
         return state, meta, step
+    if len(damaged) > 1:  # every step tried: the advice to set on_corrupt=previous or resume earlier is spent
+        newest = damaged[0]
+        raise CorruptCheckpoint(f"{ckpts.directory}: no checkpoint is intact (checkpoint.on_corrupt=previous tried "
+                                f"steps {', '.join(str(e.step) for e in damaged)}; step {newest.step}: {newest.reason}"
+                                "); delete the step directories to start from scratch, or use a new out_dir",
+                                newest.step, newest.reason)
     if damaged:
         raise damaged[0]
     raise FileNotFoundError(f"no finalized checkpoint under {ckpts.directory}")

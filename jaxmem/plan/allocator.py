@@ -26,6 +26,7 @@ from jaxmem.config.schema import config_hash, dump_yaml
 from jaxmem.plan.bill import compute_bill
 from jaxmem.config.targets import TARGETS, target_for_device_kind
 from jaxmem.config.validate import fixed_mesh_size
+from jaxmem.io.no_follow import write_text
 
 DEFAULT_FRACTION = 0.75  # XLA's XLA_PYTHON_CLIENT_MEM_FRACTION when unset
 # The highest fraction the GPU runs used (the rest is left to the CUDA context and library workspaces outside
@@ -192,5 +193,5 @@ def prepare(cfg, command: str, out_dir=None, file=None) -> AllocatorSettings | N
         print(f"jaxmem {command}: warning: {settings.warning}", file=file)
     if out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "allocator.json").write_text(json.dumps(settings.to_json(), indent=2) + "\n")
+        write_text(Path(out_dir) / "allocator.json", json.dumps(settings.to_json(), indent=2) + "\n")  # no link
     return settings

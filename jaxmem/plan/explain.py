@@ -24,6 +24,8 @@ from jaxmem.plan.timeline import build
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.plan import oom
 from jaxmem.io.console import make_console
+from jaxmem.io.no_follow import write_text
+from jaxmem.config.schema import ConfigError
 from jaxmem.plan.report import _fmt, _unit
 
 
@@ -180,8 +182,8 @@ def report_oom(cfg: Config, exc: BaseException, top: int = 10, file=None) -> boo
         if jax.process_index() != 0:  # one report per run
             return True
         out.mkdir(parents=True, exist_ok=True)
-        (out / "oom_report.json").write_text(json.dumps(report, indent=2, default=str))
+        write_text(out / "oom_report.json", json.dumps(report, indent=2, default=str))  # never through a link
         console.print(f"OOM report: {out / 'oom_report.json'}", highlight=False)
-    except OSError as e:
+    except (OSError, ConfigError) as e:
         console.print(f"(could not write oom_report.json: {e})")
     return True

@@ -20,13 +20,15 @@ import time
 from pathlib import Path
 
 import jax
+import yaml
 
 from jaxmem.runtime import distributed
 from jaxmem.train import peer_watch, run_lock
-from jaxmem.train.run_folder import RESOLVED_CONFIG
+from jaxmem.train.run_folder import RESOLVED_CONFIG, changed_identity, check_checkpointless_run
 from jaxmem.core.checkpoint import (RUN_META_KEYS, Checkpoints, SaveFailed, init_from, math_hash, restore_intact,
                                     run_meta)
-from jaxmem.config.schema import Config, dump_yaml, to_dict
+from jaxmem.config.schema import Config, to_dict
+from jaxmem.io.no_follow import write_text
 from jaxmem.io.data import Batches, TokenSource, make_source
 from jaxmem.io.console import is_terminal
 from jaxmem.train.evaluate import Evaluator
@@ -47,6 +49,12 @@ _STEP_SLEEP_S = float(os.environ.get("JAXMEM_TEST_STEP_SLEEP", "0") or 0)
 
 class TrainError(RuntimeError):
     """A run stopped for a reason the user must act on; the message is short and says what to do."""
+
+
+class SaveError(TrainError):
+    """A checkpoint could not be written (a full disk, a read-only folder, an I/O error): the run stopped after
+    the step in flight; orbax may still hold threads waiting on the failed save, so a command line exits at once
+    (jaxmem.train.signals.exit_now) rather than wait for them."""
 
 
 def initial_state(prog: TrainProgram, ckpts: Checkpoints | None) -> tuple[dict, int, int | None, int | None]:
@@ -154,7 +162,6 @@ class _Outputs:
         if self.lead:
             out = Path(cfg.out_dir)
             out.mkdir(parents=True, exist_ok=True)
-            dump_yaml(cfg, out / RESOLVED_CONFIG)
             if cfg.train.tensorboard:
                 self.writers.append(TensorBoardWriter(out / "tensorboard", start))
             if cfg.train.wandb:
@@ -164,6 +171,12 @@ class _Outputs:
                 _note(jsonl.cut)
             self.writers.append(jsonl)
         self.bar = ProgressBar(cfg.train.steps, start, enabled=self.lead and not self.plain)
+
+    def write_config(self, cfg: Config) -> None:
+        """config.resolved.yaml, written when a step is about to be trained (never through a link): a rerun that
+        trains nothing leaves the run's own as it is."""
+        if self.lead:
+            write_text(Path(cfg.out_dir) / RESOLVED_CONFIG, yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     def record(self, record: dict) -> None:
         if not self.lead:
@@ -205,6 +218,8 @@ def _run_locked(cfg: Config, stop: StopRequest) -> dict:
         summary_writer_class()  # a missing writer fails now, not after the compile
     if cfg.train.wandb:
         wandb_available()
+    if not cfg.checkpoint.enabled:
+        check_checkpointless_run(cfg.out_dir)  # it would start at step 0 over a saved run's metrics
     source = make_source(cfg)  # a text file is read and checked against the vocabulary here
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
@@ -227,7 +242,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
     stop = stop or StopRequest(multi_process=jax.process_count() > 1)  # (no handlers: never stops early)
     try:
         if start >= total:
-            _note(f"{cfg.out_dir} already holds step {start} >= train.steps={total}; nothing to train")
+            _finished(cfg, start)
             return summary
         data = Batches(source, prog, start, position)
         batch = next(data)  # bad data fails here, before the compile
@@ -239,6 +254,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         _note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {total} on "
               f"{jax.device_count()} {jax.devices()[0].platform} devices; times are measured on this host")
         _note(parameter_counts(prog))
+        outputs.write_config(cfg)
         pending, last_sync, last_saved = [], time.perf_counter(), resumed
         clock = SaveClock(cfg.checkpoint.every_minutes if ckpts is not None else 0)
         seen_per_step = data.per_step * cfg.train.seq_len  # batch positions fed per step, trained or not
@@ -282,8 +298,7 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
                 break
         summary["final_step"] = done
         if ckpts:
-            ckpts.wait()
-            _check_saves(ckpts)
+            _wait_saves(ckpts)
             summary["checkpoint_steps"] = ckpts.all_steps()
         return summary
     except jax.errors.JaxRuntimeError as e:
@@ -299,21 +314,45 @@ def _save(cfg: Config, prog: TrainProgram, ckpts: Checkpoints, state: dict, done
     """Starts the save of step `done`: never of non-finite weights, never onto a disk without room for it (a
     TrainError in one line either way; the checkpoints saved before are left as they are)."""
     if not _state_finite(prog, state):
-        raise TrainError(f"step {done}: the weights hold inf/NaN; not saved (last good checkpoint: "
-                         f"step {last_saved}); lower optimizer.lr")
+        raise TrainError(f"step {done}: the weights hold inf/NaN; not saved ({_last_good(last_saved)}); "
+                         "lower optimizer.lr")
     try:
         ckpts.room_for(state, done)
+        meta = dict(run_meta(cfg, done, data.position_at(done), data.per_step), **prog.checkpoint_meta())
+        ckpts.save(done, state, meta, prog.state_item)
     except SaveFailed as e:
-        raise TrainError(str(e)) from None
-    meta = dict(run_meta(cfg, done, data.position_at(done), data.per_step), **prog.checkpoint_meta())
-    ckpts.save(done, state, meta, prog.state_item)
+        raise SaveError(str(e)) from None
+
+
+def _last_good(step: int | None) -> str:
+    return f"last good checkpoint: step {step}" if step is not None else "no checkpoint was saved before it"
+
+
+def _finished(cfg: Config, start: int) -> None:
+    """A rerun of a finished run trains nothing and writes nothing; with other model, data or LoRA keys it is
+    refused, since the run's config.resolved.yaml (what export-hf ships) must keep describing what was trained."""
+    changed = changed_identity(cfg.out_dir, to_dict(cfg))
+    if changed:
+        shown = ", ".join(changed[:4]) + (f" and {len(changed) - 4} more" if len(changed) > 4 else "")
+        raise TrainError(f"{cfg.out_dir} holds a run finished at step {start}, trained with other {shown} than "
+                         "this config's; nothing was trained or written: rerun with the run's own settings, or use "
+                         "a new out_dir")
+    _note(f"{cfg.out_dir} already holds step {start} >= train.steps={cfg.train.steps}; nothing to train")
 
 
 def _check_saves(ckpts: Checkpoints | None) -> None:
-    """A TrainError in one line once a save started earlier has failed (a full disk, an I/O error)."""
+    """A SaveError in one line once a save started earlier has failed (a full disk, an I/O error)."""
     failed = ckpts.failure() if ckpts is not None else None
     if failed:
-        raise TrainError(failed)
+        raise SaveError(failed)
+
+
+def _wait_saves(ckpts: Checkpoints) -> None:
+    """Waits for the last saves; a SaveError in one line if one failed."""
+    try:
+        ckpts.wait()
+    except SaveFailed as e:
+        raise SaveError(str(e)) from None
 
 
 def parameter_counts(prog: TrainProgram) -> str:
@@ -334,11 +373,11 @@ def _check_finite(cfg: Config, pending: list, host: list, ckpts: Checkpoints | N
     for (step, _), m in zip(pending, host):
         if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
             if ckpts:
-                ckpts.wait()  # saves of earlier, finite steps still count
+                _wait_saves(ckpts)  # saves of earlier, finite steps still count
             last = ckpts.latest_step() if ckpts else None
+            kept = _last_good(last) if ckpts else "checkpoint.enabled=false: nothing was saved"
             raise TrainError(f"step {step}: loss is {float(m['loss'])} (grad_norm {float(m['grad_norm'])}); "
-                             f"stopped without saving this state (last good checkpoint: step {last}); "
-                             "lower optimizer.lr or check the data")
+                             f"stopped without saving this state ({kept}); lower optimizer.lr or check the data")
 
 
 ROUTER_METRICS = ("moe_aux_loss", "moe_z_loss", "moe_dropped")  # jaxmem.model.moe.router_losses

@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from jaxmem.config.schema import ConfigError
+from jaxmem.io.no_follow import link_refused, open_no_follow, write_text
 
 # Every record of metrics.jsonl has these keys (times are wall-clock, measured on the
 # host the run ran on, over the steps since the previous record).
@@ -22,7 +23,7 @@ class JsonlWriter:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.cut = cut_back(self.path, start) if start is not None else ""
-        self._file = self.path.open("a")
+        self._file = open_no_follow(self.path, "a")  # never through a link
 
     def write(self, record: dict) -> None:
         self._file.write(json.dumps(record) + "\n")
@@ -35,6 +36,8 @@ class JsonlWriter:
 def cut_back(path: Path, start: int) -> str:
     """Keeps the records of `path` up to step `start` (written whole, in place of the file, atomically); the
     one line saying what went, or ""."""
+    if path.is_symlink():
+        raise link_refused(path)
     if not path.is_file():
         return ""
     kept, later, torn = [], 0, 0
@@ -51,7 +54,7 @@ def cut_back(path: Path, start: int) -> str:
     if not (later or torn):
         return ""
     staging = path.with_name(path.name + ".cut")
-    staging.write_text("".join(line + "\n" for line in kept))
+    write_text(staging, "".join(line + "\n" for line in kept))  # os.replace swaps names, never follows
     staging.replace(path)
     parts = [f"{count} {what}" for count, what in ((later, f"record{'s' * (later != 1)} after it"),
                                                    (torn, f"torn line{'s' * (torn != 1)}")) if count]

@@ -83,3 +83,14 @@ class StopRequest:
         if reached:
             self.signal = self.signal or "SIGTERM"
         return reached
+
+
+def exit_now(line: str, code: int = EXIT_ERROR) -> None:
+    """Prints `line` on stderr and ends the process at once with `code`, the run's lock released: for a failed
+    checkpoint save, whose orbax threads would otherwise hold the interpreter's exit for minutes (they wait on
+    the failed save's barriers) and print tracebacks of its coroutines on the way out."""
+    sys.stdout.flush()
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+    release_all()
+    os._exit(code)

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import jax
 
+from jaxmem.io.no_follow import write_bytes
 from jaxmem.runtime.compiled_memory import device_bytes, read_fields
 
 STATS = ("bytes_in_use", "peak_bytes_in_use", "bytes_limit", "largest_free_block_bytes")
@@ -139,6 +140,6 @@ def save_memory_profile(out_dir: str | Path, step: int, note=_note) -> Path | No
         return None
     path = profile_path(out_dir, step)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
+    write_bytes(path, data)  # never through a link
     note(f"device memory profile after step {step}: {path}")
     return path
