@@ -1,0 +1,157 @@
+"""Generation: greedy decoding equals transformers' `generate` token for token on tiny models of every family
+made offline (4 prompts of different lengths, batched with left padding, 32 new tokens, fp32), sliding-window
+layers through their ring buffer; stop tokens; sampling reproducible with a fixed seed; an int8 cache close to
+the float one."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+
+import jaxmem
+from jaxmem.generate.decoder import Decoder
+from jaxmem.generate.loop import generate_fn, left_pad
+from jaxmem.generate.sampling import Sampling
+from jaxmem.model import kv_cache
+
+NEW = 32
+LENGTHS = (5, 9, 3, 12)
+WIDTH = 16  # the prompts' bucket
+# Odd sizes, small: hidden 48 with 4 heads of 16 (head_dim != hidden / heads where set), vocab 97.
+SHAPE = dict(hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=97, max_position_embeddings=256, initializer_range=0.2)
+MOE = dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=24)
+CASES = {
+    "llama": (transformers.LlamaConfig, dict(SHAPE)),
+    # jaxmem loads Mistral's window as full causal attention with the sequence capped at the window
+    # (jaxmem.io.hf_families): a window above prompt + new tokens
+    "mistral": (transformers.MistralConfig, dict(SHAPE, sliding_window=64)),
+    "qwen2": (transformers.Qwen2Config, dict(SHAPE, rope_theta=1000000.0)),
+    "qwen3": (transformers.Qwen3Config, dict(SHAPE, head_dim=16)),
+    # layers local, local, global, local: a window of 5, linear RoPE scaling on the global layer
+    "gemma3": (transformers.Gemma3TextConfig, dict(
+        SHAPE, num_hidden_layers=4, head_dim=16, query_pre_attn_scalar=20, sliding_window=5,
+        sliding_window_pattern=3,
+        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1000000.0},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}})),
+    "mixtral": (transformers.MixtralConfig, dict(SHAPE, **MOE)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(SHAPE, head_dim=16, moe_intermediate_size=24, num_experts=4,
+                                                    num_experts_per_tok=2, norm_topk_prob=True)),
+    # local, global, local with a window of 5; sinks; YaRN
+    "gpt_oss": (transformers.GptOssConfig, dict(
+        SHAPE, **MOE, num_hidden_layers=3, head_dim=16, sliding_window=5,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0, "truncate": False,
+                         "original_max_position_embeddings": 16, "rope_theta": 150000.0})),
+}
+
+
+def _hf_model(name):
+    config_cls, kwargs = CASES[name]
+    torch.manual_seed(list(CASES).index(name))
+    model = transformers.AutoModelForCausalLM.from_config(config_cls(**kwargs), attn_implementation="eager")
+    with torch.no_grad():  # non-trivial norms, biases, sinks and routers
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(0.5 * torch.randn_like(p) + (0.0 if name == "gemma3" else 1.0))
+            elif "sinks" in pname:
+                p.copy_(0.3 * torch.randn_like(p) + 2.0)
+            elif pname.endswith("bias") or "router" in pname or pname.endswith("gate.weight"):
+                p.copy_(0.3 * torch.randn_like(p))
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _prompts(vocab, lengths=LENGTHS, seed=0):
+    rng = np.random.RandomState(seed)
+    return [[int(t) for t in rng.randint(1, vocab, n)] for n in lengths]
+
+
+def hf_greedy(hf_model, prompts, new=NEW, **kwargs):
+    """transformers' generate of left-padded prompts: the new tokens [B, new]."""
+    tokens, starts = left_pad(prompts, WIDTH, 0)
+    mask = (np.arange(WIDTH)[None] >= starts[:, None]).astype(np.int64)
+    with torch.no_grad():
+        out = hf_model.generate(torch.tensor(tokens, dtype=torch.long), attention_mask=torch.tensor(mask),
+                                max_new_tokens=new, do_sample=False, pad_token_id=0, **kwargs)
+    return out[:, WIDTH:].numpy()
+
+
+def ours(decoder, weights, prompts, new=NEW, seed=0, **kwargs):
+    tokens, starts = left_pad(prompts, WIDTH, 0)
+    fn = jax.jit(generate_fn(decoder, max_new=new, **kwargs))
+    return fn(weights, jnp.asarray(tokens), jnp.asarray(starts), jax.random.key(seed))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """{name: (HF model, jaxmem model)} made on first use."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            directory = tmp_path_factory.mktemp(name)
+            hf = _hf_model(name)
+            hf.save_pretrained(directory, safe_serialization=True)
+            cache[name] = (hf, jaxmem.load_hf(directory), directory)
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in ("qwen2", "mixtral") else n
+                                  for n in CASES])
+def test_greedy_equals_transformers(models, name):
+    hf, model, _ = models(name)
+    prompts = _prompts(model.cfg.vocab_size)
+    got = ours(Decoder.from_model(model), Decoder.weights_of(model), prompts)
+    want = hf_greedy(hf, prompts)
+    np.testing.assert_array_equal(np.asarray(got.tokens), want)
+    assert np.asarray(got.lengths).tolist() == [NEW] * len(prompts)
+
+
+def test_sliding_window_layers_keep_only_their_window(models):
+    _, model, _ = models("gemma3")
+    cache = kv_cache.init_cache(model.cfg, jnp.zeros((2,), jnp.int32), WIDTH + NEW, jnp.float32)
+    assert cache.stacks["local"].k.shape == (3, 2, 5, 2, 16)  # 3 local layers, a ring of the window (5 slots)
+    assert cache.stacks["global"].k.shape == (1, 2, WIDTH + NEW, 2, 16)
+
+
+def test_stop_tokens_end_rows_and_pad_after(models):
+    hf, model, _ = models("llama")
+    prompts = _prompts(model.cfg.vocab_size)
+    free = hf_greedy(hf, prompts)
+    stop = int(free[1, 3])  # a token the second row produces at its 4th step
+    got = ours(Decoder.from_model(model), Decoder.weights_of(model), prompts, stop_ids=(stop,), pad_id=0)
+    want = hf_greedy(hf, prompts, eos_token_id=stop)
+    want = np.pad(want, ((0, 0), (0, NEW - want.shape[1])))  # transformers stops when every row has
+    tokens, lengths = np.asarray(got.tokens), np.asarray(got.lengths)
+    np.testing.assert_array_equal(tokens, want)
+    for row in range(len(prompts)):
+        hits = np.flatnonzero(free[row] == stop)
+        assert lengths[row] == (hits[0] + 1 if hits.size else NEW)
+    assert lengths[1] <= 4
+
+
+def test_sampling_is_reproducible_and_seeded(models):
+    _, model, _ = models("llama")
+    prompts = _prompts(model.cfg.vocab_size)
+    decoder, weights = Decoder.from_model(model), Decoder.weights_of(model)
+    sampling = Sampling(temperature=1.3, top_k=20, top_p=0.9)
+    a = np.asarray(ours(decoder, weights, prompts, new=16, seed=1, sampling=sampling).tokens)
+    b = np.asarray(ours(decoder, weights, prompts, new=16, seed=1, sampling=sampling).tokens)
+    c = np.asarray(ours(decoder, weights, prompts, new=16, seed=2, sampling=sampling).tokens)
+    np.testing.assert_array_equal(a, b)
+    assert (a != c).any()
+    greedy = np.asarray(ours(decoder, weights, prompts, new=16).tokens)
+    assert (a != greedy).any()
+
+
+def test_int8_cache_follows_the_float_cache(models):
+    """int8 keys and values (per token and head scales) change the logits a little: most greedy tokens agree."""
+    _, model, _ = models("llama")
+    prompts = _prompts(model.cfg.vocab_size)
+    decoder, weights = Decoder.from_model(model), Decoder.weights_of(model)
+    exact = np.asarray(ours(decoder, weights, prompts, new=16).tokens)
+    int8 = np.asarray(ours(decoder, weights, prompts, new=16, cache_dtype="int8").tokens)
+    assert (exact[:, :4] == int8[:, :4]).mean() >= 0.75
