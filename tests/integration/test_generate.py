@@ -2,17 +2,23 @@
 made offline (4 prompts of different lengths, batched with left padding, 32 new tokens, fp32), sliding-window
 layers through their ring buffer; stop tokens; sampling reproducible with a fixed seed; an int8 cache close to
 the float one."""
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
 import transformers
+from chat_fixtures import LLAMA3_TEMPLATE
+from tokenizers import Tokenizer
 
 import jaxmem
-from jaxmem.generate.decoder import Decoder
-from jaxmem.generate.loop import generate_fn, left_pad
-from jaxmem.generate.sampling import Sampling
+from jaxmem.cli import main as cli_main
+from jaxmem.io.documents.chat import ChatTemplate
+from jaxmem.generation.decoder import Decoder
+from jaxmem.generation.loop import generate_fn, left_pad
+from jaxmem.generation.sampling import Sampling
 from jaxmem.model import kv_cache
 
 NEW = 32
@@ -155,3 +161,81 @@ def test_int8_cache_follows_the_float_cache(models):
     exact = np.asarray(ours(decoder, weights, prompts, new=16).tokens)
     int8 = np.asarray(ours(decoder, weights, prompts, new=16, cache_dtype="int8").tokens)
     assert (exact[:, :4] == int8[:, :4]).mean() >= 0.75
+
+
+# ---------------------------------------------------------------- the command and the library
+
+
+@pytest.fixture(scope="module")
+def hf_folder(models):
+    """The tiny Llama's folder with a word-level tokenizer, its chat template and generation_config.json."""
+    from chat_fixtures import write_tokenizer
+
+    hf, _, directory = models("llama")
+    write_tokenizer(directory)
+    tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
+    stop = tokenizer.token_to_id("<|eot_id|>")
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    return directory, hf, tokenizer, stop
+
+
+def _hf_text(hf, tokenizer, stop, ids, new):
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False, eos_token_id=stop,
+                          pad_token_id=stop)
+    return tokenizer.decode([t for t in out[0, len(ids):].tolist() if t != stop])
+
+
+def test_cli_completes_like_transformers(hf_folder, capsys):
+    directory, hf, tokenizer, stop = hf_folder
+    prompts = ["the cat sat on the mat", "why is the sky blue"]
+    argv = ["generate", str(directory), "--max-new-tokens", "12", "--json"]
+    assert cli_main(argv + [a for p in prompts for a in ("--prompt", p)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [line["prompt"] for line in lines] == prompts
+    for line, prompt in zip(lines, prompts):
+        assert line["completion"] == _hf_text(hf, tokenizer, stop, tokenizer.encode(prompt).ids, 12)
+
+
+def test_library_chat_and_prompt_file(hf_folder, tmp_path, capsys):
+    """--chat renders the template with the generation prompt; --prompts reads a JSONL file; jaxmem.generate
+    returns what the command prints."""
+    directory, hf, tokenizer, stop = hf_folder
+    chat = [{"role": "user", "content": "tell me about the sea"}]
+    template = ChatTemplate(LLAMA3_TEMPLATE, "test", "<|begin_of_text|>", "<|eot_id|>")
+    ids = tokenizer.encode(template.render(chat, add_generation_prompt=True), add_special_tokens=False).ids
+    want = _hf_text(hf, tokenizer, stop, ids, 10)
+    assert jaxmem.generate(directory, [chat], chat=True, max_new_tokens=10) == [want]
+    (tmp_path / "p.jsonl").write_text(json.dumps({"messages": chat}) + "\n\n" + json.dumps({"prompt": "yes"}) + "\n")
+    assert cli_main(["generate", str(directory), "--prompts", str(tmp_path / "p.jsonl"), "--chat",
+                     "--max-new-tokens", "10", "--json"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert lines[0]["completion"] == want and len(lines) == 2
+
+
+@pytest.mark.parametrize("extra, key", [
+    (["--temperature", "-1", "--prompt", "a"], "temperature"),
+    (["--top-p", "0", "--prompt", "a"], "top_p"),
+    (["--max-new-tokens", "0", "--prompt", "a"], "--max-new-tokens"),
+    (["--max-new-tokens", "1000", "--prompt", "a"], "max_seq_len"),
+    (["--prompt", "  "], "empty prompt"),
+    ([], "--prompt or --prompts"),
+    (["--prompts", "EMPTY"], "holds no prompt"),
+])
+def test_bad_input_is_one_line(hf_folder, tmp_path, capsys, extra, key):
+    directory = hf_folder[0]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    extra = [str(tmp_path / "empty.jsonl") if a == "EMPTY" else a for a in extra]
+    assert cli_main(["generate", str(directory)] + extra) != 0
+    err = capsys.readouterr().err.strip()
+    assert key in err and len(err.splitlines()) == 1, err
+
+
+def test_missing_folder_and_tokenizer_are_one_line(models, tmp_path, capsys):
+    assert cli_main(["generate", str(tmp_path / "nope"), "--prompt", "a"]) != 0
+    assert "no such folder" in capsys.readouterr().err
+    _, _, directory = models("qwen3")  # saved without a tokenizer
+    capsys.readouterr()
+    assert cli_main(["generate", str(directory), "--prompt", "a"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "no tokenizer.json" in err and len(err.splitlines()) == 1

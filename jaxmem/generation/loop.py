@@ -3,7 +3,7 @@ stops once every row has produced a stop token or the token budget is spent.
 
 `generate_fn` returns a pure function of (weights, prompts, starts, key, budget): jit it, or call it inside a
 larger program (a rollout). Its shapes are static: prompts [B, P] and the output [B, N] with P and N buckets
-(jaxmem.generate.buckets), the cache P + N slots; the budget (<= N) is a traced scalar, so neither a new prompt
+(jaxmem.generation.buckets), the cache P + N slots; the budget (<= N) is a traced scalar, so neither a new prompt
 length within a bucket nor a new budget recompiles.
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.generate.decoder import Decoder
-from jaxmem.generate.sampling import Sampling, next_token
+from jaxmem.generation.decoder import Decoder
+from jaxmem.generation.sampling import Sampling, next_token
 from jaxmem.model import kv_cache
 
 
