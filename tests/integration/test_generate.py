@@ -239,3 +239,77 @@ def test_missing_folder_and_tokenizer_are_one_line(models, tmp_path, capsys):
     assert cli_main(["generate", str(directory), "--prompt", "a"]) != 0
     err = capsys.readouterr().err.strip()
     assert "no tokenizer.json" in err and len(err.splitlines()) == 1
+
+
+# ---------------------------------------------------------------- a LoRA / QLoRA run's folder
+
+
+def _lora_run(folder, hf_dir, base_dtype):
+    """3 steps of LoRA (rank 4 on every linear) on the tiny Llama's folder, over the 8 devices (fsdp)."""
+    from jaxmem.train import run
+
+    import yaml
+
+    tiny = yaml.safe_load(open("configs/tiny.yaml"))
+    tiny.pop("model")  # the folder gives the architecture
+    (folder / "run.yaml").write_text(yaml.safe_dump(tiny))
+    cfg = jaxmem.load_config(folder / "run.yaml", [
+        f"out_dir={folder / 'run'}", "train.progress=false", f"checkpoint.init_from={hf_dir}", "lora.rank=4",
+        "lora.alpha=8", "lora.targets=all-linear", f"lora.base_dtype={base_dtype}", "train.steps=3",
+        "checkpoint.every=3", "train.seq_len=32", "optimizer.lr=3e-2", "optimizer.warmup_steps=0"])
+    run(cfg)
+    return folder / "run"
+
+
+@pytest.fixture(scope="module")
+def lora_runs(models, tmp_path_factory):
+    _, _, hf_dir = models("llama")
+    made = {}
+
+    def get(base_dtype):
+        if base_dtype not in made:
+            made[base_dtype] = _lora_run(tmp_path_factory.mktemp(f"lora_{base_dtype}"), hf_dir, base_dtype)
+        return made[base_dtype]
+
+    return get
+
+
+def _round_base_linears(hf_model):
+    """The base's layer linears as a bfloat16 base stores them."""
+    with torch.no_grad():
+        for name, p in hf_model.named_parameters():
+            if name.startswith("model.layers.") and p.dim() == 2:
+                p.copy_(p.bfloat16().float())
+    return hf_model
+
+
+def test_lora_run_decodes_like_transformers_with_peft(models, lora_runs, tmp_path):
+    """The run's adapters applied unmerged, over the run's mesh (8 devices, the batch padded to the data ways),
+    equal transformers + PEFT of the exported adapters on the same (bfloat16-stored) base."""
+    import peft
+
+    hf, model, hf_dir = models("llama")
+    run_dir = lora_runs("bfloat16")
+    assert cli_main(["merge-lora", str(run_dir / "config.resolved.yaml"), "--out", str(tmp_path / "merged"),
+                     "--peft", str(tmp_path / "peft")]) == 0
+    base = _round_base_linears(transformers.AutoModelForCausalLM.from_pretrained(hf_dir, attn_implementation="eager"))
+    base.generation_config.eos_token_id = None
+    adapted = peft.PeftModel.from_pretrained(base, tmp_path / "peft").eval()
+    prompts = _prompts(model.cfg.vocab_size)
+    got = jaxmem.generator(run_dir).complete_ids(prompts, max_new_tokens=NEW, stop_ids=())
+    want = hf_greedy(adapted, prompts)
+    assert want.tolist() != hf_greedy(hf, prompts).tolist()  # the adapters change the completions
+    assert got == want.tolist()
+
+
+def test_qlora_run_decodes_its_4bit_base_like_the_merged_export(models, lora_runs, tmp_path):
+    """An nf4 base dequantized per layer in the decode loop, adapters unmerged: transformers' generate of the
+    merged export (the same dequantized base with the adapters folded in)."""
+    _, model, _ = models("llama")
+    run_dir = lora_runs("nf4")
+    assert cli_main(["merge-lora", str(run_dir / "config.resolved.yaml"), "--out", str(tmp_path / "merged")]) == 0
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="eager")
+    merged.generation_config.eos_token_id = None
+    prompts = _prompts(model.cfg.vocab_size)
+    got = jaxmem.generator(run_dir).complete_ids(prompts, max_new_tokens=NEW, stop_ids=())
+    assert got == hf_greedy(merged.eval(), prompts).tolist()
