@@ -313,3 +313,27 @@ def test_qlora_run_decodes_its_4bit_base_like_the_merged_export(models, lora_run
     prompts = _prompts(model.cfg.vocab_size)
     got = jaxmem.generator(run_dir).complete_ids(prompts, max_new_tokens=NEW, stop_ids=())
     assert got == hf_greedy(merged.eval(), prompts).tolist()
+
+
+# ---------------------------------------------------------------- over a mesh
+
+
+def _program_tokens(overrides, devices):
+    from jaxmem.generation.text import Generator
+
+    cfg = jaxmem.load_config("configs/tiny-gemma3.yaml", ["train.progress=false", *overrides])
+    prog = jaxmem.build_program(cfg, devices=devices)
+    state = prog.init_state(seed=4)
+    gen = Generator(Decoder.from_program(prog), Decoder.weights_of_state(state), None,
+                    rows_multiple=prog.layout.data_ways)
+    prompts = _prompts(cfg.model.vocab_size, lengths=(5, 20, 3, 12))  # one prompt past the window of 16
+    return gen.complete_ids(prompts, max_new_tokens=24, stop_ids=()), gen.complete_ids(
+        prompts, max_new_tokens=24, stop_ids=(), cache_dtype="bfloat16")
+
+
+def test_fsdp_by_tp_decodes_like_one_device():
+    """tiny Gemma 3 (local and global layers, a ring of 16 slots) on fsdp 2 x tp 2 with the fsdp_tp rules, and
+    fsdp 4: the tokens of one device, with an fp32 and a bfloat16 cache."""
+    one = _program_tokens(["parallel.fsdp=1"], jax.devices()[:1])
+    assert _program_tokens(["parallel.fsdp=2", "parallel.tp=2", "parallel.rules=fsdp_tp"], jax.devices()[:4]) == one
+    assert _program_tokens(["parallel.fsdp=4"], jax.devices()[:4]) == one
