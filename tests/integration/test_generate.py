@@ -337,3 +337,26 @@ def test_fsdp_by_tp_decodes_like_one_device():
     one = _program_tokens(["parallel.fsdp=1"], jax.devices()[:1])
     assert _program_tokens(["parallel.fsdp=2", "parallel.tp=2", "parallel.rules=fsdp_tp"], jax.devices()[:4]) == one
     assert _program_tokens(["parallel.fsdp=4"], jax.devices()[:4]) == one
+
+
+# ---------------------------------------------------------------- the plan
+
+
+def test_plan_sizes_the_cache_and_compiles_the_generation_program(capsys):
+    from jaxmem.plan import resolve_topology
+    from jaxmem.plan.generation import cache_bytes, plan_generation
+
+    cfg = jaxmem.load_config("configs/tiny-gemma3.yaml", ["parallel.fsdp=1", "generate.batch=2",
+                                                           "generate.prompt_len=20", "generate.max_new_tokens=9"])
+    cache = kv_cache.init_cache(cfg.model, jnp.zeros((2,), jnp.int32), 32 + 16, jnp.float32)
+    assert cache_bytes(cfg) == sum(x.nbytes for x in jax.tree.leaves(cache.stacks))  # buckets 32 + 16
+    int8 = jaxmem.load_config("configs/tiny-gemma3.yaml", ["generate.batch=2", "generate.prompt_len=20",
+                                                            "generate.max_new_tokens=9", "generate.cache_dtype=int8"])
+    int8_cache = kv_cache.init_cache(int8.model, jnp.zeros((2,), jnp.int32), 48, "int8")
+    assert cache_bytes(int8) == sum(x.nbytes for x in jax.tree.leaves(int8_cache.stacks)) < cache_bytes(cfg) / 3
+    topo = resolve_topology(cfg, None, None, None)
+    result = plan_generation(cfg, topo)
+    assert result["device_peak"] > result["cache_bytes"] and result["label"].startswith("compiled for")
+    assert cli_main(["plan", "configs/tiny-gemma3.yaml", "parallel.fsdp=1", "generate.batch=2",
+                     "generate.max_new_tokens=0", "--no-compile"]) != 0
+    assert "generate.max_new_tokens: 0 must be >= 1" in capsys.readouterr().err
