@@ -66,5 +66,6 @@ def run_layers_cached(model: Transformer, h_btd, ctx: ForwardContext, positions_
             h = h[0]  # the router statistics serve training's losses only
         return h, layer + 1, stacks
 
-    h_btd, _, stacks = ctx.scan_layers(step, (h_btd, jnp.zeros((), jnp.int32), cache.stacks), stacked)
+    stacks = {kind: kv_cache.constrained(stack) for kind, stack in cache.stacks.items()}
+    h_btd, _, stacks = ctx.scan_layers(step, (h_btd, jnp.zeros((), jnp.int32), stacks), stacked)
     return h_btd, kv_cache.KVCache(stacks, cache.start, cache.length + t)

@@ -16,8 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.schema import ModelConfig
+from jaxmem.mesh.axes import constrain
 
 INT8 = "int8"
+# The logical axes of a stack [L, B, C, K, H] (and of its scales, without H): rows and kv heads split as the
+# activations' are; the slots never (a decode step writes one slot at a traced index).
+CACHE_AXES = (None, "act_batch", None, "act_heads", None)
 
 
 @jax.tree_util.register_dataclass
@@ -108,11 +112,17 @@ def _write_one(stack_lbckh, scale_lbck, index, x_btkh, slot0: jax.Array):
     return jax.lax.dynamic_update_index_in_dim(stack_lbckh, layer, index, 0), scale_lbck
 
 
+def constrained(stack: LayerStack) -> LayerStack:
+    """The stack with its logical axes named (CACHE_AXES; a no-op outside a sharding context)."""
+    name = lambda x: None if x is None else constrain(x, CACHE_AXES[:x.ndim])  # noqa: E731
+    return LayerStack(name(stack.k), name(stack.v), name(stack.k_scale), name(stack.v_scale))
+
+
 def write(stack: LayerStack, index, k_btkh, v_btkh, slot0) -> LayerStack:
     """The stack with layer `index`'s new keys and values at slots slot0 .. slot0 + T - 1."""
     k, k_scale = _write_one(stack.k, stack.k_scale, index, k_btkh, slot0)
     v, v_scale = _write_one(stack.v, stack.v_scale, index, v_btkh, slot0)
-    return LayerStack(k, v, k_scale, v_scale)
+    return constrained(LayerStack(k, v, k_scale, v_scale))
 
 
 def read(stack: LayerStack, index, dtype) -> tuple[jax.Array, jax.Array]:

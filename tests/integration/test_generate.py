@@ -360,3 +360,17 @@ def test_plan_sizes_the_cache_and_compiles_the_generation_program(capsys):
     assert cli_main(["plan", "configs/tiny-gemma3.yaml", "parallel.fsdp=1", "generate.batch=2",
                      "generate.max_new_tokens=0", "--no-compile"]) != 0
     assert "generate.max_new_tokens: 0 must be >= 1" in capsys.readouterr().err
+
+
+def test_new_lengths_within_a_bucket_reuse_the_compiled_program(models):
+    from jaxmem.generation.text import Generator
+
+    _, model, _ = models("llama")
+    gen = Generator(Decoder.from_model(model), Decoder.weights_of(model), None)
+    first = gen.complete_ids(_prompts(97, (5, 9)), max_new_tokens=10, stop_ids=())
+    second = gen.complete_ids(_prompts(97, (3, 12, 7), seed=1), max_new_tokens=12, stop_ids=())
+    assert [len(r) for r in first] == [10, 10] and [len(r) for r in second] == [12] * 3
+    (fn,) = gen._compiled.values()  # one budget bucket (16) ...
+    assert fn._cache_size() == 2  # ... and one compile per batch shape: [2, 16] and [3, 16], not per length
+    gen.complete_ids(_prompts(97, (2, 16), seed=2), max_new_tokens=16, stop_ids=())
+    assert fn._cache_size() == 2
