@@ -20,7 +20,11 @@ _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "int8": 1}
 
 
 def check(cfg: Config) -> None:
+    """One-line errors for a generate: section a plan cannot size."""
     g = cfg.generate
+    if g.batch and cfg.parallel.pp > 1:
+        raise ConfigError("generate.batch: planning generation over pipeline stages (parallel.pp > 1) is not "
+                          "supported yet; plan it with parallel.pp=1 (a run's folder decodes on one program)")
     for key, value, low in (("batch", g.batch, 0), ("prompt_len", g.prompt_len, 1),
                             ("max_new_tokens", g.max_new_tokens, 1)):
         if value < low:
