@@ -374,3 +374,22 @@ def test_new_lengths_within_a_bucket_reuse_the_compiled_program(models):
     assert fn._cache_size() == 2  # ... and one compile per batch shape: [2, 16] and [3, 16], not per length
     gen.complete_ids(_prompts(97, (2, 16), seed=2), max_new_tokens=16, stop_ids=())
     assert fn._cache_size() == 2
+
+
+def test_a_run_reads_its_tokenizer_template_and_stop_ids(hf_folder, lora_runs, capsys):
+    """A run's codec: data.tokenizer, its chat template and end-of-turn token as the stop id (as export-hf
+    writes them); a run without a tokenizer decodes token ids only, and text is refused in one line."""
+    from jaxmem.cli.generate import _run_codec
+
+    directory, _, tokenizer, stop = hf_folder
+    codec = _run_codec(jaxmem.load_config("configs/tiny.yaml", [f"data.tokenizer={directory / 'tokenizer.json'}"]))
+    assert stop in codec.stop_ids and codec.template is not None
+    ids = codec.encode("why is the sky blue", chat=True)
+    text = tokenizer.decode(ids, skip_special_tokens=False).replace(" ", "")
+    assert text == "<|begin_of_text|><|start_header_id|>user<|end_header_id|>whyistheskyblue<|eot_id|>" \
+                   "<|start_header_id|>assistant<|end_header_id|>"  # the generation prompt's header last
+    run_dir = lora_runs("bfloat16")
+    capsys.readouterr()
+    assert cli_main(["generate", str(run_dir), "--prompt", "a"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "needs a tokenizer" in err and len(err.splitlines()) == 1
