@@ -408,7 +408,8 @@ class GenerateConfig:
     prompt_len: int = _f(512, "the longest prompt's tokens (rounded up to a power-of-two bucket, at least 16)")
     max_new_tokens: int = _f(512, "new tokens per prompt at most (rounded up to a bucket like prompt_len)")
     cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = _f(
-        "auto", "the KV cache's dtype; auto: precision.compute_dtype; int8: per token and head scales")
+        "auto", "the KV cache's dtype, one of auto (precision.compute_dtype), float32, bfloat16, float16, int8 "
+                "(per token and head scales)")
 
 
 @dataclasses.dataclass(frozen=True)
