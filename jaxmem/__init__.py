@@ -37,7 +37,7 @@ def save_hf(model, path, **kwargs):
 # The library surface for your own training script (docs/library.md), imported on first use so that
 # `import jaxmem` stays cheap.
 _API = ("Checkpoints", "TrainProgram", "batches", "build_program", "load_config", "loss_fn", "optimizer",
-        "place_params", "place_tokens", "run_meta", "train_state", "train_step")
+        "place_params", "place_tokens", "run_meta", "train_state", "train_step", "generate", "generator")
 
 
 def __getattr__(name):

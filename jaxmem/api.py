@@ -16,6 +16,8 @@ Shapes: B rows, T = train.seq_len, V = model.vocab_size, A = grad_accum micro-ba
     place_tokens(prog, tokens)         int tokens [..., B, T+1] (numpy) as a global array, rows over data axes
     loss_fn(prog)                      loss(params, tokens [..., B, T+1]) -> (mean loss, n_valid)
     optimizer(cfg)                     jaxmem's optax AdamW (warmup + cosine), as the train step uses it
+    generate(source, prompts, ...)     completions of prompts by a run's checkpoint or a Hugging Face folder
+    generator(source)                  the loaded Generator, to complete many batches without reloading
 """
 from __future__ import annotations
 
@@ -38,9 +40,12 @@ from jaxmem.optim.choice import make_optimizer
 from jaxmem.core.program import TrainProgram, loss_sum_fn
 from jaxmem.features import build_program
 from jaxmem.config.schema import Config
+from jaxmem.cli.generate import open_source
+from jaxmem.generation.sampling import Sampling
+from jaxmem.generation.text import Generator
 
-__all__ = ["Checkpoints", "TrainProgram", "batches", "build_program", "load_config", "loss_fn", "optimizer",
-           "place_params", "place_tokens", "run_meta", "train_state", "train_step"]
+__all__ = ["Checkpoints", "TrainProgram", "batches", "build_program", "generate", "generator", "load_config",
+           "loss_fn", "optimizer", "place_params", "place_tokens", "run_meta", "train_state", "train_step"]
 
 
 def _pure_params(params: Any) -> dict:
@@ -152,3 +157,21 @@ def optimizer(cfg: Config) -> optax.GradientTransformation:
     (optimizer.clip_norm) is not part of it: the train step clips first (prepend
     optax.clip_by_global_norm for the same effect in your own step)."""
     return make_optimizer(cfg)
+
+
+def generator(source, *, step: int | None = None, dtype: str = "float32") -> Generator:
+    """A run's folder (its checkpoint at `step`, default the latest; a LoRA run with its adapters unmerged) or a
+    Hugging Face folder, loaded for generation: `.complete(prompts, ...)` as `generate` takes them."""
+    return open_source(source, step=step, dtype=dtype)
+
+
+def generate(source, prompts, *, chat: bool = False, max_new_tokens: int = 128, temperature: float = 0.0,
+             top_p: float = 1.0, top_k: int = 0, seed: int = 0, cache_dtype: str | None = None,
+             step: int | None = None) -> list[str]:
+    """Completions of `prompts` (strings; with `chat` strings or lists of {"role", "content"} messages) by
+    `source` (a Generator, a run's folder or a Hugging Face folder), as `jaxmem generate` prints them: greedy
+    at temperature 0, else sampled with top-p / top-k from `seed`; each stops at its stop token."""
+    sampling = Sampling(temperature, top_k, top_p)  # a bad setting: one line, before anything loads
+    gen = source if isinstance(source, Generator) else generator(source, step=step)
+    return gen.complete(list(prompts), chat=chat, max_new_tokens=max_new_tokens, seed=seed, cache_dtype=cache_dtype,
+                        sampling=sampling)

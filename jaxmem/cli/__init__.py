@@ -22,6 +22,7 @@ COMMANDS = {
     "config": ("jaxmem.cli.config_cmd:config_main", "print a resolved config as YAML, each key with its description"),
     "list": ("jaxmem.cli.config_cmd:list_main", "list model presets, remat presets and names, GPU targets, kernels"),
     "doctor": ("jaxmem.cli.doctor", "check this machine for a run: devices, versions, allocator env, host RAM"),
+    "generate": ("jaxmem.cli.generate", "complete prompts with a run's checkpoint or a Hugging Face folder"),
 }
 
 

@@ -13,6 +13,7 @@ from jaxmem.plan.allocator import remember
 from jaxmem.plan.report import render
 from jaxmem.features import load_config
 from jaxmem.plan.plot import plot_plans
+from jaxmem.plan.generation import check as check_generation, plan_generation, render_lines as render_generation
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -55,12 +56,16 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for path in configs:
         cfg = load_config(path, overrides)
+        check_generation(cfg)
         jobs.append((path, cfg, resolve_topology(cfg, args.target, args.gpus_per_host, args.hosts)))
     plans = []
     for path, cfg, topo in jobs:
         result = plan(cfg, topo, compile=not args.no_compile, source=path)
         remember(result)  # `jaxmem train` reads the compiled total back to set XLA's allocator
         render(result)
+        if cfg.generate.batch:  # the generate: section: the cache and the generation program's peak
+            result["generation"] = plan_generation(cfg, topo, compile=not args.no_compile)
+            print("\n".join(render_generation(result["generation"])))
         plans.append(result)
     if args.json_path:
         Path(args.json_path).write_text(json.dumps(plans[0] if len(plans) == 1 else plans, indent=2))

@@ -402,6 +402,17 @@ class TargetConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class GenerateConfig:
+    batch: int = _f(0, "prompts generated at once, for `jaxmem plan` of generation (the KV cache and the decode "
+                       "program's peak); 0: not planned")
+    prompt_len: int = _f(512, "the longest prompt's tokens (rounded up to a power-of-two bucket, at least 16)")
+    max_new_tokens: int = _f(512, "new tokens per prompt at most (rounded up to a bucket like prompt_len)")
+    cache_dtype: Literal["auto", "float32", "bfloat16", "float16", "int8"] = _f(
+        "auto", "the KV cache's dtype, one of auto (precision.compute_dtype), float32, bfloat16, float16, int8 "
+                "(per token and head scales)")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     out_dir: str = _f("runs/default", "run folder: config.yaml, metrics.jsonl, checkpoints/ (a run there resumes)")
     model: ModelConfig = _f(ModelConfig(), "model shape")
@@ -421,6 +432,7 @@ class Config:
                                   "holds one layer's worth on the device")
     kernels: KernelConfig = _f(KernelConfig(), "fused kernel choices and tile sizes")
     target: TargetConfig = _f(TargetConfig(), "the GPU target a plan compiles for and its fit rule")
+    generate: GenerateConfig = _f(GenerateConfig(), "generation with the run's model, as `jaxmem plan` sizes it")
 
 
 def field_docs(cls: type = None, prefix: str = ""):

@@ -102,11 +102,25 @@ class Block(nnx.Module):
             context = tag(constrain(self.attend(q, k, v, segment_ids_bt, local, ctx), ACT_BTNH), CN.ATTN_CONTEXT)
         return ctx.per_token(functools.partial(self.attention_output, ctx=ctx), x_btd, context)
 
-    def attend(self, q, k, v, segment_ids_bt, local, ctx):
-        """The attention kernel, with this layer's window: a local layer sees its last `window` keys."""
+    def attention_part_cached(self, x_btd, positions_bt, inv_freq, ctx, attend):
+        """attention_part for generation: `attend(q, k, v, kwargs)` -> (context, what the caller keeps: its
+        key/value cache, jaxmem.model.cached) replaces the kernel call; returns (new residual stream, kept)."""
+        project = functools.partial(self.qkv, inv_freq=inv_freq, ctx=ctx)
+        q, k, v = ctx.per_token(project, x_btd, positions_bt)
+        context, kept = attend(q, k, v, self.attention_kwargs())
+        return ctx.per_token(functools.partial(self.attention_output, ctx=ctx), x_btd, context), kept
+
+    def attention_kwargs(self) -> dict:
+        """The attention kernel's keyword arguments besides the window: a scale where it is not
+        head_dim ** -0.5, the sinks where the layer has them."""
         kwargs = {} if self.attn_scale is None else {"scale": self.attn_scale}
         if self.attention_sinks:
             kwargs["sinks"] = self.sinks[...]
+        return kwargs
+
+    def attend(self, q, k, v, segment_ids_bt, local, ctx):
+        """The attention kernel, with this layer's window: a local layer sees its last `window` keys."""
+        kwargs = self.attention_kwargs()
         if self.window is None:
             return ctx.attention(q, k, v, segment_ids_bt, **kwargs)
         windowed = lambda: ctx.attention(q, k, v, segment_ids_bt, window=self.window, **kwargs)  # noqa: E731

@@ -142,7 +142,7 @@ class Transformer(nnx.Module):
         if positions_bt is None:
             positions_bt = jnp.broadcast_to(jnp.arange(h_btd.shape[1], dtype=jnp.int32), h_btd.shape[:2])
         positions_bt = constrain(positions_bt, ACT_BTD[:2])
-        global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        global_freq, local_freq, mixed = layer_frequencies(cfg)
         graphdef, stacked = nnx.split(self.layers)
         moe = is_moe(cfg)
 
@@ -157,13 +157,6 @@ class Transformer(nnx.Module):
         # Local and global layers interleave (`mixed`): the scan carries the layer number, and each layer picks
         # its kind from it (one scanned body for both kinds; the window is a static kernel argument per
         # branch). A mixture of experts carries its router statistics. A plain model carries h alone.
-        mixed = bool(cfg.sliding_window and cfg.global_every)
-        # local layers: their own RoPE base (Gemma 3), else the global layers' frequencies (gpt-oss: YaRN on all)
-        local_freq = global_freq
-        if cfg.sliding_window and cfg.rope_local_theta:
-            local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta)
-        if cfg.sliding_window and not mixed:  # every layer local
-            global_freq = local_freq
 
         def pack(h, index, stats):
             parts = (h,) + ((index,) if mixed else ()) + ((stats,) if moe else ())
@@ -205,6 +198,20 @@ class Transformer(nnx.Module):
         h = self.hidden(tokens_bt, ctx, **kwargs)
         w = self.lm_head_weight().astype(ctx.compute_dtype)
         return jnp.einsum("BTD,DV->BTV", h, w, preferred_element_type=jnp.float32)
+
+
+def layer_frequencies(cfg: ModelConfig):
+    """(the global layers' RoPE frequencies, the local layers', whether local and global layers interleave).
+    Local layers have their own RoPE base (Gemma 3), else the global layers' frequencies (gpt-oss: YaRN on
+    all); where every layer is local both are the local ones."""
+    global_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+    mixed = bool(cfg.sliding_window and cfg.global_every)
+    local_freq = global_freq
+    if cfg.sliding_window and cfg.rope_local_theta:
+        local_freq = inverse_frequencies(cfg.head_dim, cfg.rope_local_theta)
+    if cfg.sliding_window and not mixed:  # every layer local
+        global_freq = local_freq
+    return global_freq, local_freq, mixed
 
 
 def init_model(cfg: ModelConfig, *, seed: int = 0, param_dtype=jnp.float32) -> Transformer:

@@ -1,0 +1,1 @@
+"""Generation: a key/value cache, a prefill and a compiled decode loop, sampling (docs/generate.md)."""
