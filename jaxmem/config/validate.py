@@ -9,10 +9,11 @@ The rules that need the device count live here too, as functions called once it 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
-from jaxmem.config.schema import RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig
+from jaxmem.config.schema import CHAT_ROLES, RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.config.targets import get_target
 
 
@@ -27,6 +28,20 @@ def check_model(cfg: Config) -> None:
         positive(f"model.{k}", getattr(m, k))
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    check_model_numbers(cfg)
+
+
+def check_model_numbers(cfg: Config) -> None:
+    """The model's real-valued keys are finite (a NaN or an infinity trains to a NaN loss at the first step),
+    the norm's epsilon and RoPE's base positive (0 divides by zero, a negative base has no real frequencies)."""
+    m = cfg.model
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"model.{f.name}: must be a finite number, got {value}")
+    for key in ("norm_eps", "rope_theta"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}: must be > 0, got {getattr(m, key)}")
 
 
 def check_train(cfg: Config) -> None:
@@ -120,6 +135,10 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"data.format: {d.format} needs records; set data.kind to one of {', '.join(RECORD_KINDS)}")
     if d.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0 (0: one per CPU core), got {d.workers}")
+    for name, role in (d.roles or {}).items():
+        if role not in CHAT_ROLES:
+            raise ConfigError(f"data.roles: maps {name!r} to {role!r}; map each role name to one of "
+                              f"{', '.join(CHAT_ROLES)}")
     e = cfg.eval
     if e.path and d.kind == "synthetic":
         raise ConfigError("eval.path: held-out data needs a file-based data.kind (text, bin, jsonl, parquet, hf)")
