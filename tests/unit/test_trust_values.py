@@ -19,6 +19,7 @@ from chat_fixtures import write_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.yaml"
+FP16 = ["precision.compute_dtype=float16", "precision.loss_scale.enabled=true"]
 
 
 def _refused(overrides, path=TINY) -> str:
@@ -45,6 +46,14 @@ def _refused(overrides, path=TINY) -> str:
     (["lora.rank=8", "lora.dropout=-0.1"], "lora.dropout", "[0, 1)"),
     (["lora.rank=8", "lora.dropout=.nan"], "lora.dropout", "[0, 1)"),
     (["data.roles={human: person}"], "data.roles", "assistant"),
+    (["target.host_ram_gb=.nan"], "target.host_ram_gb", "finite"),
+    ([*FP16, "precision.loss_scale.init_scale=0"], "precision.loss_scale.init_scale", "> 0"),
+    ([*FP16, "precision.loss_scale.init_scale=.inf"], "precision.loss_scale.init_scale", "finite"),
+    ([*FP16, "precision.loss_scale.growth_factor=0.5"], "precision.loss_scale.growth_factor", ">= 1"),
+    ([*FP16, "precision.loss_scale.backoff_factor=1"], "precision.loss_scale.backoff_factor", "(0, 1)"),
+    ([*FP16, "precision.loss_scale.backoff_factor=.nan"], "precision.loss_scale.backoff_factor", "(0, 1)"),
+    ([*FP16, "precision.loss_scale.min_scale=-1"], "precision.loss_scale.min_scale", "> 0"),
+    ([*FP16, "precision.loss_scale.growth_interval=0"], "precision.loss_scale.growth_interval", ">= 1"),
 ])
 def test_values_that_cannot_train_are_refused(overrides, key, allowed):
     message = _refused(overrides)
