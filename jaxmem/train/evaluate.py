@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-
 import sys
 
 import jax
@@ -67,8 +66,8 @@ class Evaluator:
         if isinstance(source, RecordSource) or extra <= 0:
             return cls(cfg, prog, batches)
         print(f"jaxmem eval: {cfg.eval.path}: {distinct} windows of {cfg.train.seq_len} tokens fill {count} "
-              f"batch(es) of {data.per_step}; {extra} windows are read a second time (a token stream has no "
-              "labels to mask), eval_tokens counts each token once", file=sys.stderr, flush=True)
+              f"batch(es) of {data.per_step}; the other {extra} rows read those windows again (a token stream has "
+              "no labels to mask), eval_tokens counts each token once", file=sys.stderr, flush=True)
         return cls(cfg, prog, batches, distinct_tokens=distinct * cfg.train.seq_len)
 
     def due(self, done: int, total: int) -> bool:

@@ -50,4 +50,4 @@ def test_a_short_token_stream_says_what_it_reads_again(tmp_path, capsys):
     windows = (300 - 1) // 64
     assert _eval_record(cfg.out_dir)["eval_tokens"] == windows * 64
     err = capsys.readouterr().err
-    assert f"{windows} windows of 64 tokens fill 1 batch(es) of 8; {8 - windows} windows are read a second" in err
+    assert f"{windows} windows of 64 tokens fill 1 batch(es) of 8; the other {8 - windows} rows read those" in err
