@@ -39,7 +39,10 @@ def _shard_bytes(text: str) -> int:
     if not match:
         raise ConfigError(f"--max-shard-size: {text!r} is not a size; use e.g. 2GB, 500MB or 100000")
     scale = {"": 1, "B": 1, "K": 10**3, "KB": 10**3, "M": 10**6, "MB": 10**6, "G": 10**9, "GB": 10**9}
-    return int(float(match.group(1)) * scale[match.group(2)])
+    size = int(float(match.group(1)) * scale[match.group(2)])
+    if size <= 0:  # export's 0 would mean "the default": the user asked for something else
+        raise ConfigError(f"--max-shard-size: {text!r} must be at least 1 byte; use e.g. 2GB, 500MB or 100000")
+    return size
 
 
 def run_config(run_dir: str | Path):

@@ -213,6 +213,9 @@ class TrainConfig:
 
 # data.kind values that read records (chat or prompt/completion documents), not a token stream
 RECORD_KINDS = ("jsonl", "parquet", "hf")
+# The role names chat templates render (Llama 3's ipython for tool results, OpenAI's developer); data.roles maps
+# a dataset's own names (human, gpt, ...) onto them.
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer", "ipython")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,6 +240,9 @@ class DataConfig:
     messages_field: str = _f("messages", "record field holding the turns for format=messages")
     chat_template: str = _f("", "a Jinja chat template file used instead of tokenizer_config.json's "
                                 "chat_template")
+    roles: dict | None = _f(None, "format=messages: the records' role names mapped to the template's (system, "
+                                  "user, assistant, tool, developer, ipython), e.g. {human: user, gpt: assistant}; "
+                                  "a role neither standard nor mapped is refused, naming the record")
     train_on: Literal["assistant", "all"] = _f(
         "assistant", "which tokens the loss trains on, one of assistant (every assistant turn with its end-of-turn "
                      "token; for prompt_completion the completion), all (every token of the document)")
@@ -536,7 +542,7 @@ def to_dict(cfg: Config) -> dict:
 
 def _parse_scalar(text: str) -> Any:
     try:
-        return yaml.safe_load(text)
+        return yaml.load(text, Loader=_ConfigLoader)
     except yaml.YAMLError:
         return text
 
@@ -554,15 +560,29 @@ def _set_dotted(raw: dict, dotted: str, value: Any) -> None:
     node[parts[-1]] = value
 
 
+def _plain_copy(value: Any, key: str = "") -> Any:
+    """A deep copy of YAML data made of mappings, lists, strings, numbers, bools and nulls (aliases written
+    out); any other value (!!binary bytes, a !!set) is a one-line ConfigError naming its key."""
+    if isinstance(value, dict):
+        return {(k if isinstance(k, str) else json.dumps(k)): _plain_copy(v, f"{key}.{k}" if key else str(k))
+                for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain_copy(v, key) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    raise ConfigError(f"{key or 'config'}: {value!r} is not a string, number, bool, list or mapping; quote it")
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    raw = json.loads(json.dumps(raw))  # deep copy of plain data
+    raw = _plain_copy(raw)
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=10")
         key, text = item.split("=", 1)
         if not text.strip():
             raise ConfigError(f"{key.strip()}: empty value in the override {item!r}; give a value "
-                              f"({key.strip()}=VALUE), or quote an empty string ({key.strip()}='')")
+                              f"({key.strip()}=VALUE), or an empty string quoted for YAML and the shell "
+                              f"({key.strip()}='\"\"')")
         _set_dotted(raw, key.strip(), _parse_scalar(text))
     return raw
 
@@ -615,6 +635,14 @@ class _ConfigLoader(yaml.SafeLoader):
                                                         key_node.start_mark)
             seen.add(key_node.value)
         return super().construct_mapping(node, deep)
+
+    def construct_timestamp_text(self, node):
+        """A date or time (`out_dir: 2026-11-29`) stays the text written: no config key holds a timestamp, and a
+        date object is neither a string nor JSON."""
+        return self.construct_scalar(node)
+
+
+_ConfigLoader.add_constructor("tag:yaml.org,2002:timestamp", _ConfigLoader.construct_timestamp_text)
 
 
 def parse_yaml_file(path: Path) -> Any:

@@ -9,10 +9,11 @@ The rules that need the device count live here too, as functions called once it 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Callable
 
-from jaxmem.config.schema import RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig
+from jaxmem.config.schema import CHAT_ROLES, RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.config.targets import get_target
 
 
@@ -27,6 +28,20 @@ def check_model(cfg: Config) -> None:
         positive(f"model.{k}", getattr(m, k))
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(f"model.n_kv_heads: {m.n_kv_heads} must divide model.n_heads={m.n_heads}")
+    check_model_numbers(cfg)
+
+
+def check_model_numbers(cfg: Config) -> None:
+    """The model's real-valued keys are finite (a NaN or an infinity trains to a NaN loss at the first step),
+    the norm's epsilon and RoPE's base positive (0 divides by zero, a negative base has no real frequencies)."""
+    m = cfg.model
+    for f in dataclasses.fields(m):
+        value = getattr(m, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"model.{f.name}: must be a finite number, got {value}")
+    for key in ("norm_eps", "rope_theta"):
+        if getattr(m, key) <= 0:
+            raise ConfigError(f"model.{key}: must be > 0, got {getattr(m, key)}")
 
 
 def check_train(cfg: Config) -> None:
@@ -82,6 +97,8 @@ def check_precision(cfg: Config) -> None:
     p = cfg.precision
     if p.loss_scale.enabled and p.compute_dtype != "float16":
         raise ConfigError("precision.loss_scale.enabled: loss scaling is for compute_dtype=float16 only")
+    if p.loss_scale.enabled:
+        _check_loss_scale(cfg)
     _check_moments(cfg)
     if p.stochastic_rounding and p.param_dtype != "bfloat16":
         raise ConfigError(f"precision.stochastic_rounding: rounds updates into bfloat16 params; param_dtype is "
@@ -89,6 +106,21 @@ def check_precision(cfg: Config) -> None:
     if p.stochastic_rounding and p.master_weights:
         raise ConfigError("precision.stochastic_rounding: the fp32 master already keeps every update; set "
                           "master_weights=false to round into the bf16 params instead")
+
+
+def _check_loss_scale(cfg: Config) -> None:
+    """Dynamic loss scaling's numbers: a positive finite scale and floor, growth >= 1, backoff in (0, 1) (else
+    the scale never backs off from an overflow, or turns 0 or negative)."""
+    ls = cfg.precision.loss_scale
+    ranges = {"init_scale": (0, math.inf, "> 0"), "min_scale": (0, math.inf, "> 0"),
+              "growth_factor": (1, math.inf, ">= 1"), "backoff_factor": (0, 1, "in (0, 1)")}
+    for key, (low, high, allowed) in ranges.items():
+        value = getattr(ls, key)
+        inside = (value >= low if key == "growth_factor" else value > low) and (value < high)
+        if not (math.isfinite(value) and inside):
+            raise ConfigError(f"precision.loss_scale.{key}: must be a finite number {allowed}, got {value}")
+    if ls.growth_interval < 1:
+        raise ConfigError(f"precision.loss_scale.growth_interval: must be >= 1 steps, got {ls.growth_interval}")
 
 
 def _check_moments(cfg: Config) -> None:
@@ -120,6 +152,10 @@ def check_data(cfg: Config) -> None:
         raise ConfigError(f"data.format: {d.format} needs records; set data.kind to one of {', '.join(RECORD_KINDS)}")
     if d.workers < 0:
         raise ConfigError(f"data.workers: must be >= 0 (0: one per CPU core), got {d.workers}")
+    for name, role in (d.roles or {}).items():
+        if role not in CHAT_ROLES:
+            raise ConfigError(f"data.roles: maps {name!r} to {role!r}; map each role name to one of "
+                              f"{', '.join(CHAT_ROLES)}")
     e = cfg.eval
     if e.path and d.kind == "synthetic":
         raise ConfigError("eval.path: held-out data needs a file-based data.kind (text, bin, jsonl, parquet, hf)")
@@ -157,8 +193,9 @@ def check_target(cfg: Config) -> None:
     check_hosts(t.hosts)
     if t.gpus_per_host < 0:
         raise ConfigError(f"target.gpus_per_host: must be >= 0 (0: from the mesh size), got {t.gpus_per_host}")
-    if t.host_ram_gb < 0:
-        raise ConfigError(f"target.host_ram_gb: must be >= 0 (0: the target's default), got {t.host_ram_gb}")
+    if t.host_ram_gb < 0 or not math.isfinite(t.host_ram_gb):
+        raise ConfigError(f"target.host_ram_gb: must be a finite number >= 0 (0: the target's default), got "
+                          f"{t.host_ram_gb}")
     if t.name:
         get_target(t.name)  # "target.name: ... is unknown; use one of ..."
 

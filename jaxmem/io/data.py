@@ -32,6 +32,8 @@ def check_data_files(cfg: Config) -> None:
                       ("data.chat_template", d.chat_template), ("eval.path", cfg.eval.path)):
         if path and not Path(path).exists():
             raise ConfigError(f"{key}: file {path} not found")
+        if path and not (Path(path).is_file() or Path(path).is_dir()):  # a FIFO, a socket, a device
+            raise ConfigError(f"{key}: {path} is not a regular file or folder")
     if d.kind in ("text", "bin") and d.path and not Path(d.path).is_file():
         raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
 
@@ -221,11 +223,16 @@ def untrained_line(cfg: Config, key: str = "data.path") -> str:
             "turns or completions, or set data.train_on=all")
 
 
+# Why the rows hold one token per document fewer than the tokenized documents.
+LABEL_SHIFT = "each document of n tokens fills n - 1 positions: its last token is only a label"
+
+
 def packing_summary(rows, seq_len: int) -> str:
     """One line of packing statistics (jaxmem.io.documents.PackedRows.stats)."""
     st = rows.stats
     return (f"{st['documents']} documents in {st['rows']} rows of {seq_len} tokens, packing efficiency "
-            f"{st['efficiency']:.1%}, {st['trained_tokens']} trained of {st['tokens']} tokens, "
+            f"{st['efficiency']:.1%}, {st['trained_tokens']} trained of {st['tokens']} tokens in rows "
+            f"({LABEL_SHIFT}), "
             f"{st['split_overlong']} overlong split, {st['dropped_overlong']} dropped"
             + (f", {st['skipped_empty']} records with no messages skipped" if st.get("skipped_empty") else ""))
 
@@ -264,11 +271,15 @@ class Batches:
     def local_batch(self, position: int) -> np.ndarray | dict[str, np.ndarray]:
         """This process's rows [grad_accum, local rows, seq_len + 1] of the batch at `position` (for records a
         dict of [grad_accum, local rows, seq_len] arrays)."""
-        start, stop = self.row_range
-        grid = position + np.arange(self.accum)[:, None] * self.rows + np.arange(start, stop)[None, :]
+        grid = self.sample_indices(position)
         out = self.source.samples(grid.reshape(-1), self.length)
-        shape = (self.accum, stop - start, self.length)
+        shape = (*grid.shape, self.length)
         return {k: v.reshape(shape) for k, v in out.items()} if isinstance(out, dict) else out.reshape(shape)
+
+    def sample_indices(self, position: int) -> np.ndarray:
+        """The global sample indices [grad_accum, local rows] of this process's rows of the batch at `position`."""
+        start, stop = self.row_range
+        return position + np.arange(self.accum)[:, None] * self.rows + np.arange(start, stop)[None, :]
 
     def __iter__(self):
         return self

@@ -13,6 +13,7 @@ from safetensors import SafetensorError, safe_open
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.io.hf_config import read_json_object
+from jaxmem.io.inside import plain_name, stays_inside
 
 INDEX_FILE = "model.safetensors.index.json"
 _NUMPY_DTYPES = {
@@ -78,8 +79,7 @@ def _weight_map(index: Path) -> dict[str, str]:
 
 def _inside(name: str) -> bool:
     """A shard name that stays inside the checkpoint folder: relative, without '..', not empty, no NUL."""
-    parts = Path(name).parts
-    return bool(parts) and not Path(name).is_absolute() and ".." not in parts and "\0" not in name
+    return plain_name(name)
 
 
 class CheckpointReader:
@@ -101,6 +101,9 @@ class CheckpointReader:
             path = directory / name
             if not path.is_file():
                 raise ConfigError(f"{index}: lists {name}, which is not in {directory}")
+            if not stays_inside(directory, path):
+                raise ConfigError(f"{path}: a link leading outside {directory} (to {path.resolve()}); shards are "
+                                  "read from inside the folder")
             handle = _open(path)
             self._handles[path] = handle
             for key in handle.keys():

@@ -7,6 +7,7 @@ how their numerics are tested); cuDNN has no CPU path.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -198,7 +199,10 @@ def check_model_kernels(cfg) -> None:
 
 def check_block_sizes(cfg: KernelConfig) -> None:
     """One-line ConfigError naming the key. Runs at load (jaxmem.features.SECTION_VALIDATORS["kernels"]);
-    the dispatch below runs it again for a KernelConfig built in code, before anything is traced."""
+    the dispatch below runs it again for a KernelConfig built in code, before anything is traced. The z-loss
+    weight too: a negative one rewards large logits, and the loss falls without bound."""
+    if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
+        raise ConfigError(f"kernels.z_loss: must be a finite number >= 0 (0: off), got {cfg.z_loss}")
     for name in ("loss_block_t", "loss_block_v"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"kernels.{name}: {getattr(cfg, name)} must be a positive int, or 0 (by shape)")

@@ -2,6 +2,8 @@
 frozen base beside them) and its program hooks (jaxmem.lora.plugin)."""
 from __future__ import annotations
 
+import math
+
 import jax
 
 from jaxmem.config.schema import Config, ConfigError
@@ -21,8 +23,8 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"lora.rank: must be >= 0 (0: full fine-tune), got {lo.rank}")
     if lo.rank == 0:
         return
-    if lo.alpha <= 0:
-        raise ConfigError(f"lora.alpha: must be > 0, got {lo.alpha}")
+    if not (math.isfinite(lo.alpha) and lo.alpha > 0):
+        raise ConfigError(f"lora.alpha: must be a finite number > 0, got {lo.alpha}")
     if not 0 <= lo.dropout < 1:
         raise ConfigError(f"lora.dropout: must be in [0, 1), got {lo.dropout}")
     if lo.dropout > 0 and cfg.remat.seq_tile > 0:

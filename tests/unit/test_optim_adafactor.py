@@ -2,14 +2,19 @@
 decay; its factored state takes the param's spec without the reduced dim (jaxmem.optim.specs), and
 specs.state_specs gives optax's AdamW state the same specs as optax's own tree_map_params (what the program
 used before it)."""
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.features import load_config
 from jaxmem.optim import choice, hyper, layerwise
+from jaxmem.model.transformer import abstract_model
 from jaxmem.optim import adafactor, specs
 
 CFG = ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1", "optimizer.lr=1e-2"]
@@ -82,3 +87,79 @@ def test_adamw_specs_as_optax():
     assert jax.tree.structure(got, is_leaf=lambda x: isinstance(x, P)) == jax.tree.structure(
         want, is_leaf=lambda x: isinstance(x, P))
     assert [s[:4] for s in flat(got)] == [s[:4] for s in flat(want)]
+
+
+# Attention weights as the model stores them per layer (jaxmem.model.layers), with a head_dim under optax's
+# 128-long minimum for a factored dim, and a LoRA adapter of one of them.
+HEADS = {"wq": (192, 4, 64), "wo": (4, 64, 192), "w_up": (192, 256), "attn_norm": (192,),
+         "wk": {"a": (192, 8), "b": (8, 2, 64)}}
+AS_MATRICES = {"wq": (192, 256), "wo": (256, 192), "w_up": (192, 256), "attn_norm": (192,),
+               "wk": {"a": (192, 8), "b": (8, 128)}}
+
+
+def _heads_tree(seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return jax.tree.map(lambda s: jnp.asarray(scale * rng.standard_normal(s), jnp.float32), HEADS,
+                        is_leaf=lambda x: isinstance(x, tuple))
+
+
+def test_heads_factored_as_their_matrix():
+    """A [d, heads, head_dim] weight's second moment is the factored statistics of its [d, heads * head_dim]
+    matrix (optax.adafactor on the reshaped tree, step for step), not a full fp32 copy."""
+    cfg = load_config("configs/tiny.yaml", CFG)
+    lr = hyper.schedule(cfg)
+    reference = optax.adafactor(lr, multiply_by_parameter_scale=False, weight_decay_rate=lambda t: lr(t) * 0.1,
+                                weight_decay_mask=hyper.decay_mask)
+    reshaped = lambda tree: jax.tree.map(lambda x, s: x.reshape(s), tree, AS_MATRICES,  # noqa: E731
+                                         is_leaf=lambda x: isinstance(x, tuple))
+    opt = adafactor.make_adafactor(cfg)
+    params = _heads_tree(0)
+    s_got, s_want = opt.init(params), reference.init(reshaped(params))
+    for seed in (1, 2, 3):
+        grads = _heads_tree(seed, 1e-2)
+        u_got, s_got = opt.update(grads, s_got, params)
+        u_want, s_want = reference.update(reshaped(grads), s_want, reshaped(params))
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a.reshape(b.shape), b, rtol=1e-6, atol=1e-12),
+                     u_got, u_want)
+        assert jax.tree.map(jnp.shape, u_got) == jax.tree.map(jnp.shape, grads)
+    factored = s_got[0]
+    assert factored.v_row["wq"].shape == (192,) and factored.v_col["wq"].shape == (256,)
+    assert factored.v_row["wo"].shape == (192,) and factored.v_col["wo"].shape == (256,)  # dim 0 the larger
+    assert factored.v["wq"].shape == factored.v["wo"].shape == (1,)
+    np.testing.assert_allclose(factored.v_row["wq"], s_want[0].v_row["wq"], rtol=1e-6)
+
+
+def test_matrix_shape_keeps_stacked_dims():
+    """Leading dims (the layer stack, experts) stay batch dims; other weights keep their shape."""
+    key = lambda *names: [jax.tree_util.DictKey(n) for n in names]  # noqa: E731
+    assert adafactor.matrix_shape(key("layers", "wq"), (16, 2048, 32, 64)) == (16, 2048, 2048)
+    assert adafactor.matrix_shape(key("layers", "wo"), (16, 32, 64, 2048)) == (16, 2048, 2048)
+    assert adafactor.matrix_shape(key("layers", "wv", "b"), (16, 8, 8, 64)) == (16, 8, 512)
+    assert adafactor.matrix_shape(key("layers", "expert_up"), (16, 8, 2048, 768)) == (16, 8, 2048, 768)
+    assert adafactor.matrix_shape(key("layers", "bq"), (16, 32, 64)) == (16, 32, 64)
+
+
+def _docs_adafactor_v() -> float:
+    """The v column of docs/optimizers.md's Adafactor row with the fp32 master."""
+    for line in open("docs/optimizers.md"):
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if cells[:2] == ["bf16 + fp32 master", "Adafactor"]:
+            return float(cells[5])
+    raise AssertionError("docs/optimizers.md has no Adafactor row")
+
+
+@pytest.mark.parametrize("preset, head_dim", [("llama3.2-1b", 64), ("llama3.2-1b", 128), ("llama3-8b", 128)])
+def test_state_bytes_per_param_as_documented(preset, head_dim):
+    """Adafactor's state per parameter, counted from the state built abstractly for the model's shapes (the
+    layer-wise state, bf16 params), is within 2x of docs/optimizers.md's figure, for head dims 64 and 128."""
+    heads = {64: 32, 128: 16} if preset == "llama3.2-1b" else {128: 32}
+    cfg = load_config("configs/tiny.yaml", ["optimizer.name=adafactor", f"model.preset={preset}",
+                                            f"model.head_dim={head_dim}", f"model.n_heads={heads[head_dim]}",
+                                            f"model.n_kv_heads={heads[head_dim] // 4}"])
+    params = nnx.to_pure_dict(nnx.split(abstract_model(cfg.model, param_dtype=jnp.bfloat16))[1])
+    state = jax.eval_shape(lambda p: layerwise.init_opt_state(adafactor.make_adafactor(cfg), p), params)
+    n_params = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    state_bytes = sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(state)
+                      if jnp.issubdtype(x.dtype, jnp.floating))
+    documented = _docs_adafactor_v()
+    assert documented / 2 <= state_bytes / n_params <= documented * 2, (state_bytes / n_params, documented)

@@ -7,6 +7,7 @@ same cache at once each write a whole file and readers only ever see a whole fil
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import uuid
 import zipfile
@@ -79,7 +80,8 @@ def build_rows(data: DataConfig, *, path: str, seq_len: int, vocab_size: int, se
     files = record_files(data.kind, path)
     spec, tokenizer_bytes = tokenizer_spec(data, vocab_size)
     settings = [str(CACHE_VERSION), data.kind, data.format, data.train_on, data.text_field, data.prompt_field,
-                data.completion_field, data.messages_field]
+                data.completion_field, data.messages_field] + ([json.dumps(data.roles, sort_keys=True)]
+                                                               if data.roles else [])
     documents_key = _digest(settings + tokenizer_bytes + [f.name + _file_digest(f) for f in files])
     root = cache_dir(data)
     documents_file = root / f"documents-{documents_key[:32]}.npz"

@@ -153,7 +153,8 @@ class PackedRows:
             lines.append(f"document {doc}: {''.join(text)}")
         s = self.stats
         lines.append(f"{s['documents']} documents -> {s['rows']} rows of {self.seq_len}: {s['tokens']} tokens "
-                     f"({s['efficiency']:.1%} filled), {s['trained_tokens']} trained, "
+                     f"({s['efficiency']:.1%} filled; a document of n tokens fills n - 1 positions, its last "
+                     f"token is only a label), {s['trained_tokens']} trained, "
                      f"{s['split_overlong']} split and {s['dropped_overlong']} dropped as overlong"
                      + (f", {s['skipped_empty']} records with no messages skipped" if s["skipped_empty"] else ""))
         return "\n".join(lines)

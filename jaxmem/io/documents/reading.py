@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from jaxmem.config.schema import RECORD_KINDS, ConfigError
+from jaxmem.io.inside import plain_name, stays_inside
 
 _SUFFIXES = {"jsonl": (".jsonl",), "parquet": (".parquet",)}
 
@@ -34,9 +35,15 @@ def record_files(kind: str, path: str) -> list[Path]:
         return _hf_files(root)
     if root.is_file():
         return [root]
+    if not root.is_dir():  # a FIFO, a socket, a device
+        raise ConfigError(f"data.path: {root} is not a regular file or folder")
     files = sorted(p for p in root.iterdir() if p.is_file() and p.name.endswith(_SUFFIXES[kind]))
     if not files:
         raise ConfigError(f"data.path: {root} holds no {' or '.join(_SUFFIXES[kind])} files for data.kind={kind}")
+    for f in files:
+        if not stays_inside(root, f):
+            raise ConfigError(f"data.path: {f} is a link leading outside {root} (to {f.resolve()}); the records "
+                              "are read from inside the folder")
     return files
 
 
@@ -54,6 +61,10 @@ def _hf_files(root: Path) -> list[Path]:
         names = [entry["filename"] for entry in json.loads(state.read_text())["_data_files"]]
     except (ValueError, KeyError, TypeError, RecursionError) as e:
         raise ConfigError(f"data.path: {state} does not list the dataset's arrow files ({e!r})") from None
+    for name in names:
+        if not isinstance(name, str) or not plain_name(name) or not stays_inside(root, root / name):
+            raise ConfigError(f"data.path: {state} lists {name!r}, which is not a file inside {root} (an entry "
+                              "names a file of the folder, without '..', and no link out of it)")
     files = [root / name for name in names]
     for f in files:
         if not f.exists():

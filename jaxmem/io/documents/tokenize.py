@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from jaxmem.io.documents.chat import ChatTemplate
-from jaxmem.config.schema import ConfigError, DataConfig
+from jaxmem.config.schema import CHAT_ROLES, ConfigError, DataConfig
 
 IN_PROCESS_BELOW = 512  # records: fewer are tokenized without starting worker processes
 _CHUNK = 256  # records per worker task
@@ -122,7 +122,7 @@ def payloads(data: DataConfig, records: list[tuple[dict, str]]) -> tuple[list[tu
                 raise ConfigError(f"data.{key}: record {number} ({where}) has {name!r} of type "
                                   f"{type(value).__name__}; expected a {expected.__name__}")
             if key == "messages_field":
-                value = _turns(value, f"data.{key}: record {number} ({where})")
+                value = _turns(value, f"data.{key}: record {number} ({where})", data.roles or {})
             values.append(value)
         if data.format == "messages" and not values[0]:
             skipped += 1  # a chat without turns has nothing to train on (counted in the packing summary)
@@ -131,12 +131,20 @@ def payloads(data: DataConfig, records: list[tuple[dict, str]]) -> tuple[list[tu
     return out, skipped
 
 
-def _turns(turns: list, what: str) -> list[dict]:
-    """The turns with multi-part content ([{"type": "text", "text": ...}, ...]) joined into one string."""
+def _turns(turns: list, what: str, roles: dict) -> list[dict]:
+    """The turns with their roles renamed by `roles` (data.roles) and multi-part content ([{"type": "text",
+    "text": ...}, ...]) joined into one string. A role the templates do not know is refused: its turn would
+    render as the template pleases, and an assistant turn misspelled is silently not trained on."""
     out = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
             raise ConfigError(f"{what} turn {i} is not a mapping with a 'role' (and 'content')")
+        role = roles.get(turn["role"], turn["role"])
+        if role not in CHAT_ROLES:
+            raise ConfigError(f"{what} turn {i} has role {turn['role']!r}; use one of {', '.join(CHAT_ROLES)}, "
+                              f"or map it with data.roles (e.g. 'data.roles={{{turn['role']}: assistant}}')")
+        if role != turn["role"]:
+            turn = dict(turn, role=role)
         if "content" in turn and turn["content"] is None:  # a template's `+` on None is a jinja traceback
             raise ConfigError(f"{what} turn {i} ({turn['role']}) has content null; give a string (\"\" for "
                               "an empty turn) or leave the turn out")
