@@ -5,6 +5,7 @@ The files this module treats specially are derived from the modules themselves (
 or renaming one moves its entry instead of silently breaking attribution."""
 from __future__ import annotations
 
+import re
 
 import jaxmem.kernels.attention
 import jaxmem.mesh.axes
@@ -14,6 +15,7 @@ import jaxmem.core.program
 import jaxmem.core.remat
 import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
+from jaxmem.config.validate import fixed_mesh_size
 from jaxmem.config.names import name_in_op
 from jaxmem.plan import hlo_dump
 from jaxmem.runtime.source_paths import (_ROOT, PACKAGE, in_files, is_ours, module_path,  # noqa: F401
@@ -136,5 +138,17 @@ def divided(n: int) -> set[int]:
 
 
 def vocab_dims(cfg: Config) -> set[int]:
-    v = cfg.model.vocab_size
-    return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0}
+    """The vocab dim and the shards of it the run's mesh can cut (none on one device: a [B, T, D] residual with
+    d_model == vocab / 2 is no logits shard there)."""
+    v, devices = cfg.model.vocab_size, fixed_mesh_size(cfg.parallel)
+    return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0 and (devices is None or devices % d == 0)}
+
+
+# The named scope select_loss (jaxmem.kernels) puts around the loss: "loss_naive", "loss_chunked", ... (in a
+# name stack as a component, or wrapped by a transformation: "jvp(loss_chunked)")
+LOSS_SCOPE = re.compile(r"(^|[/(])loss_[a-z]+($|[/)])")
+
+
+def in_loss_scope(op_names) -> bool:
+    """Whether an op (one of `op_names`, its name stacks) ran inside the loss kernel's scope."""
+    return any(LOSS_SCOPE.search(n or "") for n in op_names)

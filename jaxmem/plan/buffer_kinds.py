@@ -16,7 +16,7 @@ from jaxmem.core.offload import StateHomes
 from jaxmem.config.names import ALL_NAMES
 from jaxmem.plan import advice, hlo_dump
 from jaxmem.plan.attribution import (PLUMBING, defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
-                                     shape_name, tagged_op, vocab_dims)
+                                     in_loss_scope, shape_name, tagged_op, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 from jaxmem.model import abstract_model
@@ -397,6 +397,11 @@ def _frame(module, made, owner, phase: str | None, loop: bool):
 # the buffer wins. Each returns (category, key, why) or None.
 
 
+def _op_names(b: BufferFacts) -> tuple[str, ...]:
+    """The name stacks of the ops that wrote the buffer (the owner's and the value written into it)."""
+    return (b.op_name, b.made.op_name if b.made is not None else "")
+
+
 def _gathered(b: BufferFacts):
     if b.collective == "all-gather" and b.weight:
         return "param", "gathered", f"all-gather of {b.weight}"
@@ -429,8 +434,9 @@ def _gradient(b: BufferFacts):
 
 
 def _logits(b: BufferFacts):
-    if b.vocab and (b.tokens or (b.frame is not None and in_files(b.frame.file, _LOSS_CODE))) \
-            and (b.tokens or not b.weight):
+    """[tokens, vocab]: vocab-wide and written by the loss (its scope or its code), not only shaped so."""
+    made_by_loss = in_loss_scope(_op_names(b)) or (b.frame is not None and in_files(b.frame.file, _LOSS_CODE))
+    if b.vocab and made_by_loss and (b.tokens or not b.weight):
         return "logits", "logits", ("d(logits) " if b.phase == "backward" else "") + \
             f"[tokens, vocab] written in {b.where}"
 
@@ -445,11 +451,6 @@ def _activation(b: BufferFacts):
 def _weight_shaped(b: BufferFacts):
     if b.weight and not (b.tokens and b.phase == "forward"):
         return "param", "param_copy", f"{b.like}, written in {b.where}: a copy of the weights"
-
-
-def _op_names(b: BufferFacts) -> tuple[str, ...]:
-    """The name stacks of the ops that wrote the buffer (the owner's and the value written into it)."""
-    return (b.op_name, b.made.op_name if b.made is not None else "")
 
 
 def _scores(b: BufferFacts):

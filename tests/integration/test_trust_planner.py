@@ -233,18 +233,31 @@ def _get(raw, key):
     return raw
 
 
-# ---------------------------------------------------------------- 4. explain's report into a pipe
+# ---------------------------------------------------------------- 3 and 4: one explain compile
 
 
-def test_explain_of_a_padded_head_dim_prints_lines_a_person_can_read(capsys, monkeypatch):
-    """explain compiles head dim 80 (the Pallas kernel's padded tile) deviceless for an H100, and its report
-    into a pipe (capsys: not a terminal) wraps at 160 columns; it used to print 639-character lines."""
+def test_explain_labels_buffers_by_their_op_and_prints_lines_a_person_can_read(tmp_path, capsys, monkeypatch):
+    """The README's fine-tune in small: LoRA, seq_len == d_model, a micro-batch that equals a head count, head
+    dim 80 (the Pallas kernel's padded tile), compiled deviceless for an H100. The [L, B, T, D] residual was
+    filed as S x S attention scores (two seq_len-sized dims) with advice to set the kernel the config already
+    runs; the MLP's LoRA projections were attributed to the norm kernel; the report into a pipe (capsys: not a
+    terminal) had 639-character lines. The tiny preset's vocab (256) is twice d_model: the residuals were
+    filed as logits too."""
     monkeypatch.delenv("COLUMNS", raising=False)
-    code = cli.main(["explain", TINY, *H100, "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
-                     "model.head_dim=80", "train.seq_len=64", "train.micro_batch=1", "parallel.fsdp=1",
-                     "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "--top", "12"])
+    code = cli.main(["explain", TINY, *H100, "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=1",
+                     "model.head_dim=80", "train.seq_len=128", "train.micro_batch=2", "parallel.fsdp=1",
+                     "lora.rank=4", "precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
+                     "--top", "16", "--json", str(tmp_path / "top.json")])
     out = capsys.readouterr().out
     assert code == 0
+    buffers = json.loads((tmp_path / "top.json").read_text())["buffers"]
+    assert not [b for b in buffers if b["checkpoint_name"] == "attention_scores" or "S x S" in b["why"]]
+    assert not [b for b in buffers if "kernels.attention=" in b["suggestion"]]
+    # vocab 256 = 2 x d_model: a [L, B, T, D] residual is no logits shard on one device
+    assert not [b for b in buffers if b["category"] == "logits" and b["shape"][-1] != 256]
+    mlp = [b for b in buffers if b["checkpoint_name"] in ("mlp_gate", "mlp_up")]
+    assert len(mlp) == 2 and all(b["shape"] == [2, 2, 128, 352] for b in mlp), mlp
+    assert all(b["source"].startswith("jaxmem/lora/") for b in mlp), [b["source"] for b in mlp]
     lines = out.splitlines()
-    assert "compiled for 1 x h100-80g (deviceless)" in out and len(lines) > 12
+    assert "compiled for 1 x h100-80g (deviceless)" in out and len(lines) > 16
     assert max(len(line) for line in lines) <= 160, max(lines, key=len)
