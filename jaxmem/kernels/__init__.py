@@ -83,9 +83,9 @@ def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool =
 
     attention: cuDNN on NVIDIA GPUs, faster than the Pallas flash kernel (docs/attention.md), where the
     program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute dtype, packed documents,
-    sinks and head dim, jaxmem.core.layout); else the Pallas kernel, which takes every head dim. XLA on CPU, where Pallas would only interpret. A call
-    that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel whatever the program chose
-    (select_attention). loss: chunked, the fastest at the same scratch (benchmarks/kernels.md). norm: XLA,
+    sinks and head dim, jaxmem.core.layout); else the Pallas kernel, which takes every head dim. XLA on CPU,
+    where Pallas would only interpret. A call that does not fit cuDNN (segment ids, sinks, fp32, its head dim)
+    runs the Pallas kernel whatever the program chose (select_attention). loss: chunked, the fastest at the same scratch (benchmarks/kernels.md). norm: XLA,
     which already fuses it (the Pallas kernel saved no bytes). grouped_matmul: never ragged_dot, which XLA:GPU
     densifies (benchmarks/grouped_matmul.md). On one GPU the Pallas kernel, leaner and faster wherever it was
     measured (benchmarks/gpu_h200.md, benchmarks/constants.md: kernels). Over several devices blocked,

@@ -15,8 +15,8 @@ from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
 from jaxmem.config.names import ALL_NAMES
 from jaxmem.plan import advice, hlo_dump
-from jaxmem.plan.attribution import (PLUMBING, defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
-                                     in_loss_scope, shape_name, tagged_op, vocab_dims)
+from jaxmem.plan.attribution import (PLUMBING, defining, in_files, in_loss_scope, is_ours, is_scores, model_frame,
+                                     module_path, rel_path, shape_name, tagged_op, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 from jaxmem.model import abstract_model

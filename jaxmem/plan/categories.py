@@ -94,7 +94,8 @@ SUGGESTIONS = {
                     "remat.preset=offload_layer_inputs")),
     "activation_unnamed": ("per-layer scan residual",
                            ("a remat policy that saves less: remat.preset=full",
-                            "offload it: remat.preset=offload_layer_inputs", "parallel.sp splits it along the sequence")),
+                            "offload it: remat.preset=offload_layer_inputs",
+                            "parallel.sp splits it along the sequence")),
     "moe_expanded": ("MoE per-expert copy of the routed rows (jax.lax.ragged_dot lowered densely for the GPU, "
                      "experts x rows)",
                      ("fewer tokens per micro-batch (train.micro_batch, train.seq_len with grad_accum)",
