@@ -128,7 +128,8 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         cfg.precision).param))
     param_specs, grad_specs, opt_specs, gathered_specs = state_specs(cfg, params_state, sizes)
     cudnn_fits = kernels.cudnn_takes(Precision.from_config(cfg.precision).compute, sinks=cfg.model.attention_sinks,
-                                     segments="segment_ids" in batch_keys(cfg))  # packed documents
+                                     segments="segment_ids" in batch_keys(cfg),  # packed documents
+                                     head_dim=cfg.model.head_dim)
     chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
     features.check_layout(cfg, sizes, chosen)
     fused_attention = chosen["attention"] != "xla"

@@ -32,20 +32,43 @@ def is_imported_dir(path: str | Path) -> bool:
     return (path / "model.json").is_file() and (path / "params").is_dir()
 
 
+EXPECTED = ("expected a Hugging Face folder (config.json + *.safetensors) or a `jaxmem import-hf` output "
+            "(model.json + params/)")
+
+
+def check_is_model(path: str | Path) -> None:
+    """A one-line ConfigError naming `path` unless it is a model: a Hugging Face folder (config.json and its
+    safetensors) or a `jaxmem import-hf` output (model.json + params/). Every command resolves init_from
+    through here at load (jaxmem.features), so none plans, tunes or trains another model than the one named."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"{KEY}: {path} does not exist ({EXPECTED})")
+    if not path.is_dir():
+        raise ConfigError(f"{KEY}: {path} is not a folder ({EXPECTED})")
+    if is_hf_dir(path):
+        if not any(path.glob("*.safetensors")) and not (path / "model.safetensors.index.json").is_file():
+            raise ConfigError(f"{KEY}: {path} has a config.json but no *.safetensors weights ({EXPECTED})")
+    elif (path / "model.json").is_file():
+        if not (path / "params").is_dir():
+            raise ConfigError(f"{KEY}: {path / 'params'} not found ({EXPECTED})")
+    else:
+        raise ConfigError(f"{KEY}: {path} holds neither config.json nor model.json ({EXPECTED})")
+
+
 def folder_model(path: str | Path) -> tuple[ModelConfig, Path] | None:
-    """(the model, the file that describes it) of a checkpoint folder: a Hugging Face directory's config.json or
-    an import-hf output's model.json; None for anything else (init_from's own checks name what is wrong)."""
+    """(the model, the file that describes it) of the checkpoint folder `path` names: a Hugging Face directory's
+    config.json or an import-hf output's model.json; None where no path is named. A named path that is no
+    model is a one-line ConfigError (check_is_model): a named model is never replaced by a preset."""
     if not path:
         return None
+    check_is_model(path)
     if is_hf_dir(path):
         config_file = Path(path) / "config.json"
         return model_config_from_hf(read_json_object(config_file), where=str(config_file)), config_file
-    if is_imported_dir(path):
-        model_json = Path(path) / "model.json"
-        saved = read_json_object(model_json)
-        known = {f.name for f in dataclasses.fields(ModelConfig)}
-        return ModelConfig(**{k: v for k, v in saved.items() if k in known}), model_json
-    return None
+    model_json = Path(path) / "model.json"  # an import-hf output: check_is_model allows no third kind
+    saved = read_json_object(model_json)
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    return ModelConfig(**{k: v for k, v in saved.items() if k in known}), model_json
 
 
 def _differences(theirs: ModelConfig, mine: dict, keys) -> list[str]:
@@ -54,7 +77,8 @@ def _differences(theirs: ModelConfig, mine: dict, keys) -> list[str]:
 
 def model_from_folder(path: str | Path, given: ModelConfig, raw_model: dict, preset_values: dict) -> ModelConfig | None:
     """The run's model where `checkpoint.init_from` names a checkpoint folder: the folder's architecture, with the
-    run choices (RUN_CHOICES) the config sets; None where `path` is no such folder.
+    run choices (RUN_CHOICES) the config sets; None where no path is named (a path that is no model is a
+    one-line ConfigError).
 
     Args:
       given: the config's model section as parsed (explicit keys set, the rest defaults).
@@ -64,7 +88,7 @@ def model_from_folder(path: str | Path, given: ModelConfig, raw_model: dict, pre
     listed in one ConfigError line.
     """
     found = folder_model(path)
-    if found is None:
+    if found is None:  # no path named
         return None
     theirs, where = found
     explicit = {k: getattr(given, k) for k in ARCHITECTURE_KEYS if k in raw_model}
@@ -97,8 +121,7 @@ def check_model_json(path: str | Path, cfg: Config) -> None:
     """Raises a one-line ConfigError if `<path>/model.json` describes another model."""
     model_json = Path(path) / "model.json"
     if not model_json.is_file():
-        raise ConfigError(f"{KEY}: {model_json} not found (expected a `jaxmem import-hf` output dir or a Hugging "
-                          "Face directory: config.json + *.safetensors)")
+        raise ConfigError(f"{KEY}: {model_json} not found ({EXPECTED})")
     saved = read_json_object(model_json)
     mine = dataclasses.asdict(cfg.model)
     for key in MODEL_KEYS:

@@ -21,7 +21,8 @@ from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.kernels.attention.sequence_parallel import sequence_parallel
 from jaxmem.kernels.attention.config import AttentionBlocks
 from jaxmem.kernels.attention.pallas import flash_attention
-from jaxmem.kernels.attention.cudnn import cudnn_attention
+from jaxmem.kernels.attention.cudnn import cudnn_attention, max_head_dim as cudnn_max_head_dim
+from jaxmem.kernels.attention.cudnn import takes_head_dim as cudnn_takes_head_dim
 from jaxmem.kernels.rms_norm.pallas import rms_norm
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
 from jaxmem.kernels.cross_entropy.sharded import shard_loss
@@ -67,11 +68,14 @@ def cudnn_present() -> bool:
     return ctypes.util.find_library("cudnn") is not None
 
 
-def cudnn_takes(dtype, *, segments: bool, sinks: bool) -> bool:
+def cudnn_takes(dtype, *, segments: bool, sinks: bool, head_dim: int | None = None) -> bool:
     """Whether cuDNN attention takes a call: fp16 / bf16 (cuDNN refuses fp32), no segment ids (its packed path
     needs a private jax API and a workspace max_segments times larger, docs/attention.md), no attention sinks
-    (none in cuDNN). The layout asks it of the program's config, select_attention of each call."""
-    return jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not segments and not sinks
+    (none in cuDNN), a head dim jax's cuDNN attention takes (a multiple of 8 up to 128, or 256 on a local
+    Hopper GPU: cudnn.takes_head_dim). The layout asks it of the program's config, select_attention of each
+    call."""
+    return (jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) and not segments and not sinks
+            and (head_dim is None or cudnn_takes_head_dim(head_dim)))
 
 
 def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool = True) -> dict[str, str]:
@@ -79,10 +83,10 @@ def resolve(cfg: KernelConfig, platform: str, n_devices: int, cudnn_fits: bool =
     pipeline stage's own): the one place `auto` is decided.
 
     attention: cuDNN on NVIDIA GPUs, faster than the Pallas flash kernel (docs/attention.md), where the
-    program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute dtype, packed documents and
-    sinks, jaxmem.core.layout); else the Pallas kernel. XLA on CPU, where Pallas would only interpret. A call
-    that does not fit cuDNN (segment ids, sinks, fp32) runs the Pallas kernel whatever the program chose
-    (select_attention). loss: chunked, the fastest at the same scratch (benchmarks/kernels.md). norm: XLA,
+    program's attention calls fit it (`cudnn_fits`: cudnn_takes of its compute dtype, packed documents,
+    sinks and head dim, jaxmem.core.layout); else the Pallas kernel, which takes every head dim. XLA on CPU,
+    where Pallas would only interpret. A call that does not fit cuDNN (segment ids, sinks, fp32, its head dim)
+    runs the Pallas kernel whatever the program chose (select_attention). loss: chunked, the fastest at the same scratch (benchmarks/kernels.md). norm: XLA,
     which already fuses it (the Pallas kernel saved no bytes). grouped_matmul: never ragged_dot, which XLA:GPU
     densifies (benchmarks/grouped_matmul.md). On one GPU the Pallas kernel, leaner and faster wherever it was
     measured (benchmarks/gpu_h200.md, benchmarks/constants.md: kernels). Over several devices blocked,
@@ -128,7 +132,8 @@ def select_attention(cfg: KernelConfig, platform: str, mesh=None):
     packed = _scoped("attention_pallas", _attention("pallas", cfg, platform, mesh))
 
     def route(q, k, v, seg, **kw):
-        fits = cudnn_takes(q.dtype, segments=seg is not None, sinks=kw.get("sinks") is not None)
+        fits = cudnn_takes(q.dtype, segments=seg is not None, sinks=kw.get("sinks") is not None,
+                           head_dim=q.shape[-1])
         return chosen(q, k, v, None, **kw) if fits else packed(q, k, v, seg, **kw)
 
     return sequence_parallel(route, mesh)
@@ -195,6 +200,10 @@ def check_model_kernels(cfg) -> None:
     if cfg.model.attention_sinks and cfg.kernels.attention == "cudnn":
         raise ConfigError("kernels.attention: cudnn has no attention sinks (model.attention_sinks, gpt-oss); use "
                           "auto (the Pallas kernel on a GPU), pallas or xla")
+    if cfg.kernels.attention == "cudnn" and not cudnn_takes_head_dim(cfg.model.head_dim):
+        raise ConfigError(f"kernels.attention: cudnn takes head dims that are multiples of 8 up to "
+                          f"{cudnn_max_head_dim()} here, not model.head_dim={cfg.model.head_dim}; use auto (cuDNN "
+                          "where it takes the model, else the Pallas kernel), pallas or xla")
 
 
 def check_block_sizes(cfg: KernelConfig) -> None:

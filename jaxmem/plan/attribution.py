@@ -5,6 +5,7 @@ The files this module treats specially are derived from the modules themselves (
 or renaming one moves its entry instead of silently breaking attribution."""
 from __future__ import annotations
 
+import re
 
 import jaxmem.kernels.attention
 import jaxmem.mesh.axes
@@ -14,6 +15,7 @@ import jaxmem.core.program
 import jaxmem.core.remat
 import jaxmem.mesh.sharding
 from jaxmem.config.schema import Config
+from jaxmem.config.validate import fixed_mesh_size
 from jaxmem.config.names import name_in_op
 from jaxmem.plan import hlo_dump
 from jaxmem.runtime.source_paths import (_ROOT, PACKAGE, in_files, is_ours, module_path,  # noqa: F401
@@ -67,8 +69,14 @@ _WRAPPERS = ("fusion", "async-start")
 
 
 def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, depth: int = 10) -> str | None:
-    """The checkpoint name of the value `ins` holds or writes (e.g. into a scan's stacked residual).
+    """The checkpoint name of the value `ins` holds or writes (tagged_op's name)."""
+    found = tagged_op(module, ins, depth)
+    return found[0] if found else None
 
+
+def tagged_op(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None,
+              depth: int = 10) -> tuple[str, hlo_dump.Instr] | None:
+    """(name, the op that carries it) of the value `ins` holds or writes (e.g. into a scan's stacked residual).
     The layers compute each tagged value inside a name scope carrying its name (jaxmem.config.names.scope),
     which XLA keeps in op_name. From `ins`, through ops that only move, cast or cut a value (into a fusion or
     async computation from its root, out of it through its parameters; a dynamic-update-slice: the value it
@@ -80,7 +88,7 @@ def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, dept
             return None
         name = name_in_op(ins.op_name)
         if name:
-            return name
+            return name, ins
         if ins.opcode in _WRAPPERS and ins.calls:
             ins = module.instrs.get(module.roots.get(ins.calls[0], ""))
             continue
@@ -98,21 +106,22 @@ def tagged_name(module: hlo_dump.HloModuleText, ins: hlo_dump.Instr | None, dept
     return None
 
 
-def is_scores(cfg: Config, shape, frame=None) -> bool:
-    """S x S attention scores: two seq_len dims (when d_model == seq_len too, a heads dim after the first or
-    attention code)."""
-    m, t = cfg.model, cfg.train.seq_len
-    if list(shape).count(t) < 2:
-        return False
-    heads = (divided(m.n_heads) | divided(m.n_kv_heads) | divided(max(m.n_heads // m.n_kv_heads, 1))) - {1}
-    return m.d_model != t or any(d in heads for d in shape[1:]) or (frame is not None
-                                                                    and in_files(frame.file, (ATTENTION_CODE,)))
+# The named scope select_attention (jaxmem.kernels) puts around plain XLA attention: the one implementation
+# that materializes the S x S scores (the flash kernels never hold them).
+XLA_ATTENTION_SCOPE = "attention_xla"
 
 
-def shape_name(cfg: Config, shape: tuple[int, ...], frame=None) -> str | None:
-    """Checkpoint name(s) a per-layer tensor of this shape can be (when the source line names none)."""
+def is_scores(cfg: Config, shape, op_names=()) -> bool:
+    """S x S attention scores: two seq_len dims, written by an op of plain XLA attention (its name scope in
+    one of `op_names`, the producing op's metadata). The shape alone is no evidence: with seq_len == d_model
+    a layer's [L, B, T, D] residual has two seq_len-sized dims too."""
+    return list(shape).count(cfg.train.seq_len) >= 2 and any(XLA_ATTENTION_SCOPE in (n or "") for n in op_names)
+
+
+def shape_name(cfg: Config, shape: tuple[int, ...], op_names=()) -> str | None:
+    """Checkpoint name(s) a per-layer tensor of this shape can be (when the op's name scopes name none)."""
     m = cfg.model
-    if is_scores(cfg, shape, frame):
+    if is_scores(cfg, shape, op_names):
         return "attention_scores"
     if len(shape) >= 2 and shape[-1] == m.head_dim:
         if shape[-2] in divided(m.n_kv_heads) and m.n_kv_heads != m.n_heads:
@@ -129,5 +138,17 @@ def divided(n: int) -> set[int]:
 
 
 def vocab_dims(cfg: Config) -> set[int]:
-    v = cfg.model.vocab_size
-    return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0}
+    """The vocab dim and the shards of it the run's mesh can cut (none on one device: a [B, T, D] residual with
+    d_model == vocab / 2 is no logits shard there)."""
+    v, devices = cfg.model.vocab_size, fixed_mesh_size(cfg.parallel)
+    return {v} | {v // d for d in (2, 4, 8, 16) if v % d == 0 and (devices is None or devices % d == 0)}
+
+
+# The named scope select_loss (jaxmem.kernels) puts around the loss: "loss_naive", "loss_chunked", ... (in a
+# name stack as a component, or wrapped by a transformation: "jvp(loss_chunked)")
+LOSS_SCOPE = re.compile(r"(^|[/(])loss_[a-z]+($|[/)])")
+
+
+def in_loss_scope(op_names) -> bool:
+    """Whether an op (one of `op_names`, its name stacks) ran inside the loss kernel's scope."""
+    return any(LOSS_SCOPE.search(n or "") for n in op_names)

@@ -14,9 +14,9 @@ from jaxmem import features as registry
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
 from jaxmem.config.names import ALL_NAMES
-from jaxmem.plan import hlo_dump
-from jaxmem.plan.attribution import (defining, in_files, is_ours, is_scores, model_frame, module_path, rel_path,
-                                     shape_name, tagged_name, vocab_dims)
+from jaxmem.plan import advice, hlo_dump
+from jaxmem.plan.attribution import (PLUMBING, defining, in_files, in_loss_scope, is_ours, is_scores, model_frame,
+                                     module_path, rel_path, shape_name, tagged_op, vocab_dims)
 from jaxmem.plan.categories import EXPLAIN_CATEGORIES, SUGGESTIONS
 from jaxmem.core.step_state import GRADS_SCOPE, UPDATE_SCOPE
 from jaxmem.model import abstract_model
@@ -397,6 +397,11 @@ def _frame(module, made, owner, phase: str | None, loop: bool):
 # the buffer wins. Each returns (category, key, why) or None.
 
 
+def _op_names(b: BufferFacts) -> tuple[str, ...]:
+    """The name stacks of the ops that wrote the buffer (the owner's and the value written into it)."""
+    return (b.op_name, b.made.op_name if b.made is not None else "")
+
+
 def _gathered(b: BufferFacts):
     if b.collective == "all-gather" and b.weight:
         return "param", "gathered", f"all-gather of {b.weight}"
@@ -429,8 +434,9 @@ def _gradient(b: BufferFacts):
 
 
 def _logits(b: BufferFacts):
-    if b.vocab and (b.tokens or (b.frame is not None and in_files(b.frame.file, _LOSS_CODE))) \
-            and (b.tokens or not b.weight):
+    """[tokens, vocab]: vocab-wide and written by the loss (its scope or its code), not only shaped so."""
+    made_by_loss = in_loss_scope(_op_names(b)) or (b.frame is not None and in_files(b.frame.file, _LOSS_CODE))
+    if b.vocab and made_by_loss and (b.tokens or not b.weight):
         return "logits", "logits", ("d(logits) " if b.phase == "backward" else "") + \
             f"[tokens, vocab] written in {b.where}"
 
@@ -448,7 +454,7 @@ def _weight_shaped(b: BufferFacts):
 
 
 def _scores(b: BufferFacts):
-    if is_scores(b.cfg, b.shape, b.frame):
+    if is_scores(b.cfg, b.shape, _op_names(b)):
         return "temp", "scores", f"S x S attention scores written in {b.where}"
 
 
@@ -481,9 +487,9 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
     type_ = hlo_dump.element_type(ins.type, index) if ins else "?"
     dtype, shape = hlo_dump.parse_array_type(type_)
     if ins is None:
-        return _entry(name + index, size, shape, dtype, "temp", "temp", None, name, "", "not in the HLO text")
+        return _entry(cfg, name + index, size, shape, dtype, "temp", "temp", None, name, "", "not in the HLO text")
     if type_.startswith("("):  # the tuple itself: a small table of its elements' addresses
-        return _entry(name + index, size, (), "tuple", "temp", "temp", None, name, ins.op_name,
+        return _entry(cfg, name + index, size, (), "tuple", "temp", "temp", None, name, ins.op_name,
                       "tuple of buffer addresses (a loop's state or a multi-output op)")
     host = " (host memory)" if ":S(5)" in type_ else ""
     owned = _owner(module, ins, index)
@@ -493,7 +499,7 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         cat = next((c for prefix, c in _STATE_CATEGORY if path.startswith(prefix)), "temp")
         what = "input" if not path.startswith("state[") else "train state" + (
             f": {state_leaf_words(cfg, path)}" if cat == "optimizer" else "")
-        return _entry(name + index, size, shape, dtype, cat, cat, None, path or owner.name, path,
+        return _entry(cfg, name + index, size, shape, dtype, cat, cat, None, path or owner.name, path,
                       f"argument of the step ({what}){host}")
     b = _facts(cfg, module, ins, owned, state, shape)
     rules, refiners = rules_for(cfg)
@@ -506,13 +512,21 @@ def classify(cfg: Config, module, name: str, index: str, size: int, state: State
         found = refine(b, found)
     cat, key, why, ckpt = found
     source = f"{rel_path(b.frame.file)}:{b.frame.line} {b.frame.function}" if b.frame else (b.op_name or name)
-    return _entry(name + index, size, shape, dtype, cat, key, ckpt, source, b.op_name, why + host)
+    return _entry(cfg, name + index, size, shape, dtype, cat, key, ckpt, source, b.op_name, why + host)
 
 
 def _checkpoint_name(b: BufferFacts) -> str | None:
-    ckpt = tagged_name(b.module, b.made) or shape_name(b.cfg, b.shape, b.frame)
+    """The checkpoint name of an activation: the name scope of the op that made it (tagged_op), which then
+    gives its source line too (the op's own frame: a LoRA or kernel call inside the named scope, not the norm
+    whose output fed it); by shape only where no op carries one."""
+    tagged = tagged_op(b.module, b.made)
+    if tagged is not None:
+        frame = model_frame(b.module, tagged[1])[0]
+        if frame is not None and not in_files(frame.file, PLUMBING):
+            b.frame = frame
+    ckpt = tagged[0] if tagged else shape_name(b.cfg, b.shape, _op_names(b))
     if ckpt and ckpt not in ALL_NAMES and ckpt != "attention_scores" and "|" not in ckpt:
-        ckpt = shape_name(b.cfg, b.shape, b.frame)
+        ckpt = shape_name(b.cfg, b.shape, _op_names(b))
     return ckpt
 
 
@@ -522,10 +536,10 @@ def _logits_not_grad(cfg: Config, op_name: str, vocab: bool) -> bool:
     return vocab and cfg.kernels.loss == "naive" and not op_name.endswith("dot_general")
 
 
-def _entry(buffer, size, shape, dtype, category, key, ckpt, source, op_name, why) -> dict:
-    suggestion = SUGGESTIONS["activation_unnamed" if key == "activation" and not ckpt else key]
-    if "{name}" in suggestion:
-        suggestion = suggestion.format(name=ckpt.split("|")[0])
+def _entry(cfg, buffer, size, shape, dtype, category, key, ckpt, source, op_name, why) -> dict:
+    """A row of explain's table; its suggestion names only levers the config does not use and accepts."""
+    suggestion = advice.advisor_for(cfg).suggestion("activation_unnamed" if key == "activation" and not ckpt
+                                                    else key, (ckpt or "").split("|")[0])
     return {"buffer": buffer, "bytes": size, "shape": list(shape), "dtype": dtype, "category": category,
             "checkpoint_name": ckpt, "source": source, "op": op_name, "why": why, "suggestion": suggestion}
 

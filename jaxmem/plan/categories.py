@@ -55,43 +55,57 @@ def bill_categories(explain_cat: str) -> tuple[str, ...]:
     return tuple(b for b, e in BILL_TO_EXPLAIN.items() if e == explain_cat or explain_cat in BILL_ALSO.get(b, ()))
 
 
-# The lever that shrinks a buffer, per explain category (and the finer keys explain uses).
+# The levers that shrink a buffer, per explain category (and the finer keys explain uses): (what the buffer is,
+# the alternatives). Each alternative names its levers as `key=value` (or `key>=value`); explain shows only
+# those the config does not already use and that its validation accepts (jaxmem.plan.advice). `{name}`: the
+# buffer's checkpoint name; `{param_dtype}`: the config's.
 SUGGESTIONS = {
-    "logits": "[tokens, vocab] fp32 logits: use kernels.loss=chunked (or pallas) so they are never "
-              "materialized",
-    "scores": "S x S attention scores: use a flash kernel (kernels.attention=pallas) or a remat policy that "
-              "does not save dots (remat.preset=full or selective)",
-    "param": "parameters: shard them (parallel.zero_stage=3 with a larger fsdp axis) or offload.params=host",
-    "optimizer": "optimizer state: offload.optimizer=host, or precision.moment_dtype=bfloat16 / int8 / int4 (int8 "
-                 "quarters the moments, lossy: docs/optimizers.md), or precision.master_weights=false",
-    "optimizer_temp": "optimizer update temporary (AdamW math, or a new copy of the state or params before it "
-                      "replaces the old): offload.optimizer=host with offload.optimizer_update=host runs the "
-                      "update off the GPU; precision.moment_dtype=bfloat16 halves the moments, int8 quarters "
-                      "them (docs/optimizers.md)",
-    "optimizer_fetch": "optimizer state streamed from pinned host memory for the update (offload.optimizer=host, "
-                       "optimizer_update=device): XLA brings leaves forward while they fit under its scheduler "
-                       "limit; optimizer.update_in_backward streams one layer's at a time; "
-                       "precision.moment_dtype=bfloat16 halves the moments, int8 quarters them "
-                       "(docs/optimizers.md)",
-    "param_copy": "copy of the weights (cast, sliced or relaid out): precision.grad_reduce_dtype equal to "
-                  "param_dtype needs no cast copy for the gradients; more sharding (parallel.zero_stage=3, "
-                  "a larger fsdp axis) shrinks it",
-    "grad": "gradients: parallel.zero_stage>=2 shards them; precision.grad_reduce_dtype=bfloat16 halves them; "
-            "optimizer.update_in_backward=true (remat.preset=full or offload_layer_inputs) keeps one layer's "
-            "at a time",
-    "gathered": "all-gathered full weight (FSDP): fewer layers gathered ahead (XLA's scheduler prefetch; "
-                "lower remat.every_k) or add tensor parallelism (parallel.tp)",
-    "activation": "scan residual '{name}' kept for every layer: set remat.names.{name}=remat (recompute) or "
-                  "=offload, or use remat.preset=full / offload_layer_inputs",
-    "activation_unnamed": "per-layer scan residual: a remat policy that saves less (remat.preset=full) or "
-                          "offload (remat.preset=offload_layer_inputs); parallel.sp splits it along the sequence",
-    "moe_expanded": "MoE per-expert copy of the routed rows (jax.lax.ragged_dot lowered densely for the GPU, "
-                    "experts x rows): fewer tokens per micro-batch (train.micro_batch, train.seq_len with "
-                    "grad_accum), or parallel.ep (rows split ep ways) once expert parallelism exists",
-    "moe_dispatch": "MoE routed rows: with parallel.ep=1 every device holds the whole micro-batch's tokens x "
-                    "top-k; parallel.ep splits them once expert parallelism exists; fewer tokens per micro-batch",
-    "router_logits": "MoE router logits (fp32, tokens x experts): fewer tokens per micro-batch",
-    "temp": "temporary of one op: remat.seq_tile runs the per-token parts of a layer a tile at a time, "
-            "remat.granularity=segments shrinks the layer working set, parallel.sp splits the sequence; a "
-            "fused kernel removes it",
+    "logits": ("[tokens, vocab] fp32 logits, which a fused loss never materializes",
+               ("kernels.loss=chunked", "kernels.loss=pallas")),
+    "scores": ("S x S attention scores",
+               ("a flash kernel: kernels.attention=pallas", "a remat policy that does not save dots: "
+                "remat.preset=full", "remat.preset=selective")),
+    "param": ("parameters", ("shard them: parallel.zero_stage=3 with a larger fsdp axis", "offload.params=host")),
+    "optimizer": ("optimizer state",
+                  ("offload.optimizer=host", "precision.moment_dtype=bfloat16",
+                   "precision.moment_dtype=int8 (quarters the moments, lossy: docs/optimizers.md)",
+                   "precision.moment_dtype=int4", "precision.master_weights=false")),
+    "optimizer_temp": ("optimizer update temporary (AdamW math, or a new copy of the state or params before it "
+                       "replaces the old)",
+                       ("offload.optimizer=host with offload.optimizer_update=host runs the update off the GPU",
+                        "precision.moment_dtype=bfloat16 halves the moments",
+                        "precision.moment_dtype=int8 quarters them (docs/optimizers.md)")),
+    "optimizer_fetch": ("optimizer state streamed from pinned host memory for the update (offloaded, updated on "
+                        "the device): XLA brings leaves forward while they fit under its scheduler limit",
+                        ("optimizer.update_in_backward=true streams one layer's at a time",
+                         "precision.moment_dtype=bfloat16 halves the moments",
+                         "precision.moment_dtype=int8 quarters them (docs/optimizers.md)")),
+    "param_copy": ("copy of the weights (cast, sliced or relaid out)",
+                   ("precision.grad_reduce_dtype={param_dtype} needs no cast copy for the gradients",
+                    "more sharding: parallel.zero_stage=3 with a larger fsdp axis")),
+    "grad": ("gradients",
+             ("parallel.zero_stage>=2 shards them", "precision.grad_reduce_dtype=bfloat16 halves them",
+              "optimizer.update_in_backward=true with remat.preset=full keeps one layer's at a time")),
+    "gathered": ("all-gathered full weight (FSDP)",
+                 ("fewer layers gathered ahead (XLA's scheduler prefetch; a lower remat.every_k)",
+                  "tensor parallelism (parallel.tp)")),
+    "activation": ("scan residual '{name}' kept for every layer",
+                   ("remat.names.{name}=remat (recompute)", "remat.names.{name}=offload", "remat.preset=full",
+                    "remat.preset=offload_layer_inputs")),
+    "activation_unnamed": ("per-layer scan residual",
+                           ("a remat policy that saves less: remat.preset=full",
+                            "offload it: remat.preset=offload_layer_inputs",
+                            "parallel.sp splits it along the sequence")),
+    "moe_expanded": ("MoE per-expert copy of the routed rows (jax.lax.ragged_dot lowered densely for the GPU, "
+                     "experts x rows)",
+                     ("fewer tokens per micro-batch (train.micro_batch, train.seq_len with grad_accum)",
+                      "parallel.ep (rows split ep ways) once expert parallelism exists")),
+    "moe_dispatch": ("MoE routed rows: with parallel.ep at 1 every device holds the whole micro-batch's tokens x "
+                     "top-k",
+                     ("parallel.ep splits them once expert parallelism exists", "fewer tokens per micro-batch")),
+    "router_logits": ("MoE router logits (fp32, tokens x experts)", ("fewer tokens per micro-batch",)),
+    "temp": ("temporary of one op",
+             ("remat.seq_tile runs the per-token parts of a layer a tile at a time",
+              "remat.granularity=segments shrinks the layer working set", "parallel.sp splits the sequence",
+              "a fused kernel removes it")),
 }

@@ -12,7 +12,7 @@ from jaxmem.runtime.aot import Topology
 from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, host_bytes, memory_warnings, read_fields
 from jaxmem.config.schema import Config
 from jaxmem.features import build_program
-from jaxmem.plan import figure_cache
+from jaxmem.plan import compile_failure, figure_cache
 from jaxmem.kernels.attention.cudnn import backward_workspace_bytes
 
 class _Totals:
@@ -78,8 +78,10 @@ def compile_for_plan(cfg: Config, topo: Topology, init: bool = True):
     start = time.perf_counter()
     with captured_stderr() as lines:
         prog = build_program(cfg, devices=list(topo.devices()))
-        lowered = prog.lower()
-    compiled, fields, xla_warnings, seconds = _figures(lowered, topo, start, lines)
+    with compile_failure.one_line(cfg, _target(topo), prog.layout.kernels):
+        with captured_stderr() as more:
+            lowered = prog.lower()
+        compiled, fields, xla_warnings, seconds = _figures(lowered, topo, start, lines + more)
     warnings = list(xla_warnings)
     if topo.name and prog.layout.kernels["attention"] == "cudnn":
         warnings.append(cudnn_workspace_warning(cfg, prog.layout))
@@ -94,13 +96,18 @@ def compile_init(prog, topo: Topology) -> InitFigures | None:
     """The figures of the program that builds the run's step-0 state (TrainProgram.lower_init); None where a
     plug-in loads it outside one program."""
     start = time.perf_counter()
-    with captured_stderr() as lines:
-        lowered = prog.lower_init()
-    if lowered is None:
-        return None
-    fields, seconds = _figures(lowered, topo, start, lines)[1::2]
+    with compile_failure.one_line(prog.cfg, _target(topo), prog.layout.kernels):
+        with captured_stderr() as lines:
+            lowered = prog.lower_init()
+        if lowered is None:
+            return None
+        fields, seconds = _figures(lowered, topo, start, lines)[1::2]
     source = "checkpoint.init_from" if prog.cfg.checkpoint.init_from else "train.seed"
     return InitFigures(fields, seconds, source, _label(topo))
+
+
+def _target(topo: Topology) -> str:
+    return f"{topo.label} {'(deviceless)' if topo.name else '(attached devices)'}"
 
 
 def _label(topo: Topology) -> str:

@@ -16,14 +16,14 @@ from pathlib import Path
 from jaxmem.runtime.aot import Topology, resolve_topology
 from jaxmem.config import Config, to_dict
 from jaxmem.features import from_dict
-from jaxmem.plan import hlo_dump
+from jaxmem.plan import compile_failure, hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
 from jaxmem.runtime.compiled_memory import memory_figures
 from jaxmem.features import build_program
 from jaxmem.plan.timeline import build
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.plan import oom
-from jaxmem.io.console import make_console
+from jaxmem.io.console import make_console, make_wrapping_console
 from jaxmem.io.no_follow import write_text
 from jaxmem.config.schema import ConfigError
 from jaxmem.plan.report import _fmt, _unit
@@ -36,7 +36,14 @@ def _worker(cfg_json: str, topo_json: str) -> None:
     """Runs in a fresh process whose XLA_FLAGS ask for dumps: compile only."""
     cfg = from_dict(json.loads(cfg_json))
     topo = Topology(**json.loads(topo_json))
-    compiled = build_program(cfg, devices=list(topo.devices())).lower().compile()
+    prog = build_program(cfg, devices=list(topo.devices()))
+    label = f"{topo.label} ({'deviceless' if topo.name else 'attached devices'})"
+    try:
+        with compile_failure.one_line(cfg, label, prog.layout.kernels):
+            compiled = prog.lower().compile()
+    except compile_failure.CompileFailed as e:  # the parent prints it as one line
+        print(json.dumps({"compile_failed": str(e)}))
+        return
     print(json.dumps(memory_figures(compiled)))
 
 
@@ -55,7 +62,10 @@ def compile_with_dumps(cfg: Config, topo: Topology, dump_dir: Path) -> dict:
     if proc.returncode:
         tail = "\n".join(proc.stderr.strip().splitlines()[-5:])
         raise RuntimeError(f"explain: the dump compile failed:\n{tail}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    figures = json.loads(proc.stdout.strip().splitlines()[-1])
+    if "compile_failed" in figures:
+        raise compile_failure.CompileFailed(figures["compile_failed"])
+    return figures
 
 
 def explain_dump(cfg: Config, dump_dir: Path, top: int = 10) -> dict:
@@ -110,7 +120,7 @@ def render(result: dict, console=None) -> None:
 
     from rich.markup import escape
 
-    console = console or make_console()
+    console = console or make_wrapping_console()
     host, peak = result.get("host_live_bytes", 0), result["peak_live_bytes"]
     unit = _unit(max(peak, result.get("compiled_device_bytes") or 0))
     table = Table(title=f"device buffers live at the device peak ({_fmt(peak, unit)} {unit[0]}"

@@ -161,8 +161,8 @@ def test_init_from_loads_params_with_fresh_optimizer_state(tmp_path, precision):
 
 
 def test_training_starts_from_init_from_params(tmp_path):
+    saved = _write_params_checkpoint(tmp_path / "hf", _cfg(tmp_path / "run", "train.steps=1"), seed=7)
     cfg = _cfg(tmp_path / "run", "train.steps=1", f"checkpoint.init_from={tmp_path / 'hf'}")
-    saved = _write_params_checkpoint(tmp_path / "hf", cfg, seed=7)
     first = run(cfg)["records"][0]["loss"]
     # independent reference: the loaded params' logits on step 0's batch, plain cross-entropy
     prog = build_program(cfg)

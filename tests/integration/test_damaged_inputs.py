@@ -612,6 +612,6 @@ def test_init_from_params_of_another_model(saved, other_prog, tmp_path):
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax's abandoned reads
 def test_bad_init_from_fails_the_run_before_anything_is_written(tmp_path):
     (tmp_path / "garbage").write_bytes(GARBAGE)
-    cfg = _run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'garbage'}")
-    _one_line_error(lambda: run(cfg), "checkpoint.init_from: ", "model.json not found")
+    _one_line_error(lambda: run(_run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'garbage'}")),
+                    f"checkpoint.init_from: {tmp_path / 'garbage'} is not a folder (expected a Hugging Face folder")
     assert not (tmp_path / "run").exists()  # not even an empty checkpoints/

@@ -253,13 +253,14 @@ def test_lora_starts_from_init_from_params(tmp_path):
     from jaxmem.config.schema import to_dict
     from jaxmem.model import init_model
 
-    cfg = _lora_run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}")
-    params = nnx.to_pure_dict(nnx.split(init_model(cfg.model, seed=7))[1])
+    model = _lora_run_cfg(tmp_path / "run").model
+    params = nnx.to_pure_dict(nnx.split(init_model(model, seed=7))[1])
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save((tmp_path / "hf" / "params").absolute(), params)
     import json
 
-    (tmp_path / "hf" / "model.json").write_text(json.dumps(to_dict(cfg)["model"]))
+    (tmp_path / "hf" / "model.json").write_text(json.dumps(to_dict(_lora_run_cfg(tmp_path / "run"))["model"]))
+    cfg = _lora_run_cfg(tmp_path / "run", f"checkpoint.init_from={tmp_path / 'hf'}")  # a model that exists
     prog = build_program(cfg)
     state = init_from(prog, tmp_path / "hf")
     np.testing.assert_array_equal(np.asarray(state["base"]["embed"]), np.asarray(params["embed"]))

@@ -1,6 +1,7 @@
 """Program-level hooks (jaxmem.core.plugins.RunProgram): the checkpointer (jaxmem.core.checkpoint) and the train
 loop (jaxmem.cli.train) reach a program's state layout, restore, init_from and compile only through them, so
 a program defined here, unknown to jaxmem, is saved, restored, resumed and compiled its own way."""
+import json
 from pathlib import Path
 
 import jax
@@ -11,7 +12,7 @@ import pytest
 from jax.sharding import SingleDeviceSharding
 
 from jaxmem.train import loop as train
-from jaxmem.config import ConfigError
+from jaxmem.config import ConfigError, to_dict
 from jaxmem.features import load_config
 from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, WHOLE_STATE, init_from, restore_run, run_meta
 
@@ -102,14 +103,17 @@ def test_a_program_unknown_to_jaxmem_is_saved_restored_and_resumed_through_its_h
 
 
 def test_the_train_loop_compiles_initializes_and_checks_a_program_through_its_hooks(tmp_path):
-    cfg = load_config(TINY, [f"out_dir={tmp_path}", "checkpoint.init_from=/nowhere/imported"])
+    imported = tmp_path / "imported"  # what the config names must look like a model (an import-hf output)
+    (imported / "params").mkdir(parents=True)
+    (imported / "model.json").write_text(json.dumps(to_dict(load_config(TINY))["model"]))
+    cfg = load_config(TINY, [f"out_dir={tmp_path}", f"checkpoint.init_from={imported}"])
     prog = _FakeProgram(cfg)
     assert train.compile_train_step(prog) == "compiled"
     state, start, position, latest = train.initial_state(prog, None)
     assert (start, position, latest) == (0, None, None)
     np.testing.assert_array_equal(state["halves"][0]["params"]["w"], np.arange(7.0, 13.0).reshape(2, 3))
     assert init_from(prog, "/elsewhere")["halves"][1]["params"]["w"][0, 0] == -7.0
-    assert prog.calls == [("compile_step",), ("init_from", "/nowhere/imported"), ("init_from", "/elsewhere")]
+    assert prog.calls == [("compile_step",), ("init_from", str(imported)), ("init_from", "/elsewhere")]
     assert train._state_finite(prog, state)  # every part the item names is checked
     state["halves"][1]["params"]["w"] = state["halves"][1]["params"]["w"].at[1, 2].set(jnp.nan)
     assert not train._state_finite(prog, state)

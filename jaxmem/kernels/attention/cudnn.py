@@ -109,3 +109,22 @@ def backward_workspace_bytes(batch: int, seq: int, heads: int, head_dim: int) ->
     it only when it compiles with a device, so a deviceless compile leaves it out (the formula against a
     compile on a GPU: benchmarks/constants.md, attention)."""
     return 2 * batch * seq * heads * head_dim * 4
+
+
+def max_head_dim() -> int:
+    """The widest head jax's cuDNN flash attention takes in this process: 256 where the process's own GPU is
+    Hopper or later, else 128. jax asks the local GPU, so a deviceless compile from a CPU host is held to 128."""
+    try:
+        device = jax.devices()[0]
+    except RuntimeError:
+        return 128
+    capability = getattr(device, "compute_capability", None) if device.platform == "gpu" else None
+    if not capability:
+        return 128
+    return 256 if tuple(int(x) for x in str(capability).split(".")[:2]) >= (9, 0) else 128
+
+
+def takes_head_dim(head_dim: int) -> bool:
+    """Whether jax's cuDNN flash attention takes `head_dim`: a multiple of 8, at most max_head_dim()."""
+    return head_dim % 8 == 0 and head_dim <= max_head_dim()
+

@@ -314,21 +314,20 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
     s, kv = k_bskh.shape[1], k_bskh.shape[2]
     if n % kv:
         raise ValueError(f"flash_attention: q heads {n} must be a multiple of kv heads {kv}")
-    if h & (h - 1) or h < 16:
-        raise ValueError(f"flash_attention: head_dim {h} must be a power of two >= 16 (Triton tiles)")
     if t != s:
         raise ValueError(f"flash_attention: query length {t} != key length {s}; only self-attention is supported")
     if sinks is not None:
         if jnp.shape(sinks) != (n,):
             raise ValueError(f"flash_attention: sinks shape {jnp.shape(sinks)} must be ({n},), one per query head")
         sinks = jnp.asarray(sinks).astype(jnp.float32)  # its gradient comes back in the sinks' own dtype
-    scale = h**-0.5 if scale is None else float(scale)
-    blocks = fit_shared_memory(blocks, h, q_btnh.dtype.itemsize)
+    scale = h**-0.5 if scale is None else float(scale)  # of the model's head_dim, before any padding
+    tile_h = tile_head_dim(h)
+    blocks = fit_shared_memory(blocks, tile_h, q_btnh.dtype.itemsize)
     step = max(blocks.block_q, blocks.block_k)
     pad = -t % step
     q, k, v, seg = q_btnh, k_bskh, v_bskh, segment_ids_bt
-    if pad:
-        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    if pad or tile_h != h:  # zero key columns add nothing to q.k; zero value columns are sliced off below
+        q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, tile_h - h))) for x in (q, k, v))
         if seg is not None:
             seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
     if seg is not None:
@@ -337,4 +336,11 @@ def flash_attention(q_btnh, k_bskh, v_bskh, segment_ids_bt=None, *, blocks: Atte
         raise ValueError(f"flash_attention: window {window!r} must be a positive int (static)")
     window = None if window is None or window >= t else window  # a window as long as the sequence is none
     out = _flash(q, k, v, seg, sinks, blocks, causal, scale, t if pad else None, window, interpret, mesh)
-    return out[:, :t] if pad else out
+    return out[:, :t, :, :h] if pad or tile_h != h else out
+
+
+def tile_head_dim(head_dim: int) -> int:
+    """The head dim the kernel's tiles hold: Triton tiles are powers of two >= 16, so another head dim (80, 96,
+    Qwen3's 24, ...) is zero-padded up to the next one; q, k and v are then that much larger inside the kernel
+    and in its saved residuals (docs/attention.md)."""
+    return max(16, 1 << (head_dim - 1).bit_length())
