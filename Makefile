@@ -1,6 +1,9 @@
 # `make demo`: set up .venv, install, train the tiny default model on CPU (8 virtual devices, FSDP).
-# `make test`: set up .venv with the dev extra and run the whole suite: the unit tier on one device, then the
-# integration tier on 8 virtual devices. `make test-unit`: the unit tier alone (no multi-device program).
+# `make test`: set up .venv with the dev extra and run the whole suite: the unit tier on one device (static and
+# analytic tests, no multi-device program), then the integration tier on 8 virtual devices (meshes, deviceless
+# compiles, training runs, subprocesses). `make test-unit`: the unit tier alone. `make test-fast`: both tiers
+# without the tests marked `slow` (long training runs, multi-process and CLI runs, deviceless compiles of big
+# models), a developer's inner loop; `make test` runs them all.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -55,8 +58,8 @@ LATEST := .venv-latest
 # FFI headers, on one device. test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another
 # mesh) aborted in a loaded two-worker run, never alone; it runs in `make test` on the tested jax.
 LATEST_ONE_DEVICE := tests/unit/test_host_adamw.py
-LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
-	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
+LATEST_TESTS := tests/unit/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
+	tests/unit/test_kernel_checks.py tests/unit/test_doctor.py tests/integration/test_update_in_backward.py \
 	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py \
 	tests/unit/test_optim_codes.py tests/unit/test_optim_stochastic_round.py tests/unit/test_optim_host_update.py \
 	tests/unit/test_optim_adamw_lowbit.py tests/integration/test_optim_sharded.py
