@@ -9,7 +9,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 CPU_ENV := JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-unit test-integration test-latest clean
+.PHONY: demo test test-unit test-integration test-fast test-latest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ test-unit: $(VENV)/.dev-installed
 
 test-integration: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
 	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(PYTEST) --durations=15 tests/integration
+
+test-fast: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
+	JAXMEM_TEST_DEVICES=1 JAX_PLATFORMS=cpu $(PYTEST) -m "not slow" tests/unit
+	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(PYTEST) -m "not slow" --durations=15 tests/integration
 
 # `make test-latest`: the compatibility subset on the newest jax pip resolves for Python 3.12 (jax 0.12 today),
 # in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.

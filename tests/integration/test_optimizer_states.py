@@ -54,6 +54,7 @@ def test_stochastic_rounding_defaults_on_for_bf16_weights_without_a_master():
 # ---------------------------------------------------------------- training
 
 
+@pytest.mark.slow
 def test_short_runs_follow_fp32_adamw(tmp_path):
     """20 steps of configs/tiny.yaml on 8 devices from the same seed (the loss falls from ln 256 to under half
     of it): int8 moments and bf16 weights with stochastic rounding end within 5% of fp32 AdamW's loss,
@@ -73,6 +74,7 @@ def test_short_runs_follow_fp32_adamw(tmp_path):
     assert got < 0.5 * first, (first, got)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "bf16_sr", "adafactor"])
 def test_resume_equals_the_straight_run(tmp_path, kind):
     """Six steps straight, and again from the step-3 checkpoint: the same losses bit for bit (the quantized

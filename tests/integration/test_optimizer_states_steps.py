@@ -29,6 +29,7 @@ def _steps(overrides, devices=1, n=4):
     return losses, state
 
 
+@pytest.mark.slow
 def test_state_is_stored_as_its_kind():
     _, state = _steps(KINDS["int4"], n=1)
     m = state["opt"]["layers"][0].mu
@@ -41,6 +42,7 @@ def test_state_is_stored_as_its_kind():
     assert factored.v_row["w_up"].shape == (2, 128) and factored.v_col["w_up"].shape == (2, 352)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_fsdp8_step_equals_the_one_device_step(kind):
     """The same four steps on one device and on an fsdp=8 mesh (state, codes and scales sharded like the
@@ -64,6 +66,7 @@ def test_fsdp8_step_equals_the_one_device_step(kind):
     jax.tree.map(close, s8["opt"], s1["opt"], is_leaf=codes.is_quantized)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", [["offload.optimizer=host", "offload.optimizer_update=host"],
                                    ["offload.optimizer=host", "offload.optimizer_update=device"]],
                          ids=["update_on_host", "streamed"])
@@ -80,6 +83,7 @@ def test_host_resident_state_trains_as_on_the_device(where):
     assert kinds == {"pinned_host"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["int8", "int8_bf16_sr"])
 def test_update_in_backward_equals_the_plain_update(kind):
     """Each layer updated inside the backward (its codes bitcast through the cotangents): without clipping, the
@@ -92,6 +96,7 @@ def test_update_in_backward_equals_the_plain_update(kind):
                                                          rtol=1e-6, atol=1e-6), s_bwd["params"], s_plain["params"])
 
 
+@pytest.mark.slow
 def test_stochastic_rounding_keeps_updates_below_half_a_bf16_step():
     """One step whose updates are mostly below half a bf16 step: projected on the exact update (an fp32 master's
     change), the weights rounded stochastically moved by it on average (unbiased), rounded to nearest by far
@@ -120,6 +125,7 @@ def test_lora_adapters_take_int8_moments():
     assert any(codes.is_quantized(x) for x in jax.tree.leaves(state["opt"], is_leaf=codes.is_quantized))
 
 
+@pytest.mark.slow
 def test_quantized_non_layer_leaves_update_in_pieces_as_whole(monkeypatch):
     """With quantized moments the device updates the embedding and LM head a piece of rows at a time (their
     blocks run along the last dim, so a piece's codes and scales are the whole's rows): the same numbers as

@@ -58,6 +58,7 @@ LAYOUTS = {  # stage devices x micro_batch = ROWS rows per micro-batch
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_pipeline_matches_one_device(name, kind, reference):
@@ -85,6 +86,7 @@ LEVERS = {  # tied embeddings (the last stage's copy), bf16 + fp32 master, remat
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LEVERS))
 def test_pipeline_levers_match_one_device(name):
     extra = LEVERS[name]
@@ -140,6 +142,7 @@ def _head_of_straight_run(out_dir, straight_pipeline_run):
     return records[:2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [
     (PP, FLAT),  # a pipeline checkpoint resumed without a pipeline
     (FLAT, PP + ["parallel.pp_layers=1,3"]),  # a flat checkpoint resumed by an uneven pipeline
@@ -233,6 +236,7 @@ def moe_reference():
     return (one, *_train_moe(one, cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
 def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_reference):
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their

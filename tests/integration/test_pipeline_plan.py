@@ -8,6 +8,8 @@ import pytest
 
 from jaxmem.features import build_pipeline, load_config
 
+pytestmark = pytest.mark.slow  # deviceless compiles of a 1B model's pipeline stages, shared by every test here
+
 PLAN = ["model.preset=llama3.2-1b", "model.n_layers=8", "train.seq_len=1024", "train.micro_batch=1",
         "train.grad_accum=4", "parallel.pp=2", "parallel.fsdp=4", "precision.param_dtype=bfloat16",
         "precision.compute_dtype=bfloat16", "remat.preset=selective", "target.name=h100-80g"]
