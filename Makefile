@@ -1,12 +1,15 @@
 # `make demo`: set up .venv, install, train the tiny default model on CPU (8 virtual devices, FSDP).
-# `make test`: set up .venv with the dev extra and run the whole suite: the unit tier on one device, then the
-# integration tier on 8 virtual devices. `make test-unit`: the unit tier alone (no multi-device program).
+# `make test`: set up .venv with the dev extra and run the whole suite: the unit tier on one device (static and
+# analytic tests, no multi-device program), then the integration tier on 8 virtual devices (meshes, deviceless
+# compiles, training runs, subprocesses). `make test-unit`: the unit tier alone. `make test-fast`: both tiers
+# without the tests marked `slow` (long training runs, multi-process and CLI runs, deviceless compiles of big
+# models), a developer's inner loop; `make test` runs them all.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 CPU_ENV := JAX_PLATFORMS=cpu XLA_FLAGS=--xla_force_host_platform_device_count=8
 
-.PHONY: demo test test-unit test-integration test-latest clean
+.PHONY: demo test test-unit test-integration test-fast test-latest clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +46,10 @@ test-unit: $(VENV)/.dev-installed
 test-integration: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
 	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(PYTEST) --durations=15 tests/integration
 
+test-fast: $(VENV)/.dev-installed $(CUDNN_SITE)/.installed
+	JAXMEM_TEST_DEVICES=1 JAX_PLATFORMS=cpu $(PYTEST) -m "not slow" tests/unit
+	JAXMEM_TEST_CUDNN_SITE=$(CUDNN_SITE) $(CPU_ENV) $(PYTEST) -m "not slow" --durations=15 tests/integration
+
 # `make test-latest`: the compatibility subset on the newest jax pip resolves for Python 3.12 (jax 0.12 today),
 # in its own venv, from source; skipped with one line where no `$(PYTHON_LATEST)` runs.
 PYTHON_LATEST ?= python3.12
@@ -55,8 +62,8 @@ LATEST := .venv-latest
 # FFI headers, on one device. test_checkpoint is left out: on jax 0.12 one of its tests (restore onto another
 # mesh) aborted in a loaded two-worker run, never alone; it runs in `make test` on the tested jax.
 LATEST_ONE_DEVICE := tests/unit/test_host_adamw.py
-LATEST_TESTS := tests/integration/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
-	tests/unit/test_kernel_checks.py tests/integration/test_doctor.py tests/integration/test_update_in_backward.py \
+LATEST_TESTS := tests/unit/test_compat.py tests/unit/test_shim.py tests/integration/test_offload.py tests/integration/test_explain.py \
+	tests/unit/test_kernel_checks.py tests/unit/test_doctor.py tests/integration/test_update_in_backward.py \
 	tests/integration/test_lean_update.py tests/integration/test_remat.py tests/integration/test_host_init.py \
 	tests/unit/test_optim_codes.py tests/unit/test_optim_stochastic_round.py tests/unit/test_optim_host_update.py \
 	tests/unit/test_optim_adamw_lowbit.py tests/integration/test_optim_sharded.py

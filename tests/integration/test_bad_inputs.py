@@ -113,6 +113,7 @@ def _flipped_copy(straight, tmp_path) -> Path:
     return copy
 
 
+@pytest.mark.slow
 def test_a_flipped_byte_in_a_checkpoint_stops_naming_the_step_and_the_array(straight, tmp_path, capsys):
     copy = _flipped_copy(straight, tmp_path)
     assert cli.main(["train", str(TINY), f"out_dir={copy}", "train.progress=false", *RUN]) == 2
@@ -427,6 +428,7 @@ def _train_cli(tmp_path, *extra) -> int:
                      "checkpoint.every=2", "train.progress=false", "train.seq_len=32", *extra])
 
 
+@pytest.mark.slow
 def test_a_full_disk_stops_the_run_before_the_save_in_one_line_and_keeps_the_last_good_step(
         tmp_path, capsys, monkeypatch):
     from jaxmem.core import checkpoint

@@ -21,6 +21,7 @@ def _without_attention_phase(bill) -> int:
     return bill.device_total - bill.layer_phase + mlp
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], WIDE_LOCAL], ids=["llama3-8b", "wide-q-sinks-local-global"])
 def test_the_bill_follows_the_attention_backward_of_a_long_tiled_step(extra):
     cfg = load_config(CONFIG, LONG_TILED + extra)

@@ -99,6 +99,7 @@ def test_extending_a_run_keeps_its_math_hash_with_the_saved_schedule(tmp_path, c
     old.close()
 
 
+@pytest.mark.slow
 def test_restore_onto_a_different_mesh(tmp_path):
     saved_cfg = _cfg(tmp_path, "train.steps=3", "checkpoint.every=2")  # fsdp=8
     straight = run(saved_cfg)["records"]

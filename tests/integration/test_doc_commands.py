@@ -292,6 +292,7 @@ def _check_parses(command: Command, monkeypatch, capsys):
     assert code in (0, 1) and "verdict:" in out, f"{command}: its analytic plan failed (exit {code})\n{out[-3000:]}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=_id)
 def test_command(case, tmp_path_factory, monkeypatch, capsys):
     kind, command, _ = case

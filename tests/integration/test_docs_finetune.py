@@ -124,6 +124,7 @@ def _run_page(page_blocks, root):
     return ran
 
 
+@pytest.mark.slow
 def test_docs_finetune_runs_as_written(workdir):
     ran = _run_page(blocks("docs/finetune.md"), workdir)
     commands = [line for line, _ in ran]
@@ -140,6 +141,7 @@ def test_docs_finetune_runs_as_written(workdir):
 
 
 
+@pytest.mark.slow
 def test_readme_finetune_runs_as_written(workdir):
     page = blocks("README.md")
     ran = _run_page(section(page, "README.md", "Fine-tune a Hugging Face model"), workdir)

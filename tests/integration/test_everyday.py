@@ -6,6 +6,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the recipes compiled deviceless, shared by every test here
+
 ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_everyday", ROOT / "scripts/bench_everyday.py")
 ev = sys.modules["bench_everyday"] = importlib.util.module_from_spec(_spec)

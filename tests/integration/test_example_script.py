@@ -4,11 +4,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from cpu_env import cpu_env
 
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_example_script_trains_and_restores(tmp_path):
     env = cpu_env(8)
     cmd = [sys.executable, "scripts/train_example.py", "configs/tiny.yaml", f"out_dir={tmp_path}",

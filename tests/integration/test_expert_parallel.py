@@ -159,6 +159,7 @@ def fsdp8():
     return _train(["parallel.fsdp=8"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [
     ["parallel.ep=4", "parallel.fsdp=2"],
     ["parallel.ep=2", "parallel.tp=2", "parallel.fsdp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"],
@@ -174,6 +175,7 @@ def test_ep_trains_like_fsdp8(fsdp8, overrides):
     assert np.all(ep[:, 3] == 0)
 
 
+@pytest.mark.slow
 def test_the_cli_trains_a_moe_with_ep2(tmp_path, capsys):
     rc = cli.main(["train", "configs/tiny.yaml", "model.n_experts=8", "model.experts_per_token=2",
                    "parallel.ep=2", "train.steps=3", "train.log_every=1", "train.seq_len=32",
@@ -221,6 +223,7 @@ def test_checkpoint_names_survive_the_dispatch():
         assert f"name={name}" in jaxpr, name
 
 
+@pytest.mark.slow
 def test_deviceless_h100x8_ep8_step():
     """tiny-moe with parallel.ep=8 builds for 8 x H100: all-to-alls in the HLO."""
     pytest.importorskip("jax_cuda12_plugin")

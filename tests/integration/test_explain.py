@@ -67,6 +67,7 @@ def _argument(b):
     return b["op"].startswith(("state[", "batch"))
 
 
+@pytest.mark.slow
 def test_naive_loss_logits_rank_first_and_point_at_the_loss_code(report):
     top = report["buffers"][0]
     tokens = B * T
@@ -370,6 +371,7 @@ def test_device_peak_of_a_program_without_host_buffers_is_xlas_peak(dumped):
     assert xla_total <= sum(b for _, _, b in peak) <= xla_total * 1.001 and host == 0
 
 
+@pytest.mark.slow
 def test_an_offloaded_program_is_explained_at_its_device_peak():
     """Optimizer state in pinned host memory: the listed buffers are device buffers, the host bytes live then
     are reported apart, and the device peak is no more than XLA's device total for the step."""

@@ -74,6 +74,7 @@ def _run_logits(run_dir, tokens):
     return np.asarray(jax.jit(lambda p, t: prog.model(p)(t))(params, jnp.asarray(tokens)))
 
 
+@pytest.mark.slow
 def test_export_loads_alone_in_transformers_and_matches_the_run(full_run, chats, tmp_path, capsys):
     out = tmp_path / "hf"
     assert cli.main(["export-hf", str(full_run), "--out", str(out), "--max-shard-size", "300KB"]) == 0
@@ -148,6 +149,7 @@ def test_export_of_a_missing_step_names_the_saved_ones(full_run, tmp_path, capsy
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow
 def test_a_lora_run_exports_merged_like_merge_lora(chats, tmp_path):
     run_dir = tmp_path / "lora"
     cfg = _train(chats, run_dir, "model.qkv_bias=true", "lora.rank=4", "lora.alpha=8", "lora.base_dtype=bfloat16")

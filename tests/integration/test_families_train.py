@@ -29,6 +29,7 @@ LAYOUTS = {"fsdp8": ["parallel.fsdp=8"],
            "fsdp4_tp2": ["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen3", "gemma3", "gpt-oss"])
 def test_tiny_family_trains_on_the_mesh_like_one_device(family):
     config = f"configs/tiny-{family}.yaml"
@@ -62,6 +63,7 @@ def test_bad_layer_kind_settings_are_one_line_errors(overrides, key):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.slow
 def test_gemma3_sequence_parallel_with_the_windowed_pallas_kernel_matches_one_device():
     """sp=2 x fsdp=4 (Ulysses all-to-alls around the layer-kind cond) with the windowed Pallas kernel
     (interpret mode) and selective remat: the single-device XLA losses."""
@@ -72,6 +74,7 @@ def test_gemma3_sequence_parallel_with_the_windowed_pallas_kernel_matches_one_de
     np.testing.assert_allclose(sp, single, rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_gpt_oss_with_the_pallas_sink_kernel_matches_one_device():
     """fsdp 4 x tp 2 with the Pallas flash kernel (interpret mode; the sinks split with the heads, the windowed
     and global layers through the layer-kind cond) and full remat: the single-device XLA losses."""

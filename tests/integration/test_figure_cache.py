@@ -28,6 +28,7 @@ def test_off_without_a_directory(monkeypatch, tmp_path):
     assert figure_cache.lookup("k") == {"fields": {"temp": 1}, "warnings": ["over budget"], "compile_seconds": 1.23}
 
 
+@pytest.mark.slow
 def test_a_second_plan_of_the_same_step_reads_the_first_compiles_figures(monkeypatch, tmp_path):
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.runtime.aot import resolve_topology

@@ -39,6 +39,7 @@ def test_version_and_help_are_quiet_and_help_loads_no_jax():
     assert out.returncode == 0 and "commands:" in out.stdout, out.stderr
 
 
+@pytest.mark.slow
 def test_the_readme_example_runs_on_a_cpu_machine_one_line_per_step(tmp_path):
     out = _run(["-m", "jaxmem.cli", "train", "configs/tiny.yaml", f"out_dir={tmp_path}", "train.steps=3",
                 "train.log_every=1", "parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp"])

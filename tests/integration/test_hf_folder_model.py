@@ -68,6 +68,7 @@ def test_the_folder_gives_the_model(folders, config, name, extra):
     assert cfg.model.vocab_size == 300 and cfg.model.d_model == 64
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_jaxmem_train_trains_the_folders_architecture_with_lora(folders, config, name, tmp_path, capsys):
     out = tmp_path / "run"

@@ -29,6 +29,7 @@ def _assert_same(a, b):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=jax.tree_util.keystr(path))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("offload,chunk_bytes", [(HOST, None), (["offload.optimizer=host"], 4096)],
                          ids=["params_and_optimizer", "optimizer_rest_in_chunks"])
 def test_seeded_and_loaded_states_equal_the_plain_assembly(offload, chunk_bytes, monkeypatch):

@@ -205,6 +205,7 @@ def ragged_dot_losses():
     return _train_losses("ragged_dot")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["blocked", "pallas"])
 def test_tiny_moe_trains_the_same_as_with_ragged_dot(impl, ragged_dot_losses):
     assert ragged_dot_losses[-1, 0] < ragged_dot_losses[0, 0] - 0.2, ragged_dot_losses  # the loss falls

@@ -75,6 +75,7 @@ def _kernel_scopes(jaxpr, out=None) -> set[str]:
     return out
 
 
+@pytest.mark.slow
 def test_kernels_the_step_runs_are_the_bill_kernels(program_and_bill):
     prog, bill, trace = program_and_bill
     assert bill.layout.kernels == prog.layout.kernels

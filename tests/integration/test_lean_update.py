@@ -134,6 +134,7 @@ ROWS = {("one_device", "accum1"): True, ("one_device", "accum2"): False, ("fsdp8
         ("fsdp8", "accum2"): True}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("accum", list(ACCUM))
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_the_whole_model_update(layout, accum):
@@ -142,6 +143,7 @@ def test_matches_the_whole_model_update(layout, accum):
     _check(prog, *run)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("host", list(HOST))
 def test_optimizer_state_on_host_matches(host):
     *run, state = _run(LAYOUTS["fsdp8"] + HOST[host], _devices("fsdp8"))

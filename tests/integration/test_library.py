@@ -33,6 +33,7 @@ def prog():
     return api.build_program(load_config(TINY, OVERRIDES))
 
 
+@pytest.mark.slow
 def test_own_loop_matches_jaxmem_train(tmp_path):
     common = [*OVERRIDES, "train.steps=5", "checkpoint.every=2"]
     own = _script("train_own_loop").main([TINY, f"out_dir={tmp_path / 'own'}", *common])
@@ -49,6 +50,7 @@ def test_own_loop_matches_jaxmem_train(tmp_path):
     assert _script("train_own_loop").main([TINY, f"out_dir={tmp_path / 'own'}", *common]) == []  # resumes at 5
 
 
+@pytest.mark.slow
 def test_own_optimizer_and_numpy_batches_train(capsys):
     losses = _script("train_own_optimizer").main([TINY, *OVERRIDES, "train.steps=12"])
     assert len(losses) == 12 and all(np.isfinite(losses))

@@ -73,6 +73,7 @@ def straight(tmp_path_factory):
     return out, {r["step"]: r["loss"] for r in summary["records"]}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_a_signal_saves_the_current_step_and_the_resume_continues_exactly(straight, tmp_path, sig):
     out = tmp_path / "run"
@@ -103,6 +104,7 @@ def test_a_signal_saves_the_current_step_and_the_resume_continues_exactly(straig
         np.testing.assert_array_equal(mine, theirs)
 
 
+@pytest.mark.slow
 def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     out = tmp_path / "run"
     proc = _start(out, sleep="1.5")
@@ -121,6 +123,7 @@ def test_a_second_ctrl_c_stops_at_once_without_saving(tmp_path):
     assert not (out / "checkpoints").exists() or Checkpoints(out / "checkpoints").all_steps() == []
 
 
+@pytest.mark.slow
 def test_a_second_run_on_a_live_out_dir_is_refused_and_the_first_finishes(tmp_path):
     out = tmp_path / "run"
     first = _start(out, "checkpoint.every=4", sleep="0.3")

@@ -32,6 +32,7 @@ def _random_adapters(adapters, seed=0):
     return jax.tree.map(lambda x: 0.05 * jax.random.normal(next(keys), x.shape, x.dtype), adapters)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "int8", "nf4"])
 def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     prog = _program("parallel.fsdp=1", "train.micro_batch=2", f"lora.base_dtype={base_dtype}")
@@ -59,6 +60,7 @@ def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     assert abs(float(plain) - float(got)) > 1e-3
 
 
+@pytest.mark.slow
 def test_only_the_adapters_train_and_the_base_is_never_written():
     prog = _program("parallel.fsdp=1", "train.micro_batch=8", "lora.base_dtype=nf4",
                     "precision.param_dtype=bfloat16", "precision.master_weights=true")
@@ -87,6 +89,7 @@ def test_only_the_adapters_train_and_the_base_is_never_written():
     assert all(jax.tree.leaves(changed))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base", [["lora.base_dtype=int8"], ["lora.base_dtype=nf4", "lora.double_quant=true"]])
 def test_fsdp_by_tp_trains_like_one_device(base):
     def run(overrides, devices):
@@ -106,6 +109,7 @@ def test_fsdp_by_tp_trains_like_one_device(base):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), params, ref_params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", ["configs/tiny.yaml", "configs/tiny-gpt-oss.yaml"])
 def test_a_quantized_base_trains_under_sequence_tiles_like_untiled(config):
     """remat.seq_tile with an nf4 base (its integer codes cross into the tiles as arguments; they once stayed
@@ -138,6 +142,7 @@ def _temp_bytes(n_layers: int) -> tuple[int, int]:
     return prog.lower().compile().memory_analysis().temp_size_in_bytes, layer_bf16
 
 
+@pytest.mark.slow
 def test_dequantized_base_is_rebuilt_a_layer_at_a_time():
     """Measured on CPU (XLA's buffer assignment): four more nf4 layers add far less than one bf16 layer to the
     step's temporaries (a dequantized model would add four), and the temporaries stay within about two bf16
@@ -187,6 +192,7 @@ def lora_run(tmp_path_factory):
     return out_dir, summary, err.getvalue()
 
 
+@pytest.mark.slow
 def test_a_lora_run_logs_its_parameter_counts_and_sweeps_rank_and_base_dtype(tmp_path, lora_run):
     from jaxmem.cli import sweep
 
@@ -200,6 +206,7 @@ def test_a_lora_run_logs_its_parameter_counts_and_sweeps_rank_and_base_dtype(tmp
     assert small < by_point["lora.rank=16 lora.base_dtype=nf4"]["analytic_device_bytes"]
 
 
+@pytest.mark.slow
 def test_merge_lora_writes_a_checkpoint_with_the_trained_adapters_folded_in(tmp_path, lora_run):
     from jaxmem import cli
     from jaxmem.io.hf import load_hf
@@ -246,6 +253,7 @@ def test_lora_checkpoints_hold_the_adapters_only_and_resume_exactly(tmp_path, lo
         run(_lora_run_cfg(tmp_path, "lora.base_dtype=int8"))
 
 
+@pytest.mark.slow
 def test_lora_starts_from_init_from_params(tmp_path):
     import orbax.checkpoint as ocp
 
@@ -335,6 +343,7 @@ def _reference_loss(prog, adapters, base, toks, p, step, micro):
     return -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[..., None], -1).sum()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
 def test_dropout_matches_an_unrolled_reference_with_the_same_masks(base_dtype):
     from jaxmem.lora.dropout import step_key
@@ -376,6 +385,7 @@ def dropout_steps():
     return out
 
 
+@pytest.mark.slow
 def test_the_step_draws_its_masks_from_step_and_micro_batch(dropout_steps):
     """The jitted step (grad_accum=2) reports the loss of the reference with keys (seed, step, micro 0 / 1)."""
     p = DROPOUT_P
@@ -441,6 +451,7 @@ def test_dropout_zero_keeps_the_merged_step_and_eval_ignores_dropout(dropout_ste
                                                                               _tokens(4))[0]
 
 
+@pytest.mark.slow
 def test_lora_dropout_resumes_exactly(tmp_path):
     import shutil
 

@@ -70,6 +70,7 @@ def _temp(n_layers, preset):
     return prog.lower().compile().memory_analysis().temp_size_in_bytes, layer_bf16, m
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", ["none", "full"])
 def test_more_layers_add_activations_not_weights(preset):
     """Measured on CPU (XLA's buffer assignment): four more nf4 layers add less than 3/4 of a bf16 layer each
@@ -90,6 +91,7 @@ def test_every_frozen_linear_is_stored_as_base_dtype():
     assert set(prog.abstract_state["params"]["layers"]) == {"wq", "wv"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype", ["bfloat16", "nf4"])
 def test_adapter_gradients_equal_a_merged_reference(base_dtype):
     """dA, dB (through every layer's dx) equal autodiff of the plain model with W + scale A B merged by hand."""
@@ -196,6 +198,7 @@ def test_adapters_are_differentiated_at_their_dtype_unless_tiles_sum_them(tiles,
     assert planned_dtype("a", prog.cfg, prog.precision) == planned_dtype("b", prog.cfg, prog.precision) == want
 
 
+@pytest.mark.slow
 def test_a_step_on_bf16_adapters_equals_the_fp32_cast_step(monkeypatch):
     """Same adapters, moments and loss after two steps whether the adapters are differentiated at bf16 (the
     default) or cast to fp32 first (the step before), bit for bit."""

@@ -58,6 +58,7 @@ def test_host_quantizers_match_quant_py_bit_for_bit(shape, dtype):
         np.testing.assert_array_equal(host[k], np.asarray(device[k])[0])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("base_dtype,double_quant,param_dtype,file_dtype,fsdp,extra", [
     ("bfloat16", False, "float32", "bfloat16", 8, []), ("int8", False, "float32", "bfloat16", 8, []),
     ("nf4", False, "bfloat16", "float32", 8, []), ("nf4", True, "float32", "bfloat16", 8, []),
@@ -87,6 +88,7 @@ def test_streamed_base_equals_the_base_built_from_whole_params(tmp_path, base_dt
             np.testing.assert_array_equal(np.asarray(got), np.asarray(ref))
 
 
+@pytest.mark.slow
 def test_the_base_is_read_and_quantized_one_layer_at_a_time(tmp_path, monkeypatch):
     """Every read is one layer's tensor at most, layers come in order, each tensor is read once, nothing builds
     the whole model, and the host's peak allocation (tracemalloc) stays near one layer, far below the model."""
@@ -137,6 +139,7 @@ def _run_cfg(tmp_path, hf, *extra):
                 *extra)
 
 
+@pytest.mark.slow
 def test_a_lora_run_trains_from_a_hugging_face_directory_and_resumes_exactly(tmp_path):
     import shutil
 

@@ -32,6 +32,7 @@ def test_a_layer_from_its_key_is_the_whole_init_layer(config):
     assert not _equal(jax.tree.map(lambda x: x[0], whole), jax.tree.map(lambda x: x[1], whole))  # keys differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config,base_dtype", [("configs/tiny.yaml", "nf4"), ("configs/tiny-moe.yaml", "nf4"),
                                                ("configs/tiny.yaml", "int8")])
 def test_the_seed_base_is_the_whole_init_stored_and_a_resume_rebuilds_it(config, base_dtype):

@@ -44,6 +44,7 @@ def _loss_and_grads(prog, adapters, base, toks):
     return jax.jit(jax.value_and_grad(lambda a: fn(a, toks[:, :-1], toks[:, 1:], base=base)[0]))(adapters)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["lora.base_dtype=nf4", "lora.double_quant=true"], ["lora.base_dtype=int8"],
                                    ["lora.base_dtype=nf4", "model.tie_embeddings=true"]],
                          ids=["nf4_double_quant", "int8", "nf4_tied"])

@@ -171,6 +171,7 @@ def _train(overrides, devices, rows=8, steps=4):
     return np.array(out)
 
 
+@pytest.mark.slow
 def test_tiny_moe_trains_on_the_mesh_like_one_device():
     single = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
     assert single[-1, 0] < single[0, 0] - 0.5, single  # one batch, seen again: the loss falls
@@ -181,6 +182,7 @@ def test_tiny_moe_trains_on_the_mesh_like_one_device():
     np.testing.assert_allclose(accum[0, 0], single[0, 0], rtol=2e-5)
 
 
+@pytest.mark.slow
 def test_router_loss_coefficient_reaches_the_gradient():
     base = ["parallel.fsdp=1", "train.micro_batch=8", "model.router_z_loss_coef=0"]
     off = _train(base + ["model.router_aux_loss_coef=0"], jax.devices()[:1], steps=2)
@@ -274,6 +276,7 @@ def test_moe_checkpoint_names_are_tagged_in_the_layer():
         assert f"name={name}" not in jaxpr, name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,mesh", [
     (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=selective", "remat.granularity=segments"], 1),
     (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=full", "remat.seq_tile=16"], 1),

@@ -97,6 +97,7 @@ def test_targets_shapes_and_axes():
         load_config("configs/tiny-moe.yaml", ["lora.rank=4", "lora.targets=q_proj,gate"])
 
 
+@pytest.mark.slow
 def test_expert_adapter_gradients_equal_the_merged_reference():
     """fp32 compute, bf16 base: d(loss + router losses)/d(A, B) through the grouped ragged_dots equals autodiff
     of the plain model on W + s A B (W: the stored base, dequantized)."""
@@ -137,6 +138,7 @@ def qlora():
     return prog, prog.init_state()
 
 
+@pytest.mark.slow
 def test_nf4_expert_base_is_stored_nf4_and_runs_as_its_dequantized_weights(qlora):
     prog, state = qlora
     cfg = prog.cfg.model
@@ -155,6 +157,7 @@ def test_nf4_expert_base_is_stored_nf4_and_runs_as_its_dequantized_weights(qlora
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want), atol=2e-5 * float(jnp.abs(want).max()))
 
 
+@pytest.mark.slow
 def test_qlora_moe_trains(qlora):
     """nf4 experts, adapters everywhere: the loss on a repeated batch falls; the base never changes."""
     prog, state = qlora
@@ -200,6 +203,7 @@ def test_peft_names_each_expert_and_round_trips(tmp_path, family):
         load_peft(tmp_path, deeper)
 
 
+@pytest.mark.slow
 def test_merge_lora_export_matches_transformers(tmp_path):
     """A few LoRA steps on tiny-moe, merged as merge-lora does, saved as a Hugging Face folder: transformers'
     logits equal jaxmem's merged model, whose hidden states equal the unmerged LoRA forward's (fp32)."""
@@ -248,6 +252,7 @@ def test_streamed_expert_base_equals_the_base_built_from_whole_params(tmp_path, 
     assert streamed["layers"]["expert_down"]["q" if base_dtype == "int8" else "codes"].dtype in (jnp.int8, jnp.uint8)
 
 
+@pytest.mark.slow
 def test_expert_adapters_on_the_fsdp_mesh_train_like_one_device():
     """Adapters sharded like the experts' weights (fsdp8: their embed dim; "experts" maps to no axis under the fsdp
     rules), nf4 base split per device, lora.dropout on the expert rows: the one-device losses and router losses."""

@@ -11,6 +11,8 @@ from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import compute_bill
 from jaxmem.cli.explain import main
 
+pytestmark = pytest.mark.slow  # MoE steps compiled deviceless, shared by every test here
+
 OVERRIDES = ["target.name=h100-80g", "target.gpus_per_host=8", "remat.preset=full", "precision.param_dtype=bfloat16",
              "precision.compute_dtype=bfloat16", "precision.master_weights=true"]
 EP8 = ["parallel.ep=8", "parallel.fsdp=1", "model.moe_capacity_factor=1.25"]  # the default kernel: blocked

@@ -54,6 +54,7 @@ def _assert_same_training(trained, reference):
                                                              rtol=1e-6, atol=1e-7), state[key], ref_state[key])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", [n for n in VARIANTS if n != "device"])
 def test_offloaded_training_matches_all_device(name, all_device):
     state, losses = _train(VARIANTS[name])
@@ -68,6 +69,7 @@ def test_offloaded_training_matches_all_device(name, all_device):
         assert _kinds(state["params"]) == {"device"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fsdp", [2, 1], ids=["pieces_along_d", "pieces_along_vocab"])
 def test_streamed_update_in_pieces_matches_all_device(fsdp, monkeypatch):
     """Params and optimizer state on the host, the update on the device: the embedding's and LM head's state

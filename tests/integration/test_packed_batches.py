@@ -103,6 +103,7 @@ def one_device():
     return _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides", [["parallel.fsdp=1", "train.micro_batch=2", "train.grad_accum=4"],
                                        ["parallel.fsdp=8", "train.micro_batch=1"],
                                        ["parallel.fsdp=2", "train.micro_batch=1", "train.grad_accum=4"]],

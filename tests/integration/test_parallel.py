@@ -56,6 +56,7 @@ LAYOUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_layout_matches_single_device(name, single_device):
     ref_losses, ref_norms, ref_params, _ = single_device
@@ -93,6 +94,7 @@ def _collectives(text):
     return {k: len(re.findall(rf" {k}(-start)?\(", text)) for k in ("all-reduce", "reduce-scatter", "all-gather")}
 
 
+@pytest.mark.slow
 def test_zero_stages_differ_in_compiled_hlo():
     """Compiled for 8 x H100 (deviceless): stage 1 all-reduces grads, 2 reduce-scatters them, 3 also shards params."""
     from jaxmem.runtime.aot import target_devices

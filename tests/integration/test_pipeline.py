@@ -1,16 +1,13 @@
-"""Pipeline parallelism: schedules, layer partitions, numerics against one device, checkpoints across
-layouts, HF export, and the per-stage compiled plan."""
-import json
+"""Pipeline parallelism: numerics against one device (dense and mixture of experts), checkpoints across
+layouts, HF export. The schedules and partitions are tests/unit/test_pipeline_schedule.py, the per-stage
+compiled plan tests/integration/test_pipeline_plan.py."""
 import shutil
 
 import jax
 import numpy as np
 import pytest
 
-from jaxmem.config import ConfigError
-
 from jaxmem.features import load_config
-from jaxmem.pipeline import partition, schedule
 from jaxmem.features import build_pipeline
 from jaxmem.features import build_program
 
@@ -61,6 +58,7 @@ LAYOUTS = {  # stage devices x micro_batch = ROWS rows per micro-batch
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_pipeline_matches_one_device(name, kind, reference):
@@ -88,6 +86,7 @@ LEVERS = {  # tied embeddings (the last stage's copy), bf16 + fp32 master, remat
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(LEVERS))
 def test_pipeline_levers_match_one_device(name):
     extra = LEVERS[name]
@@ -108,61 +107,6 @@ def test_pipeline_levers_match_one_device(name):
         assert np.mean(~np.isclose(a, b, **tol)) <= share, np.mean(~np.isclose(a, b, **tol))
 
     jax.tree.map(close, whole["params"], want_state["params"])
-
-
-# ---------------------------------------------------------------- schedules and partitions
-
-
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("pp, micro", [(2, 4), (4, 8), (4, 2), (3, 5)])
-def test_schedule_order_respects_the_data_flow(kind, pp, micro):
-    s = schedule.build(kind, pp, micro)
-    seen = set()
-    for stage, op, m in s.order:
-        if op == "F":
-            assert stage == 0 or (stage - 1, "F", m) in seen
-        else:
-            assert (stage, "F", m) in seen and (stage == pp - 1 or (stage + 1, "B", m) in seen)
-        seen.add((stage, op, m))
-    assert len(seen) == 2 * pp * micro
-    want = [micro] * pp if kind == "gpipe" else [min(pp - i, micro) for i in range(pp)]
-    assert list(s.in_flight) == want
-    assert s.bubble == pytest.approx((pp - 1) / (micro + pp - 1))
-
-
-def test_layer_counts_and_their_errors():
-    assert partition.even_counts(10, 4) == (2, 2, 3, 3)
-    assert partition.even_counts(80, 2) == (40, 40)
-    cfg = load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.pp_layers=1,3"])
-    assert partition.layer_counts(cfg) == (1, 3)
-    assert partition.layer_counts(load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.pp_layers=auto"])) is None
-    for bad in ("2,3", "4,0", "1,1,2", "x,y"):
-        with pytest.raises(ConfigError, match="^parallel.pp_layers:"):
-            load_config("configs/tiny.yaml", ["parallel.pp=2", f"parallel.pp_layers={bad}"])
-    with pytest.raises(ConfigError, match="^parallel.pp: 8 stages need"):
-        load_config("configs/tiny.yaml", ["parallel.pp=8"])
-    with pytest.raises(ConfigError, match="^remat.every_k: 2 does not divide model.n_layers=1"):
-        load_config("configs/tiny.yaml", ["parallel.pp=2", "parallel.pp_layers=1,3", "remat.granularity=every_k",
-                                          "remat.every_k=2"])
-
-
-@pytest.mark.parametrize("key, value", [("lora.rank", "8"), ("optimizer.update_in_backward", "true"),
-                                        ("offload.params", "host")])
-def test_levers_a_pipeline_refuses_by_name(key, value):
-    extra = ["remat.preset=full", "train.grad_accum=1"] if key != "lora.rank" else []
-    with pytest.raises(ConfigError, match=f"^{key}: not supported with parallel.pp > 1"):
-        load_config("configs/tiny.yaml", ["parallel.pp=2", f"{key}={value}"] + extra)
-
-
-def test_split_and_merge_are_inverse():
-    whole = {"params": {"embed": np.arange(6.0).reshape(3, 2), "final_norm": np.ones(2),
-                        "layers": {"w": np.arange(20.0).reshape(5, 4)}}, "step": np.int32(3)}
-    templates = [{"params": {"embed": 0, "layers": {"w": np.zeros((2, 4))}}, "step": 0},
-                 {"params": {"final_norm": 0, "layers": {"w": np.zeros((3, 4))}}, "step": 0}]
-    stages = partition.split_tree(whole, templates, (2, 3))
-    np.testing.assert_array_equal(stages[1]["params"]["layers"]["w"], whole["params"]["layers"]["w"][2:])
-    back = partition.merge_tree(stages, whole)
-    jax.tree.map(np.testing.assert_array_equal, back, whole)
 
 
 # ---------------------------------------------------------------- checkpoints and HF interop
@@ -198,6 +142,7 @@ def _head_of_straight_run(out_dir, straight_pipeline_run):
     return records[:2]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("first, then", [
     (PP, FLAT),  # a pipeline checkpoint resumed without a pipeline
     (FLAT, PP + ["parallel.pp_layers=1,3"]),  # a flat checkpoint resumed by an uneven pipeline
@@ -238,116 +183,6 @@ def _pure(model):
     from flax import nnx
 
     return nnx.to_pure_dict(nnx.split(model)[1])
-
-
-# ---------------------------------------------------------------- plans, compiled deviceless per stage
-
-PLAN = ["model.preset=llama3.2-1b", "model.n_layers=8", "train.seq_len=1024", "train.micro_batch=1",
-        "train.grad_accum=4", "parallel.pp=2", "parallel.fsdp=4", "precision.param_dtype=bfloat16",
-        "precision.compute_dtype=bfloat16", "remat.preset=selective", "target.name=h100-80g"]
-
-
-@pytest.fixture(scope="module")
-def auto_plan(built_once):
-    from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.plan import plan
-
-    def build(directory):
-        cfg = load_config("configs/tiny.yaml", PLAN + ["parallel.pp_layers=auto"])
-        (directory / "plan.json").write_text(json.dumps(plan(cfg, resolve_topology(cfg, None, None, None))))
-
-    return json.loads((built_once("pipeline_auto_plan", build) / "plan.json").read_text())
-
-
-def _stage_totals(bills):
-    return [b["device_total"] for b in bills]
-
-
-def test_moving_a_layer_off_the_heavy_stage_lowers_its_compiled_peak(auto_plan):
-    from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.plan.pipeline import stage_figures
-
-    even = _stage_totals(auto_plan["pipeline"]["even_stage_bills"])
-    assert auto_plan["pipeline"]["even_layers"] == [4, 4]
-    heavy = int(np.argmax(even))  # here the last: the LM head and loss over a 128K vocabulary
-    counts = (5, 3) if heavy == 1 else (3, 5)
-    cfg = load_config("configs/tiny.yaml", PLAN)
-    moved = stage_figures(build_pipeline(cfg, list(resolve_topology(cfg, None, None, None).devices()),
-                                         counts=counts))
-    assert moved[heavy].device_total < even[heavy]  # a layer fewer: its state, grads and residuals
-    assert moved[1 - heavy].device_total > even[1 - heavy]
-
-
-def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan, capsys):
-    from rich.console import Console
-
-    from jaxmem.plan.report import render
-
-    info = auto_plan["pipeline"]
-    assert max(_stage_totals(info["stage_bills"])) <= max(_stage_totals(info["even_stage_bills"]))
-    assert sum(info["layers"]) == 8 and info["layers"] != [4, 4]  # the even split is not the best here
-    assert info["in_flight"] == [2, 1] and info["bubble"] == pytest.approx(1 / 5)
-    worst = max(info["stage_bills"], key=lambda b: b["device_total"])
-    assert auto_plan["compiled"]["device_total"] == worst["device_total"]
-    assert "pipeline stage" in auto_plan["compiled"]["label"] and "deviceless" in auto_plan["compiled"]["label"]
-    render(auto_plan, Console(width=200))
-    out = capsys.readouterr().out
-    assert "pipeline stages, layers" in out and "even split for comparison, layers [4, 4]" in out
-
-
-def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
-    from jaxmem.plan.pipeline import StageFigures, stage_warnings
-
-    bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
-             for b in auto_plan["pipeline"]["stage_bills"]]
-    totals = [b.device_total for b in bills]
-    assert totals == _stage_totals(auto_plan["pipeline"]["stage_bills"])
-    between = (min(totals) + max(totals)) // 2
-    heavy = int(np.argmax(totals))
-    assert stage_warnings(bills, between) == [
-        f"pipeline stage {heavy} ({bills[heavy].layers} layers, {bills[heavy].in_flight} micro-batches in flight) "
-        f"does not fit: {totals[heavy] / 2**30:.2f} GiB > {between / 2**30:.2f} GiB usable"]
-    assert stage_warnings(bills, max(totals)) == []
-
-
-def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages(auto_plan):
-    """A node may hold another stage than the one with the largest device total: the plan's host bytes (and
-    so its host RAM per node) are the largest stage's (the first stage's embedding state on the host made
-    2 x 8 H100 pp=2 need 726 GiB per node where the plan said 566)."""
-    import dataclasses
-
-    from jaxmem.plan.pipeline import StageFigures, _as_compiled
-    from jaxmem.runtime.aot import resolve_topology
-
-    bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
-             for b in auto_plan["pipeline"]["stage_bills"]]
-    worst = max(range(2), key=lambda i: bills[i].device_total)
-    bills[1 - worst] = dataclasses.replace(bills[1 - worst], state_host=3 * 2**30)
-    host = max(f.host_total for f in bills)
-    cfg = load_config("configs/tiny.yaml", PLAN)
-    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host)
-    assert compiled.host_total == 3 * 2**30 > bills[worst].host_total
-    assert compiled.device_total == bills[worst].device_total
-
-
-def test_a_stage_compiled_for_two_topologies_gets_each_ones_devices():
-    """The per-process stage compile cache hands back output shardings on the devices asked for: 8 x H100 and
-    2 x 8 x H100 number their compile-only devices alike, and a stage program shared by two plans (same text,
-    same ids) came back on the first topology's devices ("incompatible devices" in the next lowering)."""
-    pytest.importorskip("jax_cuda12_plugin")
-    from jax.sharding import NamedSharding, PartitionSpec as P
-
-    from jaxmem.pipeline.figures import _compile
-    from jaxmem.runtime.aot import target_devices
-
-    def compiled(devices):
-        mesh = jax.sharding.Mesh(np.array(devices[:4]), ("fsdp",))
-        x = jax.ShapeDtypeStruct((8, 4), np.float32, sharding=NamedSharding(mesh, P("fsdp")))
-        return _compile(jax.jit(lambda a: a * 2).lower(x), devices[:4])
-
-    one, two = target_devices("h100-80g", 8), target_devices("h100-80g", 8, hosts=2)
-    for devices in (one, two):
-        assert set(compiled(list(devices)).output_shardings.device_set) == set(devices[:4])
 
 
 def test_eval_through_the_stages_equals_one_device():
@@ -401,6 +236,7 @@ def moe_reference():
     return (one, *_train_moe(one, cfg))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
 def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_reference):
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their

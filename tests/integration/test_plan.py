@@ -109,7 +109,10 @@ def test_an_init_above_the_step_decides_the_verdict_and_the_allocator():
 
 def test_analytic_total_within_tolerance_of_compiled(tiny_plan):
     _, p = tiny_plan
-    assert abs(p["analytic"]["device_total"] / p["compiled"]["device_total"] - 1) < 0.5
+    # the bill sits a little under the compile for this tiny fp32 step (buffers XLA adds that no term names);
+    # one state term (params, grads, m or v: a twentieth of the total here) dropped or counted twice leaves the band
+    ratio = p["analytic"]["device_total"] / p["compiled"]["device_total"]
+    assert 0.85 <= ratio <= 0.92, ratio
 
 
 def test_json_schema_types(tiny_plan):

@@ -146,6 +146,7 @@ def _reduced_bytes(hlo: str) -> dict[str, int]:
     return out
 
 
+@pytest.mark.slow
 def test_grad_reduce_dtype_reaches_the_compiled_collectives():
     """On an 8 x H100 deviceless compile: bf16 reduction moves gradient bytes from f32 to bf16 collectives.
 

@@ -81,6 +81,7 @@ def _assert_same(got, want):
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5), got[1], want[1])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("packed", [False, True], ids=["unpacked", "packed"])
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 def test_sequence_parallel_matches_one_device(name, packed):
@@ -174,6 +175,7 @@ def _h100x8_device_bytes(tile: int) -> tuple[int, str]:
     return memory_figures(compiled)["device"], compiled.as_text()
 
 
+@pytest.mark.slow
 def test_deviceless_h100x8_sequence_parallel_pallas_step():
     """The real step with sp=8 and the Triton flash kernel builds for 8 x H100 (one Llama-3-8B layer at
     131072 tokens): all-to-alls in the HLO, and 2048-token tiles lower the compiled device total."""

@@ -37,6 +37,7 @@ def _overrides(chats, out_dir, *extra):
             "optimizer.lr=3e-3", "optimizer.warmup_steps=2", *extra]
 
 
+@pytest.mark.slow
 def test_chat_fine_tune_learns_and_evaluates(chats, tmp_path, capsys):
     cfg = load_config(ROOT / "configs/tiny.yaml", _overrides(chats, tmp_path / "run", "train.steps=16",
                                                               "checkpoint.enabled=false", "train.tensorboard=true"))
@@ -58,6 +59,7 @@ def _losses(out_dir) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_jsonl(Path(out_dir) / "metrics.jsonl")}
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_resumes_exactly_on_packed_chat(chats, tmp_path):
     common = ["train.steps=10", "checkpoint.every=2", "train.log_every=1", "eval.every=0"]
     whole = run(load_config(ROOT / "configs/tiny.yaml", _overrides(chats, tmp_path / "whole", *common)))
@@ -86,6 +88,7 @@ def test_sigkill_mid_run_resumes_exactly_on_packed_chat(chats, tmp_path):
         assert after[step] == want[step], (step, after[step], want[step])
 
 
+@pytest.mark.slow
 def test_wandb_offline_gets_every_record(chats, tmp_path, monkeypatch):
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")

@@ -32,6 +32,7 @@ def test_shipped_remat_sweep_names_real_presets():
     assert spec["target"]["name"] == "h100-80g"
 
 
+@pytest.mark.slow
 def test_sweep_compiles_in_workers_then_hits_the_cache(tmp_path, capsys):
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["configs/tiny.yaml", "parallel.fsdp=8", "--grid", "remat.preset=full,none", "--target", "h100-80g",
@@ -109,6 +110,7 @@ def test_best_point_rule_and_legible_figures(tmp_path, capsys):
     assert (tmp_path / "p.png").stat().st_size > 5000
 
 
+@pytest.mark.slow
 def test_points_share_the_init_compile_through_the_sweeps_figure_cache(tmp_path, monkeypatch):
     # with no figure cache of the user's, the sweep keeps one in its cache folder: two remat presets lower the same
     # step-0 state program, so the second point reads the first one's init figures instead of compiling again

@@ -16,6 +16,8 @@ from jaxmem.features import load_config
 from jaxmem.plan import hlo_dump, timeline as tl_mod, timeline_html
 from jaxmem.cli.explain import main
 
+pytestmark = pytest.mark.slow  # the compiled steps whose timelines every test here draws
+
 OVERRIDES = ["parallel.fsdp=8", "model.vocab_size=32768", "train.seq_len=256", "kernels.loss=naive",
              "remat.preset=selective", "train.grad_accum=2", "target.name=h100-80g"]
 OFFLOAD = ["remat.preset=offload_layer_inputs", "offload.optimizer=host", "offload.optimizer_update=host"]

@@ -24,6 +24,7 @@ from tiny_config import TINY, tiny_config
 _cfg = tiny_config
 
 
+@pytest.mark.slow
 def test_loss_falls_and_outputs_are_written(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=30", "train.log_every=1", "checkpoint.every=0", "train.seq_len=32")
     summary = run(cfg)
@@ -44,6 +45,7 @@ def test_loss_falls_and_outputs_are_written(tmp_path):
     assert summary["checkpoint_steps"] == [30]  # every=0: only at the end
 
 
+@pytest.mark.slow
 def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path):
     cfg = _cfg(tmp_path, "train.steps=6", "train.log_every=1", "checkpoint.every=3", "train.seq_len=32")
     straight = run(cfg)
@@ -62,6 +64,7 @@ def test_resume_reproduces_the_uninterrupted_losses_exactly(tmp_path):
     assert done["records"] == [] and done["start_step"] == done["final_step"] == 6
 
 
+@pytest.mark.slow
 def test_extending_a_run_keeps_its_lr_schedule_unless_decay_steps_is_set(tmp_path, capsys):
     args = ("train.log_every=1", "checkpoint.every=0", "train.seq_len=32", "checkpoint.async_save=false")
     run(_cfg(tmp_path / "a", "train.steps=4", *args))  # optimizer.decay_steps=0: decays over train.steps=4
@@ -139,6 +142,7 @@ def test_cli_reports_bad_overrides_by_name(tmp_path, capsys):
     assert "train.stepz: unknown key" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_resume_cuts_metrics_back_to_the_restored_step_and_drops_a_torn_line(tmp_path, capsys):
     """A crash after the last checkpoint leaves records of steps the state never kept, and may leave a line cut
     short; the resume removes both and says so in one line (the appended records then follow cleanly)."""

@@ -42,6 +42,7 @@ def test_flow_escalates_to_offload_on_a_24gb_gpu(tmp_path, capsys):
     assert "chose " in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_nothing_fits_says_so_and_names_the_closest(tmp_path, capsys):
     pytest.importorskip("jax_cuda12_plugin")
     code, out, result = _tune(tmp_path, str(ROOT / "configs/tiny.yaml"), "model.preset=llama3-70b",
@@ -53,6 +54,7 @@ def test_nothing_fits_says_so_and_names_the_closest(tmp_path, capsys):
     assert "params=host" in text.split("closest: ")[1]  # the lever that came closest
 
 
+@pytest.mark.slow
 def test_verify_runs_bench_on_the_winner(tmp_path, capsys):
     pytest.importorskip("jax_cuda12_plugin")
     # the mesh is pinned (fsdp=8): one layout per lever keeps the flow short

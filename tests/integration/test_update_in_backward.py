@@ -77,6 +77,7 @@ def _assert_same_update(inside, plain, inside_state, plain_state):
         assert _max_diff(inside_state[key], plain_state[key]) < tol, key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["device", "host"])
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_matches_the_plain_update(layout, optimizer):
@@ -134,6 +135,7 @@ def test_refuses_levers_it_cannot_honour(override, message):
         load_config(TINY, overrides)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("optimizer", ["device", "host"])
 def test_resume_is_exact(tmp_path, optimizer):
     """The previous step's norm is train state: a resumed run clips like the uninterrupted one (and restores
@@ -157,6 +159,7 @@ SMALL = ["model.preset=tiny", "model.d_model=512", "model.d_ff=1536", "model.n_h
          "optimizer.update_in_backward=true", "target.name=h100-80g"]
 
 
+@pytest.mark.slow
 def test_deviceless_host_optimizer_leaves_the_device():
     """Compiled deviceless for one H100: with the state on the host, exactly master + m + v are host
     arguments, and the device total drops by most of them (one layer's leaves are streamed through the
@@ -201,6 +204,7 @@ def _assert_billed(cfg, compiled: int, streamed: bool):
 MOE = ["optimizer.clip_norm=1000", "model.router_aux_loss_coef=0.1", "model.router_z_loss_coef=0.01"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout,extra", [("one_device", []), ("fsdp8", HOST_OPT)])
 def test_mixture_of_experts_matches_the_plain_update(layout, extra):
     """tiny-moe: the scan carries (h, router statistics) through the custom VJP; the router losses (weighted 0.1

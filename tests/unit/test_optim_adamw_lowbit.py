@@ -65,6 +65,7 @@ def test_step_matches_fp32_adam(bits):
             assert np.all(np.abs(value - ref) <= bound * (1 + 1e-5) + 1e-30), (moment, key)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bits,drift,excess", [(8, 0.05, 0.01), (4, 0.4, 0.05)])
 def test_trajectory_follows_fp32(bits, drift, excess):
     """50 noisy steps towards a target: the low-bit weights stay near fp32 AdamW's (8 bits: within a few % of

@@ -86,7 +86,18 @@ def test_cpu_run_has_no_mem_fields_and_writes_the_memory_profile(tmp_path, capsy
     assert not any(k.startswith(("mem/", "plan/")) for r in summary["records"] for k in r)
     err = capsys.readouterr().err
     profile = tmp_path / "memory_profile_step1.prof"
-    if profile.exists():  # jax gives a pprof profile on CPU too (gzipped protobuf)
-        assert profile.stat().st_size > 0 and f"device memory profile after step 1: {profile}" in err
-    else:
-        assert "train.memory_profile_at=1: no device memory profile on this backend" in err
+    # jax gives a pprof profile on CPU too: a gzipped protobuf
+    assert profile.read_bytes()[:2] == b"\x1f\x8b" and f"device memory profile after step 1: {profile}" in err
+    assert "no device memory profile" not in err
+
+
+def test_a_backend_without_a_memory_profile_is_one_line_and_no_file(tmp_path, monkeypatch):
+    def unsupported():
+        raise RuntimeError("device_memory_profile is not implemented\nsecond line")
+
+    monkeypatch.setattr(jax.profiler, "device_memory_profile", unsupported)
+    notes = []
+    assert telemetry.save_memory_profile(tmp_path, 3, note=notes.append) is None
+    assert notes == ["train.memory_profile_at=3: no device memory profile on this backend (RuntimeError: "
+                     "device_memory_profile is not implemented); skipped"]
+    assert list(tmp_path.iterdir()) == []
