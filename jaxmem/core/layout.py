@@ -152,11 +152,5 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]), optimizer=StateKind.from_config(cfg))
 
 
-def platform_of(devices) -> str:
-    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform."""
-    platform = kernels.platform_of(devices)
-    return "gpu" if platform in kernels.GPU_PLATFORMS else platform
-
-
 def spec_leaves(tree) -> list:
     return jax.tree.leaves(tree, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))

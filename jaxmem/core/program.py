@@ -24,7 +24,7 @@ from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad, grad_dtype, host_init
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
+from jaxmem.core.layout import Layout, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 from jaxmem.mesh import axes
@@ -228,7 +228,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
 
     `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
-    layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
+    layout = resolve_layout(cfg, mesh.size, kernels.platform_of(mesh.devices.flat),
                             mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in axes.MESH_AXES},
                             features=features)
     if keep is not None:

@@ -263,8 +263,11 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | No
 
 
 def platform_of(devices) -> str:
+    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform (the default
+    backend's where none are given): the one name every kernel choice and layout compares."""
     devices = list(devices) if devices is not None else []
-    return devices[0].platform if devices else jax.default_backend()
+    platform = devices[0].platform if devices else jax.default_backend()
+    return "gpu" if _is_gpu(platform) else platform
 
 
 def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig, d_model: int,
