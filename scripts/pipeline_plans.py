@@ -35,7 +35,7 @@ def _g(b: int) -> str:
 
 
 def _stage_table(bills: list[dict]) -> list[str]:
-    from jaxmem.plan.pipeline import STAGE_COLUMNS, stage_row
+    from jaxmem.pipeline.plan_render import STAGE_COLUMNS, stage_row
 
     rows = ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---:|" * len(STAGE_COLUMNS)]
     for b in bills:

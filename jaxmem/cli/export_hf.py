@@ -54,7 +54,7 @@ def run_config(run_dir: str | Path):
 
 def exported_params(prog, state: dict) -> dict:
     """The model's params to export: merged adapters for LoRA, else the master copy if kept, else the params."""
-    if prog.layout.lora is not None:
+    if prog.layout.freezes_model:
         return merged_params(prog, state)
     return state["master"] if "master" in state else state["params"]
 
@@ -77,7 +77,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
     finally:
         ckpts.close()
     params = exported_params(prog, state)
-    model = prog.model(jax.device_get(params) if prog.layout.lora is None else params)
+    model = prog.model(jax.device_get(params) if not prog.layout.freezes_model else params)
     with written_whole(out, overwrite=overwrite) as staging:
         save_hf(model, staging, dtype=dtype or cfg.precision.param_dtype,
                 max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)

@@ -58,20 +58,24 @@ class Layout:
     model_param_specs: dict = None
     frozen_abstract: dict | None = None  # the state's frozen part in its stored form (a LoRA base), or None
     frozen_specs: dict | None = None
-    # Each active feature's own decisions by its name (LoRA: its setup); `layout.NAME` reads them, None for a
-    # feature the registry knows that the config leaves off.
+    # Each active feature's own decisions by its name (LoRA: its setup); `layout.part(NAME)` reads them, None for
+    # a feature the registry knows that the config leaves off.
     parts: dict = dataclasses.field(default_factory=dict)
     part_names: tuple = ()
     optimizer: StateKind = StateKind("adamw", "float32", 0)  # the optimizer state the run keeps (optim.kind)
 
-    def __getattr__(self, name: str):
-        if name in ("parts", "part_names"):  # not set yet (copying, unpickling)
-            raise AttributeError(name)
-        if name in self.parts:
-            return self.parts[name]
-        if name in self.part_names:
-            return None
-        raise AttributeError(f"Layout has no attribute or feature part {name!r}")
+    def part(self, name: str):
+        """Feature `name`'s own decisions (its layout_part's "part": LoRA's setup), or None where the config
+        leaves it off; a name the registry does not know is a mistake."""
+        if name not in self.part_names:
+            raise KeyError(f"Layout: no feature {name!r} among {self.part_names}")
+        return self.parts.get(name)
+
+    @property
+    def freezes_model(self) -> bool:
+        """Whether the model's weights are a frozen part of the state (LoRA's base) and the trainable trees a
+        feature's own: no weight gradient for the model."""
+        return self.frozen_abstract is not None
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as

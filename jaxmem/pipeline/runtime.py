@@ -168,7 +168,7 @@ class PipelineProgram:
         return float(total[0]), float(total[1])
 
     def lower(self):
-        raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.plan.pipeline")
+        raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.pipeline.plan")
 
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     state_item = STAGES  # each process writes the stages it drives

@@ -59,11 +59,12 @@ class Bill:
     # optimizer_update=device): a whole device-side total, not added to the rest (0 when the update does not
     # stream). See update_phase_bytes.
     update_phase: int = 0
-    # A mixture of experts: the experts' masked per-group copies inside working_set (jaxmem.moe.bill),
-    # live only in the experts' weight-gradient backward, without the attention's S x S copies and before the
-    # layer's full gradients and next gathered layer (Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g:
-    # the state, these copies and little else at the peak).
-    moe_scratch: int = 0
+    # Each feature's scratch inside working_set, by the feature's name: live only in that feature's own phase of
+    # the layer's backward, without the attention's S x S copies and before the layer's full gradients and next
+    # gathered layer (a mixture of experts: the experts' masked per-group copies in their weight-gradient
+    # backward, jaxmem.moe.bill; Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g: the state, these copies
+    # and little else at the peak).
+    feature_scratch: dict = dataclasses.field(default_factory=dict)
     # A flash kernel's attention backward (attention_phase_bytes): its own phase, beside working_set (the
     # MLP backward's); the larger with sequence tiles, where the MLP runs a tile at a time.
     attention_phase: int = 0
@@ -75,12 +76,13 @@ class Bill:
     def layer_phase(self) -> int:
         """One layer's backward at its peak: the attention backward (working set with the S x S copies, or
         a flash kernel's phase), the MLP backward (working set without them, plus the gathered weights and
-        full gradients), or a mixture of experts' backward (with its expanded rows, without the temporaries)."""
+        full gradients), or a feature's own phase (a mixture of experts' backward, with its expanded rows, without
+        the temporaries and the other features' scratch)."""
         d = self.device
-        ws, attn, moe = d["working_set"], self.attention_scratch, self.moe_scratch
-        phases = [ws - moe, ws - attn - moe + d["temporaries"], self.attention_phase]
-        if moe:
-            phases.append(ws - attn)
+        ws, attn = d["working_set"], self.attention_scratch
+        scratch = sum(self.feature_scratch.values())
+        phases = [ws - scratch, ws - attn - scratch + d["temporaries"], self.attention_phase]
+        phases += [ws - attn - (scratch - own) for own in self.feature_scratch.values() if own]
         return max(phases)
 
     @property
@@ -109,7 +111,8 @@ class Bill:
                 "attention_scratch": int(self.attention_scratch),
                 "absent_in_loss": int(self.absent_in_loss), "absent_in_layers": int(self.absent_in_layers),
                 "update_phase": int(self.update_phase),
-                "moe_scratch": int(self.moe_scratch), "attention_phase": int(self.attention_phase),
+                "feature_scratch": {k: int(v) for k, v in self.feature_scratch.items()},
+                "attention_phase": int(self.attention_phase),
                 "label": "estimated (analytic)"}
 
 
@@ -130,7 +133,7 @@ class Draft:
     saved_host: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     scores_working: int = 0
-    moe_scratch: int = 0
+    feature_scratch: dict[str, int] = dataclasses.field(default_factory=dict)  # Bill.feature_scratch
     update_phase: int = 0
     attention_phase: int = 0
     absent_in_loss: int = 0
@@ -174,7 +177,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     d = draft
     return Bill(d.device, d.host, d.saved_dev, d.saved_host, layout.mesh_sizes, d.notes, layout,
                 attention_scratch=d.scores_working, absent_in_loss=d.absent_in_loss,
-                absent_in_layers=d.absent_in_layers, update_phase=d.update_phase, moe_scratch=d.moe_scratch,
+                absent_in_layers=d.absent_in_layers, update_phase=d.update_phase, feature_scratch=d.feature_scratch,
                 attention_phase=d.attention_phase, per_name=d.per_name)
 
 

@@ -320,10 +320,10 @@ def parameter_counts(prog: TrainProgram) -> str:
     """One line: trainable and frozen parameter counts (counted from the state's shapes)."""
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
     trainable = count(prog.layout.abstract_params)
-    if prog.layout.lora is None:
+    if not prog.layout.freezes_model:
         return f"{trainable:,} trainable parameters (full fine-tune)"
     frozen = count(prog.layout.model_abstract_params)
-    lo = prog.layout.lora
+    lo = prog.layout.part("lora")
     return (f"{trainable:,} trainable parameters (LoRA rank {lo.rank} adapters), {frozen:,} frozen "
             f"(base stored as {lo.base_dtype})")
 

@@ -17,7 +17,8 @@ WIDE_LOCAL = ["model.n_heads=48", "model.attention_sinks=true", "model.sliding_w
 
 def _without_attention_phase(bill) -> int:
     d, ws = bill.device, bill.device["working_set"]
-    mlp = max(ws - bill.moe_scratch, ws - bill.attention_scratch - bill.moe_scratch + d["temporaries"])
+    scratch = sum(bill.feature_scratch.values())
+    mlp = max(ws - scratch, ws - bill.attention_scratch - scratch + d["temporaries"])
     return bill.device_total - bill.layer_phase + mlp
 
 

@@ -67,7 +67,7 @@ def _run_logits(run_dir, tokens):
     state, _ = restore_run(prog, ckpts)
     ckpts.close()
     params = state["params"]
-    if prog.layout.lora is not None:
+    if prog.layout.part("lora") is not None:
         from jaxmem.lora.export import merged_params
 
         params = merged_params(prog, state)

@@ -265,7 +265,7 @@ def _stage_totals(bills):
 
 def test_moving_a_layer_off_the_heavy_stage_lowers_its_compiled_peak(auto_plan):
     from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.plan.pipeline import stage_figures
+    from jaxmem.pipeline.figures import stage_figures
 
     even = _stage_totals(auto_plan["pipeline"]["even_stage_bills"])
     assert auto_plan["pipeline"]["even_layers"] == [4, 4]
@@ -296,7 +296,7 @@ def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan,
 
 
 def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
-    from jaxmem.plan.pipeline import StageFigures, stage_warnings
+    from jaxmem.pipeline.plan import StageFigures, stage_warnings
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
              for b in auto_plan["pipeline"]["stage_bills"]]
@@ -316,7 +316,8 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     2 x 8 H100 pp=2 need 726 GiB per node where the plan said 566)."""
     import dataclasses
 
-    from jaxmem.plan.pipeline import StageFigures, _as_compiled
+    from jaxmem.pipeline.plan import StageFigures, _as_compiled
+    from jaxmem.plan.compiled import CompiledFigures
     from jaxmem.runtime.aot import resolve_topology
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
@@ -325,7 +326,7 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     bills[1 - worst] = dataclasses.replace(bills[1 - worst], state_host=3 * 2**30)
     host = max(f.host_total for f in bills)
     cfg = load_config("configs/tiny.yaml", PLAN)
-    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host)
+    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host, CompiledFigures)
     assert compiled.host_total == 3 * 2**30 > bills[worst].host_total
     assert compiled.device_total == bills[worst].device_total
 
