@@ -15,19 +15,17 @@ from typing import Callable
 from jaxmem import kernels
 from jaxmem.config import validate
 from jaxmem.config.schema import Config, apply_overrides, parse_raw, read_yaml
-from jaxmem.core import checkpoint, layout as core_layout, program, remat
+from jaxmem.core import checkpoint, layout as core_layout, offload_rules, program, remat
 from jaxmem.core.plugins import Features
 from jaxmem.inbackward.feature import UPDATE_IN_BACKWARD
 from jaxmem.lora.feature import LORA
 from jaxmem.io.model_match import model_from_folder
 from jaxmem.model.presets import PRESETS, check_model, resolve_model
 from jaxmem.moe.feature import MOE
-from jaxmem.offload.feature import HOST_OFFLOAD
 from jaxmem.pipeline import runtime
 from jaxmem.pipeline.feature import PIPELINE
-from jaxmem.seqpar.feature import SEQUENCE_PARALLEL
 
-FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARALLEL)
+FEATURES = (MOE, LORA, UPDATE_IN_BACKWARD, PIPELINE)
 
 
 def for_config(cfg: Config) -> Features:
@@ -91,7 +89,7 @@ SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "lora": LORA.check,
     "distributed": lambda cfg: validate.check_distributed(cfg.distributed),
     "remat": remat.check,
-    "offload": HOST_OFFLOAD.check,
+    "offload": offload_rules.check,
     "kernels": lambda cfg: kernels.check_block_sizes(cfg.kernels),
     "target": validate.check_target,
     "out_dir": lambda cfg: validate.require_out_dir(cfg.out_dir),
@@ -115,6 +113,7 @@ def _batch_fits_fixed_mesh(cfg: Config) -> None:
     micro-batch count run at load."""
     if validate.fixed_mesh_size(cfg.parallel) is not None:
         grad_accum, _ = validate.batch_layout(cfg, cfg.parallel.dp * cfg.parallel.fsdp * cfg.parallel.ep)
+        offload_rules.check_micro_batches(cfg, grad_accum)
         for feature in FEATURES:
             feature.check_micro_batches(cfg, grad_accum)
 

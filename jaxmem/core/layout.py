@@ -17,9 +17,10 @@ import jax
 from flax import nnx
 
 from jaxmem import kernels
+from jaxmem.kernels.attention.sequence_parallel import heads_divide
 from jaxmem.core import offload, remat
 from jaxmem.mesh import sharding
-from jaxmem.config.schema import Config
+from jaxmem.config.schema import Config, ConfigError
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.optim.kind import StateKind
@@ -121,6 +122,21 @@ def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> 
     return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded, replicated
 
 
+def check_sequence_split(cfg: Config, sizes: dict[str, int], attention: str) -> None:
+    """Sequence parallelism and tiling against the mesh sizes and the attention kernel `auto` resolved to."""
+    sp, seq, m = sizes.get("sp", 1), cfg.train.seq_len, cfg.model
+    if seq % sp:
+        raise ConfigError(f"parallel.sp: {sp} does not divide train.seq_len={seq}")
+    if sp > 1 and attention != "xla" and not heads_divide(m.n_heads, sizes):
+        raise ConfigError(f"parallel.sp: model.n_heads={m.n_heads} does not split over tp x sp = "
+                          f"{sizes.get('tp', 1) * sp}; kernels.attention={attention} needs whole heads per "
+                          "device (use kernels.attention=xla, which gathers k and v, or an sp that divides them)")
+    tile = cfg.remat.seq_tile
+    if tile and (seq // sp) % tile:
+        raise ConfigError(f"remat.seq_tile: {tile} does not divide the per-device sequence train.seq_len / "
+                          f"parallel.sp = {seq // sp}")
+
+
 def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None, *,
             features: Features) -> Layout:
     """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...) with the active `features`
@@ -134,6 +150,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
     cudnn_fits = kernels.cudnn_takes(Precision.from_config(cfg.precision).compute, sinks=cfg.model.attention_sinks,
                                      segments="segment_ids" in batch_keys(cfg))  # packed documents
     chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
+    check_sequence_split(cfg, sizes, chosen["attention"])
     features.check_layout(cfg, sizes, chosen)
     fused_attention = chosen["attention"] != "xla"
     saved = remat.saved_across_backward(cfg.remat, fused_attention)

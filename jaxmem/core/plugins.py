@@ -1,5 +1,5 @@
-"""The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts, host
-offload, sequence parallelism) plugs into a run, so the core calls hooks instead of branching on features.
+"""The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts) plugs
+into a run, so the core and the planner call hooks instead of branching on features.
 
 `Feature` is what a feature package hands the registry (jaxmem.features, the only module that imports every
 feature): its rules, its part of the layout, its program hooks, the checkpoints it reads, and, for the

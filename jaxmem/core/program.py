@@ -19,7 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.runtime import aot, memory_kinds_shim
 from jaxmem import kernels
-from jaxmem.core import offload, remat
+from jaxmem.core import offload, offload_rules, remat
 from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad, grad_dtype, host_init
@@ -251,7 +251,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    features.check_micro_batches(cfg, layout.grad_accum)  # config rules ran at load; these need the data ways
+    # config rules ran at load; these need the data ways
+    offload_rules.check_micro_batches(cfg, layout.grad_accum)
+    features.check_micro_batches(cfg, layout.grad_accum)
     platform = layout.platform
     fetch = plugin.layer_fetch(cfg, layout, offload.layer_fetch(cfg, prec.grad_reduce))
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)

@@ -22,7 +22,7 @@ from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
 from jaxmem.model.layers import ACT_BTD
-from jaxmem.plan import bill_parts as parts
+from jaxmem.plan import bill_homes, bill_parts as parts
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 
 # Device-bill categories in display order (each named with its explain category in plan/categories.py);
@@ -171,6 +171,8 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     feature_terms = features.terms("bill_terms")
     for phase in PHASES:
         BASE_TERMS[phase](draft)
+        if phase in bill_homes.TERMS:  # where the state lives: every run's, after the base model's
+            bill_homes.TERMS[phase](draft)
         for term_phase, term in feature_terms:
             if term_phase == phase:
                 term(draft)

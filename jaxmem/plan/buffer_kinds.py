@@ -404,6 +404,8 @@ def _gathered(b: BufferFacts):
 
 def _optimizer_copy(b: BufferFacts):
     if b.copy_of and b.copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
+        if b.state.homes.optimizer_on_host:  # the state in pinned host memory brought to the device for the update
+            return "optimizer", "optimizer_fetch", f"{b.copy_of} brought from pinned host memory in {b.where}"
         return "optimizer", "optimizer_temp", f"a copy of {b.copy_of} in {b.where}"
 
 
