@@ -31,7 +31,7 @@ def load_cases(path: Path = DATA) -> list[dict]:
 
 def estimate_case(case: dict):
     """(cfg, bill, Cost) for one measured case, estimated for the device it was measured on."""
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.costmodel import LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM, estimate
     from jaxmem.config.targets import get_target

@@ -19,12 +19,12 @@ import jax
 from jaxmem.config.schema import ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.train.run_folder import resolved_config
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.export import merged_params
 from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
 from jaxmem.io.hf_companions import write_companions
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.cli.help import HelpFormatter
 
 _EXAMPLES = """\

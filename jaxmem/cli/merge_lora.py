@@ -10,9 +10,9 @@ import jax
 from flax import nnx
 
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.io.hf import save_hf

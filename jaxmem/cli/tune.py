@@ -20,8 +20,8 @@ from pathlib import Path
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
-from jaxmem import features as registry
+from jaxmem.loader import load_config
+from jaxmem import registry
 from jaxmem.mesh.sharding import batch_ways, mesh_shape
 from jaxmem.config.schema import to_dict
 from jaxmem.cli.sweep import plot_pareto

@@ -140,7 +140,7 @@ def check_sequence_split(cfg: Config, sizes: dict[str, int], attention: str) -> 
 def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None, *,
             features: Features) -> Layout:
     """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...) with the active `features`
-    (jaxmem.features.for_config); `mesh_sizes` when the caller already holds a mesh (else from `parallel.*`)."""
+    (jaxmem.registry.for_config); `mesh_sizes` when the caller already holds a mesh (else from `parallel.*`)."""
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     sizes.setdefault("sp", 1)
     sizes.setdefault("ep", 1)

@@ -1,7 +1,7 @@
 """The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts) plugs
 into a run, so the core and the planner call hooks instead of branching on features.
 
-`Feature` is what a feature package hands the registry (jaxmem.features, the only module that imports every
+`Feature` is what a feature package hands the registry (jaxmem.registry, the only module that imports every
 feature): its rules, its part of the layout, its program hooks, the checkpoints it reads, and, for the
 planner, its bill terms, explain rules and search axes. `Features` is the set a config turns on, as the core
 is handed it. `ProgramPlugin` is the program-level part: it hands the program (jaxmem.core.program) its state

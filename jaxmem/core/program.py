@@ -224,7 +224,7 @@ class TrainProgram:
 def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None,
                   features: Features) -> TrainProgram:
     """Everything needed to init, step, checkpoint and plan a run, without allocating weights, with the active
-    `features` (the registry's: jaxmem.features.build_program hands them).
+    `features` (the registry's: jaxmem.registry.build_program hands them).
 
     `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)

@@ -197,7 +197,7 @@ def check_model_kernels(cfg) -> None:
 
 
 def check_block_sizes(cfg: KernelConfig) -> None:
-    """One-line ConfigError naming the key. Runs at load (jaxmem.features.SECTION_VALIDATORS["kernels"]);
+    """One-line ConfigError naming the key. Runs at load (jaxmem.loader.SECTION_VALIDATORS["kernels"]);
     the dispatch below runs it again for a KernelConfig built in code, before anything is traced."""
     for name in ("loss_block_t", "loss_block_v"):
         if getattr(cfg, name) < 0:

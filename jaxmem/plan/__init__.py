@@ -5,7 +5,7 @@ import dataclasses
 from typing import Callable
 
 from jaxmem.runtime.aot import Topology, resolve_topology
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.config.schema import Config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.compiled import CompiledFigures, compile_for_plan

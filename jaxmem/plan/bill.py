@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem import kernels
 from jaxmem.config.schema import Config
 from jaxmem.core.accounting import (abstract_train_state, frozen_bytes, head_grad_itemsize, itemsize, model_elems,

@@ -10,7 +10,7 @@ import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
 import jaxmem.optim
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
 from jaxmem.config.names import ALL_NAMES

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.core import remat
 from jaxmem.config.schema import Config
 from jaxmem.config.names import CheckpointName as CN

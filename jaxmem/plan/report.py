@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.core import remat
 from jaxmem.core.offload import StateHomes
 from jaxmem.runtime.aot import Topology

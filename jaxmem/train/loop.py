@@ -6,7 +6,7 @@ stats also mem/* and plan/* device-memory figures, see jaxmem.train.telemetry) a
 tokens/s are wall-clock figures measured on the host the run ran on (over the steps since the previous record),
 on whatever devices it had: CPU figures say nothing about a GPU.
 
-For scripts, the pieces used here are importable: `jaxmem.features.load_config`, `jaxmem.core.program.build_program`,
+For scripts, the pieces used here are importable: `jaxmem.loader.load_config`, `jaxmem.core.program.build_program`,
 `jaxmem.io.data.batches`, `jaxmem.core.checkpoint.Checkpoints` and `jaxmem.train.resume` (see
 scripts/train_example.py).
 """
@@ -36,7 +36,7 @@ from jaxmem.optim.hyper import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
-from jaxmem.features import build_run_program
+from jaxmem.registry import build_run_program
 from jaxmem.train.save_clock import SaveClock
 from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile

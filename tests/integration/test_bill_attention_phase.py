@@ -3,7 +3,7 @@ bill's attention phase (jaxmem.plan.bill.attention_phase_bytes) against XLA's de
 deviceless for one H100 (Llama-3-8B widths, 2 layers, QLoRA nf4, 1M tokens in 8192-token tiles)."""
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import plan, resolve_topology
 from jaxmem.plan.bill import compute_bill
 

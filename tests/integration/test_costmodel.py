@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan import costmodel
 from jaxmem.plan.costmodel import estimate, time_breakdown

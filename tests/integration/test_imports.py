@@ -95,7 +95,7 @@ def test_the_planner_importing_a_feature_package_is_named(tmp_path, capsys):
     package = _package(tmp_path, {
         "__init__.py": "", "moe/__init__.py": "", "moe/bill.py": "import os\n",
         "plan/__init__.py": "", "plan/costmodel.py": "import os\nfrom jaxmem.moe import bill\n",
-        "features.py": "from jaxmem.moe import bill\n",  # the registry may
+        "registry.py": "from jaxmem.moe import bill\n",  # the registry may
     })
     status, lines = _check(package, capsys)
     assert status == 1

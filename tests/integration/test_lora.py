@@ -9,11 +9,11 @@ from flax import nnx
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.adapters import merge
 from jaxmem.lora.frozen import layer_shapes, unstore
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 

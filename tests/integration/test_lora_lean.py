@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.adapters import merge, target_weights
 from jaxmem.lora.frozen import layer_shapes, unstore
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "lora.rank=4", "lora.alpha=8", "parallel.fsdp=1",
         "train.micro_batch=1"]

@@ -14,14 +14,14 @@ from flax import nnx
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.io.hf_safetensors import CheckpointReader
 from jaxmem.lora import quant, quant_host
 from jaxmem.lora.frozen import make_base
 from jaxmem.lora.load_base import stream_base
 from jaxmem.model import init_model
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 

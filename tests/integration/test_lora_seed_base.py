@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.lora import frozen
 from jaxmem.model.transformer import init_layer, init_model, layer_keys
 

@@ -16,10 +16,10 @@ from safetensors import safe_open
 from hf_parity import hf_logits, jax_logits
 
 from jaxmem.lora.plugin import adapter_state
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.program import loss_sum_fn, stage_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.io.hf import save_hf
 from jaxmem.lora import load_peft, merge, resolve_targets, save_peft, target_weights
 from jaxmem.lora.adapters import adapter_axes, hf_target_names

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import compute_bill
 from jaxmem.cli.explain import main

@@ -12,7 +12,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 from jaxmem.core.precision import Precision
-from jaxmem.features import build_program, load_config
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.optim import codes
 from jaxmem.plan.bill import compute_bill
 from jaxmem.train import run

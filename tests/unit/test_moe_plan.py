@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.targets import get_target
 from jaxmem.core.layout import spec_leaves
 from jaxmem.model.presets import active_param_count

@@ -8,7 +8,7 @@ import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.optim import choice, hyper, layerwise
 from jaxmem.optim import adafactor, specs
 

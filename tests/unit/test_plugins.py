@@ -10,7 +10,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import build_program, load_config, plugin_for, run_meta
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program, plugin_for, run_meta
 from jaxmem.core import program
 from jaxmem.core.plugins import FROZEN, Feature, Features, ProgramPlugin
 from jaxmem.inbackward.step import UpdateInBackward
@@ -130,7 +131,7 @@ class _Priced(Feature):
 
 
 def test_the_cost_model_and_the_plan_reach_a_feature_only_through_its_hooks(monkeypatch):
-    from jaxmem import features as registry
+    from jaxmem import registry
     from jaxmem.config.targets import get_target
     from jaxmem.model.presets import param_count
     from jaxmem.plan.bill import compute_bill
