@@ -1,8 +1,8 @@
 """The analytic per-device memory bill: model states, saved activations by checkpoint name, working set,
 logits, temporaries and host-resident bytes, computed from the config alone (no compile).
 
-`compute_bill` is a sum of terms: the base model's (a full fine-tune with its state on the device, here and
-in jaxmem.plan.bill_parts), then each active feature's (jaxmem.core.plugins.Feature.bill_terms, from the
+`compute_bill` is a sum of terms: the base model's (a full fine-tune, here and in jaxmem.plan.bill_parts, with
+its state where `offload.*` puts it: jaxmem.plan.bill_homes), then each active feature's (jaxmem.core.plugins.Feature.bill_terms, from the
 registry), phase by phase (PHASES). A term reads and writes a `Draft`; a feature that changes what the base
 step holds says so through the draft's flags (e.g. LoRA's frozen LM head has no gradient) rather than the
 base terms naming the feature.
