@@ -71,6 +71,9 @@ class Bill:
     # Elements per device of each checkpointed tensor of one layer, as the bill counted them (the features'
     # terms included: a mixture of experts' routed rows); the cost model reads them too.
     per_name: dict = dataclasses.field(default_factory=dict)
+    # The step takes every weight's gradient at once (a feature may say not: LoRA's frozen model, the update in
+    # the backward), so the update reads the gradients the bill holds (the cost model's update bytes).
+    whole_model_grads: bool = True
 
     @property
     def layer_phase(self) -> int:
@@ -180,7 +183,7 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     return Bill(d.device, d.host, d.saved_dev, d.saved_host, layout.mesh_sizes, d.notes, layout,
                 attention_scratch=d.scores_working, absent_in_loss=d.absent_in_loss,
                 absent_in_layers=d.absent_in_layers, update_phase=d.update_phase, feature_scratch=d.feature_scratch,
-                attention_phase=d.attention_phase, per_name=d.per_name)
+                attention_phase=d.attention_phase, per_name=d.per_name, whole_model_grads=d.whole_model_grads)
 
 
 # ---------------------------------------------------------------- the base model's terms

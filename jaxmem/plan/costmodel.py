@@ -375,7 +375,7 @@ def _memory_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, tokens: int, n_devi
     moments_b = sum(bill.layout.optimizer.moment_bytes_per_value())  # m + v as stored (optim.kind)
     master_b = 4 if p.master_weights else 0
     homes = bill.layout.homes
-    plain = not cfg.optimizer.update_in_backward and not bill.layout.freezes_model and not homes.params_on_host
+    plain = bill.whole_model_grads and not homes.params_on_host  # the bill's grads are what the update reads
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 2 * moments_b)
     hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
