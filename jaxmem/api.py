@@ -33,12 +33,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jaxmem.core import offload
 
 from jaxmem.mesh import sharding
-from jaxmem.core.checkpoint import Checkpoints, run_meta
-from jaxmem.features import load_config
+from jaxmem.core.checkpoint import Checkpoints
+from jaxmem.loader import load_config
 from jaxmem.io.data import batches
 from jaxmem.optim.choice import make_optimizer
 from jaxmem.core.program import TrainProgram, loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program, run_meta  # with what the config's features record (LoRA: its base)
 from jaxmem.config.schema import Config
 from jaxmem.cli.generate import open_source
 from jaxmem.generation.sampling import Sampling

@@ -35,9 +35,9 @@ _cpu_scheduler_flag()
 import jax  # noqa: E402
 
 from jaxmem.core.checkpoint import Checkpoints, run_meta  # noqa: E402
-from jaxmem.features import load_config  # noqa: E402
+from jaxmem.loader import load_config  # noqa: E402
 from jaxmem.model.presets import param_count  # noqa: E402
-from jaxmem.features import build_program  # noqa: E402
+from jaxmem.registry import build_program  # noqa: E402
 from jaxmem.train import run  # noqa: E402
 
 STEPS, EVERY = 26, 5

@@ -31,7 +31,7 @@ def load_cases(path: Path = DATA) -> list[dict]:
 
 def estimate_case(case: dict):
     """(cfg, bill, Cost) for one measured case, estimated for the device it was measured on."""
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan.costmodel import LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM, estimate
     from jaxmem.config.targets import get_target
@@ -80,6 +80,7 @@ def evaluate(cases: list[dict]) -> list[dict]:
 
 
 def _md(rows: list[dict], source: str) -> str:
+    from jaxmem.moe import cost as moe_cost
     from jaxmem.plan import costmodel as cm
 
     def line(r):
@@ -172,10 +173,10 @@ def _md(rows: list[dict], source: str) -> str:
         "- A mixture of experts' expert matmuls (the k active experts' FLOPs) at the grouped matmul's own rate, "
         "by kernel and by shape (a device's routed rows per expert, D, F; the nearest measured shape): one H200, "
         "bf16, fwd + both gradients, e.g. Qwen3-30B-A3B's experts at 8192 tokens (512 rows per expert, 2048 x "
-        f"768): pallas {cm.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['pallas'][(512, 2048, 768)]}, blocked "
-        f"{cm.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['blocked'][(512, 2048, 768)]} of peak; Mixtral-8x7B's (2048 rows "
-        f"per expert, 4096 x 14336): pallas {cm.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['pallas'][(2048, 4096, 14336)]}, "
-        f"blocked {cm.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['blocked'][(2048, 4096, 14336)]} "
+        f"768): pallas {moe_cost.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['pallas'][(512, 2048, 768)]}, blocked "
+        f"{moe_cost.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['blocked'][(512, 2048, 768)]} of peak; Mixtral-8x7B's (2048 rows "
+        f"per expert, 4096 x 14336): pallas {moe_cost.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['pallas'][(2048, 4096, 14336)]}, "
+        f"blocked {moe_cost.GROUPED_MATMUL_EFFICIENCY_BY_SHAPE['blocked'][(2048, 4096, 14336)]} "
         "(benchmarks/gpu_h200.md). Before, they ran at MATMUL_EFFICIENCY: the Qwen3 steps came out at 0.40 "
         "(blocked) and 0.76 (pallas) of measured.",
         "- Not modelled: LoRA adapters on the experts (their rank-wide grouped matmuls count at the dense rate; "

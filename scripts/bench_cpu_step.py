@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from handwritten_step import make_step  # noqa: E402
 
 from jaxmem import api  # noqa: E402
-from jaxmem.features import load_config  # noqa: E402
+from jaxmem.loader import load_config  # noqa: E402
 from jaxmem.optim.choice import make_optimizer  # noqa: E402
-from jaxmem.features import build_program  # noqa: E402
+from jaxmem.registry import build_program  # noqa: E402
 
 OVERRIDES = ["parallel.fsdp=1", "train.micro_batch=8", "train.seq_len=128", "optimizer.clip_norm=0",
              "optimizer.weight_decay=0"]

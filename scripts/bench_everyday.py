@@ -166,7 +166,7 @@ def plan_row(recipe: Recipe, explain_top: int = 6) -> dict:
     subprocess) that gives both the compiled figures and the `explain_top` biggest buffers live at its peak."""
     import jax
 
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan, resolve_topology
     from jaxmem.plan.explain import compile_with_dumps, explain_dump
 
@@ -202,7 +202,7 @@ def compile_with_this_jax(recipe: Recipe) -> None:
     """Compiles one recipe deviceless with the running jax and records its figures under that version."""
     import jax
 
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import resolve_topology
     from jaxmem.plan.compiled import compile_for_plan
 
@@ -218,7 +218,7 @@ def compile_with_this_jax(recipe: Recipe) -> None:
 
 def bill_gib(recipe: Recipe, part: str = "device_total") -> float:
     """The analytic device total per GPU of a recipe, or one category of its bill (no compile)."""
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan.bill import compute_bill
     from jaxmem.plan import resolve_topology
 

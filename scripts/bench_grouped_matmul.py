@@ -142,7 +142,7 @@ def cpu_case(impl: str, shape) -> dict:
 def plan_case(name: str, impl: str) -> dict:
     import jax
 
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan.compiled import compile_for_plan
     from jaxmem.runtime.compiled_memory import device_bytes
     from jaxmem.runtime.aot import resolve_topology

@@ -61,7 +61,7 @@ def _jax_candidates(tree_shapes: dict):
     import jax.numpy as jnp
     import numpy as np
 
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.core import offload
     from jaxmem.kernels.host_adamw import host_adamw, register
     from jaxmem.optim import adamw_lowbit, choice, fused_host, host_update, layerwise

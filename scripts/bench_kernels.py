@@ -130,8 +130,8 @@ STEP_CASES = {
 
 def train_step_memory() -> dict:
     """The whole jaxmem train step (llama3-8b, seq 8192, micro-batch 1/device, full remat, bf16) per kernel choice."""
-    from jaxmem.features import load_config
-    from jaxmem.features import build_program
+    from jaxmem.loader import load_config
+    from jaxmem.registry import build_program
 
     devices = target_devices("h100-80g", 8)
     out = {}

@@ -67,7 +67,7 @@ PEERS = [  # (what, GiB, how)
 
 def compiled_case(config: str, overrides: list[str]) -> dict:
     from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan
 
     cwd = os.getcwd()

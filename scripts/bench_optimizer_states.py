@@ -43,7 +43,7 @@ RESUME_AT = 0.5  # the resumed run restarts from the checkpoint saved at this fr
 
 
 def _config(model: str, devices: int, steps: int, out_dir: Path, overrides: list[str], every: int):
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     return load_config(ROOT / MODELS[model], [
         f"out_dir={out_dir}", "train.progress=false", f"train.steps={steps}", "train.log_every=1",

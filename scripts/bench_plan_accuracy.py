@@ -78,7 +78,7 @@ MISS_NOTE = (
 
 
 def one(model: str, setting: str, target: str) -> dict:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(None, [f"model.preset={model}"] + BASE + SETTINGS[setting])
@@ -205,7 +205,7 @@ BENCH_2026_11_23 = {  # calibration case -> jaxmem bench JSON (benchmarks/bench_
 
 
 def gpu_case_config(case: dict):
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     return load_config(ROOT / case["config"], case["overrides"] + case.get("pinned_overrides", []))
 

@@ -28,8 +28,8 @@ import json, os, sys, time
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax
 jax.config.update("jax_enable_compilation_cache", False)
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.runtime.compiled_memory import read_fields
 from jaxmem.runtime.aot import resolve_topology
 cfg = load_config(None, sys.argv[1:])

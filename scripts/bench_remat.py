@@ -20,9 +20,9 @@ from jax.extend import core as jcore  # noqa: E402
 
 from jaxmem.runtime import aot  # noqa: E402
 from jaxmem.core import remat  # noqa: E402
-from jaxmem.features import load_config  # noqa: E402
+from jaxmem.loader import load_config  # noqa: E402
 from jaxmem.plan.compiled import memory_figures  # noqa: E402
-from jaxmem.features import build_program  # noqa: E402
+from jaxmem.registry import build_program  # noqa: E402
 
 GIB = 1024**3
 BASE = "configs/llama3-8b-8xh100.yaml"

@@ -13,8 +13,10 @@ counts as an edge to `jaxmem.plan.bill` when that is a module, else to the packa
 re-exporting its own submodules would otherwise make every package a circle.
 
 The floors (FLOORS, bottom first) are the package layering: a package imports only packages on lower floors,
-and the feature packages, which share a floor, import none of each other (the registry, jaxmem.features,
-composes them). UP_ALLOWED names the imports that may run up, each with its reason. A function-level import of
+and the feature packages, which share a floor, import none of each other (the registry, jaxmem.registry,
+composes them). UP_ALLOWED names the imports that may run up, each with its reason. The core and the planner
+(FEATURE_BLIND) import no feature package at all, though the planner sits above them: they are handed the
+active features by the registry and call their hooks (jaxmem.core.plugins.Feature). A function-level import of
 a jaxmem module must say why on its line (`# lazy: ...`): an import kept out of the module's import time.
 
 Usage: python scripts/check_imports.py [package_dir]   (default: jaxmem beside this script's parent)
@@ -163,14 +165,18 @@ def describe(graph: dict[str, dict[str, int]], known: dict[str, Path], cycle: li
     return " -> ".join(steps + [cycle[-1]])
 
 
-# Bottom first. "<root>" is the package's __init__ (its lazy public surface); "version" and "features" are the
-# root modules jaxmem/version.py and jaxmem/features.py (the registry).
+# Bottom first. "<root>" is the package's __init__ (its lazy public surface); "version", "registry", "loader" and
+# "api" are the root modules jaxmem/version.py, jaxmem/registry.py (the features), jaxmem/loader.py (loading and
+# checking a config) and jaxmem/api.py (the library surface).
 FLOORS = (("config", "version"), ("runtime",), ("mesh",), ("kernels",), ("model",), ("io",), ("optim",),
-          ("core",), ("generation",), ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar"), ("features",),
+          ("core",), ("generation",), ("lora", "moe", "pipeline", "inbackward"), ("registry",), ("loader",),
           ("plan",),
           ("train",), ("cli",), ("api",), ("<root>",))
 # (importing package, imported package) -> why it may run up a floor or across the feature floor
 UP_ALLOWED: dict[tuple[str, str], str] = {}
+FEATURE_PACKAGES = next(floor for floor in FLOORS if "lora" in floor)
+# packages that never name a feature: they reach the features through the registry's hooks
+FEATURE_BLIND = ("core", "loader", "plan")
 
 
 def package_of(module: str) -> str:
@@ -192,6 +198,14 @@ def floor_violations(graph: dict[str, dict[str, int]], known: dict[str, Path]) -
                 where = "a feature on the same floor" if level[b] == level[a] else f"floor {level[b]} > {level[a]}"
                 out.append(f"{module} ({known[module].name}:{line}) imports {dep}: {where}")
     return out
+
+
+def feature_imports(graph: dict[str, dict[str, int]], known: dict[str, Path]) -> list[str]:
+    """One line per import of a feature package by a package that must not name one (FEATURE_BLIND)."""
+    return [f"{module} ({known[module].name}:{line}) imports {dep}: {package_of(module)}/ imports no feature "
+            f"package (ask the registry's features for a hook)"
+            for module, deps in sorted(graph.items()) if package_of(module) in FEATURE_BLIND
+            for dep, line in sorted(deps.items()) if package_of(dep) in FEATURE_PACKAGES]
 
 
 def unexplained_lazy_imports(package_dir: Path, known: dict[str, Path]) -> list[str]:
@@ -229,7 +243,8 @@ def main(argv: list[str]) -> int:
     package_dir = Path(argv[1]) if len(argv) > 1 else Path(__file__).resolve().parent.parent / "jaxmem"
     graph, known = import_graph(package_dir)
     components = strongly_connected(graph)
-    problems = floor_violations(graph, known) + unexplained_lazy_imports(package_dir, known)
+    problems = (floor_violations(graph, known) + feature_imports(graph, known)
+                + unexplained_lazy_imports(package_dir, known))
     if not components and not problems:
         edges = sum(len(v) for v in graph.values())
         print(f"check_imports: no import circles among {len(graph)} modules ({edges} imports, function-level included)")
@@ -237,7 +252,7 @@ def main(argv: list[str]) -> int:
         if floored:
             print(f"check_imports: the package floors hold ({len(floored)} packages; {len(UP_ALLOWED)} imports "
                   f"allowed to run up; {count_lazy_imports(package_dir, known)} function-level imports, each with "
-                  "its reason)")
+                  f"its reason); {', '.join(FEATURE_BLIND)} import no feature package")
         return 0
     for component in components:
         print(f"import circle among {len(component)} modules: {', '.join(component)}")

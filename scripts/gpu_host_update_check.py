@@ -24,7 +24,7 @@ HOST = ["offload.optimizer=host", "offload.optimizer_update=host", "precision.pa
 
 
 def _records(out_dir: Path, impl: str, overrides: list[str]) -> list[dict]:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.train import run
 
     cfg = load_config(CONFIG, [f"out_dir={out_dir / impl}", *HOST, f"kernels.host_update={impl}", *overrides])

@@ -132,7 +132,7 @@ def _levers(cfg) -> str:
 
 
 def section(config: str, plan: dict) -> str:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     cfg = load_config(ROOT / config)
     c = plan["compiled"]

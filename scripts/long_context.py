@@ -59,7 +59,7 @@ def run_row(name: str, config: str, overrides: list[str]) -> dict:
 def _largest_device_buffers(config: str, overrides: list[str], top: int = 4) -> list[dict]:
     """The biggest device buffers live at the compiled peak (host-memory buffers left out)."""
     from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan.explain import explain
 
     cfg = load_config(ROOT / config, overrides)
@@ -86,7 +86,7 @@ def _fits_md(plan: dict) -> str:
 
 
 def _seq_of(config: str) -> int:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     return load_config(ROOT / config).train.seq_len
 

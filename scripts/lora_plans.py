@@ -82,7 +82,7 @@ def _seq_overrides(seq: int, overrides: list[str]) -> list[str]:
 
 
 def _plan(config: str, overrides: list[str]) -> dict:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(ROOT / config, overrides)

@@ -57,7 +57,7 @@ cfg = jaxmem.load_config(str(repo / config), sys.argv[6:])
 if cfg.parallel.pp > 1:
     import jax.numpy as jnp
     try:  # the registry's (features handed to the stages), else an older checkout's
-        from jaxmem.features import build_pipeline
+        from jaxmem.registry import build_pipeline
     except ImportError:
         from jaxmem.pipeline.runtime import build_pipeline
     pipe, steps, inits = build_pipeline(cfg, jax.devices()[:n]), [], []

@@ -101,7 +101,7 @@ SEQ_RANGE = [2**k for k in range(6, 21)]  # 64 ... 1048576
 
 
 def _load(row: dict, seq: int | None, ep: int):
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     over = list(row["overrides"]) + ([f"train.seq_len={seq}", f"model.max_seq_len={max(seq, 4096)}"] if seq else [])
     if ep > 1 and not row.get("lora"):

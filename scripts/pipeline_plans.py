@@ -23,7 +23,7 @@ HEADLINE = OUT / "headline" / "qwen2-72b-8xh100.json"  # the one-node FSDP-only 
 
 
 def _plan(config: str) -> dict:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan, resolve_topology
 
     cfg = load_config(ROOT / config)
@@ -35,7 +35,7 @@ def _g(b: int) -> str:
 
 
 def _stage_table(bills: list[dict]) -> list[str]:
-    from jaxmem.plan.pipeline import STAGE_COLUMNS, stage_row
+    from jaxmem.pipeline.plan_render import STAGE_COLUMNS, stage_row
 
     rows = ["| " + " | ".join(STAGE_COLUMNS) + " |", "|" + "---:|" * len(STAGE_COLUMNS)]
     for b in bills:
@@ -51,7 +51,7 @@ def render(plans: dict[str, dict]) -> str:
             "on a CPU machine)**: each stage's forward, backward and update programs are compiled for its GPUs and "
             "the stage's device figure is state + fp32 gradient accumulator + (micro-batches in flight x one "
             "micro-batch's residuals) + its largest pass, or its update program if larger "
-            "(`jaxmem/plan/pipeline.py`). Host figures are per GPU. Step times and bubbles are **estimated** "
+            "(`jaxmem/pipeline/plan.py`). Host figures are per GPU. Step times and bubbles are **estimated** "
             "(the cost model and the schedule simulation). Nothing here was measured on a GPU.", "",
             "| config | nodes x GPUs | pp x fsdp | layers per stage (auto) | worst stage, auto | worst stage, even "
             "split | bubble | step (estimated) | fits 71.19 GiB |", "|---|---|---|---|---:|---:|---:|---:|---|"]

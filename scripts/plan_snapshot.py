@@ -50,7 +50,7 @@ def cases() -> dict[str, tuple[str | None, list[str]]]:
 
 
 def snapshot() -> dict:
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.plan import plan, resolve_topology
 
     result = {}

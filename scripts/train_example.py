@@ -13,9 +13,9 @@ import numpy as np
 
 from jaxmem.runtime import distributed
 from jaxmem.core.checkpoint import Checkpoints, run_meta
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import batches
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.cli.train import parse_args
 
 

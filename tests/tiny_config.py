@@ -1,7 +1,7 @@
 """configs/tiny.yaml as a test runs it: its out_dir under the test's tmp_path, no progress bar."""
 from pathlib import Path
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 
 TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
 

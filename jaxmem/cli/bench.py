@@ -25,14 +25,14 @@ from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.runtime.compiled_memory import captured_stderr, memory_warnings, read_fields
 from jaxmem.plan.costmodel import estimate
 from jaxmem.plan.report import cost_assumptions
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.config.schema import config_hash
 from jaxmem.train.loop import _oom_error, compile_train_step
 from jaxmem.plan.report import _fmt, _unit, fmt_seconds
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.plan.timeline_html import measured_from_rows, write
 from jaxmem.runtime import cpu_host, distributed
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
 from jaxmem.train import TrainError
 from jaxmem.plan import allocator

@@ -19,7 +19,7 @@ import yaml
 
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import Config, ModelConfig, field_docs, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core import remat
 from jaxmem.config.names import ALL_NAMES
 from jaxmem.config.schema import RematConfig

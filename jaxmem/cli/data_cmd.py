@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import RecordSource, make_source, packing_summary, untrained_line
 from jaxmem.cli.help import HelpFormatter
 

@@ -27,7 +27,7 @@ from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.report import offload_requested
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.console import make_console
 
 GIB = 1024**3

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan.explain import explain_with_timeline, render
 from jaxmem.runtime.aot import add_target_args, resolve_topology
 from jaxmem.plan.timeline_html import write

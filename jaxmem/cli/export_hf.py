@@ -19,12 +19,12 @@ import jax
 from jaxmem.config.schema import ConfigError, DistributedConfig, ParallelConfig
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.train.run_folder import resolved_config
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.export import merged_params
 from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.io.hf import DEFAULT_SHARD_BYTES, save_hf
 from jaxmem.io.hf_companions import write_companions
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.cli.help import HelpFormatter
 
 _EXAMPLES = """\
@@ -57,7 +57,7 @@ def run_config(run_dir: str | Path):
 
 def exported_params(prog, state: dict) -> dict:
     """The model's params to export: merged adapters for LoRA, else the master copy if kept, else the params."""
-    if prog.layout.lora is not None:
+    if prog.layout.freezes_model:
         return merged_params(prog, state)
     return state["master"] if "master" in state else state["params"]
 
@@ -80,7 +80,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
     finally:
         ckpts.close()
     params = exported_params(prog, state)
-    model = prog.model(jax.device_get(params) if prog.layout.lora is None else params)
+    model = prog.model(jax.device_get(params) if not prog.layout.freezes_model else params)
     with written_whole(out, overwrite=overwrite) as staging:
         save_hf(model, staging, dtype=dtype or cfg.precision.param_dtype,
                 max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)

@@ -16,7 +16,7 @@ from jaxmem.cli.export_hf import run_config
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.checkpoint import Checkpoints, restore_run
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.sampling import Sampling
 from jaxmem.generation.text import CACHE_DTYPES, Generator, TextCodec, hf_codec

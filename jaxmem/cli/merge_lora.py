@@ -10,9 +10,9 @@ import jax
 from flax import nnx
 
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.io.fresh_folder import check_target, written_whole
 from jaxmem.io.hf import save_hf
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         with written_whole(args.peft, overwrite=args.overwrite, key="--peft") as staging:
             save_peft(jax.device_get(state["params"]), cfg.model, staging, rank=lo.rank, alpha=lo.alpha,
                       rslora=lo.rslora, dropout=lo.dropout,
-                      targets=tuple(hf_target_names(prog.layout.lora.targets, cfg.model)),
+                      targets=tuple(hf_target_names(prog.layout.part("lora").targets, cfg.model)),
                       base_model=cfg.checkpoint.init_from)
         print(f"jaxmem merge-lora: adapters in PEFT's format in {args.peft}")
     return 0

@@ -11,7 +11,7 @@ from jaxmem.config.schema import ConfigError
 from jaxmem.plan import plan, resolve_topology
 from jaxmem.plan.allocator import remember
 from jaxmem.plan.report import render
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan.plot import plot_plans
 from jaxmem.plan.generation import check as check_generation, plan_generation, render_lines as render_generation
 

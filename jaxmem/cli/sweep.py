@@ -16,13 +16,13 @@ from pathlib import Path
 from jaxmem.config import ConfigError, config_hash, parse_yaml_file
 
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import figure_cache
 from jaxmem.runtime import cpu_host, ptxas_cache
 from jaxmem.plan.report import fmt_seconds
 from jaxmem.runtime.aot import add_target_args
 from jaxmem.cli.help import HelpFormatter
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.plan import plan, resolve_topology
 
 MAX_WORKERS = 2  # compiles are CPU and RAM heavy; this machine has 2 cores

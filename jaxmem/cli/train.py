@@ -7,7 +7,7 @@ from pathlib import Path
 
 import jax
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.runtime import cpu_host, distributed
 from jaxmem.train import TrainError, run, run_lock
 from jaxmem.train.loop import SaveError

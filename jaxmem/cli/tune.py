@@ -20,8 +20,8 @@ from pathlib import Path
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
-from jaxmem import features as registry
+from jaxmem.loader import load_config
+from jaxmem import registry
 from jaxmem.mesh.sharding import batch_ways, mesh_shape
 from jaxmem.config.schema import to_dict
 from jaxmem.cli.sweep import plot_pareto
@@ -44,8 +44,7 @@ SURE_SHARE = 0.9
 
 LONG_SEQ = 32768
 # The flow: each stage adds the levers of the previous ones (every candidate starts in bf16 mixed precision).
-# Recomputation is the base model's; the offload stages are host offload's search axes (each feature brings
-# its own: jaxmem.core.plugins.Feature.search_axes).
+# Recomputation, then host offload, then the stages a feature brings (jaxmem.core.plugins.Feature.search_axes).
 BASE_STAGES = (
     ("bf16 mixed precision", [[]]),
     ("activation recomputation", [["remat.preset=selective"], ["remat.preset=save_qkv_proj"],
@@ -53,7 +52,18 @@ BASE_STAGES = (
                                   # per name: keep the attention output, so the flash kernel does not rerun
                                   ["remat.preset=full", "remat.names.attn_context=device"]]),
 )
-STAGES = BASE_STAGES + tuple(stage for feature in registry.FEATURES for stage in feature.search_axes)
+# Once recomputation is not enough: the optimizer state, then the activations, then the parameters in pinned host
+# memory (jaxmem.core.offload).
+OFFLOAD_STAGES = (
+    ("optimizer state offloaded", [[r, "offload.optimizer=host", f"offload.optimizer_update={u}"]
+                                   for r in ("remat.preset=selective", "remat.preset=full")
+                                   for u in ("device", "host")]),
+    ("activations offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                                f"offload.optimizer_update={u}"] for u in ("device", "host")]),
+    ("parameters offloaded", [["remat.preset=offload_layer_inputs", "offload.optimizer=host",
+                               "offload.optimizer_update=device", "offload.params=host"]]),
+)
+STAGES = BASE_STAGES + OFFLOAD_STAGES + tuple(stage for feature in registry.FEATURES for stage in feature.search_axes)
 # With --allow-lossy-optimizer, after recomputation and before any offload: the optimizer state itself, smaller
 # but lossy (docs/optimizers.md): int8 moments with the fp32 master, then bf16 weights rounded stochastically
 # without a master (int8, then int4 moments).

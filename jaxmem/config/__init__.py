@@ -1,7 +1,7 @@
 """The run configuration's schema (jaxmem.config.schema), its config-only rules (jaxmem.config.validate), the
 checkpoint names (jaxmem.config.names) and the GPU targets (jaxmem.config.targets): the floor every other
 package stands on. Loading a config with every rule, the features' included, is the registry's:
-`jaxmem.load_config` (jaxmem.features.load_config).
+`jaxmem.load_config` (jaxmem.loader.load_config).
 
 The schema's names (Config, ConfigError, the section dataclasses, to_dict, ...) are re-exported here.
 """

@@ -1,7 +1,7 @@
 """The rules a run config must satisfy that need the config alone: each section's ranges and the cross-key
 rules between sections, each a one-line ConfigError naming the key. The rules that need a vocabulary (model
 presets, remat policies, kernels) live beside it, and each feature brings its own (jaxmem.core.plugins.Feature);
-the registry (jaxmem.features) runs them all at load.
+the loader (jaxmem.loader) runs them all at load.
 
 The rules that need the device count live here too, as functions called once it is known: `batch_layout`
 (jaxmem.core.layout, which program and the bill share), `per_host_from_mesh` and `check_topology`

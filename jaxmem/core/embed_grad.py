@@ -31,7 +31,7 @@ def applies(cfg, layout, prec) -> bool:
     take fewer bytes per device than the table's gradient shard (the sums counted whole on every device)."""
     # model.embed_scale (Gemma) multiplies the looked-up rows, so a row's gradient is not the table's; a mixture of
     # experts adds its router losses in the step's own loss function, which the rows' path does not run: left out
-    if layout.lora is not None or cfg.offload.params == "host" or cfg.model.tie_embeddings \
+    if layout.freezes_model or cfg.offload.params == "host" or cfg.model.tie_embeddings \
             or cfg.model.embed_scale or is_moe(cfg.model) or cfg.optimizer.update_in_backward or "embed" not in layout.grad_specs:
         return False
     return rows_bytes(cfg, layout, prec) < table_bytes(cfg, layout, prec)

@@ -17,9 +17,10 @@ import jax
 from flax import nnx
 
 from jaxmem import kernels
+from jaxmem.kernels.attention.sequence_parallel import heads_divide
 from jaxmem.core import offload, remat
 from jaxmem.mesh import sharding
-from jaxmem.config.schema import Config
+from jaxmem.config.schema import Config, ConfigError
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
 from jaxmem.optim.kind import StateKind
@@ -58,20 +59,24 @@ class Layout:
     model_param_specs: dict = None
     frozen_abstract: dict | None = None  # the state's frozen part in its stored form (a LoRA base), or None
     frozen_specs: dict | None = None
-    # Each active feature's own decisions by its name (LoRA: its setup); `layout.NAME` reads them, None for a
-    # feature the registry knows that the config leaves off.
+    # Each active feature's own decisions by its name (LoRA: its setup); `layout.part(NAME)` reads them, None for
+    # a feature the registry knows that the config leaves off.
     parts: dict = dataclasses.field(default_factory=dict)
     part_names: tuple = ()
     optimizer: StateKind = StateKind("adamw", "float32", 0)  # the optimizer state the run keeps (optim.kind)
 
-    def __getattr__(self, name: str):
-        if name in ("parts", "part_names"):  # not set yet (copying, unpickling)
-            raise AttributeError(name)
-        if name in self.parts:
-            return self.parts[name]
-        if name in self.part_names:
-            return None
-        raise AttributeError(f"Layout has no attribute or feature part {name!r}")
+    def part(self, name: str):
+        """Feature `name`'s own decisions (its layout_part's "part": LoRA's setup), or None where the config
+        leaves it off; a name the registry does not know is a mistake."""
+        if name not in self.part_names:
+            raise KeyError(f"Layout: no feature {name!r} among {self.part_names}")
+        return self.parts.get(name)
+
+    @property
+    def freezes_model(self) -> bool:
+        """Whether the model's weights are a frozen part of the state (LoRA's base) and the trainable trees a
+        feature's own: no weight gradient for the model."""
+        return self.frozen_abstract is not None
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as
@@ -117,10 +122,25 @@ def state_specs(cfg: Config, params_state: nnx.State, sizes: dict[str, int]) -> 
     return (sharded if stage == 3 else replicated), (sharded if stage >= 2 else replicated), sharded, replicated
 
 
+def check_sequence_split(cfg: Config, sizes: dict[str, int], attention: str) -> None:
+    """Sequence parallelism and tiling against the mesh sizes and the attention kernel `auto` resolved to."""
+    sp, seq, m = sizes.get("sp", 1), cfg.train.seq_len, cfg.model
+    if seq % sp:
+        raise ConfigError(f"parallel.sp: {sp} does not divide train.seq_len={seq}")
+    if sp > 1 and attention != "xla" and not heads_divide(m.n_heads, sizes):
+        raise ConfigError(f"parallel.sp: model.n_heads={m.n_heads} does not split over tp x sp = "
+                          f"{sizes.get('tp', 1) * sp}; kernels.attention={attention} needs whole heads per "
+                          "device (use kernels.attention=xla, which gathers k and v, or an sp that divides them)")
+    tile = cfg.remat.seq_tile
+    if tile and (seq // sp) % tile:
+        raise ConfigError(f"remat.seq_tile: {tile} does not divide the per-device sequence train.seq_len / "
+                          f"parallel.sp = {seq // sp}")
+
+
 def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, int] | None = None, *,
             features: Features) -> Layout:
     """The layout of `cfg` on `n_devices` devices of `platform` ("gpu", "cpu", ...) with the active `features`
-    (jaxmem.features.for_config); `mesh_sizes` when the caller already holds a mesh (else from `parallel.*`)."""
+    (jaxmem.registry.for_config); `mesh_sizes` when the caller already holds a mesh (else from `parallel.*`)."""
     sizes = dict(mesh_sizes) if mesh_sizes else sharding.mesh_shape(cfg.parallel, n_devices)
     sizes.setdefault("sp", 1)
     sizes.setdefault("ep", 1)
@@ -131,6 +151,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
                                      segments="segment_ids" in batch_keys(cfg),  # packed documents
                                      head_dim=cfg.model.head_dim)
     chosen = kernels.resolve(cfg.kernels, platform, n_devices, cudnn_fits)
+    check_sequence_split(cfg, sizes, chosen["attention"])
     features.check_layout(cfg, sizes, chosen)
     fused_attention = chosen["attention"] != "xla"
     saved = remat.saved_across_backward(cfg.remat, fused_attention)
@@ -151,12 +172,6 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=homes.host_keys(), homes=homes, layer_param_elems=layer_param_count(cfg.model),
         rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]), optimizer=StateKind.from_config(cfg))
-
-
-def platform_of(devices) -> str:
-    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform."""
-    platform = kernels.platform_of(devices)
-    return "gpu" if platform in kernels.GPU_PLATFORMS else platform
 
 
 def spec_leaves(tree) -> list:

@@ -1,7 +1,7 @@
-"""The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts, host
-offload, sequence parallelism) plugs into a run, so the core calls hooks instead of branching on features.
+"""The interfaces through which a feature (LoRA, update in backward, a pipeline, a mixture of experts) plugs
+into a run, so the core and the planner call hooks instead of branching on features.
 
-`Feature` is what a feature package hands the registry (jaxmem.features, the only module that imports every
+`Feature` is what a feature package hands the registry (jaxmem.registry, the only module that imports every
 feature): its rules, its part of the layout, its program hooks, the checkpoints it reads, and, for the
 planner, its bill terms, explain rules and search axes. `Features` is the set a config turns on, as the core
 is handed it. `ProgramPlugin` is the program-level part: it hands the program (jaxmem.core.program) its state
@@ -204,6 +204,50 @@ class Feature:
         """A sweep grid with this feature's `auto` values replaced by the ones `load` accepts."""
         return grid
 
+    # The cost model's terms (jaxmem.plan.costmodel), each "nothing changes" by default: what the cost model's
+    # output reports of this feature on every run (its values where the feature is off) and the constants it lists.
+    cost_breakdown_defaults: dict = {}
+    cost_constants: dict = {}
+
+    def layer_flops(self, cfg, tokens: int, ops: dict[str, float]) -> dict[str, float]:
+        """One layer's forward FLOPs per op over `tokens` tokens, given the dense layer's `ops`."""
+        return ops
+
+    def mlp_width_per_token(self, cfg, width: int) -> int:
+        """The MLP activations' width per token, given the dense MLP's `width` (model.d_ff)."""
+        return width
+
+    def extra_trained_params(self, cfg) -> int:
+        """Elements this feature trains beside the model's weights (LoRA's adapters): 6 FLOPs per element and token."""
+        return 0
+
+    def own_rate_matmuls(self, cfg, bill, ops: dict, rebuilt: list[str], weight_passes: int):
+        """(FLOPs, achieved fraction of peak, breakdown entries) of the matmuls this feature runs at its own
+        kernel's rate instead of the dense one's (a mixture of experts' grouped matmuls), or None."""
+        return None
+
+    def collective_seconds(self, cfg, bill, gpu, grad_accum: int) -> float:
+        """Seconds per step of this feature's own collectives (estimated), overlapping compute."""
+        return 0.0
+
+    def zero3_gathered(self, cfg, bill) -> tuple[int, float]:
+        """(weight elements this feature shards its own way under ZeRO-3, the bytes of them one all-gather
+        brings each device per pass); the cost model gathers the rest over the state axes."""
+        return 0, 0.0
+
+    def parameter_counts(self, cfg, counts: dict[str, int]) -> dict[str, int]:
+        """The plan's parameter counts ("total", "active": the ones a token uses) given the dense model's."""
+        return counts
+
+    # A run that is not one program (a pipeline's stages): its plan and the report's section on it.
+    def plan_run(self, cfg, features: "Features", topo, planner, *, compile: bool, source: str) -> dict | None:
+        """The plan dict (docs/plan_schema.md) of a run this feature makes more than one program, built with
+        the planner's own pieces (`planner`: jaxmem.plan.Planner), or None (the one-program plan)."""
+        return None
+
+    def render_plan(self, plan: dict, console) -> None:
+        """Prints this feature's section of a plan's report, where the plan dict carries one."""
+
 
 @dataclasses.dataclass(frozen=True)
 class Features:
@@ -255,6 +299,39 @@ class Features:
 
     def run_program(self, cfg):
         return next((p for p in (f.run_program(cfg, self) for f in self.active) if p is not None), None)
+
+    # ------------------------------------------------------------ the cost model's terms, over the features
+    def layer_flops(self, cfg, tokens: int, ops: dict[str, float]) -> dict[str, float]:
+        for feature in self.active:
+            ops = feature.layer_flops(cfg, tokens, ops)
+        return ops
+
+    def mlp_width_per_token(self, cfg, width: int) -> int:
+        for feature in self.active:
+            width = feature.mlp_width_per_token(cfg, width)
+        return width
+
+    def extra_trained_params(self, cfg) -> int:
+        return sum(feature.extra_trained_params(cfg) for feature in self.active)
+
+    def own_rate_matmuls(self, cfg, bill, ops: dict, rebuilt: list[str], weight_passes: int) -> list:
+        found = (f.own_rate_matmuls(cfg, bill, ops, rebuilt, weight_passes) for f in self.active)
+        return [x for x in found if x is not None]
+
+    def collective_seconds(self, cfg, bill, gpu, grad_accum: int) -> float:
+        return sum(feature.collective_seconds(cfg, bill, gpu, grad_accum) for feature in self.active)
+
+    def zero3_gathered(self, cfg, bill) -> list[tuple[int, float]]:
+        return [feature.zero3_gathered(cfg, bill) for feature in self.active]
+
+    def parameter_counts(self, cfg, counts: dict[str, int]) -> dict[str, int]:
+        for feature in self.active:
+            counts = feature.parameter_counts(cfg, counts)
+        return counts
+
+    def plan_run(self, cfg, topo, planner, *, compile: bool, source: str) -> dict | None:
+        plans = (f.plan_run(cfg, self, topo, planner, compile=compile, source=source) for f in self.active)
+        return next((p for p in plans if p is not None), None)
 
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""

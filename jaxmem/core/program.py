@@ -19,12 +19,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.runtime import aot, memory_kinds_shim
 from jaxmem import kernels
-from jaxmem.core import offload, remat
+from jaxmem.core import offload, offload_rules, remat
 from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
 from jaxmem.core import embed_grad, grad_dtype, host_init
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
+from jaxmem.core.layout import Layout, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 from jaxmem.mesh import axes
@@ -224,11 +224,11 @@ class TrainProgram:
 def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: tuple[str, ...] | None = None,
                   features: Features) -> TrainProgram:
     """Everything needed to init, step, checkpoint and plan a run, without allocating weights, with the active
-    `features` (the registry's: jaxmem.features.build_program hands them).
+    `features` (the registry's: jaxmem.registry.build_program hands them).
 
     `keep` names the top-level params the state holds (a pipeline stage's: jaxmem.pipeline); default all."""
     mesh = mesh or sharding.make_mesh(cfg.parallel, devices)
-    layout = resolve_layout(cfg, mesh.size, platform_of(mesh.devices.flat),
+    layout = resolve_layout(cfg, mesh.size, kernels.platform_of(mesh.devices.flat),
                             mesh_sizes={a.value: mesh.shape.get(a.value, 1) for a in axes.MESH_AXES},
                             features=features)
     if keep is not None:
@@ -251,7 +251,9 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
     shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
-    features.check_micro_batches(cfg, layout.grad_accum)  # config rules ran at load; these need the data ways
+    # config rules ran at load; these need the data ways
+    offload_rules.check_micro_batches(cfg, layout.grad_accum)
+    features.check_micro_batches(cfg, layout.grad_accum)
     platform = layout.platform
     fetch = plugin.layer_fetch(cfg, layout, offload.layer_fetch(cfg, prec.grad_reduce))
     scan_layers, segment = remat.layer_scan(cfg.remat, cfg.model.n_layers, fetch=fetch)

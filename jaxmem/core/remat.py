@@ -115,7 +115,7 @@ def check(cfg: Config) -> None:
 
 def group_size(cfg: RematConfig, n_layers: int) -> int:
     """Layers per checkpointed group (every_k / nested; 1 otherwise). Its divisibility error is also a
-    load-time rule (jaxmem.features.CROSS_CHECKS)."""
+    load-time rule (jaxmem.loader.CROSS_CHECKS)."""
     if cfg.granularity == "every_k":
         k = cfg.every_k
     elif cfg.granularity == "nested":

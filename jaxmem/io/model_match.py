@@ -39,7 +39,7 @@ EXPECTED = ("expected a Hugging Face folder (config.json + *.safetensors) or a `
 def check_is_model(path: str | Path) -> None:
     """A one-line ConfigError naming `path` unless it is a model: a Hugging Face folder (config.json and its
     safetensors) or a `jaxmem import-hf` output (model.json + params/). Every command resolves init_from
-    through here at load (jaxmem.features), so none plans, tunes or trains another model than the one named."""
+    through here at load (jaxmem.loader), so none plans, tunes or trains another model than the one named."""
     path = Path(path)
     if not path.exists():
         raise ConfigError(f"{KEY}: {path} does not exist ({EXPECTED})")

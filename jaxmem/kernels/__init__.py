@@ -207,7 +207,7 @@ def check_model_kernels(cfg) -> None:
 
 
 def check_block_sizes(cfg: KernelConfig) -> None:
-    """One-line ConfigError naming the key. Runs at load (jaxmem.features.SECTION_VALIDATORS["kernels"]);
+    """One-line ConfigError naming the key. Runs at load (jaxmem.loader.SECTION_VALIDATORS["kernels"]);
     the dispatch below runs it again for a KernelConfig built in code, before anything is traced. The z-loss
     weight too: a negative one rewards large logits, and the loss falls without bound."""
     if not (math.isfinite(cfg.z_loss) and cfg.z_loss >= 0):
@@ -276,8 +276,11 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | No
 
 
 def platform_of(devices) -> str:
+    """"gpu" for CUDA/ROCm devices (compile-only ones included), else the devices' platform (the default
+    backend's where none are given): the one name every kernel choice and layout compares."""
     devices = list(devices) if devices is not None else []
-    return devices[0].platform if devices else jax.default_backend()
+    platform = devices[0].platform if devices else jax.default_backend()
+    return "gpu" if _is_gpu(platform) else platform
 
 
 def loss_scratch_bytes(impl: str, tokens: int, vocab: int, cfg: KernelConfig, d_model: int,

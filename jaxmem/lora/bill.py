@@ -13,12 +13,12 @@ def largest_frozen_linear(cfg: Config, layout: Layout) -> int:
     """Per-device elements of a LoRA run's largest frozen linear of one layer as a matmul reads it: whole
     (FSDP gathers it), split over tensor parallelism."""
     return max(w.in_features * w.out_features for name, w in target_weights(cfg.model).items()
-               if name in layout.lora.frozen) // layout.mesh_sizes["tp"]
+               if name in layout.part("lora").frozen) // layout.mesh_sizes["tp"]
 
 
 def _state(d) -> None:
     d.trains_head, d.whole_model_grads, d.rest_donated = False, False, False  # the base is not donated: it stays
-    d.head_gathered = not d.layout.lora.quantize_embeddings  # a stored head is never whole
+    d.head_gathered = not d.layout.part("lora").quantize_embeddings  # a stored head is never whole
 
 
 def _activations(d) -> None:
@@ -30,7 +30,7 @@ def _activations(d) -> None:
     d.saved_dev.pop("key_proj", None)
     for name, readers in (("mlp_act", ("w_down",)), ("attn_norm", ("wq", "wk", "wv")),
                           ("mlp_norm", ("w_gate", "w_up"))):
-        if not set(readers) & set(d.layout.lora.targets):
+        if not set(readers) & set(d.layout.part("lora").targets):
             d.saved_dev.pop(name, None)
 
 
@@ -38,7 +38,7 @@ def _temporaries(d) -> None:
     """No weight gradient and no merged weight: a frozen linear is dequantized in the compute dtype where a
     matmul reads it, forward or backward (jaxmem.lora.linear), one at the peak (`jaxmem explain`, QLoRA
     Llama-3-8B widths, seq 512, remat none, 4 layers: one [d_model x d_ff] bf16 and its stored slice)."""
-    cfg, layout, lora = d.cfg, d.layout, d.layout.lora
+    cfg, layout, lora = d.cfg, d.layout, d.layout.part("lora")
     d.device["temporaries"] = largest_frozen_linear(cfg, layout) * (d.cd + 1) \
         + (2 * frozen_bytes(layout) // cfg.model.n_layers if d.gathered else 0)
     d.notes.append(f"LoRA rank {lora.rank} on {', '.join(lora.targets)}: base stored as {lora.base_dtype}, "

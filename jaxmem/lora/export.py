@@ -13,7 +13,7 @@ from jaxmem.lora.frozen_vocab import unstore_rows
 
 def merged_params(prog, state: dict) -> dict:
     """The model's params (host arrays, in the param dtype) with the adapters merged into the base."""
-    setup = prog.layout.lora
+    setup = prog.layout.part("lora")
     shapes = layer_shapes(prog.cfg, setup)
     base, adapters = jax.device_get(state["base"]), jax.device_get(state["params"])
     params = dict(base, layers=dict(base["layers"]))

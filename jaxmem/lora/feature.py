@@ -11,7 +11,7 @@ from jaxmem.core.plugins import Feature
 from jaxmem.lora.bill import BILL_TERMS
 from jaxmem.core.precision import Precision
 from jaxmem.lora import frozen
-from jaxmem.lora.adapters import adapter_axes, init_adapters, resolve_targets
+from jaxmem.lora.adapters import adapter_axes, adapter_param_count, init_adapters, resolve_targets
 from jaxmem.lora.frozen import LoraSetup
 from jaxmem.lora.plugin import LoraPlugin
 from jaxmem.mesh import sharding
@@ -46,7 +46,7 @@ def check(cfg: Config) -> None:
 
 def layout_part(cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
     """A LoRA run's part of the layout: the adapters' trees per ZeRO stage as the trainable ones, the frozen base
-    in its stored form (quantized leaves) and its specs, and the setup as `layout.lora`."""
+    in its stored form (quantized leaves) and its specs, and the setup as `layout.part("lora")`."""
     setup = LoraSetup.from_config(cfg)
     if setup is None:
         return None
@@ -85,6 +85,10 @@ class Lora(Feature):
 
     def program_plugin(self, cfg: Config):
         return LoraPlugin.from_config(cfg)
+
+    def extra_trained_params(self, cfg: Config) -> int:
+        """The adapters' elements (the cost model's 6 FLOPs per element and token; the frozen model's 4)."""
+        return adapter_param_count(cfg.model, resolve_targets(cfg.lora.targets), cfg.lora.rank)
 
 
 LORA = Lora()

@@ -148,7 +148,7 @@ def stream_base(prog, path: str | Path) -> dict:
     """The frozen base of `prog` (a LoRA TrainProgram) from the HF directory or `jaxmem import-hf` output
     `path`, in state_shardings["base"]."""
     path = Path(path)
-    cfg, setup = prog.cfg, prog.layout.lora
+    cfg, setup = prog.cfg, prog.layout.part("lora")
     maps = param_maps(cfg.model)
     abstract = prog.layout.model_abstract_params
     source = (_HfSource if is_hf_dir(path) else _ImportedSource)(path, cfg, maps, abstract)

@@ -136,7 +136,7 @@ class LoraPlugin(ProgramPlugin):
 
 def adapter_state(prog, seed: int | None = None) -> dict:
     """A LoRA run's step-0 state without its base: fresh adapters, their optimizer state and master."""
-    setup = prog.layout.lora
+    setup = prog.layout.part("lora")
     seed = prog.cfg.train.seed if seed is None else seed
     adapters = init_adapters(prog.cfg.model, setup.targets, setup.rank, jax.random.key(seed + 1),
                              prog.precision.param)

@@ -316,8 +316,9 @@ def _activations(d) -> None:
 
 
 def _working(d) -> None:
-    d.moe_scratch = kernel_scratch_bytes(d.cfg, d.layout, d.cd)
-    if d.moe_scratch:
+    scratch = kernel_scratch_bytes(d.cfg, d.layout, d.cd)
+    if scratch:  # the bill's layer phase counts it in the experts' own phase (Bill.feature_scratch)
+        d.feature_scratch["moe"] = scratch
         d.device["working_set"] += working_bytes(d.cfg, d.layout, d.cd)
 
 

@@ -10,7 +10,7 @@ from jaxmem.moe.explain import refine
 from jaxmem.moe.bill import BILL_TERMS
 from jaxmem.mesh.axes import MeshAxis
 from jaxmem.model.moe import expert_count, is_moe as model_is_moe
-from jaxmem.moe import expert_parallel, search
+from jaxmem.moe import bill as bill_moe, cost, expert_parallel, search
 
 
 def is_moe(cfg: Config) -> bool:
@@ -51,6 +51,8 @@ class MixtureOfExperts(Feature):
     name = "moe"
     bill_terms = BILL_TERMS
     buffer_terms = (("refine", refine),)
+    cost_breakdown_defaults = cost.BREAKDOWN_DEFAULTS
+    cost_constants = cost.CONSTANTS
 
     def applies(self, cfg: Config) -> bool:
         return is_moe(cfg)
@@ -68,6 +70,24 @@ class MixtureOfExperts(Feature):
         if mesh.shape.get(MeshAxis.EP.value, 1) > 1:
             return dataclasses.replace(ctx, experts=expert_parallel.dispatcher(mesh, cfg.model.moe_capacity_factor))
         return ctx
+
+    def layer_flops(self, cfg: Config, tokens: int, ops: dict[str, float]) -> dict[str, float]:
+        return cost.layer_flops(cfg, tokens, ops)
+
+    def mlp_width_per_token(self, cfg: Config, width: int) -> int:
+        return cost.mlp_width_per_token(cfg, width)
+
+    def own_rate_matmuls(self, cfg: Config, bill, ops: dict, rebuilt: list[str], weight_passes: int):
+        return cost.own_rate_matmuls(cfg, bill, ops, rebuilt, weight_passes)
+
+    def collective_seconds(self, cfg: Config, bill, gpu, grad_accum: int) -> float:
+        return cost.expert_parallel_seconds(cfg, bill, gpu, grad_accum)
+
+    def zero3_gathered(self, cfg: Config, bill) -> tuple[int, float]:
+        return cost.zero3_gathered(cfg, bill)
+
+    def parameter_counts(self, cfg: Config, counts: dict[str, int]) -> dict[str, int]:
+        return dict(counts, active=bill_moe.parameter_counts(cfg)["active"])
 
 
 MOE = MixtureOfExperts()

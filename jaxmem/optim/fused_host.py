@@ -21,7 +21,7 @@ from jax.sharding import PartitionSpec
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.kernels.host_adamw import (BuildError, host_adamw, host_adamw_lowbit, host_adamw_reference, lowbit_tables,
                                       register)
-from jaxmem.optim import codes, rows as embed_grad
+from jaxmem.optim import codes, rows
 from jaxmem.optim.hyper import decay_mask, schedule
 from jaxmem.optim.kind import StateKind
 from jaxmem.optim.layerwise import split_layers
@@ -173,7 +173,7 @@ def _part(hyper: FusedAdamW, g, state, w, positioned_specs, multiplier, finite):
 def fused_update(hyper: FusedAdamW, grads, opt_state, weights, finite, multiplier):
     """whole_update's step through the kernel: (new_params, new_opt_state, new_weights). `multiplier` is the
     clip factor over the loss scale; `finite` False (a non-finite fp16 step) keeps every old value."""
-    g_rest, g_layers = split_layers(embed_grad.densify(grads))
+    g_rest, g_layers = split_layers(rows.densify(grads))
     w_rest, w_layers = split_layers(weights)
     # each weight's partition spec (None without a mesh), found by the weight's position among the leaves
     leaves, tree = jax.tree.flatten(weights)

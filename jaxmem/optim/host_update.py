@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxmem.optim import rows as embed_grad
+from jaxmem.optim import rows
 from jaxmem.optim.fused_host import FusedAdamW, fused_update
 from jaxmem.optim.layerwise import apply_update, clip_multiplier, clipped, layer_key, split_layers
 
@@ -26,7 +26,7 @@ def _norm_and_finite(grads, scale):
     """The global norm of the unscaled gradients, summed as layerwise_update sums them (each layer's squares,
     the layers' sums, then the non-layer leaves' first), and whether every value is finite."""
     def leaves_of(tree):
-        return [x.sums if embed_grad.is_rows(x) else x for x in jax.tree.leaves(tree, is_leaf=embed_grad.is_rows)]
+        return [x.sums if rows.is_rows(x) else x for x in jax.tree.leaves(tree, is_leaf=rows.is_rows)]
 
     rest, layers = split_layers(grads)
     rest, layers = leaves_of(rest), leaves_of(layers)
@@ -74,7 +74,7 @@ def whole_update(opt, grads, opt_state, weights, old_params, scale, *, clip_norm
         new_p, new_s, new_w = fused_update(fused, grads, opt_state, weights, finite,
                                            clip_multiplier(norm, clip_norm, scale))
         return new_p, new_s, new_w, (norm, finite)
-    g = embed_grad.densify(clipped(grads, norm, clip_norm, scale))
+    g = rows.densify(clipped(grads, norm, clip_norm, scale))
 
     g_rest, g_layers = split_layers(g)
     w_rest, w_layers = split_layers(weights)

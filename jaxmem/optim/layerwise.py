@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxmem.mesh.sharding import spec_ways
-from jaxmem.optim import codes, rows as embed_grad
+from jaxmem.optim import codes, rows
 from jaxmem.optim.kind import StateKind
 from jaxmem.optim.specs import map_param_subtrees
 from jaxmem.optim.stochastic_round import tree_to_bf16
@@ -29,7 +29,7 @@ def clipped(grads, norm: jax.Array, max_norm: float, scale):
     multiplication per value by min(1, max_norm / norm) / scale (cheaper than dividing every value, above all in
     the host's XLA:CPU update). A RowGrad keeps its form."""
     multiplier = clip_multiplier(norm, max_norm, scale)
-    return embed_grad.map_values(lambda g: g.astype(jnp.float32) * multiplier, grads)
+    return rows.map_values(lambda g: g.astype(jnp.float32) * multiplier, grads)
 
 
 def clip_multiplier(norm: jax.Array, max_norm: float, scale) -> jax.Array:
@@ -189,12 +189,12 @@ def _rest_in_chunks(one, chunks, g, s, w, p_old, home, param_dtype, round_key):
         x, i * size(x, axis), size(x, axis), axis)
     put = lambda x, part, axis, i: x if axis < 0 else put_slice(x, part, i * size(x, axis), axis)  # noqa: E731
 
-    def grad_piece(x, axis, i):  # an embedding's rows (embed_grad: never with the layers on the host) widened whole
-        return take(embed_grad.dense(x) if embed_grad.is_rows(x) else x, axis, i)
+    def grad_piece(x, axis, i):  # an embedding's rows (jaxmem.optim.rows; never with host layers) widened whole
+        return take(rows.dense(x) if rows.is_rows(x) else x, axis, i)
 
     def body(carry, i):
         s_all, w_all, p_all = carry
-        g_i = jax.tree.map(lambda x, axis: grad_piece(x, axis, i), g, axes, is_leaf=embed_grad.is_rows)
+        g_i = jax.tree.map(lambda x, axis: grad_piece(x, axis, i), g, axes, is_leaf=rows.is_rows)
         new_p, new_s, new_w = one(g_i, jax.tree.map(lambda x, a: take(x, a, i), s_all, s_axes),
                                   jax.tree.map(lambda x, a: take(x, a, i), w_all, axes),
                                   None if p_old is None else jax.tree.map(lambda x, a: take(x, a, i), p_all, axes),
@@ -235,11 +235,11 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
     g_rest, g_layers = split_layers(grads)
 
     def unscaled(g):  # fp32 values over the loss scale; an embedding's RowGrad keeps its form
-        return embed_grad.map_values(lambda x: x.astype(jnp.float32) / scale, g)
+        return rows.map_values(lambda x: x.astype(jnp.float32) / scale, g)
 
     def sums(g):
         g = unscaled(fetch(g))
-        leaves = [x.sums if embed_grad.is_rows(x) else x for x in jax.tree.leaves(g, is_leaf=embed_grad.is_rows)]
+        leaves = [x.sums if rows.is_rows(x) else x for x in jax.tree.leaves(g, is_leaf=rows.is_rows)]
         if not leaves:  # LoRA: no trainable weights outside the layers
             return jnp.float32(0.0), jnp.bool_(True)
         return sum(jnp.sum(jnp.square(x)) for x in leaves), jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]).all()
@@ -256,7 +256,7 @@ def layerwise_update(opt, grads, opt_state, weights, old_params, scale, *, clip_
 
     def one(g, s, w, p_old, home, key):
         g, s, w, p_old = fetch((g, s, w, p_old))
-        g = embed_grad.densify(clipped(g, norm, clip_norm, scale))
+        g = rows.densify(clipped(g, norm, clip_norm, scale))
         new_p, new_s, new_w = apply_update(opt, g, s, w, param_dtype, key)
         if skip_nonfinite:
             keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)  # noqa: E731

@@ -1,5 +1,5 @@
 """A pipeline (`parallel.pp` > 1) as a feature: its rules, its run program (one program per stage), the
-checkpoints of its layout that a one-program run re-cuts (its plan, per stage: jaxmem.plan.pipeline)."""
+checkpoints of its layout that a one-program run re-cuts and its plan, per stage (jaxmem.pipeline.plan)."""
 from __future__ import annotations
 
 from jaxmem.config.schema import Config, ConfigError
@@ -8,6 +8,8 @@ from jaxmem.core.plugins import Feature
 from jaxmem.pipeline.checkpoints import StagedLayout
 from jaxmem.pipeline.partition import layer_counts
 from jaxmem.pipeline.balance import stage_counts
+from jaxmem.pipeline.plan import pipeline_plan
+from jaxmem.pipeline.plan_render import render_pipeline
 from jaxmem.pipeline.runtime import build_pipeline
 
 
@@ -40,6 +42,12 @@ class Pipeline(Feature):
 
     def run_program(self, cfg: Config, features):
         return build_pipeline(cfg, counts=stage_counts(cfg, features=features), features=features)
+
+    def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict:
+        return pipeline_plan(cfg, features, topo, planner, compile=compile, source=source)
+
+    def render_plan(self, plan: dict, console) -> None:
+        render_pipeline(plan, console)
 
 
 PIPELINE = Pipeline()

@@ -168,7 +168,7 @@ class PipelineProgram:
         return float(total[0]), float(total[1])
 
     def lower(self):
-        raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.plan.pipeline")
+        raise ConfigError("parallel.pp: a pipeline is one program per stage; see jaxmem.pipeline.plan")
 
     # ------------------------------------------------------------ run hooks (jaxmem.core.plugins.RunProgram)
     state_item = STAGES  # each process writes the stages it drives
@@ -194,7 +194,7 @@ def build_pipeline(cfg: Config, devices: Sequence | None = None, counts: Sequenc
     (default: parallel.pp_layers; with `auto` the caller passes the balancer's counts,
     jaxmem.pipeline.balance.stage_counts). `check=False` lets the counts not sum to the model's layers (the
     balancer's probes, which are compiled, never run). `features`: the registry's, as each stage's program is
-    built with them (jaxmem.features.build_pipeline hands them)."""
+    built with them (jaxmem.registry.build_pipeline hands them)."""
     meshes = sharding.stage_meshes(cfg.parallel, devices)
     if counts is None:
         counts = partition.layer_counts(cfg)

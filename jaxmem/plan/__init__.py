@@ -1,20 +1,38 @@
 """Memory planner: the analytic bill, the compiled figures for a (deviceless) GPU target, and verdicts."""
 from __future__ import annotations
 
+import dataclasses
+from typing import Callable
+
 from jaxmem.runtime.aot import Topology, resolve_topology
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.config.schema import Config
 from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.compiled import compile_for_plan
+from jaxmem.plan.compiled import CompiledFigures, compile_for_plan
 from jaxmem.plan.costmodel import estimate
 from jaxmem.plan.report import build_plan
-from jaxmem.plan.pipeline import pipeline_plan
+
+
+@dataclasses.dataclass(frozen=True)
+class Planner:
+    """The planner's pieces a feature builds the plan of a run that is not one program with
+    (jaxmem.core.plugins.Feature.plan_run: a pipeline's stages), so the feature imports nothing above it."""
+
+    compute_bill: Callable  # jaxmem.plan.bill.compute_bill
+    estimate: Callable  # jaxmem.plan.costmodel.estimate
+    build_plan: Callable  # jaxmem.plan.report.build_plan
+    compiled_figures: Callable  # jaxmem.plan.compiled.CompiledFigures
+
+
+PLANNER = Planner(compute_bill, estimate, build_plan, CompiledFigures)
 
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:
     """The full plan dict (schema: docs/plan_schema.md) for `cfg` on `topo`."""
-    if registry.for_config(cfg).has("pipeline"):  # one program per stage: jaxmem.plan.pipeline compiles each
-        return pipeline_plan(cfg, topo, compile=compile, source=source)
+    features = registry.for_config(cfg)
+    own = features.plan_run(cfg, topo, PLANNER, compile=compile, source=source)  # a pipeline: one per stage
+    if own is not None:
+        return own
     bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo), device_memory=topo.gpu.hbm_bytes if topo.gpu else None)
     cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
     compiled = compile_for_plan(cfg, topo)[1] if compile else None
@@ -29,4 +47,4 @@ def _is_gpu(topo: Topology) -> bool:
     return jax.default_backend() == "gpu"
 
 
-__all__ = ["plan", "resolve_topology", "Topology"]
+__all__ = ["plan", "resolve_topology", "Topology", "Planner", "PLANNER"]

@@ -8,7 +8,7 @@ import re
 
 from jaxmem.config.schema import Config, ConfigError, apply_overrides, to_dict
 from jaxmem.core import remat
-from jaxmem.features import from_dict
+from jaxmem.loader import from_dict
 from jaxmem.plan.categories import SUGGESTIONS
 
 # a lever as the alternatives write it: key=value, or key>=value (an int the config's value is at least)
@@ -51,7 +51,7 @@ def holds(cfg: Config, raw: dict, named: list[tuple[str, str, str]]) -> bool:
 
 
 def _accepted(raw: dict, named: list[tuple[str, str, str]]) -> bool:
-    """Whether the config with these levers set passes the config's validation (jaxmem.features.from_dict)."""
+    """Whether the config with these levers set passes the config's validation (jaxmem.loader.from_dict)."""
     try:
         from_dict(apply_overrides(json.loads(json.dumps(raw)), [f"{k}={v}" for k, _, v in named]))
     except (ConfigError, ValueError, TypeError, KeyError):

@@ -1,8 +1,8 @@
 """The analytic per-device memory bill: model states, saved activations by checkpoint name, working set,
 logits, temporaries and host-resident bytes, computed from the config alone (no compile).
 
-`compute_bill` is a sum of terms: the base model's (a full fine-tune with its state on the device, here and
-in jaxmem.plan.bill_parts), then each active feature's (jaxmem.core.plugins.Feature.bill_terms, from the
+`compute_bill` is a sum of terms: the base model's (a full fine-tune, here and in jaxmem.plan.bill_parts, with
+its state where `offload.*` puts it: jaxmem.plan.bill_homes), then each active feature's (jaxmem.core.plugins.Feature.bill_terms, from the
 registry), phase by phase (PHASES). A term reads and writes a `Draft`; a feature that changes what the base
 step holds says so through the draft's flags (e.g. LoRA's frozen LM head has no gradient) rather than the
 base terms naming the feature.
@@ -13,7 +13,7 @@ import dataclasses
 
 import numpy as np
 
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem import kernels
 from jaxmem.config.schema import Config
 from jaxmem.core.accounting import (abstract_train_state, frozen_bytes, head_grad_itemsize, itemsize, model_elems,
@@ -22,7 +22,7 @@ from jaxmem.core.grad_dtype import planned_dtype
 from jaxmem.core.layout import Layout
 from jaxmem.core.precision import Precision
 from jaxmem.model.layers import ACT_BTD
-from jaxmem.plan import bill_parts as parts
+from jaxmem.plan import bill_homes, bill_parts as parts
 from jaxmem.plan.categories import BILL_TO_EXPLAIN
 
 # Device-bill categories in display order (each named with its explain category in plan/categories.py);
@@ -59,28 +59,33 @@ class Bill:
     # optimizer_update=device): a whole device-side total, not added to the rest (0 when the update does not
     # stream). See update_phase_bytes.
     update_phase: int = 0
-    # A mixture of experts: the experts' masked per-group copies inside working_set (jaxmem.moe.bill),
-    # live only in the experts' weight-gradient backward, without the attention's S x S copies and before the
-    # layer's full gradients and next gathered layer (Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g:
-    # the state, these copies and little else at the peak).
-    moe_scratch: int = 0
+    # Each feature's scratch inside working_set, by the feature's name: live only in that feature's own phase of
+    # the layer's backward, without the attention's S x S copies and before the layer's full gradients and next
+    # gathered layer (a mixture of experts: the experts' masked per-group copies in their weight-gradient
+    # backward, jaxmem.moe.bill; Mixtral and Qwen3-30B-A3B widths, deviceless h100-80g: the state, these copies
+    # and little else at the peak).
+    feature_scratch: dict = dataclasses.field(default_factory=dict)
     # A flash kernel's attention backward (attention_phase_bytes): its own phase, beside working_set (the
     # MLP backward's); the larger with sequence tiles, where the MLP runs a tile at a time.
     attention_phase: int = 0
     # Elements per device of each checkpointed tensor of one layer, as the bill counted them (the features'
     # terms included: a mixture of experts' routed rows); the cost model reads them too.
     per_name: dict = dataclasses.field(default_factory=dict)
+    # The step takes every weight's gradient at once (a feature may say not: LoRA's frozen model, the update in
+    # the backward), so the update reads the gradients the bill holds (the cost model's update bytes).
+    whole_model_grads: bool = True
 
     @property
     def layer_phase(self) -> int:
         """One layer's backward at its peak: the attention backward (working set with the S x S copies, or
         a flash kernel's phase), the MLP backward (working set without them, plus the gathered weights and
-        full gradients), or a mixture of experts' backward (with its expanded rows, without the temporaries)."""
+        full gradients), or a feature's own phase (a mixture of experts' backward, with its expanded rows, without
+        the temporaries and the other features' scratch)."""
         d = self.device
-        ws, attn, moe = d["working_set"], self.attention_scratch, self.moe_scratch
-        phases = [ws - moe, ws - attn - moe + d["temporaries"], self.attention_phase]
-        if moe:
-            phases.append(ws - attn)
+        ws, attn = d["working_set"], self.attention_scratch
+        scratch = sum(self.feature_scratch.values())
+        phases = [ws - scratch, ws - attn - scratch + d["temporaries"], self.attention_phase]
+        phases += [ws - attn - (scratch - own) for own in self.feature_scratch.values() if own]
         return max(phases)
 
     @property
@@ -109,7 +114,8 @@ class Bill:
                 "attention_scratch": int(self.attention_scratch),
                 "absent_in_loss": int(self.absent_in_loss), "absent_in_layers": int(self.absent_in_layers),
                 "update_phase": int(self.update_phase),
-                "moe_scratch": int(self.moe_scratch), "attention_phase": int(self.attention_phase),
+                "feature_scratch": {k: int(v) for k, v in self.feature_scratch.items()},
+                "attention_phase": int(self.attention_phase),
                 "label": "estimated (analytic)"}
 
 
@@ -130,7 +136,7 @@ class Draft:
     saved_host: dict[str, int] = dataclasses.field(default_factory=dict)
     notes: list[str] = dataclasses.field(default_factory=list)
     scores_working: int = 0
-    moe_scratch: int = 0
+    feature_scratch: dict[str, int] = dataclasses.field(default_factory=dict)  # Bill.feature_scratch
     update_phase: int = 0
     attention_phase: int = 0
     absent_in_loss: int = 0
@@ -168,14 +174,16 @@ def compute_bill(cfg: Config, n_devices: int, gpu: bool = True, layout: Layout |
     feature_terms = features.terms("bill_terms")
     for phase in PHASES:
         BASE_TERMS[phase](draft)
+        if phase in bill_homes.TERMS:  # where the state lives: every run's, after the base model's
+            bill_homes.TERMS[phase](draft)
         for term_phase, term in feature_terms:
             if term_phase == phase:
                 term(draft)
     d = draft
     return Bill(d.device, d.host, d.saved_dev, d.saved_host, layout.mesh_sizes, d.notes, layout,
                 attention_scratch=d.scores_working, absent_in_loss=d.absent_in_loss,
-                absent_in_layers=d.absent_in_layers, update_phase=d.update_phase, moe_scratch=d.moe_scratch,
-                attention_phase=d.attention_phase, per_name=d.per_name)
+                absent_in_layers=d.absent_in_layers, update_phase=d.update_phase, feature_scratch=d.feature_scratch,
+                attention_phase=d.attention_phase, per_name=d.per_name, whole_model_grads=d.whole_model_grads)
 
 
 # ---------------------------------------------------------------- the base model's terms

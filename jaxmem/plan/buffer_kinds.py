@@ -10,7 +10,7 @@ import jaxmem.kernels.cross_entropy
 import jaxmem.model.layers
 import jaxmem.model.rope
 import jaxmem.optim
-from jaxmem import features as registry
+from jaxmem import registry
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.offload import StateHomes
 from jaxmem.config.names import ALL_NAMES
@@ -409,6 +409,8 @@ def _gathered(b: BufferFacts):
 
 def _optimizer_copy(b: BufferFacts):
     if b.copy_of and b.copy_of.startswith(("state['master']", "state['opt']")):  # optimizer state, not weights
+        if b.state.homes.optimizer_on_host:  # the state in pinned host memory brought to the device for the update
+            return "optimizer", "optimizer_fetch", f"{b.copy_of} brought from pinned host memory in {b.where}"
         return "optimizer", "optimizer_temp", f"a copy of {b.copy_of} in {b.where}"
 
 

@@ -11,7 +11,7 @@ from jaxmem.runtime import compat
 from jaxmem.runtime.aot import Topology
 from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, host_bytes, memory_warnings, read_fields
 from jaxmem.config.schema import Config
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.plan import compile_failure, figure_cache
 from jaxmem.kernels.attention.cudnn import backward_workspace_bytes
 

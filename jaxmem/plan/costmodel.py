@@ -32,16 +32,15 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from jaxmem import registry
 from jaxmem.core import remat
 from jaxmem.config.schema import Config
 from jaxmem.config.names import CheckpointName as CN
 from jaxmem.model.presets import active_param_count, param_count
-from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import Bill
 from jaxmem.model.seq_tiling import tile_count
 from jaxmem.mesh.sharding import batch_ways
 from jaxmem.config.targets import GpuTarget
-from jaxmem.lora.adapters import adapter_param_count, resolve_targets
 from jaxmem.kernels.attention.pallas import score_pairs
 from jaxmem.kernels import loss_blocks
 from jaxmem.kernels.cross_entropy.chunked import tiles
@@ -71,28 +70,6 @@ LOSS_PASSES = {"naive": 3, "chunked": 4, "pallas": 4}
 # constants.md, costmodel). Other tiles: the nearest one.
 CHUNKED_LOSS_EFFICIENCY_BY_TILE = {(1024, 4096): 0.396, (2048, 8192): 0.483, (4096, 4096): 0.480,
                                    (8192, 2048): 0.535}
-# The experts' grouped matmul per kernel, on the active FLOPs (6 x rows x D x F: forward and both gradients), by
-# (rows per expert, D, F), timed on a GPU with rows routed uniformly at random (scripts/bench_grouped_matmul.py;
-# benchmarks/gpu_h200.md; benchmarks/constants.md, costmodel). Its rate grows with the rows per expert (each
-# expert's rows pad to whole 128-row blocks; d_w loops over an expert's blocks) and the widths. Other shapes:
-# the nearest measured one (log2 distance). ragged_dot, densified by XLA:GPU, was timed at one shape only.
-GROUPED_MATMUL_EFFICIENCY_BY_SHAPE = {
-    "pallas": {(64, 2048, 768): 0.057, (128, 2048, 768): 0.100, (512, 2048, 768): 0.183,
-               (512, 4096, 1536): 0.258, (512, 4096, 14336): 0.370, (2048, 4096, 14336): 0.425},
-    "blocked": {(64, 2048, 768): 0.018, (128, 2048, 768): 0.027, (512, 2048, 768): 0.047,
-                (512, 4096, 1536): 0.050, (512, 4096, 14336): 0.060, (2048, 4096, 14336): 0.072},
-    "ragged_dot": {(128, 2048, 768): 0.0066},
-}
-
-
-def grouped_matmul_efficiency(kernel: str, rows_per_expert: float, d: int, f: int) -> float:
-    """Achieved fraction of the dense peak of the experts' grouped matmul: the nearest measured shape's."""
-    table = GROUPED_MATMUL_EFFICIENCY_BY_SHAPE[kernel]
-    near = min(table, key=lambda key: sum(abs(math.log2(max(a, 1) / b)) for a, b in zip((rows_per_expert, d, f),
-                                                                                       key)))
-    return table[near]
-
-
 # Achieved fraction of the target's host-link figure (GpuTarget.host_link_bandwidth, already a practical
 # per-direction figure); transfers in the two directions are counted one after the other. Not fitted: checked
 # against one measured offload step (benchmarks/constants.md, costmodel).
@@ -171,22 +148,13 @@ class Cost:
                             "layer_overhead_seconds": LAYER_OVERHEAD_SECONDS,
                             "attention_efficiency": dict(ATTENTION_EFFICIENCY),
                             "loss_efficiency": dict(LOSS_EFFICIENCY),
-                            "grouped_matmul_efficiency_by_shape": {
-                                kernel: {"x".join(map(str, key)): e for key, e in table.items()}
-                                for kernel, table in GROUPED_MATMUL_EFFICIENCY_BY_SHAPE.items()},
+                            **{k: v for f in registry.FEATURES for k, v in f.cost_constants.items()},
                             "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
                                                                 in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
                             "host_update_seconds_per_param": dict(HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT),
                             "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
-
-
-def lora_adapter_params(cfg: Config) -> int:
-    """Elements of a LoRA run's adapters (0 for a full fine-tune)."""
-    if cfg.lora.rank <= 0:
-        return 0
-    return adapter_param_count(cfg.model, resolve_targets(cfg.lora.targets), cfg.lora.rank)
 
 
 def _local_layers(m) -> int:
@@ -221,10 +189,7 @@ def _op_flops(cfg: Config, tokens: int) -> dict[str, float]:
     ops = {"norm": 0.0, "elementwise": 0.0, "q_proj": 2.0 * tokens * d * n * h,
            "kv_proj": 2.0 * tokens * d * k * h, "attention": 4.0 * tokens * _keys_per_query(cfg) * n * h,
            "o_proj": 2.0 * tokens * n * h * d, "up_proj": 2.0 * tokens * d * f, "down_proj": 2.0 * tokens * f * d}
-    if bill_moe.is_moe(cfg):  # the router and the k experts a token runs, not all of them
-        moe = bill_moe.active_mlp_flops(cfg, tokens)
-        ops.update(up_proj=moe["up_proj"], down_proj=moe["down_proj"], router_proj=moe["router"])
-    return ops
+    return registry.for_config(cfg).layer_flops(cfg, tokens, ops)  # a mixture of experts: the k it runs
 
 
 def _rebuilt_ops(cfg: Config, saved: dict[str, str] | None, attention_kernel: str | None,
@@ -280,9 +245,8 @@ def _elementwise_elems_per_token(cfg: Config) -> int:
     write d; four with post-norms), RoPE on q and k (read + write; the q/k norms as much again), two residual
     adds (read 2 d, write d), SiLU (or GELU) x up (read 2 f, write f)."""
     m = cfg.model
-    d, q, kv, f = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim, m.d_ff
-    if bill_moe.is_moe(cfg):  # a token's k experts' activations
-        f = m.experts_per_token * bill_moe.expert_width(cfg)
+    d, q, kv = m.d_model, m.n_heads * m.head_dim, m.n_kv_heads * m.head_dim
+    f = registry.for_config(cfg).mlp_width_per_token(cfg, m.d_ff)  # a mixture of experts: a token's k experts'
     norms = 4 if m.post_norms else 2
     return norms * 2 * d + 2 * (q + kv) * (2 if m.qk_norm else 1) + 2 * 3 * d + 3 * f
 
@@ -312,16 +276,6 @@ def _layer_elems(bill: Bill, specs) -> int:
     return _state_elems(bill.layout, specs, "layers")
 
 
-def _expert_efficiency(cfg: Config, bill: Bill, kernel: str) -> float:
-    """The grouped matmul's rate at this step's shape: a device's routed rows per local expert (its tokens x
-    top-k without ep; the all-to-all buffer's rows with ep) and the expert widths."""
-    layout = bill.layout
-    rows = (bill_moe.routed_rows(cfg, layout) if cfg.parallel.ep > 1
-            else bill_moe.tokens_per_device(cfg, layout) * cfg.model.experts_per_token)
-    return grouped_matmul_efficiency(kernel, rows / bill_moe.local_experts(cfg), cfg.model.d_model,
-                                     bill_moe.expert_width(cfg))
-
-
 def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int,
                    host_update_rate: float | None = None) -> dict:
     """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device). `host_update_rate`:
@@ -335,10 +289,10 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     # the tiles rerun their forward in the backward: counted here as in the recompute FLOPs
     rebuilt = _rebuilt_ops(cfg, bill.layout.saved, attn_kernel,
                            tile_count(seq, bill.mesh.get("sp", 1), cfg.remat.seq_tile))
-    matmul_s, matmul_flops, expert_flops = _matmul_seconds(cfg, bill, ops, rebuilt, tokens, n_devices * peak)
+    matmul_s, matmul_flops, own_rate = _matmul_seconds(cfg, bill, ops, rebuilt, tokens, n_devices * peak)
     attn_s, attn_flops = _attention_seconds(cfg, gpu, attn_kernel, rebuilt, tokens, grad_accum * rows,
                                             n_devices, peak)
-    loss_s, loss_flops = _loss_seconds(cfg, loss_kernel, tokens, n_devices, peak)
+    loss_s, loss_flops = _loss_seconds(cfg, loss_kernel, tokens, n_devices, peak, bill.layout.freezes_model)
     memory_s, hbm_bytes = _memory_seconds(cfg, bill, gpu, tokens, n_devices)
     layer_s = LAYER_OVERHEAD_SECONDS * cfg.model.n_layers * grad_accum
     overlapped, serial = _host_link_bytes(cfg, bill, grad_accum)
@@ -352,35 +306,35 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
             "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
             "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
             "host_update_seconds": host_update_s,
-            "matmul_flops": matmul_flops, "expert_matmul_flops": expert_flops, "attention_kernel_flops": attn_flops,
-            "loss_flops": loss_flops,
-            "hbm_bytes": hbm_bytes, "attention_kernel": attn_kernel,
-            "loss_kernel": loss_kernel, **({"grouped_matmul_kernel": kernels.get("grouped_matmul", "blocked")}
-                                           if expert_flops else {})}
+            "matmul_flops": matmul_flops, **_breakdown_defaults(), "attention_kernel_flops": attn_flops,
+            "loss_flops": loss_flops, "hbm_bytes": hbm_bytes, "attention_kernel": attn_kernel,
+            "loss_kernel": loss_kernel, **own_rate}
+
+
+def _breakdown_defaults() -> dict:
+    """What the breakdown reports of every feature the registry holds, on or off (a dense model's 0 expert FLOPs)."""
+    return {k: v for f in registry.FEATURES for k, v in f.cost_breakdown_defaults.items()}
 
 
 def _matmul_seconds(cfg: Config, bill: Bill, ops: dict, rebuilt: list[str], tokens: int,
-                    peak_all: float) -> tuple[float, float, float]:
-    """(seconds, FLOPs, of them the experts') of the projection / MLP matmuls: forward, backward (2 x; a frozen
-    weight's 1 x, its input gradient), the remat recompute. A mixture of experts runs its MLP ops as grouped
-    matmuls, at their kernel's own rate."""
+                    peak_all: float) -> tuple[float, float, dict]:
+    """(seconds, FLOPs, the breakdown entries of those a feature runs at its own rate) of the projection / MLP
+    matmuls: forward, backward (2 x; a frozen weight's 1 x, its input gradient), the remat recompute. A feature
+    may run some at its kernel's own rate (a mixture of experts' grouped matmuls)."""
     m = cfg.model
-    weight_passes = 2 if cfg.lora.rank > 0 else 3
+    features = registry.for_config(cfg)
+    weight_passes = 2 if bill.layout.freezes_model else 3
     layer_matmul = sum(v for k, v in ops.items() if k.endswith("_proj"))
     layer_matmul += ops["up_proj"] + ops["kv_proj"]  # gate + up, key + value: two matmuls each
     recomputed = sum(ops[o] for o in rebuilt if o.endswith("_proj"))
     matmul_flops = (weight_passes * layer_matmul + recomputed) * m.n_layers
-    expert_flops = 0.0
-    if bill_moe.is_moe(cfg):
-        expert_ops = ("up_proj", "down_proj")
-        expert_flops = (weight_passes * (2 * ops["up_proj"] + ops["down_proj"])
-                        + sum(ops[o] for o in rebuilt if o in expert_ops)) * m.n_layers
-    if cfg.lora.rank > 0:  # the adapters' own matmuls (forward, dx, dA, dB)
-        matmul_flops += 3 * 2.0 * tokens * lora_adapter_params(cfg)
-    kernel = bill.layout.kernels.get("grouped_matmul", "blocked")
-    expert_rate = _expert_efficiency(cfg, bill, kernel) if expert_flops else 1.0
-    seconds = ((matmul_flops - expert_flops) / MATMUL_EFFICIENCY + expert_flops / expert_rate) / peak_all
-    return seconds, matmul_flops, expert_flops
+    own = features.own_rate_matmuls(cfg, bill, ops, rebuilt, weight_passes)
+    extra = features.extra_trained_params(cfg)
+    if extra:  # what a feature trains beside the model (LoRA's adapters): forward, dx, dA, dB
+        matmul_flops += 3 * 2.0 * tokens * extra
+    own_flops = sum(flops for flops, _, _ in own)
+    seconds = ((matmul_flops - own_flops) / MATMUL_EFFICIENCY + sum(flops / rate for flops, rate, _ in own)) / peak_all
+    return seconds, matmul_flops, {k: v for _, _, entries in own for k, v in entries.items()}
 
 
 def _attention_seconds(cfg: Config, gpu: GpuTarget, kernel: str, rebuilt: list[str], tokens: int, sequences: int,
@@ -399,10 +353,11 @@ def _attention_seconds(cfg: Config, gpu: GpuTarget, kernel: str, rebuilt: list[s
     return flops / (n_devices * peak * MATMUL_EFFICIENCY) + scores / (n_devices * hbm), flops
 
 
-def _loss_seconds(cfg: Config, kernel: str, tokens: int, n_devices: int, peak: float) -> tuple[float, float]:
-    """(seconds, FLOPs) of the LM head + cross-entropy; a LoRA head is frozen: no dW."""
+def _loss_seconds(cfg: Config, kernel: str, tokens: int, n_devices: int, peak: float,
+                  frozen_head: bool) -> tuple[float, float]:
+    """(seconds, FLOPs) of the LM head + cross-entropy; a frozen head (the model frozen: LoRA) has no dW."""
     m = cfg.model
-    passes = LOSS_PASSES.get(kernel, 4) - (1 if cfg.lora.rank > 0 else 0)
+    passes = LOSS_PASSES.get(kernel, 4) - (1 if frozen_head else 0)
     flops = passes * 2.0 * tokens * m.d_model * m.vocab_size
     return flops / (n_devices * peak * loss_efficiency(cfg, kernel, max(1, tokens // n_devices))), flops
 
@@ -420,7 +375,7 @@ def _memory_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, tokens: int, n_devi
     moments_b = sum(bill.layout.optimizer.moment_bytes_per_value())  # m + v as stored (optim.kind)
     master_b = 4 if p.master_weights else 0
     homes = bill.layout.homes
-    plain = not cfg.optimizer.update_in_backward and bill.layout.lora is None and not homes.params_on_host
+    plain = bill.whole_model_grads and not homes.params_on_host  # the bill's grads are what the update reads
     grad_read = bill.device["grads"] if plain else opt_elems * grad_b
     update_bytes = 2 * grad_read + opt_elems * (2 * param_b + 2 * master_b + 2 * moments_b)
     hbm = gpu.hbm_bandwidth * HBM_EFFICIENCY
@@ -468,27 +423,17 @@ def sequence_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accu
     return moved / gpu.interconnect_bandwidth
 
 
-def expert_parallel_seconds(cfg: Config, bill: Bill, gpu: GpuTarget, grad_accum: int) -> float:
-    """The expert-parallel all-to-alls per step (dispatch and combine, forward and backward, every layer and
-    micro-batch; jaxmem.moe.bill.all_to_all_bytes), at the interconnect bandwidth (estimated). 0 without
-    expert parallelism."""
-    cd = 2 if cfg.precision.compute_dtype != "float32" else 4
-    moved = grad_accum * cfg.model.n_layers * bill_moe.all_to_all_bytes(cfg, bill.layout, cd)
-    return moved / gpu.interconnect_bandwidth
-
-
 def zero3_gathered_bytes(cfg: Config, bill: Bill, n_params: int) -> float:
     """Bytes of bf16 weights one ZeRO-3 all-gather brings each device per pass over the model: the
     (ways - 1) / ways it does not hold, ways = dp x fsdp x ep (batch_ways) for the non-expert weights and
-    dp x fsdp for the experts (split over ep, never gathered over it). 0 below ZeRO-3."""
+    dp x fsdp for the experts (split over ep, never gathered over it: a feature's own, Feature.zero3_gathered).
+    0 below ZeRO-3."""
     if cfg.parallel.zero_stage != 3:
         return 0.0
-    ep = max(cfg.parallel.ep, 1)
     ways = batch_ways(bill.mesh)
-    expert_ways = ways // ep
-    experts = bill_moe.expert_params(cfg)
-    share = lambda n: (n - 1) / n  # noqa: E731
-    return (n_params - experts) * 2 / bill.mesh["tp"] * share(ways) + experts / ep * 2 / bill.mesh["tp"] * share(expert_ways)
+    own = registry.for_config(cfg).zero3_gathered(cfg, bill)
+    rest = n_params - sum(elems for elems, _ in own)
+    return rest * 2 / bill.mesh["tp"] * ((ways - 1) / ways) + sum(gathered for _, gathered in own)
 
 
 def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, grad_accum: int,
@@ -502,9 +447,11 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     matmul_params = active_param_count(m) - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)  # no lookup
     layer_ops = _op_flops(cfg, tokens)
     attention = 3.0 * layer_ops["attention"] * m.n_layers
-    # LoRA: the frozen weights get no gradient (forward + dx: 4 N T); the adapters train (6 per element and token)
-    weight_passes = 4.0 if cfg.lora.rank > 0 else 6.0
-    model_flops = weight_passes * matmul_params * tokens + 6.0 * lora_adapter_params(cfg) * tokens + attention
+    # a frozen model (LoRA) gets no weight gradient (forward + dx: 4 N T); what a feature trains beside it (the
+    # adapters) 6 per element and token
+    weight_passes = 4.0 if bill.layout.freezes_model else 6.0
+    extra = registry.for_config(cfg).extra_trained_params(cfg)
+    model_flops = weight_passes * matmul_params * tokens + 6.0 * extra * tokens + attention
     n_tiles = tile_count(cfg.train.seq_len, bill.mesh.get("sp", 1), cfg.remat.seq_tile)
     recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved, bill.layout.kernels.get("attention"),
                                           n_tiles) * m.n_layers
@@ -519,7 +466,7 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     # weights split over ep are gathered over the rest only (an ep-th of them per device).
     collective = 3 * grad_accum * zero3_gathered_bytes(cfg, bill, n_params) / gpu.interconnect_bandwidth
     collective += sequence_parallel_seconds(cfg, bill, gpu, grad_accum)
-    collective += expert_parallel_seconds(cfg, bill, gpu, grad_accum)
+    collective += registry.for_config(cfg).collective_seconds(cfg, bill, gpu, grad_accum)  # expert parallelism's
     host_link = parts["host_overlapped_seconds"] + parts["host_serial_seconds"]
     serial = parts["host_serial_seconds"] + parts["host_update_seconds"]
     step = max(compute, collective, parts["host_overlapped_seconds"]) + serial

@@ -15,11 +15,11 @@ from pathlib import Path
 
 from jaxmem.runtime.aot import Topology, resolve_topology
 from jaxmem.config import Config, to_dict
-from jaxmem.features import from_dict
+from jaxmem.loader import from_dict
 from jaxmem.plan import compile_failure, hlo_dump
 from jaxmem.plan.buffer_kinds import classify, state_shapes
 from jaxmem.runtime.compiled_memory import memory_figures
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.plan.timeline import build
 from jaxmem.config.targets import target_for_device_kind
 from jaxmem.plan import oom

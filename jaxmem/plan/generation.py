@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxmem.config.schema import Config, ConfigError
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.generation.buckets import bucket
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.loop import generate_fn

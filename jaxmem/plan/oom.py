@@ -28,7 +28,7 @@ import re
 from jaxmem.runtime.oom_text import is_oom  # noqa: F401 (the predicate lives below its users; re-exported)
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.config import apply_overrides, to_dict
-from jaxmem.features import from_dict
+from jaxmem.loader import from_dict
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.costmodel import estimate
 

@@ -4,17 +4,17 @@ from __future__ import annotations
 
 import os
 
+from jaxmem import registry
 from jaxmem.core import remat
 from jaxmem.core.offload import StateHomes
 from jaxmem.runtime.aot import Topology
 from jaxmem.config.schema import Config, config_hash
 from jaxmem.plan.bill import CATEGORIES, HOST_CATEGORIES, Bill
-from jaxmem.moe.bill import parameter_counts
 from jaxmem.plan.compiled import CompiledFigures
 from jaxmem.plan.costmodel import Cost
 from jaxmem.plan.allocator import derive
-from jaxmem.plan.pipeline_render import render_pipeline
 from jaxmem.io.console import make_console
+from jaxmem.model.presets import param_count
 
 SCHEMA_VERSION = 1
 GIB = 1024**3
@@ -38,6 +38,13 @@ def offload_status(cfg: Config, compiled: CompiledFigures | None, homes: StateHo
         amount = f"{host / GIB:.2f} GiB" if host >= GIB / 100 else f"{host / 1024**2:.2f} MiB"
         return {"requested": True, "verified": True, "message": f"offload verified: {amount} on host"}
     return {"requested": True, "verified": False, "message": "offload requested but nothing moved"}
+
+
+def parameter_counts(cfg: Config) -> dict[str, int]:
+    """The model's parameters ("total") and the ones a token uses ("active"), as the active features count them
+    (a mixture of experts: k / E of its experts; a dense model: all)."""
+    total = param_count(cfg.model)
+    return registry.for_config(cfg).parameter_counts(cfg, {"total": total, "active": total})
 
 
 def build_plan(cfg: Config, topo: Topology, bill: Bill, compiled: CompiledFigures | None, cost: Cost,
@@ -190,7 +197,8 @@ def render(plan: dict, console=None) -> None:
         console.print("total: XLA's memory_analysis of the compiled step, each allocation whole; `jaxmem explain` "
                       "ranks the buffers live at once at its peak (their live ranges), which the temp allocation's "
                       "packing can leave below this total", highlight=False)
-    render_pipeline(plan, console)
+    for feature in registry.FEATURES:  # a feature's own section (a pipeline's stages)
+        feature.render_plan(plan, console)
     avc = plan.get("analytic_vs_compiled")
     if avc and avc["compiled_device_bytes"] is not None:
         console.print(f"device total per device: estimated (analytic) {_gib(avc['analytic_device_bytes'])} {unit[0]} "

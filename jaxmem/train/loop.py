@@ -6,7 +6,7 @@ stats also mem/* and plan/* device-memory figures, see jaxmem.train.telemetry) a
 tokens/s are wall-clock figures measured on the host the run ran on (over the steps since the previous record),
 on whatever devices it had: CPU figures say nothing about a GPU.
 
-For scripts, the pieces used here are importable: `jaxmem.features.load_config`, `jaxmem.core.program.build_program`,
+For scripts, the pieces used here are importable: `jaxmem.loader.load_config`, `jaxmem.core.program.build_program`,
 `jaxmem.io.data.batches`, `jaxmem.core.checkpoint.Checkpoints` and `jaxmem.train.resume` (see
 scripts/train_example.py).
 """
@@ -38,7 +38,7 @@ from jaxmem.optim.hyper import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
-from jaxmem.features import build_run_program
+from jaxmem.registry import build_run_program
 from jaxmem.train.save_clock import SaveClock
 from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile
@@ -359,10 +359,10 @@ def parameter_counts(prog: TrainProgram) -> str:
     """One line: trainable and frozen parameter counts (counted from the state's shapes)."""
     count = lambda tree: sum(math.prod(x.shape) for x in jax.tree.leaves(tree))  # noqa: E731
     trainable = count(prog.layout.abstract_params)
-    if prog.layout.lora is None:
+    if not prog.layout.freezes_model:
         return f"{trainable:,} trainable parameters (full fine-tune)"
     frozen = count(prog.layout.model_abstract_params)
-    lo = prog.layout.lora
+    lo = prog.layout.part("lora")
     return (f"{trainable:,} trainable parameters (LoRA rank {lo.rank} adapters), {frozen:,} frozen "
             f"(base stored as {lo.base_dtype})")
 

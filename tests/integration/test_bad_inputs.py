@@ -170,7 +170,7 @@ def test_settings_outside_their_range_are_one_line_before_anything_runs(tmp_path
 
 
 def test_clip_norm_zero_or_below_still_means_no_clipping():
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     assert load_config(TINY, ["optimizer.clip_norm=0"]).optimizer.clip_norm == 0
     assert load_config(TINY, ["optimizer.clip_norm=-1"]).optimizer.clip_norm == -1
@@ -324,7 +324,7 @@ def test_a_billion_laughs_config_is_refused_naming_the_file(tmp_path, capsys):
 
 
 def test_a_few_aliases_still_load(tmp_path):
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     config = tmp_path / "shared.yaml"
     config.write_text("model: {preset: tiny}\ntrain: {steps: &n 3, log_every: *n}\n")
@@ -369,7 +369,7 @@ def test_a_json_line_nested_too_deeply_is_one_line_naming_the_file_and_line(toke
 
 def test_text_parts_are_joined_other_parts_refused_empty_chats_skipped_and_counted(tokenizer, tmp_path, capsys):
     from jaxmem.io.documents.tokenize import DocumentMaker, payloads, tokenizer_spec
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     plain = {"messages": [{"role": "user", "content": "the cat sat"}, {"role": "assistant", "content": "yes"}]}
     parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "the cat"},

@@ -10,9 +10,9 @@ import pytest
 from jaxmem import cli
 from jaxmem.cli.bench import main
 from jaxmem.config.targets import target_for_device_kind
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.runtime.compiled_memory import memory_figures
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 TINY = str(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml")
 SMALL = ["train.seq_len=32"]  # 8 devices (fsdp=-1) x 2 rows x 32 tokens

@@ -3,7 +3,7 @@ bill's attention phase (jaxmem.plan.bill.attention_phase_bytes) against XLA's de
 deviceless for one H100 (Llama-3-8B widths, 2 layers, QLoRA nf4, 1M tokens in 8192-token tiles)."""
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import plan, resolve_topology
 from jaxmem.plan.bill import compute_bill
 
@@ -17,7 +17,8 @@ WIDE_LOCAL = ["model.n_heads=48", "model.attention_sinks=true", "model.sliding_w
 
 def _without_attention_phase(bill) -> int:
     d, ws = bill.device, bill.device["working_set"]
-    mlp = max(ws - bill.moe_scratch, ws - bill.attention_scratch - bill.moe_scratch + d["temporaries"])
+    scratch = sum(bill.feature_scratch.values())
+    mlp = max(ws - scratch, ws - bill.attention_scratch - scratch + d["temporaries"])
     return bill.device_total - bill.layer_phase + mlp
 
 

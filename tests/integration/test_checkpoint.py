@@ -13,10 +13,10 @@ import pytest
 
 from jaxmem.core.checkpoint import Checkpoints, init_from, math_hash, run_meta
 from jaxmem.config import ConfigError, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import batches
 from jaxmem.kernels.cross_entropy.reference import cross_entropy_from_logits
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.train import initial_state, resume_schedule, run
 
 BASE = ["train.seq_len=32", "train.micro_batch=2", "train.progress=false", "train.log_every=1",
@@ -187,7 +187,7 @@ def test_init_from_with_another_model_is_a_config_error(tmp_path):
 def test_init_from_refuses_another_layer_function(tmp_path):
     """Qwen3 / Gemma 3 keys change what a layer computes with the same shapes: an init_from checkpoint whose
     model.json differs in one of them is refused in one line naming the key."""
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.io.model_match import check_model_json
     from jaxmem.config.schema import ConfigError
 

@@ -15,12 +15,12 @@ from flax import nnx
 from jaxmem.core.checkpoint import Checkpoints, init_from, run_meta
 from jaxmem.cli import main as cli_main
 from jaxmem.config import ConfigError, ModelConfig, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import make_source
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.cli.import_hf import main as import_hf
 from jaxmem.model.transformer import abstract_model
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.train import initial_state, run
 
 GARBAGE = bytes(range(128, 256)) + bytes(range(128))  # invalid UTF-8 from byte 0 on

@@ -262,9 +262,9 @@ def _check_parses(command: Command, monkeypatch, capsys):
         loaded.append(real(path, overrides, *args, **kwargs))
         raise _Parsed
 
-    from jaxmem import features
+    from jaxmem import loader
 
-    real = features.load_config
+    real = loader.load_config
     for module in {m.partition(":")[0] for m, _ in cli.COMMANDS.values()}:
         mod = importlib.import_module(module)
         if hasattr(mod, "load_config"):

@@ -17,12 +17,12 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem import cli
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ParallelConfig
 from jaxmem.moe import expert_parallel
 from jaxmem.mesh import sharding
 from jaxmem.core.layout import state_specs
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.model.moe import dispatch_local, grouped_linear, grouped_mlp
 from jaxmem.config.names import MOE_NAMES
 from jaxmem.model.transformer import abstract_model

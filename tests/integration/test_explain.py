@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from jaxmem.plan import explain as explain_mod
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.names import ALL_NAMES, MOE_NAMES, CheckpointName, name_in_op, scope_name
 from jaxmem.plan import attribution, buffer_kinds, categories
 from jaxmem.plan.buffer_kinds import CATEGORIES, SUGGESTIONS, classify, state_shapes

@@ -16,9 +16,9 @@ import pytest
 from chat_fixtures import chat, write_tokenizer
 from jaxmem import cli
 from jaxmem.core.checkpoint import Checkpoints, restore_run
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.cli.export_hf import run_config
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.train import run
 
 torch = pytest.importorskip("torch")
@@ -67,7 +67,7 @@ def _run_logits(run_dir, tokens):
     state, _ = restore_run(prog, ckpts)
     ckpts.close()
     params = state["params"]
-    if prog.layout.lora is not None:
+    if prog.layout.part("lora") is not None:
         from jaxmem.lora.export import merged_params
 
         params = merged_params(prog, state)

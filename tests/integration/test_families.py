@@ -164,7 +164,7 @@ def test_import_hf_gemma3_snippet_trains_from_it(checkpoints, tmp_path, capsys):
     import orbax.checkpoint as ocp
 
     from jaxmem.cli import main as cli_main
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
 
     directory, hf_model = checkpoints["gemma3"]
     out = tmp_path / "imported"

@@ -5,8 +5,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "train.micro_batch=1", "optimizer.warmup_steps=0", "optimizer.lr=3e-3"]
 STEPS = 4

@@ -1,7 +1,7 @@
 """jaxmem.plan.figure_cache: a deviceless compile's figures kept by lowered text + target + versions + flags."""
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import figure_cache
 
 

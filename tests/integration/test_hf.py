@@ -16,7 +16,7 @@ from hf_parity import hf_logits as _ref_logits, jax_logits as _logits
 import jaxmem
 from jaxmem.mesh import sharding
 from jaxmem.config import ConfigError, ModelConfig, ParallelConfig
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.cli.import_hf import main as import_hf_main
 from jaxmem.io.hf_layout import read_slice, to_hf

@@ -17,7 +17,8 @@ from hf_parity import saved_checkpoints
 from jaxmem import cli
 from jaxmem.config import ConfigError
 from jaxmem.core.checkpoint import init_from
-from jaxmem.features import build_program, load_config
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.io.hf import load_hf
 from jaxmem.io.hf_config import model_config_from_hf
 

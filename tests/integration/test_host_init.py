@@ -4,9 +4,9 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core import host_init
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=3", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "precision.param_dtype=bfloat16", "precision.master_weights=true", "remat.preset=full"]

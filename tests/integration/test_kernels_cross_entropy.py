@@ -127,9 +127,9 @@ def test_the_step_asks_the_loss_to_scatter_dw_where_the_head_gradient_is_split(o
     """The program passes the axes its LM head gradient is split over along d_model: FSDP's state axes at ZeRO
     2/3; none where the gradient is replicated (ZeRO-1) or split along the vocabulary (tied: the embedding);
     None where the head is frozen (LoRA), so the loss leaves dW for XLA to drop."""
-    from jaxmem.features import load_config
+    from jaxmem.loader import load_config
     from jaxmem.core.program import _head_grad_axes
-    from jaxmem.features import build_program
+    from jaxmem.registry import build_program
 
     prog = build_program(load_config("configs/tiny.yaml", overrides), devices=jax.devices())
     assert _head_grad_axes(prog) == axes

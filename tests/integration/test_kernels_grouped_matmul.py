@@ -11,8 +11,8 @@ import pytest
 
 from jaxmem.config import ConfigError, KernelConfig
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.kernels import resolve, select_grouped_matmul
 from jaxmem.kernels.grouped_matmul import blocked, pallas
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks

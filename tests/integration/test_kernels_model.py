@@ -8,10 +8,10 @@ import pytest
 
 from jaxmem import kernels
 from jaxmem.mesh import sharding
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.mesh.axes import activation_rules
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from kernel_checks import assert_close
 
 SEQ = 32

@@ -22,12 +22,12 @@ from jaxmem.runtime import memory_kinds_shim
 from jaxmem.core import remat
 from jaxmem.runtime.aot import resolve_topology
 from jaxmem.config import KernelConfig
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core.layout import spec_leaves
 from jaxmem.config.names import ALL_NAMES, CheckpointName as CN
 from jaxmem.plan.bill import compute_bill
 from jaxmem.core.precision import Precision
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not in p.parts)
@@ -41,7 +41,7 @@ def program_and_bill(request):
     topo = resolve_topology(cfg)
     if cfg.parallel.pp > 1:  # a pipeline: its last stage's program (LM head and loss) and that stage's bill
         from jaxmem.pipeline import partition
-        from jaxmem.features import build_pipeline
+        from jaxmem.registry import build_pipeline
 
         counts = partition.layer_counts(cfg) or partition.even_counts(cfg.model.n_layers, cfg.parallel.pp)
         stage = build_pipeline(cfg, list(topo.devices()), counts=counts).stages[-1]

@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 
 import jaxmem.model.mlp as mlp
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.kernels.rms_norm.lean import rms_norm_lean
 from jaxmem.kernels.rms_norm.reference import rms_norm_reference
 from jaxmem.model.gated import ACTIVATIONS, gated_activation, gated_reference
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 SHAPES = [(3, 7, 48), (37, 129), (2, 5, 3, 17)]  # odd rows, odd widths, a per-head (q/k norm) shape
 TOL = {jnp.float32: 2e-5, jnp.bfloat16: 2e-2}  # relative to the largest magnitude of the expected value

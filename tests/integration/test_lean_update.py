@@ -10,9 +10,9 @@ import optax
 import pytest
 
 from jaxmem.core import embed_grad, grad_dtype
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core.program import loss_sum_fn, split_batch
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 TINY = "configs/tiny.yaml"
 # clip_norm 0.5 is below the tiny model's gradient norms (~1.4): every step is clipped

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 
 LEVERS = sorted(p for p in Path(__file__).parents[2].glob("configs/levers/*.yaml") if p.name != "base.yaml")
 
@@ -11,7 +11,7 @@ LEVERS = sorted(p for p in Path(__file__).parents[2].glob("configs/levers/*.yaml
 def test_every_lever_config_loads_and_builds_before_any_compile():
     import jax
 
-    from jaxmem.features import build_program
+    from jaxmem.registry import build_program
 
     assert len(LEVERS) >= 8
     for path in LEVERS:

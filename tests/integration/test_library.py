@@ -11,7 +11,7 @@ from flax import nnx
 
 import jaxmem
 from jaxmem import api
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.model import init_model
 from jaxmem.train import initial_state, run
 

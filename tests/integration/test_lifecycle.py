@@ -17,9 +17,9 @@ from cpu_env import cpu_env
 
 from jaxmem.core.checkpoint import Checkpoints
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.train.metrics import read_jsonl
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.train.run_lock import LOCK_NAME, RunLock, RunLockError
 from jaxmem.train.signals import EXIT_LOCKED, EXIT_PEER_LOST, EXIT_SAVED
 from jaxmem.train import run

@@ -9,11 +9,11 @@ from flax import nnx
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.adapters import merge
 from jaxmem.lora.frozen import layer_shapes, unstore
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 
@@ -43,7 +43,7 @@ def test_adapted_forward_equals_the_base_merged_by_hand(base_dtype):
     loss_sum = jax.jit(loss_sum_fn(prog))
     got, n = loss_sum(adapters, toks[:, :-1], toks[:, 1:], base=base)
     # reference: dequantize every frozen linear, merge W + scale * A B, run the plain model, optax-free CE
-    setup, shapes = prog.layout.lora, layer_shapes(prog.cfg, prog.layout.lora)
+    setup, shapes = prog.layout.part("lora"), layer_shapes(prog.cfg, prog.layout.part("lora"))
     params = dict(base, layers=dict(base["layers"]))
     for name in setup.frozen:
         per_layer = [unstore(setup, jax.tree.map(lambda x: x[i], base["layers"][name]), shapes[name], jnp.float32)
@@ -306,7 +306,7 @@ def _reference_loss(prog, adapters, base, toks, p, step, micro):
     from jaxmem.model import ForwardContext
     from jaxmem.model.rope import inverse_frequencies
 
-    cfg, setup = prog.cfg, prog.layout.lora
+    cfg, setup = prog.cfg, prog.layout.part("lora")
     shapes = layer_shapes(cfg, setup)
     cd = prog.precision.compute
     model = nnx.merge(prog.graphdef, dict(base, layers={k: v for k, v in base["layers"].items()

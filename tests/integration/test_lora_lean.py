@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.adapters import merge, target_weights
 from jaxmem.lora.frozen import layer_shapes, unstore
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "lora.rank=4", "lora.alpha=8", "parallel.fsdp=1",
         "train.micro_batch=1"]
@@ -66,7 +66,7 @@ def test_the_forward_scan_keeps_no_copy_of_the_stored_base_with_remat_none():
 def _temp(n_layers, preset):
     prog = _program(*WIDE, f"model.n_layers={n_layers}", f"remat.preset={preset}", "lora.base_dtype=nf4")
     m = prog.cfg.model
-    layer_bf16 = 2 * sum(np.prod(s) for s in layer_shapes(prog.cfg, prog.layout.lora).values())
+    layer_bf16 = 2 * sum(np.prod(s) for s in layer_shapes(prog.cfg, prog.layout.part("lora")).values())
     return prog.lower().compile().memory_analysis().temp_size_in_bytes, layer_bf16, m
 
 
@@ -84,7 +84,7 @@ def test_more_layers_add_activations_not_weights(preset):
 def test_every_frozen_linear_is_stored_as_base_dtype():
     prog = _program("lora.base_dtype=nf4", "lora.targets=q_proj,v_proj")
     base = prog.abstract_state["base"]
-    assert prog.layout.lora.targets == ("wq", "wv")
+    assert prog.layout.part("lora").targets == ("wq", "wv")
     for name in LINEARS:  # adapted or not: nf4 codes and block scales
         assert isinstance(base["layers"][name], dict) and base["layers"][name]["codes"].dtype == jnp.uint8, name
     assert base["embed"].dtype == jnp.float32  # tables as the parameter dtype unless lora.quantize_embeddings
@@ -103,7 +103,7 @@ def test_adapter_gradients_equal_a_merged_reference(base_dtype):
                             jax.device_get(state["params"]))
     base = jax.device_get(state["base"])
     toks = np.random.default_rng(0).integers(0, 256, (1, 33)).astype(np.int32)
-    setup, shapes = prog.layout.lora, layer_shapes(prog.cfg, prog.layout.lora)
+    setup, shapes = prog.layout.part("lora"), layer_shapes(prog.cfg, prog.layout.part("lora"))
     dequantized = dict(base, layers=dict(base["layers"]))
     for name in setup.frozen:
         dequantized["layers"][name] = jnp.stack([

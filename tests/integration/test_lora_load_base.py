@@ -14,14 +14,14 @@ from flax import nnx
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.io.hf_safetensors import CheckpointReader
 from jaxmem.lora import quant, quant_host
 from jaxmem.lora.frozen import make_base
 from jaxmem.lora.load_base import stream_base
 from jaxmem.model import init_model
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "lora.rank=4", "lora.alpha=8"]
 
@@ -73,7 +73,7 @@ def test_streamed_base_equals_the_base_built_from_whole_params(tmp_path, base_dt
     streamed = stream_base(prog, hf)
     # the old way: the whole model loaded, then stored by frozen.make_base on the device
     params = jax.device_get(nnx.to_pure_dict(nnx.split(load_hf(hf, dtype=param_dtype))[1]))
-    want = jax.jit(lambda p: make_base(prog.layout.lora, cfg, p, prog.precision.param),
+    want = jax.jit(lambda p: make_base(prog.layout.part("lora"), cfg, p, prog.precision.param),
                    out_shardings=prog.state_shardings["base"])(params)
     if base_dtype == "nf4":  # the same base streamed from a `jaxmem import-hf` output (orbax) of that directory
         from jaxmem.cli.import_hf import main as import_hf

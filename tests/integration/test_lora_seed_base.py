@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.lora import frozen
 from jaxmem.model.transformer import init_layer, init_model, layer_keys
 
@@ -39,14 +39,14 @@ def test_the_seed_base_is_the_whole_init_stored_and_a_resume_rebuilds_it(config,
     prog = _program(config, f"lora.base_dtype={base_dtype}", "lora.double_quant=true")
     state = prog.init_state()
     assert _equal(state["base"], prog.frozen_base())  # a resume rebuilds the base the run started from
-    whole = jax.jit(lambda: frozen.make_base(prog.layout.lora, prog.cfg, prog.fresh_params(prog.cfg.train.seed),
+    whole = jax.jit(lambda: frozen.make_base(prog.layout.part("lora"), prog.cfg, prog.fresh_params(prog.cfg.train.seed),
                                              prog.precision.param), out_shardings=prog.state_shardings["base"])()
     if base_dtype != "int8":
         assert _equal(state["base"], whole)
         return
     # int8 rounds w * (1 / scale): XLA fuses the loop's product apart from the whole init's, and a code may land
     # one step away (1 of 180224 in tiny's w_gate on this CPU)
-    for name in prog.layout.lora.frozen:
+    for name in prog.layout.part("lora").frozen:
         ours, theirs = (np.asarray(b["layers"][name]["q"], np.int32) for b in (state["base"], whole))
         assert np.abs(ours - theirs).max() <= 1 and np.mean(ours != theirs) < 1e-4, name
         assert _equal(state["base"]["layers"][name]["scale"], whole["layers"][name]["scale"]), name

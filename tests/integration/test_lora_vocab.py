@@ -9,10 +9,10 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.lora.quant import NF4_CODES, SCALE_BLOCK
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 BASE = ["train.seq_len=32", "lora.rank=4", "lora.alpha=8", "parallel.fsdp=1", "train.micro_batch=2",
         "kernels.loss=chunked", "kernels.loss_block_v=96"]  # 256 columns: chunks at 0, 96 and 160 (overlaps)

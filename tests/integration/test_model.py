@@ -6,7 +6,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.model import init_model
 from jaxmem.config.names import ALL_NAMES, MOE_NAMES, CheckpointName
 
@@ -44,7 +44,7 @@ def test_the_late_zeros_lookup_is_take_with_its_zeros_made_after_the_cotangent()
     A program on a mesh uses it, one on a single device the plain lookup."""
     import jax.numpy as jnp
 
-    from jaxmem.features import build_program
+    from jaxmem.registry import build_program
     from jaxmem.model.transformer import take_rows, take_rows_late_zeros
 
     ids = jnp.array([[1, 3, 3, 49], [0, 0, 7, 2]])

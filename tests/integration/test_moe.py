@@ -15,7 +15,7 @@ from hf_parity import (hf_logits as _ref_logits, jax_logits as _logits, meta_par
 
 import jaxmem
 from jaxmem.config import ConfigError, ModelConfig
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.hf import save_hf
 from jaxmem.io.hf_config import hf_config_from_model, model_config_from_hf
 from jaxmem.model.layers import Block
@@ -23,7 +23,7 @@ from jaxmem.model.moe import apply_moe, route, router_losses
 from jaxmem.model.presets import (PUBLISHED_ACTIVE_PARAMS_B, PUBLISHED_PARAM_COUNTS, active_param_count,
                                   param_count, resolve_model)
 from jaxmem.model.transformer import DEFAULT_CONTEXT, init_model
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 # Odd sizes: vocab 97, hidden 72 with 6 heads of 16, 5 experts of width 40 (Qwen3-MoE: d_ff 136 is the unused
 # dense width), top 2 / top 3.

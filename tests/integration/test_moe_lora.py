@@ -16,10 +16,10 @@ from safetensors import safe_open
 from hf_parity import hf_logits, jax_logits
 
 from jaxmem.lora.plugin import adapter_state
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.program import loss_sum_fn, stage_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.io.hf import save_hf
 from jaxmem.lora import load_peft, merge, resolve_targets, save_peft, target_weights
 from jaxmem.lora.adapters import adapter_axes, hf_target_names
@@ -51,7 +51,7 @@ def _random_adapters(prog, seed=1):
 
 def _dequantized(prog, base):
     """The model's params with every frozen linear dequantized (fp32) from the stored base."""
-    setup, shapes = prog.layout.lora, layer_shapes(prog.cfg, prog.layout.lora)
+    setup, shapes = prog.layout.part("lora"), layer_shapes(prog.cfg, prog.layout.part("lora"))
     layers = dict(base["layers"])
     for name in setup.frozen:
         layers[name] = jax.vmap(lambda s, name=name: unstore(setup, s, shapes[name], jnp.float32))(layers[name])
@@ -79,8 +79,8 @@ def _total(loss_sum, router):
 def test_targets_shapes_and_axes():
     prog = _program()
     cfg = prog.cfg.model
-    assert prog.layout.lora.targets == ("wq", "wk", "wv", "wo", *EXPERTS)  # all-linear: the experts, no router
-    assert prog.layout.lora.frozen == prog.layout.lora.targets
+    assert prog.layout.part("lora").targets == ("wq", "wk", "wv", "wo", *EXPERTS)  # all-linear: the experts, no router
+    assert prog.layout.part("lora").frozen == prog.layout.part("lora").targets
     assert resolve_targets("gate_proj,down_proj", model=cfg) == ("expert_gate", "expert_down")
     weights = target_weights(cfg)
     e, d, f = cfg.n_experts, cfg.d_model, cfg.expert_d_ff
@@ -113,7 +113,7 @@ def test_expert_adapter_gradients_equal_the_merged_reference():
         return _total(loss_sum, router)
 
     def merged_loss(ad):
-        params = merge(_dequantized(prog, base), ad, prog.layout.lora.scale)
+        params = merge(_dequantized(prog, base), ad, prog.layout.part("lora").scale)
         _, router, logits = _reference_run(prog, params, inputs)
         logp = jax.nn.log_softmax(logits, axis=-1)
         loss_sum = -jnp.sum(jnp.take_along_axis(logp, labels[..., None], axis=-1))
@@ -152,7 +152,7 @@ def test_nf4_expert_base_is_stored_nf4_and_runs_as_its_dequantized_weights(qlora
     adapters = _random_adapters(prog, seed=4)
     tokens = jnp.asarray(_batch(prog)[0][:, :-1])
     hidden = jax.jit(lambda ad: stage_fn(prog, last=False)(ad, tokens, base=base))(adapters)
-    params = merge(_dequantized(prog, base), adapters, prog.layout.lora.scale)
+    params = merge(_dequantized(prog, base), adapters, prog.layout.part("lora").scale)
     want, _, _ = jax.jit(lambda p: _reference_run(prog, p, tokens))(params)
     np.testing.assert_allclose(np.asarray(hidden), np.asarray(want), atol=2e-5 * float(jnp.abs(want).max()))
 
@@ -180,7 +180,7 @@ def test_peft_names_each_expert_and_round_trips(tmp_path, family):
     if family == "mixtral":  # Mistral attention, renormalized top-k: the Mixtral family holds it
         cfg = dataclasses.replace(cfg, qk_norm=False, router_norm_topk=True)
     adapters = _random_adapters(dataclasses.replace(prog, cfg=dataclasses.replace(prog.cfg, model=cfg)))
-    save_peft(adapters, cfg, tmp_path, rank=RANK, alpha=8, targets=prog.layout.lora.targets)
+    save_peft(adapters, cfg, tmp_path, rank=RANK, alpha=8, targets=prog.layout.part("lora").targets)
     config = json.loads((tmp_path / "adapter_config.json").read_text())
     mlp = ["gate_proj", "up_proj", "down_proj"] if family == "qwen3_moe" else ["w1", "w3", "w2"]
     assert config["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", *mlp]
@@ -194,7 +194,7 @@ def test_peft_names_each_expert_and_round_trips(tmp_path, family):
     np.testing.assert_array_equal(a_last, np.asarray(adapters["layers"]["expert_gate"]["a"][3, 7]).T)  # [r, D]
     np.testing.assert_array_equal(b_last, np.asarray(adapters["layers"]["expert_gate"]["b"][3, 7]).T)  # [F, r]
     loaded, settings = load_peft(tmp_path, cfg)
-    assert settings["targets"] == prog.layout.lora.targets
+    assert settings["targets"] == prog.layout.part("lora").targets
     for name, ab in adapters["layers"].items():
         for part in ("a", "b"):
             np.testing.assert_array_equal(np.asarray(loaded["layers"][name][part]), np.asarray(ab[part]))
@@ -243,7 +243,7 @@ def test_streamed_expert_base_equals_the_base_built_from_whole_params(tmp_path, 
     prog = build_program(cfg, devices=jax.devices())
     streamed = stream_base(prog, tmp_path)
     params = jax.device_get(nnx.to_pure_dict(nnx.split(load_hf(tmp_path, dtype="float32"))[1]))
-    want = jax.jit(lambda p: make_base(prog.layout.lora, cfg, p, prog.precision.param),
+    want = jax.jit(lambda p: make_base(prog.layout.part("lora"), cfg, p, prog.precision.param),
                    out_shardings=prog.state_shardings["base"])(params)
     assert jax.tree.structure(streamed) == jax.tree.structure(want)
     for got, expected in zip(jax.tree.leaves(streamed), jax.tree.leaves(want)):

@@ -8,9 +8,9 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.runtime.compiled_memory import memory_figures
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "precision.param_dtype=bfloat16", "precision.master_weights=true", "precision.grad_reduce_dtype=bfloat16",

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.optim import adafactor, adamw_lowbit, specs
 
 from optim_checks import assert_same_moments

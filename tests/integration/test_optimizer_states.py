@@ -10,7 +10,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 from jaxmem.core.precision import Precision
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
+from jaxmem.optim import codes
 from jaxmem.plan.bill import compute_bill
 from jaxmem.train import run
 

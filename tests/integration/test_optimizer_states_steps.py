@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.features import build_program, load_config
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.optim import codes
 
 from optim_checks import code_indices

@@ -5,10 +5,10 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 SEQ = 64
 DOCS = (23, 17, 24)  # input positions of three documents packed into one row

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 
 # A large Adam eps makes the update ~linear in the gradient (lr * g / eps), so comparing params after a
 # few steps compares gradients; with eps=1e-8 the first step is lr * sign(g), blind to their size.

@@ -7,9 +7,11 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.features import load_config
-from jaxmem.features import build_pipeline
-from jaxmem.features import build_program
+from jaxmem.config import ConfigError
+
+from jaxmem.loader import load_config
+from jaxmem.registry import build_pipeline
+from jaxmem.registry import build_program
 
 # As tests/integration/test_parallel.py: a large Adam eps makes params after a few steps compare gradients.
 BASE = ["train.seq_len=32", "optimizer.warmup_steps=0", "optimizer.lr=1e-1", "optimizer.eps=1e-1",

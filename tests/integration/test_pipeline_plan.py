@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from jaxmem.features import build_pipeline, load_config
+from jaxmem.loader import load_config
+from jaxmem.registry import build_pipeline
 
 pytestmark = pytest.mark.slow  # deviceless compiles of a 1B model's pipeline stages, shared by every test here
 
@@ -33,7 +34,7 @@ def _stage_totals(bills):
 
 def test_moving_a_layer_off_the_heavy_stage_lowers_its_compiled_peak(auto_plan):
     from jaxmem.runtime.aot import resolve_topology
-    from jaxmem.plan.pipeline import stage_figures
+    from jaxmem.pipeline.plan import stage_figures
 
     even = _stage_totals(auto_plan["pipeline"]["even_stage_bills"])
     assert auto_plan["pipeline"]["even_layers"] == [4, 4]
@@ -64,7 +65,7 @@ def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan,
 
 
 def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):
-    from jaxmem.plan.pipeline import StageFigures, stage_warnings
+    from jaxmem.pipeline.plan import StageFigures, stage_warnings
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
              for b in auto_plan["pipeline"]["stage_bills"]]
@@ -84,7 +85,7 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     2 x 8 H100 pp=2 need 726 GiB per node where the plan said 566)."""
     import dataclasses
 
-    from jaxmem.plan.pipeline import StageFigures, _as_compiled
+    from jaxmem.pipeline.plan import StageFigures, _as_compiled
     from jaxmem.runtime.aot import resolve_topology
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})

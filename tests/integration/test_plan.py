@@ -9,7 +9,7 @@ from jaxmem.optim import layerwise as optim
 
 from jaxmem.runtime.aot import resolve_topology
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import plan
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.compiled import CompiledFigures, offload_version_warning

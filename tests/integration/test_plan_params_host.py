@@ -1,6 +1,6 @@
 """The bill with the weights on the host and the AdamW update on the host (offload.params=host,
 offload.optimizer=host): the decoder layers' gradients are host buffers, as the compiled step has them."""
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import plan, resolve_topology
 from jaxmem.plan.bill import compute_bill
 

@@ -9,9 +9,9 @@ import pytest
 
 from jaxmem.config import ConfigError, LossScaleConfig
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core.precision import all_finite, init_loss_scale, update_loss_scale
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 TINY = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "train.micro_batch=2", "parallel.fsdp=2",
         "optimizer.warmup_steps=0", "optimizer.lr=1e-2"]

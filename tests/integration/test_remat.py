@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxmem.core import remat
 from jaxmem.config import ConfigError, RematConfig
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.kernels.cross_entropy.reference import linear_cross_entropy_reference
 from jaxmem.model import ForwardContext, init_model
 from jaxmem.config.names import ALL_NAMES
@@ -107,7 +107,7 @@ def test_bad_remat_config_is_one_line_error():
 def _h100_bytes(preset: str, **extra) -> dict:
     from jaxmem.runtime import aot
     from jaxmem.runtime.compiled_memory import memory_figures
-    from jaxmem.features import build_program
+    from jaxmem.registry import build_program
 
     # seq 4096: the saved activations must outweigh where XLA puts the peak; at 2048 jax 0.12's compile of
     # `none` came out 14 MB below `selective` (24.69 vs 24.71 GB), at 4096 1.4 GB above it. bf16 moments: with

@@ -9,9 +9,9 @@ import pytest
 
 from jaxmem.config import ConfigError, to_dict
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core.program import loss_sum_fn
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 # 8 query heads, 2 kv heads of width 16: sp=8 needs each kv head repeated 4 times; sp=2 splits them as is
 HEADS = ["model.n_heads=8", "model.n_kv_heads=2", "model.head_dim=16"]

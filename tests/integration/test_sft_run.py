@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from chat_fixtures import chat, write_tokenizer
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.train.metrics import read_jsonl
 from jaxmem.train import run
 

@@ -12,7 +12,7 @@ import subprocess
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import hlo_dump, timeline as tl_mod, timeline_html
 from jaxmem.cli.explain import main
 

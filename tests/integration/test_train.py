@@ -12,11 +12,11 @@ import yaml
 from jaxmem import cli
 from jaxmem.core.checkpoint import Checkpoints
 from jaxmem.config import ConfigError, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.train.metrics import REQUIRED_KEYS, read_jsonl
 from jaxmem.optim.hyper import schedule
 from jaxmem.core.precision import all_finite
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 from jaxmem.train import TrainError, compile_train_step, run
 
 from tiny_config import TINY, tiny_config

@@ -12,7 +12,7 @@ from hf_parity import saved_checkpoints
 
 from jaxmem import cli
 from jaxmem.config import ConfigError, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.model_match import check_is_model
 from jaxmem.plan import advice, compile_failure
 from jaxmem.plan.compiled import compile_for_plan

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from chat_fixtures import chat, write_tokenizer
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import make_source
 from jaxmem.train import run
 from jaxmem.train.metrics import read_jsonl

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from jaxmem import cli
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -10,8 +10,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
-from jaxmem.features import build_program
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.train import run
 
 TINY = "configs/tiny.yaml"

@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import allocator
 from jaxmem.plan.bill import compute_bill
 from jaxmem.config.targets import TARGETS

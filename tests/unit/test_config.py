@@ -10,7 +10,7 @@ from flax import nnx
 
 from jaxmem.config import ConfigError, to_dict
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import PRESETS, PUBLISHED_PARAM_COUNTS, param_count
 
@@ -102,7 +102,6 @@ BAD_SECTION = {
     "precision": (["precision.loss_scale.enabled=true"], "loss scaling is for compute_dtype=float16 only"),
     "data": (["data.workers=-1"], "data.workers: must be >= 0"),
     "checkpoint": (["checkpoint.keep=0"], "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
-    "lora": (["lora.rank=-1"], "lora.rank: must be >= 0 (0: full fine-tune), got -1"),
     "distributed": (["distributed.coordinator=host", "distributed.num_processes=2", "distributed.process_id=0"],
                     "distributed.coordinator: 'host' must be HOST:PORT"),
     "remat": (["remat.every_k=0"], "remat.every_k: must be >= 1, got 0"),
@@ -113,24 +112,43 @@ BAD_SECTION = {
     "out_dir": (["out_dir=''"], "out_dir: empty; name the folder for the run's outputs"),
 }
 BAD_CROSS = {
+    "_features_rules": (["lora.rank=-1"], "lora.rank: must be >= 0 (0: full fine-tune), got -1"),
     "_seq_len_fits_model": (["train.seq_len=4096"], "train.seq_len: 4096 exceeds model.max_seq_len=2048"),
     "_remat_groups_divide_layers": (["remat.granularity=every_k", "remat.every_k=3"],
                                     "remat.every_k: 3 does not divide model.n_layers=4"),
     "_batch_fits_fixed_mesh": (["parallel.fsdp=8", "train.global_batch=24"],
                                "train.global_batch: 24 is not a multiple of micro_batch 2 x data ways 8 = 16"),
-    "_update_in_backward_levers": (["optimizer.update_in_backward=true"],
-                                   "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
-    "_pipeline_levers": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
     "_attention_kernel_takes_the_model": (["model.preset=tiny-gpt-oss", "kernels.attention=cudnn"],
                                           "kernels.attention: cudnn has no attention sinks"),
 }
 
 
-def test_every_validator_has_a_case():
-    from jaxmem import features as validate
+# One bad override per feature of the registry: its rules run at load (the loader's _features_rules).
+BAD_FEATURE = {
+    "moe": (["parallel.ep=0"], "parallel.ep: must be a positive size (no -1 fill), got 0"),
+    "lora": (["lora.rank=4", "lora.alpha=0"], "lora.alpha: must be > 0, got 0.0"),
+    "update_in_backward": (["optimizer.update_in_backward=true"],
+                           "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
+    "pipeline": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
+}
 
-    assert list(BAD_SECTION) == list(validate.SECTION_VALIDATORS)
-    assert set(BAD_CROSS) == {rule.__name__ for rule in validate.CROSS_CHECKS}
+
+@pytest.mark.parametrize("name", sorted(BAD_FEATURE))
+def test_each_features_rules_fail_at_load(name):
+    from jaxmem import registry
+
+    assert set(BAD_FEATURE) == {feature.name for feature in registry.FEATURES}
+    overrides, fragment = BAD_FEATURE[name]
+    with pytest.raises(ConfigError) as e:
+        load_config("configs/tiny.yaml", overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+def test_every_validator_has_a_case():
+    from jaxmem import loader
+
+    assert list(BAD_SECTION) == list(loader.SECTION_VALIDATORS)
+    assert set(BAD_CROSS) == {rule.__name__ for rule in loader.CROSS_CHECKS}
 
 
 @pytest.mark.parametrize("rule", [*sorted(BAD_SECTION), *sorted(BAD_CROSS)])
@@ -142,13 +160,13 @@ def test_each_validator_and_cross_check_fails_at_load(rule):
 
 
 def test_load_config_runs_every_validator_once_in_order(monkeypatch):
-    from jaxmem import features as validate
+    from jaxmem import loader
 
     ran = []
-    sections, cross = list(validate.SECTION_VALIDATORS), [rule.__name__ for rule in validate.CROSS_CHECKS]
+    sections, cross = list(loader.SECTION_VALIDATORS), [rule.__name__ for rule in loader.CROSS_CHECKS]
     for name in sections:
-        monkeypatch.setitem(validate.SECTION_VALIDATORS, name, lambda cfg, name=name: ran.append(name))
-    monkeypatch.setattr(validate, "CROSS_CHECKS", tuple((lambda cfg, name=name: ran.append(name)) for name in cross))
+        monkeypatch.setitem(loader.SECTION_VALIDATORS, name, lambda cfg, name=name: ran.append(name))
+    monkeypatch.setattr(loader, "CROSS_CHECKS", tuple((lambda cfg, name=name: ran.append(name)) for name in cross))
     load_config("configs/tiny.yaml")
     assert ran == sections + cross
 
@@ -171,7 +189,7 @@ def test_offload_and_kernel_errors_come_from_load_not_build(monkeypatch):
 
 
 def test_grad_accum_derived_from_the_devices_is_checked_by_build_program():
-    from jaxmem.features import build_program
+    from jaxmem.registry import build_program
 
     # tiny.yaml fills fsdp (-1): the data ways, hence grad_accum = 32 / (2 x devices) (2 on 8 devices), are known
     # only with devices
@@ -195,17 +213,17 @@ def test_imports_go_one_way():
     kernels, targets, offload) never import the loader back (no config <-> presets/remat circle)."""
     assert _jaxmem_modules_after_import("jaxmem.config.schema") == ["jaxmem.config", "jaxmem.config.schema",
                                                                     "jaxmem.version"]
-    below = _jaxmem_modules_after_import("jaxmem.features")
+    below = _jaxmem_modules_after_import("jaxmem.loader")
     assert "jaxmem.core.remat" in below and "jaxmem.model.presets" in below  # jaxmem.config: the lazy facade
 
 
 def test_config_load_config_is_the_validating_loader():
     import jaxmem
-    from jaxmem import features as validate
+    from jaxmem import loader
 
-    assert jaxmem.load_config is validate.load_config and jaxmem.features.from_dict is validate.from_dict
+    assert jaxmem.load_config is loader.load_config and jaxmem.loader.from_dict is loader.from_dict
     cfg = load_config("configs/tiny.yaml")
-    assert validate.from_dict(to_dict(cfg)) == cfg
+    assert loader.from_dict(to_dict(cfg)) == cfg
 
 
 @pytest.mark.parametrize("override, fragment", [

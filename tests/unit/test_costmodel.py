@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan import costmodel
 from jaxmem.plan.costmodel import estimate, time_breakdown
@@ -58,7 +58,7 @@ def test_expert_matmuls_run_at_the_grouped_matmul_rate_of_their_kernel():
     """Qwen3-30B-A3B widths x 4 layers, seq 8192, full remat: the k active experts' matmuls, by hand (gate, up,
     down: forward + 2 in the backward; the remat forward rebuilds gate and up), at the measured rate of the
     kernel at 512 rows per expert; the rest of the step does not depend on the kernel."""
-    from jaxmem.plan.costmodel import GROUPED_MATMUL_EFFICIENCY_BY_SHAPE
+    from jaxmem.moe.cost import GROUPED_MATMUL_EFFICIENCY_BY_SHAPE
 
     case = _case("h200_qwen3moe_x4_s8k_full")
     peak = TARGETS["h200-141g"].peak_flops("bfloat16")
@@ -79,7 +79,7 @@ def test_expert_matmuls_run_at_the_grouped_matmul_rate_of_their_kernel():
 
 
 def test_grouped_matmul_efficiency_takes_the_nearest_measured_shape():
-    from jaxmem.plan.costmodel import grouped_matmul_efficiency as eff
+    from jaxmem.moe.cost import grouped_matmul_efficiency as eff
 
     assert eff("pallas", 512, 2048, 768) == 0.183
     assert eff("pallas", 600, 2048, 768) == 0.183  # nearest: 512 rows per expert
@@ -223,8 +223,8 @@ def test_kernel_efficiencies_reproduce_the_measured_kernel_timings():
     matmul's on the H200)."""
     import json
 
-    from jaxmem.plan.costmodel import (ATTENTION_EFFICIENCY, CHUNKED_LOSS_EFFICIENCY_BY_TILE, LOSS_EFFICIENCY,
-                                       LOSS_PASSES, grouped_matmul_efficiency)
+    from jaxmem.moe.cost import grouped_matmul_efficiency
+    from jaxmem.plan.costmodel import ATTENTION_EFFICIENCY, CHUNKED_LOSS_EFFICIENCY_BY_TILE, LOSS_EFFICIENCY, LOSS_PASSES
 
     for row in json.loads(bench.DATA.read_text())["kernels"]:
         if row.get("superseded"):  # a kernel since rewritten or removed: kept in the data for the record

@@ -4,9 +4,9 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.data import Batches, SyntheticSource, batches, make_source, process_rows
-from jaxmem.features import build_program
+from jaxmem.registry import build_program
 
 SEQ = 16
 

@@ -5,7 +5,7 @@ import jax
 import pytest
 
 from jaxmem.cli import doctor
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError, DistributedConfig
 
 GIB = 1024**3

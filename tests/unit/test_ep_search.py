@@ -4,7 +4,7 @@ exists), never for a dense model."""
 import pytest
 
 from jaxmem.moe import search as ep_search
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import ConfigError
 
 

@@ -2,7 +2,7 @@
 windowed attention FLOPs."""
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.model.presets import param_count
 from jaxmem.plan import costmodel
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from jaxmem.config.schema import ConfigError
-from jaxmem.features import build_program, load_config
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
 from jaxmem.kernels.host_adamw import build, host_adamw, host_adamw_lowbit, host_adamw_reference, lowbit_tables
 from jaxmem.optim import fused_host
 from jaxmem.train import run

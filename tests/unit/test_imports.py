@@ -89,3 +89,16 @@ def test_an_import_up_the_floors_or_across_features_is_named(tmp_path, capsys):
     assert lines == ["jaxmem.config.schema (schema.py:1) imports jaxmem.core.program: floor 7 > 0",
                      "jaxmem.lora.plugin (plugin.py:1) imports jaxmem.moe.bill: a feature on the same floor",
                      "jaxmem.moe.bill (bill.py:2): a function-level import without its reason"]
+
+
+def test_the_planner_importing_a_feature_package_is_named(tmp_path, capsys):
+    """plan/ sits above the features yet imports none of them (nor does core/): it calls the features' hooks."""
+    package = _package(tmp_path, {
+        "__init__.py": "", "moe/__init__.py": "", "moe/bill.py": "import os\n",
+        "plan/__init__.py": "", "plan/costmodel.py": "import os\nfrom jaxmem.moe import bill\n",
+        "registry.py": "from jaxmem.moe import bill\n",  # the registry may
+    })
+    status, lines = _check(package, capsys)
+    assert status == 1
+    assert lines == ["jaxmem.plan.costmodel (costmodel.py:2) imports jaxmem.moe.bill: plan/ imports no feature "
+                     "package (ask the registry's features for a hook)"]

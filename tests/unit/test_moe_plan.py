@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.targets import get_target
 from jaxmem.core.layout import spec_leaves
 from jaxmem.model.presets import active_param_count
 from jaxmem.plan import costmodel
-from jaxmem.moe import bill as bill_moe
+from jaxmem.moe import bill as bill_moe, cost as moe_cost
 from jaxmem.plan.bill import compute_bill
 
 QWEN = ["model.preset=qwen3-30b-a3b", "parallel.fsdp=8", "parallel.rules=fsdp", "parallel.zero_stage=3",
@@ -76,9 +76,9 @@ def test_ragged_dot_bill_has_its_dense_per_expert_copies():
     # expert-width copies split over the 8 data ways
     assert e * rows * f * 2 > bill_moe.WHOLE_COPY_LIMIT
     expanded = e * rows * (2 * d + 2 * f // 8) * 2
-    assert bill.moe_scratch == expanded
+    assert bill.feature_scratch.get("moe", 0) == expanded
     small = compute_bill(_qwen("kernels.grouped_matmul=ragged_dot", seq=256), 8)  # 3 GiB copies: kept whole
-    assert small.moe_scratch == e * (rows // 4) * (d + 3 * f) * 2
+    assert small.feature_scratch.get("moe", 0) == e * (rows // 4) * (d + 3 * f) * 2
     assert bill.device["working_set"] >= expanded + rows * (d + 2 * f) * 2
     assert bill.layer_phase >= bill.device["working_set"] - bill.attention_scratch
     assert bill.device_total > expanded
@@ -97,15 +97,15 @@ def test_blocked_bill_has_padded_rows_and_an_fp32_accumulator_not_dense_copies()
     backward = padded * (d + 6 * f // 8) * 2 + e * d * f * 4 // 8 + loop_step
     forward = (rows + padded) * d * 2  # the recomputed down projection: sorted rows and padded output
     assert forward > backward  # Qwen3's expert width is narrow: 768 / 8 per device
-    assert bill.moe_scratch == forward
+    assert bill.feature_scratch.get("moe", 0) == forward
     assert bill_moe.kernel_scratch_bytes(_qwen("model.expert_d_ff=8192"), bill.layout, 2) > (rows + padded) * d * 2
     ragged = compute_bill(_qwen("kernels.grouped_matmul=ragged_dot"), 8)
-    assert bill.moe_scratch < ragged.moe_scratch / 50  # 0.5 GiB against 67 GiB
+    assert bill.feature_scratch.get("moe", 0) < ragged.feature_scratch.get("moe", 0) / 50  # 0.5 GiB against 67 GiB
     # GSPMD splits the blocked loop like the fsdp-split experts: the layer's experts are never gathered whole
     # (the gathered bf16 layer and its full bf16 gradient, both double-buffered: 8 bytes per expert weight)
     assert ragged.device["temporaries"] - bill.device["temporaries"] == 8 * (3 * e * d * f) * 7 // 8
     pallas = compute_bill(_qwen("kernels.grouped_matmul=pallas"), 8)  # runs whole on every device
-    assert pallas.moe_scratch == (512 + 127) * 128 * (2 * d + f) * 2 + e * d * f * 2
+    assert pallas.feature_scratch.get("moe", 0) == (512 + 127) * 128 * (2 * d + f) * 2 + e * d * f * 2
 
 
 def test_expert_parallel_rows_follow_the_capacity_rule():
@@ -162,13 +162,13 @@ def test_all_to_all_bytes_follow_ep():
     cfg = _qwen(seq=1024)
     bill = compute_bill(cfg, 8)
     assert bill_moe.all_to_all_bytes(cfg, bill.layout, 2) == 0.0
-    assert costmodel.expert_parallel_seconds(cfg, bill, get_target("h100-80g"), 1) == 0.0
+    assert moe_cost.expert_parallel_seconds(cfg, bill, get_target("h100-80g"), 1) == 0.0
     ep8 = _qwen("parallel.fsdp=1", "parallel.ep=8")
     ep_bill = compute_bill(ep8, 8)
     received = 8 * 1024 * 8  # ep x C, dropless
     # dispatch and combine, forward and backward, the whole padded buffer, 7/8 of it off the device
     assert bill_moe.all_to_all_bytes(ep8, ep_bill.layout, 2) == pytest.approx(2 * 2 * received * 2048 * 2 * 7 / 8)
-    seconds = costmodel.expert_parallel_seconds(ep8, ep_bill, get_target("h100-80g"), 1)
+    seconds = moe_cost.expert_parallel_seconds(ep8, ep_bill, get_target("h100-80g"), 1)
     assert seconds == pytest.approx(2 * bill_moe.all_to_all_bytes(ep8, ep_bill.layout, 2)
                                     / get_target("h100-80g").interconnect_bandwidth)
     # the step's bill holds the send and receive buffers ([ep, C, D] each) on top of the kernel's scratch
@@ -199,7 +199,7 @@ def test_the_tuner_counts_ep_among_the_batch_ways():
 def test_a_dense_model_gets_no_moe_terms():
     cfg = load_config("configs/tiny.yaml", ["parallel.fsdp=8"])
     bill = compute_bill(cfg, 8)
-    assert bill.moe_scratch == 0 and "moe_dispatch" not in bill.activations_by_name
+    assert bill.feature_scratch == {} and "moe_dispatch" not in bill.activations_by_name
     assert "router_proj" not in costmodel._op_flops(cfg, 1024)
 
 

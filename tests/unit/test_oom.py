@@ -7,7 +7,7 @@ import json
 import jax
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.plan import explain as explain_mod
 from jaxmem.plan import oom
 from jaxmem.config.targets import TARGETS

@@ -12,7 +12,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.optim import choice, hyper, layerwise
 from jaxmem.model.transformer import abstract_model
 from jaxmem.optim import adafactor, specs

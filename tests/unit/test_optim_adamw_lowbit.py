@@ -8,7 +8,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.optim import choice, layerwise
 from jaxmem.optim import adamw_lowbit, codes
 

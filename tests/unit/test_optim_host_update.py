@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core import offload
 from jaxmem.optim import choice, layerwise
 from jaxmem.optim import adamw_lowbit, codes, fused_host, host_update

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.pipeline import partition, schedule
 
 

@@ -10,7 +10,8 @@ import pytest
 
 from jaxmem.config import ConfigError
 
-from jaxmem.features import build_program, load_config, plugin_for, run_meta
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program, plugin_for, run_meta
 from jaxmem.core import program
 from jaxmem.core.plugins import FROZEN, Feature, Features, ProgramPlugin
 from jaxmem.inbackward.step import UpdateInBackward
@@ -107,3 +108,46 @@ def test_the_checkpointer_saves_and_rebuilds_what_the_plugin_says(tmp_path):
         np.testing.assert_array_equal(got, want)
     on_disk = _saved_shapes(tmp_path / "checkpoints" / "0" / "state")
     assert "params.embed" in on_disk and not [k for k in on_disk if k.startswith(FROZEN)]  # never saved
+
+
+class _Priced(Feature):
+    """A feature unknown to jaxmem that trains 1000 elements beside the model, adds its own collectives and
+    counts 7 parameters a token does not use."""
+
+    name = "priced"
+    cost_constants = {"priced_rate": 0.5}
+
+    def applies(self, cfg) -> bool:
+        return True
+
+    def extra_trained_params(self, cfg) -> int:
+        return 1000
+
+    def collective_seconds(self, cfg, bill, gpu, grad_accum: int) -> float:
+        return 1.5
+
+    def parameter_counts(self, cfg, counts: dict) -> dict:
+        return dict(counts, active=counts["active"] - 7)
+
+
+def test_the_cost_model_and_the_plan_reach_a_feature_only_through_its_hooks(monkeypatch):
+    from jaxmem import registry
+    from jaxmem.config.targets import get_target
+    from jaxmem.model.presets import param_count
+    from jaxmem.plan.bill import compute_bill
+    from jaxmem.plan.costmodel import estimate
+    from jaxmem.plan.report import parameter_counts
+
+    cfg = _cfg("train.grad_accum=1")
+    bill, gpu = compute_bill(cfg, 1), get_target("h100-80g")
+    before = estimate(cfg, bill, gpu, 1, 1, bill.layout.rows)
+    assert parameter_counts(cfg) == {"total": param_count(cfg.model), "active": param_count(cfg.model)}
+    assert "priced_rate" not in before.to_json()["constants"]
+    monkeypatch.setattr(registry, "FEATURES", registry.FEATURES + (_Priced(),))
+    after = estimate(cfg, bill, gpu, 1, 1, bill.layout.rows)
+    assert after.model_flops == pytest.approx(before.model_flops + 6.0 * 1000 * before.tokens_per_step)
+    assert after.breakdown["matmul_flops"] == pytest.approx(
+        before.breakdown["matmul_flops"] + 3 * 2.0 * 1000 * before.tokens_per_step)
+    assert after.collective_seconds == pytest.approx(before.collective_seconds + 1.5)
+    assert after.to_json()["constants"]["priced_rate"] == 0.5
+    assert parameter_counts(cfg)["active"] == param_count(cfg.model) - 7

@@ -12,7 +12,7 @@ import yaml
 from jaxmem import cli
 from jaxmem.cli import config_cmd as reference
 from jaxmem.config import Config, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.schema import field_docs
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from jaxmem.core import remat
 from jaxmem.config import RematConfig
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.plan.costmodel import recompute_flops_per_layer
 

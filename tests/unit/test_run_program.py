@@ -13,7 +13,7 @@ from jax.sharding import SingleDeviceSharding
 
 from jaxmem.train import loop as train
 from jaxmem.config import ConfigError, to_dict
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.core.checkpoint import RUN_META_KEYS, Checkpoints, WHOLE_STATE, init_from, restore_run, run_meta
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"

@@ -4,9 +4,9 @@ import dataclasses
 
 import pytest
 
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.config.targets import get_target
-from jaxmem.features import resolve_layout as resolve
+from jaxmem.registry import resolve_layout as resolve
 from jaxmem.core.offload import StateHomes, host_keys
 from jaxmem.plan import costmodel
 from jaxmem.plan.bill import compute_bill

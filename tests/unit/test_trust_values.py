@@ -11,7 +11,7 @@ import pytest
 
 from jaxmem.cli import main as cli_main
 from jaxmem.config import ConfigError
-from jaxmem.features import load_config
+from jaxmem.loader import load_config
 from jaxmem.io.documents.reading import read_records, record_files
 from jaxmem.io.documents.tokenize import payloads
 

@@ -1,5 +1,7 @@
-"""Host offload's terms of the analytic bill (jaxmem.plan.bill): state moved to pinned host memory, the
-update on the host or streamed through the device, and what XLA's scheduler brings forward of it."""
+"""The analytic bill's terms of where the train state lives (jaxmem.plan.bill runs them after the base model's
+own in their phases, for every run: they do nothing where everything is on the device): state moved to pinned
+host memory, the update on the host or streamed through the device, and what XLA's scheduler brings forward
+of it. The mechanism is jaxmem.core.offload's."""
 from __future__ import annotations
 
 import numpy as np
@@ -34,7 +36,7 @@ def update_prefetch_bytes(cfg: Config, layout: Layout, prec: Precision, device: 
     return prefetch if phase + prefetch <= scheduler_limit(device, device_memory) else 0
 
 
-def _state(d) -> None:
+def state(d) -> None:
     homes = d.layout.host_state
     if homes:  # the stored weights stay (a skipped or a piecewise update), and no update runs after the backward
         d.rest_donated, d.plain_update = False, False
@@ -42,7 +44,7 @@ def _state(d) -> None:
     d.layers_on_host = "params" in homes
 
 
-def _host(d) -> None:
+def host(d) -> None:
     """The optimizer state (fp32 master, m, v) and the decoder layers in host memory. With the update on the
     host it holds the fp32 gradients, new m and v and new params there (compiles agree). The decoder layers'
     gradients go straight to the host with their weights, whatever runs the update (compiled llama3-8b
@@ -72,7 +74,7 @@ def _host(d) -> None:
     device["working_set"] -= 2 * d.per_name[CN.MLP_GATE.value] * d.cd
 
 
-def _update(d) -> None:
+def update(d) -> None:
     layout = d.layout
     streamed = layout.homes.update_streamed and not d.update_in_layers
     if streamed:
@@ -83,7 +85,7 @@ def _update(d) -> None:
         d.device["temporaries"] += update_prefetch_bytes(d.cfg, layout, d.prec, d.device, d.memory)
 
 
-def _absent(d) -> None:
+def absent(d) -> None:
     """The decoder layers' gradients are not allocated yet while the loss runs, with the optimizer state on the
     host (`jaxmem explain` of a full-remat step: the layer gradient buffers appear at the layer scan's
     backward, after the loss's logits are dead)."""
@@ -92,4 +94,4 @@ def _absent(d) -> None:
         d.absent_in_loss = state_bytes(d.layout, d.layout.grad_specs, d.prec.grad_reduce, part="layers")
 
 
-BILL_TERMS = (("state", _state), ("host", _host), ("update", _update), ("absent", _absent))
+TERMS = {"state": state, "host": host, "update": update, "absent": absent}

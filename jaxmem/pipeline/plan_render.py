@@ -1,5 +1,5 @@
 """The pipeline section of `jaxmem plan`'s report: one row per stage, from the plan dict's "pipeline" entry
-(jaxmem.plan.pipeline writes it; jaxmem.plan.report prints it)."""
+(jaxmem.pipeline.plan writes it; jaxmem.plan.report prints it through the feature's render_plan hook)."""
 from __future__ import annotations
 
 from jaxmem.pipeline.figures import GIB

@@ -1,21 +1,17 @@
 """`jaxmem plan` for a pipeline (parallel.pp > 1): the worst stage's compiled figure as the plan's, every stage's
-bill beside it (jaxmem.pipeline.figures compiles them; jaxmem.plan.pipeline_render prints them)."""
+bill beside it (jaxmem.pipeline.figures compiles them; jaxmem.pipeline.plan_render prints them). The planner
+(jaxmem.plan) calls it through the feature's plan_run hook and hands it its own pieces (jaxmem.plan.Planner):
+the bill, the cost model, the plan dict and the compiled figures' type."""
 from __future__ import annotations
 
 import dataclasses
 
 import jax
 
-from jaxmem import features as registry
 from jaxmem.pipeline import partition
 from jaxmem.pipeline.balance import balance
-from jaxmem.pipeline.figures import GIB, StageFigures, compile_stage, stage_figures  # noqa: F401 (re-exported)
+from jaxmem.pipeline.figures import GIB, StageFigures, stage_figures
 from jaxmem.pipeline.runtime import build_pipeline
-from jaxmem.plan.bill import compute_bill
-from jaxmem.plan.compiled import CompiledFigures
-from jaxmem.plan.costmodel import estimate
-from jaxmem.plan.pipeline_render import STAGE_COLUMNS, render_pipeline, stage_row  # noqa: F401 (re-exported)
-from jaxmem.plan.report import build_plan
 
 
 # ---------------------------------------------------------------- `jaxmem plan` with parallel.pp > 1
@@ -34,9 +30,10 @@ def pipelined_cost(cost, bubble: float, pp: int):
                                mfu=mfu, breakdown=breakdown)
 
 
-def _as_compiled(fig: StageFigures, topo, pp: int, host: int):
-    """The worst stage's device figures as the plan's compiled figure; `host`: the largest stage's host bytes
-    (a node's GPUs may hold another stage than the worst, with more host state: the first's embedding)."""
+def _as_compiled(fig: StageFigures, topo, pp: int, host: int, compiled_figures):
+    """The worst stage's device figures as the plan's compiled figure (a `compiled_figures`:
+    jaxmem.plan.compiled.CompiledFigures); `host`: the largest stage's host bytes (a node's GPUs may hold
+    another stage than the worst, with more host state: the first's embedding)."""
     if fig.layer_phase >= fig.update_total:
         fields = dict(argument=fig.state + fig.grads + fig.params_for_grad, output=fig.in_flight * fig.residuals,
                       alias=0, temp=max(fig.forward_peak, fig.backward_peak))
@@ -47,13 +44,13 @@ def _as_compiled(fig: StageFigures, topo, pp: int, host: int):
     label = (f"compiled for {topo.label} (deviceless), pipeline stage {fig.stage} of {pp} (the largest): state + "
              f"{fig.in_flight} micro-batches' residuals + its largest pass, from its programs' memory analyses; "
              f"host: the largest stage's")
-    return CompiledFigures(fields, list(fig.warnings), fig.compile_seconds, label, jax.__version__)
+    return compiled_figures(fields, list(fig.warnings), fig.compile_seconds, label, jax.__version__)
 
 
-def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
+def pipeline_plan(cfg, features, topo, planner, *, compile: bool = True, source: str = "") -> dict:
     """The plan dict of a pipeline: the worst stage as the plan's compiled figure, every stage's bill under
-    "pipeline", and with pp_layers=auto the even split next to the balanced one."""
-    features = registry.for_config(cfg)
+    "pipeline", and with pp_layers=auto the even split next to the balanced one; `features`: the ones `cfg`
+    turns on, `planner`: the planner's pieces (jaxmem.plan.Planner)."""
     pp = cfg.parallel.pp
     devices = list(topo.devices())
     even = None
@@ -67,13 +64,14 @@ def pipeline_plan(cfg, topo, *, compile: bool = True, source: str = "") -> dict:
         figures = stage_figures(pipe) if compile else None
     worst = max(range(pp), key=lambda s: figures[s].device_total) if figures else 0
     stage = pipe.stages[worst]
-    bill = compute_bill(stage.prog.cfg, topo.n_devices // pp, gpu=bool(topo.name), layout=stage.prog.layout)
-    whole = compute_bill(cfg, topo.n_devices, gpu=bool(topo.name))
-    cost = estimate(cfg, whole, topo.gpu, topo.n_devices, whole.layout.grad_accum, whole.layout.rows)
+    bill = planner.compute_bill(stage.prog.cfg, topo.n_devices // pp, gpu=bool(topo.name), layout=stage.prog.layout)
+    whole = planner.compute_bill(cfg, topo.n_devices, gpu=bool(topo.name))
+    cost = planner.estimate(cfg, whole, topo.gpu, topo.n_devices, whole.layout.grad_accum, whole.layout.rows)
     if topo.gpu is not None:
         cost = pipelined_cost(cost, pipe.schedule.bubble, pp)
-    compiled = _as_compiled(figures[worst], topo, pp, max(f.host_total for f in figures)) if figures else None
-    out = build_plan(cfg, topo, bill, compiled, cost, source)
+    host = max(f.host_total for f in figures) if figures else 0
+    compiled = _as_compiled(figures[worst], topo, pp, host, planner.compiled_figures) if figures else None
+    out = planner.build_plan(cfg, topo, bill, compiled, cost, source)
     usable = out["usable_device_bytes"]
     info = {"schedule": cfg.parallel.pp_schedule, "stages": pp, "micro_batches": pipe.schedule.micro,
             "layers": list(pipe.counts), "layers_setting": cfg.parallel.pp_layers,

@@ -1,1 +1,0 @@
-"""Sequence parallelism (`parallel.sp`) and sequence tiles (`remat.seq_tile`) as a feature."""
