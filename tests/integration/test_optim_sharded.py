@@ -30,7 +30,7 @@ def test_lowbit_adamw_fsdp8_step_equals_one_device(bits):
     shapes = {"rows": (64, 4096), "wo": (4, 8, 512), "stack": (2, 16, 300), "norm": (64,)}
     param_specs = {"rows": P("fsdp", None), "wo": P(None, None, "fsdp"), "stack": P(None, "fsdp", None),
                    "norm": P()}
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=bits, block=256 if bits == 8 else 128)
+    opt = adamw_lowbit.scale_by_adam_lowbit(moments=f"int{bits}", block=256 if bits == 8 else 128)
     params = _tree(0, shapes)
     state = opt.init(params)
     _, state = jax.jit(opt.update)(_tree(1, shapes, 1e-2), state)

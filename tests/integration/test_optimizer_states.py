@@ -32,7 +32,7 @@ KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dty
 
 @pytest.mark.parametrize("overrides,message", [
     (["precision.moment_dtype=int4", "precision.moment_block=127"], "precision.moment_block: int4"),
-    (["precision.moment_block=256"], "precision.moment_block: blocks are for int8 / int4"),
+    (["precision.moment_block=256"], "precision.moment_block: blocks are for quantized moments"),
     (["precision.moment_dtype=int8", "precision.moment_block=-1"], "precision.moment_block: must be >= 0"),
     (["precision.stochastic_rounding=true"], "precision.stochastic_rounding: rounds updates into bfloat16"),
     (["precision.param_dtype=bfloat16", "precision.master_weights=true", "precision.stochastic_rounding=true"],

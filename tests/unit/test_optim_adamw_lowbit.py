@@ -10,7 +10,7 @@ import pytest
 
 from jaxmem.features import load_config
 from jaxmem.optim import choice, layerwise
-from jaxmem.optim import adamw_lowbit, codes
+from jaxmem.optim import adamw_lowbit, codes, states
 
 SHAPES = {"big": (8, 4096), "odd": (9, 41, 341), "norm": (64,)}
 
@@ -41,7 +41,7 @@ def test_step_matches_fp32_adam(bits):
     """Two low-bit steps build a non-trivial state; from its moments, fp32 optax.scale_by_adam and the low-bit
     step give the same update (the update is taken before requantizing), and the stored new moments are
     optax's within the code's bound (fp32 leaves under the threshold: equal)."""
-    lowbit = adamw_lowbit.scale_by_adam_lowbit(b1=0.9, b2=0.95, bits=bits)
+    lowbit = adamw_lowbit.scale_by_adam_lowbit(b1=0.9, b2=0.95, moments=f"int{bits}")
     reference = optax.scale_by_adam(b1=0.9, b2=0.95)
     step = jax.jit(lowbit.update)
     state = lowbit.init(_tree(0))
@@ -86,7 +86,7 @@ def test_trajectory_follows_fp32(bits, drift, excess):
         return w
 
     want = run(optax.scale_by_adam(0.9, 0.95))
-    got = run(adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, bits=bits))
+    got = run(adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, moments=f"int{bits}"))
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= drift
     assert float(jnp.linalg.norm(got - target)) <= (1 + excess) * float(jnp.linalg.norm(want - target))
 
@@ -95,14 +95,14 @@ def test_trajectory_follows_fp32(bits, drift, excess):
 def test_state_bytes(bits, per_param):
     """m + v take 2 bytes per parameter in 8 bits, 1 in 4, plus an fp32 scale per block each; tensors under
     the threshold keep fp32 moments."""
-    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", []), bits)
+    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", []), f"int{bits}")
     params = {"w": jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16), "norm": jax.ShapeDtypeStruct((4095,), jnp.bfloat16)}
     adam = _adam_state(jax.eval_shape(opt.init, params))
     w_m, w_v = adam.mu["w"], adam.nu["w"]
     assert w_m.codes.dtype == w_v.codes.dtype == jnp.uint8 and w_m.scales.dtype == jnp.float32
-    block = adamw_lowbit.DEFAULT_BLOCK[bits]
+    block = states.moment_kind(f"int{bits}").default_block
     assert w_m.codes.shape == (256, 4096 * bits // 8) and w_m.scales.shape == (256, 4096 // block)
-    assert (w_m.code, w_v.code) == adamw_lowbit.MOMENT_CODES[bits]
+    assert (w_m.code, w_v.code) == states.moment_kind(f"int{bits}").codes
     assert (w_m.nbytes + w_v.nbytes) / (256 * 4096) == pytest.approx(per_param)
     assert adam.mu["norm"].dtype == adam.nu["norm"].dtype == jnp.float32 and adam.mu["norm"].shape == (4095,)
 
@@ -111,7 +111,7 @@ def test_chain_is_adamw():
     """make_lowbit_adamw with every tensor under the threshold is make_optimizer's AdamW (schedule, weight
     decay without norms): the same updates and the same state layout."""
     cfg = load_config("configs/tiny.yaml", ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1"])
-    lowbit = adamw_lowbit.make_lowbit_adamw(cfg, 8, threshold=10 ** 9)
+    lowbit = adamw_lowbit.make_lowbit_adamw(cfg, "int8", threshold=10 ** 9)
     reference = choice.make_optimizer(cfg)
     params = _tree(0)
     s_low, s_ref = lowbit.init(params), reference.init(params)
@@ -128,7 +128,7 @@ def test_layerwise_update_slices_layers():
     """jaxmem.optim.layerwise.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
     (init vmapped over the layers) is updated a layer at a time (take_layer / put_layer slice codes and
     scales alike), and equals updating the whole stack at once."""
-    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), 8)
+    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), "int8")
     shapes = {"embed": (16, 4096), "layers": {"w": (3, 8, 1024), "norm": (3, 64)}}
     weights = _tree(0, shapes=shapes)
     state = layerwise.init_opt_state(opt, weights)
@@ -147,7 +147,7 @@ def test_orbax_round_trip(tmp_path):
     onto an abstract target with shardings), QTensors' meta coming from the target."""
     import orbax.checkpoint as ocp
 
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=4)
+    opt = adamw_lowbit.scale_by_adam_lowbit(moments="int4")
     params = _tree(0, shapes={"w": (8, 300), "norm": (64,)})
     _, state = jax.jit(opt.update)(_tree(1, shapes={"w": (8, 300), "norm": (64,)}), opt.init(params))
     with ocp.StandardCheckpointer() as ckpt:
