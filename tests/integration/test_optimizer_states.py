@@ -1,4 +1,4 @@
-"""The optimizer state kinds end to end (issue 45): int8 / int4 AdamW moments, bf16 weights without a master
+"""The optimizer state kinds end to end (issue 45): int8 / int4 / float8 AdamW moments, bf16 weights without a master
 rounded stochastically, Adafactor. Short runs of configs/tiny.yaml against fp32 AdamW (the 300-step table is
 benchmarks/optimizer_states.md), the fsdp=8 step against the one-device step, the update on the host, in the
 backward and in a pipeline stage against the plain one, an exact resume of each kind, the config's rules, and
@@ -23,7 +23,8 @@ from tiny_config import tiny_config
 SMALL = ["model.preset=tiny", "model.n_layers=2", "train.seq_len=16", "optimizer.warmup_steps=0",
          "optimizer.lr=1e-2"]
 BF16_SR = ["precision.param_dtype=bfloat16", "precision.master_weights=false"]
-KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dtype=int4"], "bf16_sr": BF16_SR,
+KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dtype=int4"],
+         "float8": ["precision.moment_dtype=float8"], "bf16_sr": BF16_SR,
          "adafactor": ["optimizer.name=adafactor"], "int8_bf16_sr": BF16_SR + ["precision.moment_dtype=int8"]}
 
 
@@ -77,6 +78,9 @@ def test_state_is_stored_as_its_kind():
     m = state["opt"]["layers"][0].mu
     assert codes.is_quantized(m["w_up"]) and m["w_up"].codes.dtype == jnp.uint8 and m["w_up"].code == "dynamic4_signed"
     assert not codes.is_quantized(m["attn_norm"]) and m["attn_norm"].dtype == jnp.float32  # vectors stay fp32
+    _, state = _steps(KINDS["float8"], n=1)
+    v = state["opt"]["layers"][0].nu["w_up"]
+    assert v.codes.dtype == jnp.float8_e4m3fn and v.code == "e4m3_unsigned" and v.block == 256
     _, state = _steps(KINDS["adafactor"] + BF16_SR, n=2)
     assert int(jax.tree.leaves(state["opt"]["rest"])[0]) == 2  # the step count adam_count reads
     factored = state["opt"]["layers"][0]
@@ -125,7 +129,7 @@ def test_short_runs_follow_fp32_adamw(tmp_path):
     assert got < 0.5 * first, (first, got)
 
 
-@pytest.mark.parametrize("kind", ["int8", "bf16_sr", "adafactor"])
+@pytest.mark.parametrize("kind", ["int8", "float8", "bf16_sr", "adafactor"])
 def test_resume_equals_the_straight_run(tmp_path, kind):
     """Six steps straight, and again from the step-3 checkpoint: the same losses bit for bit (the quantized
     state is saved as its codes and scales; the rounding bits are drawn from the seed and the step)."""
