@@ -199,6 +199,9 @@ def main() -> None:
     result = {"steps": args.steps, "machine": f"{os.cpu_count()} cores, {cpu}", "label": "measured on CPU",
               "versions": {p: version(p) for p in ("jax", "jaxlib", "optax")}, "runs": []}
     earlier = _earlier_runs(args) if args.kinds else {}
+    if earlier:  # the kept rows were measured where the --json's were
+        result["machine"] = (f"{json.loads(Path(args.json).read_text())['machine']}; {', '.join(kinds)}: "
+                             f"{result['machine']}")
     for model in MODELS:
         for mesh, devices in MESHES.items():
             before = earlier.get((model, mesh), {"kinds": {}})
