@@ -81,6 +81,7 @@ def evaluate(cases: list[dict]) -> list[dict]:
 
 def _md(rows: list[dict], source: str) -> str:
     from jaxmem.moe import cost as moe_cost
+    from jaxmem.optim import states
     from jaxmem.plan import costmodel as cm
 
     def line(r):
@@ -167,7 +168,7 @@ def _md(rows: list[dict], source: str) -> str:
         "H200's 16-core host, 13.17 s per step against 1.21 s with the same state streamed through the GPU "
         "(update on the device); it is that host's rate (XLA:CPU kept 1-2 cores busy) and prices that case. The "
         "step now runs the whole-tensor update (jaxmem.optim.host_update), priced at "
-        f"HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {cm.HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT} s (estimated: "
+        f"host update seconds per param by state kind = {states.host_update_rates()} s (estimated: "
         "the update alone on one H100 machine's host CPU, benchmarks/host_update_gpu_host.md; not yet measured in "
         "a GPU train step).",
         "- A mixture of experts' expert matmuls (the k active experts' FLOPs) at the grouped matmul's own rate, "

@@ -84,7 +84,7 @@ def _jax_candidates(tree_shapes: dict):
                "whole": functools.partial(host_update.whole_update, opt, **kw),
                "whole_fused": functools.partial(host_update.whole_update, opt,
                                                 fused=fused_host.FusedAdamW.from_config(cfg), **kw)}
-    lowbit = {f"whole_int{bits}": adamw_lowbit.make_lowbit_adamw(cfg, bits) for bits in (8, 4)}
+    lowbit = {f"whole_int{bits}": adamw_lowbit.make_lowbit_adamw(cfg, f"int{bits}") for bits in (8, 4)}
     updates.update({name: functools.partial(host_update.whole_update, low, **kw) for name, low in lowbit.items()})
     fused = fused_host.FusedAdamW.from_config(cfg)
     updates.update({f"{name}_fused": functools.partial(host_update.whole_update, low, fused=fused, **kw)

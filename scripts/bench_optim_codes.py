@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxmem.optim import adamw_lowbit, codes
+from jaxmem.optim import adamw_lowbit, codes, states
 
 # One decoder layer and the embedding / LM head of Llama-3-8B (d 4096, 32 heads of 128, 8 kv heads, mlp 14336).
 LLAMA3_8B = {"embed": (128256, 4096), "lm_head": (4096, 128256), "final_norm": (4096,),
@@ -50,7 +50,7 @@ def measured(name: str, block: int) -> dict:
 
 def state_bytes_per_param(bits: int) -> float:
     """m + v bytes per parameter of the Llama-3-8B shapes (32 layers) with the default blocks and threshold."""
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=bits)
+    opt = adamw_lowbit.scale_by_adam_lowbit(moments=f"int{bits}")
     tree = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in LLAMA3_8B.items() if k != "layer"}
     layer = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in LLAMA3_8B["layer"].items()}
     count = lambda t: sum(int(np.prod(x.shape)) for x in jax.tree.leaves(t))  # noqa: E731
@@ -63,7 +63,7 @@ def toy_run(bits: int | None, steps: int = 50) -> tuple[np.ndarray, np.ndarray]:
     """(weights, target): weights after `steps` noisy AdamW steps towards a fixed 64 x 4096 target."""
     target = jnp.asarray(np.random.default_rng(0).standard_normal((64, 4096)), jnp.float32)
     adam = (optax.scale_by_adam(0.9, 0.95) if bits is None
-            else adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, bits=bits))
+            else adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, moments=f"int{bits}"))
     tx = optax.chain(adam, optax.scale_by_learning_rate(1e-2))
     w, state = jnp.zeros_like(target), tx.init(target)
 
@@ -83,8 +83,8 @@ def main() -> None:
     parser.add_argument("--md", default=None)
     args = parser.parse_args()
     result = {"codes": {}, "bytes_per_param": {}, "toy": {}}
-    for bits, (m, v) in adamw_lowbit.MOMENT_CODES.items():
-        block = adamw_lowbit.DEFAULT_BLOCK[bits]
+    for bits, kind in ((8, states.moment_kind("int8")), (4, states.moment_kind("int4"))):
+        (m, v), block = kind.codes, kind.default_block
         for role, name in (("m", m), ("v", v)):
             code = codes.CODES[name]
             result["codes"][name] = {"bits": bits, "moment": role, "block": block, "max_error": code.max_error,

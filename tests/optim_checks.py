@@ -7,8 +7,10 @@ from jaxmem.optim import codes
 
 
 def code_indices(q) -> np.ndarray:
-    """A QTensor's code indices, one per value along the last dim (int4: both nibbles of each byte)."""
-    idx = np.asarray(q.codes).astype(np.int32)
+    """A QTensor's code indices, one per value along the last dim (int4: both nibbles of each byte; a float8
+    code: its bits, so neighbouring values of one sign are one apart)."""
+    stored = np.asarray(q.codes)
+    idx = (stored.view(np.uint8) if codes.CODES[q.code].storage else stored).astype(np.int32)
     if codes.CODES[q.code].bits == 4:
         idx = np.stack([idx & 15, idx >> 4], -1).reshape(idx.shape[:-1] + (-1,))[..., :q.last]
     return idx

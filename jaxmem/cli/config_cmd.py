@@ -18,7 +18,7 @@ from typing import Any, Literal
 import yaml
 
 from jaxmem.cli.help import HelpFormatter
-from jaxmem.config.schema import Config, ModelConfig, field_docs, to_dict
+from jaxmem.config.schema import Config, ModelConfig, field_docs, registered_choices, to_dict
 from jaxmem.loader import load_config
 from jaxmem.core import remat
 from jaxmem.config.names import ALL_NAMES
@@ -27,9 +27,11 @@ from jaxmem.config.targets import TARGETS
 from jaxmem import kernels
 from jaxmem.config.schema import KernelConfig
 from jaxmem.model.presets import PRESETS, param_count, resolve_model
+from jaxmem.optim import states
 
 DOCS_CONFIG = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 REGENERATE = "jaxmem config --markdown docs/config.md"
+_FUSED_KINDS = " / ".join(kind.name for kind in states.KINDS if kind.fused_host)  # the host kernel's kinds
 
 # What each tagged value is (jaxmem.config.names.CheckpointName), for `jaxmem list remat`.
 CHECKPOINT_NAME_HELP = {
@@ -71,7 +73,7 @@ KERNEL_HELP = {
                                   "interpreted on CPU)",
     ("host_update", "xla"): "XLA:CPU code under host compute; one loop per output (master, m, v, params)",
     ("host_update", "fused"): "one pass per tensor (C++ through XLA's FFI, built here on first use); CPU or GPU "
-                              "programs, each device's shard; fp32 / int8 / int4 moments, fp32 master, bf16 params",
+                              f"programs, each device's shard; {_FUSED_KINDS} moments, fp32 master, bf16 params",
 }
 
 
@@ -103,12 +105,18 @@ def _hints(cls: type) -> dict:
 def _leaf_docs():
     """(dotted key, type, default, description) of every leaf key (sections left out)."""
     for key, f, text in field_docs():
-        owner = _owner(key)
-        tp = _hints(owner)[f.name]
+        tp = _field_type(key, f)
         if dataclasses.is_dataclass(tp):
             continue
         default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
         yield key, tp, default, text
+
+
+def _field_type(key: str, f: dataclasses.Field) -> Any:
+    """A key's type; an open key's the values its owner registered (precision.moment_dtype: jaxmem.optim.states)."""
+    if "choices" in f.metadata:
+        return Literal[tuple(registered_choices(f.metadata["choices"], f.metadata["owner"]))]
+    return _hints(_owner(key))[f.name]
 
 
 def _owner(key: str) -> type:
@@ -236,7 +244,7 @@ def config_markdown() -> str:
     ]
     current = None
     for key, f, text in field_docs():
-        tp = _hints(_owner(key))[f.name]
+        tp = _field_type(key, f)
         if dataclasses.is_dataclass(tp):
             out += ["", f"## `{key}`", "", text[0].upper() + text[1:] + ".", "",
                     "| key | type | default | description |", "|---|---|---|---|"]

@@ -23,6 +23,7 @@ from jaxmem.config import ConfigError
 from jaxmem.loader import load_config
 from jaxmem import registry
 from jaxmem.mesh.sharding import batch_ways, mesh_shape
+from jaxmem.optim import states
 from jaxmem.config.schema import to_dict
 from jaxmem.cli.sweep import plot_pareto
 from jaxmem.cli.bench import bench
@@ -65,14 +66,17 @@ OFFLOAD_STAGES = (
 )
 STAGES = BASE_STAGES + OFFLOAD_STAGES + tuple(stage for feature in registry.FEATURES for stage in feature.search_axes)
 # With --allow-lossy-optimizer, after recomputation and before any offload: the optimizer state itself, smaller
-# but lossy (docs/optimizers.md): int8 moments with the fp32 master, then bf16 weights rounded stochastically
-# without a master (int8, then int4 moments).
+# but lossy (docs/optimizers.md): the state kinds tune may pick (jaxmem.optim.states), largest first, each with
+# the fp32 master, then bf16 weights rounded stochastically without a master; the smallest only in the last
+# form (full recomputation, no master).
+LOSSY_KINDS = sorted((k for k in states.KINDS if k.tune_may_pick), key=lambda k: -k.bytes_per_value(k.default_block))
+_LOSSY_NAMES = " / ".join(kind.name for kind in LOSSY_KINDS)
 LOSSY_STAGE = ("optimizer state quantized (lossy)", [
-    [r, "precision.moment_dtype=int8"] + extra
+    [r, f"precision.moment_dtype={kind.name}"] + extra for kind in LOSSY_KINDS[:-1]
     for extra in ([], ["precision.master_weights=false"]) for r in ("remat.preset=selective", "remat.preset=full")
-] + [["remat.preset=full", "precision.moment_dtype=int4", "precision.master_weights=false"]])
-# Without the flag the config's own optimizer state is kept; with it tune decides, from lossless fp32 moments.
-LOSSLESS_RESET = ["precision.moment_dtype=float32", "precision.moment_block=0"]
+] + [["remat.preset=full", f"precision.moment_dtype={LOSSY_KINDS[-1].name}", "precision.master_weights=false"]])
+# Without the flag the config's own optimizer state is kept; with it tune decides, from the lossless default.
+LOSSLESS_RESET = [f"precision.moment_dtype={states.KINDS[0].name}", "precision.moment_block=0"]
 
 
 def stages(allow_lossy: bool) -> tuple:
@@ -83,8 +87,9 @@ def stages(allow_lossy: bool) -> tuple:
 def optimizer_note(allow_lossy: bool) -> str:
     """tune's first line: whether the optimizer state was searched (lossy kinds change the numerics)."""
     if allow_lossy:
-        return "optimizer state: searched (--allow-lossy-optimizer): int8 / int4 moments, no fp32 master; lossy"
-    return "optimizer state: not searched, kept as configured (--allow-lossy-optimizer tries int8 / int4, no master)"
+        return f"optimizer state: searched (--allow-lossy-optimizer): {_LOSSY_NAMES} moments, no fp32 master; lossy"
+    return (f"optimizer state: not searched, kept as configured (--allow-lossy-optimizer tries {_LOSSY_NAMES}, "
+            "no master)")
 
 
 BF16 = ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16", "precision.master_weights=true",

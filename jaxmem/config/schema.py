@@ -37,6 +37,37 @@ def _f(default: Any, help: str, *, factory: Callable[[], Any] | None = None) -> 
     return dataclasses.field(default=default, metadata={"help": help})
 
 
+# ---------------------------------------------------------------- open choices
+# A key whose allowed values a higher floor owns (precision.moment_dtype: the optimizer state kinds,
+# jaxmem.optim.states) is declared here with `_choice`; the owner registers each value, its description and
+# its config rule when it is imported (`register_choice`). Building a config checks the value against them,
+# the key's help lists them, and jaxmem.config.validate runs the value's rule. Key -> {value: (description,
+# rule)}.
+_CHOICES: dict[str, dict[str, tuple[str, Callable[[Any], None] | None]]] = {}
+
+
+def _choice(default: str, help: str, key: str, owner: str) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, "choices": key, "owner": owner})
+
+
+def register_choice(key: str, value: str, description: str, rule: Callable[[Any], None] | None = None) -> None:
+    _CHOICES.setdefault(key, {})[value] = (description, rule)
+
+
+def registered_choices(key: str, owner: str = "its owner") -> dict[str, str]:
+    """value -> description of an open key; a one-line error where the module that owns them is not imported."""
+    if key not in _CHOICES:
+        raise ConfigError(f"{key}: its values are registered by {owner}, which is not imported")
+    return {value: description for value, (description, _) in _CHOICES[key].items()}
+
+
+def check_choice(key: str, value: str, owner: str = "its owner") -> Callable[[Any], None] | None:
+    """The rule of an open key's value (None: no rule); a one-line ConfigError naming the allowed values."""
+    if value not in registered_choices(key, owner):
+        raise ConfigError(f"{key}: {value!r} is not allowed; use one of {', '.join(_CHOICES[key])}")
+    return _CHOICES[key][value][1]
+
+
 _FROM_PRESET = "; from model.preset unless set"
 _FILL = ("; -1: fill the remaining devices (at most one axis; on a CPU host where no device count is set, "
          "`jaxmem train` and `bench` make as many devices as the other axes take, so -1 is 1)")
@@ -154,12 +185,11 @@ class PrecisionConfig:
                                      "param_dtype is not float32)")
     grad_reduce_dtype: Dtype = _f("float32", "dtype the gradients are reduced across devices and held in until "
                                              "the update, one of float32, bfloat16, float16")
-    moment_dtype: Literal["float32", "bfloat16", "int8", "int4"] = _f(
-        "float32", "how AdamW keeps its moments m and v, one of float32, bfloat16, int8, int4 (block-quantized "
-                   "with a per-block fp32 scale: 2 or 1 bytes per parameter for m and v together, plus the scales; "
-                   "vectors and tensors under 4096 values stay float32; lossy, see docs/optimizers.md)")
-    moment_block: int = _f(0, "values per quantization block along a tensor's last dim for int8 / int4 moments; "
-                              "0: 2048 for int8, 128 for int4 (an even number for int4)")
+    moment_dtype: str = _choice(
+        "float32", "how AdamW keeps its moments m and v (the quantized kinds are lossy: docs/optimizers.md)",
+        "precision.moment_dtype", "jaxmem.optim.states")
+    moment_block: int = _f(0, "values per quantization block along a tensor's last dim for quantized moments "
+                              "(precision.moment_dtype); 0: the kind's default")
     stochastic_rounding: bool | None = _f(
         None, "round each update into bf16 params stochastically (unbiased: updates below half a bf16 step still "
               "move the weights on average), seeded per step from train.seed; only for param_dtype=bfloat16 "
@@ -448,7 +478,11 @@ def field_docs(cls: type = None, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         key = prefix + f.name
-        yield key, f, f.metadata.get("help", "")
+        text = f.metadata.get("help", "")
+        if "choices" in f.metadata:
+            values = registered_choices(f.metadata["choices"], f.metadata["owner"]).values()
+            text += ", one of " + ", ".join(values)
+        yield key, f, text
         if dataclasses.is_dataclass(hints[f.name]):
             yield from field_docs(hints[f.name], key + ".")
 
@@ -525,6 +559,9 @@ def _build(cls, raw: dict, prefix: str = ""):
         if k not in names:
             raise ConfigError(f"{prefix}{k}: unknown key; allowed keys are {', '.join(sorted(names))}")
     kwargs = {k: _coerce(v, hints[k], prefix + k) for k, v in raw.items()}
+    for f in dataclasses.fields(cls):
+        if "choices" in f.metadata and f.name in kwargs:
+            check_choice(f.metadata["choices"], kwargs[f.name], f.metadata["owner"])
     return cls(**kwargs)
 
 

@@ -13,7 +13,8 @@ import dataclasses
 import math
 from typing import Callable
 
-from jaxmem.config.schema import CHAT_ROLES, RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig
+from jaxmem.config.schema import (CHAT_ROLES, RECORD_KINDS, Config, ConfigError, DistributedConfig, ParallelConfig,
+                                  check_choice)
 from jaxmem.config.targets import get_target
 
 
@@ -124,20 +125,13 @@ def _check_loss_scale(cfg: Config) -> None:
 
 
 def _check_moments(cfg: Config) -> None:
-    """Low-bit moments: a positive block (even for int4, whose codes pair values), AdamW's only."""
+    """The moments' kind is registered (jaxmem.optim.states), and its own rule holds (its block, Adafactor)."""
     p = cfg.precision
-    low_bit = p.moment_dtype in ("int8", "int4")
     if p.moment_block < 0:
         raise ConfigError(f"precision.moment_block: must be >= 0 (0: the default block), got {p.moment_block}")
-    if p.moment_block and not low_bit:
-        raise ConfigError(f"precision.moment_block: blocks are for int8 / int4 moments; moment_dtype is "
-                          f"{p.moment_dtype}")
-    if p.moment_dtype == "int4" and p.moment_block % 2:
-        raise ConfigError(f"precision.moment_block: int4 moments pair values in a byte, so the block must be even, "
-                          f"got {p.moment_block}")
-    if cfg.optimizer.name == "adafactor" and p.moment_dtype != "float32":
-        raise ConfigError(f"precision.moment_dtype: {p.moment_dtype} is for AdamW's moments; optimizer.name="
-                          "adafactor keeps its factored second moment in float32")
+    rule = check_choice("precision.moment_dtype", p.moment_dtype, "jaxmem.optim.states")
+    if rule is not None:
+        rule(cfg)
 
 
 def check_data(cfg: Config) -> None:

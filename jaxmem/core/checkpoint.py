@@ -22,7 +22,7 @@ import orbax.checkpoint as ocp
 from jaxmem.config.schema import Config, ConfigError, config_hash
 from jaxmem.core import host_init
 from jaxmem.optim.hyper import schedule_steps
-from jaxmem.optim.kind import StateKind
+from jaxmem.optim.kind import state_kind
 from jaxmem.core.plugins import FROZEN
 from jaxmem.core import checksum
 from jaxmem.io import hf
@@ -213,18 +213,17 @@ OPTIMIZER_STATE = "optimizer_state"  # meta key: how the optimizer state is stor
 
 def state_kind_id(cfg: Config) -> str:
     """'adamw/int8/2048', 'adamw/float32', 'adafactor/float32': the optimizer state's form in a checkpoint."""
-    kind = StateKind.from_config(cfg)
-    return "/".join([kind.name, kind.moment] + ([str(kind.block)] if kind.block else []))
+    return state_kind(cfg).checkpoint_id
 
 
 def check_state_kind(cfg: Config, meta: dict | None, where) -> None:
     """A checkpoint whose optimizer state another form saved (another optimizer, quantized moments or another
     block) is refused in one line; float32 and bfloat16 moments convert on restore, as any dtype does."""
     saved = (meta or {}).get(OPTIMIZER_STATE)
-    mine = state_kind_id(cfg)
-    floats = {"adamw/float32", "adamw/bfloat16"}
-    if saved is None or saved == mine or {saved, mine} <= floats:
+    kind = state_kind(cfg)
+    if saved is None or kind.restores(saved):
         return
+    mine = kind.checkpoint_id
     raise ConfigError(f"{where}: its optimizer state is {saved}, this run's {mine} (optimizer.name, "
                       "precision.moment_dtype, precision.moment_block); resume with the settings that saved it, or "
                       "use a new out_dir")

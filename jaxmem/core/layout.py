@@ -23,7 +23,7 @@ from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.model import abstract_model
 from jaxmem.model.presets import layer_param_count
-from jaxmem.optim.kind import StateKind
+from jaxmem.optim.kind import StateKind, state_kind
 from jaxmem.optim.layerwise import rest_chunks, split_layers
 from jaxmem.core.precision import Precision
 from jaxmem.io.data import batch_keys
@@ -171,7 +171,7 @@ def resolve(cfg: Config, n_devices: int, platform: str, mesh_sizes: dict[str, in
         saved=saved,
         keeps_scores=remat.keeps_attention_scores(cfg.remat, fused_attention),
         host_state=homes.host_keys(), homes=homes, layer_param_elems=layer_param_count(cfg.model),
-        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]), optimizer=StateKind.from_config(cfg))
+        rules=tuple(sharding.RULE_TABLES[cfg.parallel.rules]), optimizer=state_kind(cfg))
 
 
 def spec_leaves(tree) -> list:

@@ -16,15 +16,14 @@ class Precision:
     param: jnp.dtype
     compute: jnp.dtype
     grad_reduce: jnp.dtype
-    moment: jnp.dtype  # of AdamW's float moments; block-quantized ones (int8, int4) run their math in fp32
     master: bool  # optimizer holds an fp32 copy of params stored in a lower dtype
     stochastic_rounding: bool = False  # the update rounds into the bf16 params stochastically (no master)
 
     @classmethod
     def from_config(cls, p: PrecisionConfig) -> "Precision":
         master = p.master_weights and p.param_dtype != "float32"
-        return cls(DTYPES[p.param_dtype], DTYPES[p.compute_dtype], DTYPES[p.grad_reduce_dtype],
-                   DTYPES.get(p.moment_dtype, jnp.float32), master, rounds_stochastically(p))
+        return cls(DTYPES[p.param_dtype], DTYPES[p.compute_dtype], DTYPES[p.grad_reduce_dtype], master,
+                   rounds_stochastically(p))
 
 
 def rounds_stochastically(p: PrecisionConfig) -> bool:

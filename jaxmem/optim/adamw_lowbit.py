@@ -18,24 +18,21 @@ import optax
 from jaxmem.config.schema import Config
 from jaxmem.optim.hyper import decay_mask, schedule
 from jaxmem.optim import codes
-from jaxmem.optim.kind import DEFAULT_BLOCK, THRESHOLD, quantizes
-
-# (code of m, code of v) per bit width.
-MOMENT_CODES = {8: ("dynamic8_signed", "dynamic8_unsigned"), 4: ("dynamic4_signed", "linear_square4")}
-# The default block length along the last dim, and tensors with fewer values than THRESHOLD keep fp32 moments
-# (bitsandbytes' min_8bit_size): jaxmem.optim.kind's.
+from jaxmem.optim.kind import quantizes
+from jaxmem.optim.states import THRESHOLD, moment_kind
 
 
 def scale_by_adam_lowbit(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8, eps_root: float = 0.0, *,
-                         bits: int = 8, block: int | None = None, threshold: int = THRESHOLD
+                         moments: str = "int8", block: int | None = None, threshold: int = THRESHOLD
                          ) -> optax.GradientTransformation:
-    """`optax.scale_by_adam` with m and v stored in `bits` (8 or 4) bits, blocks of `block` values (default
-    2048 for 8 bits, 128 for 4) along each tensor's last dim; vectors and tensors under `threshold` values stay
-    fp32 (kind.quantizes)."""
-    if bits not in MOMENT_CODES:
-        raise ValueError(f"scale_by_adam_lowbit: bits must be one of {sorted(MOMENT_CODES)}, got {bits}")
-    m_code, v_code = MOMENT_CODES[bits]
-    block = block or DEFAULT_BLOCK[bits]
+    """`optax.scale_by_adam` with m and v stored in the quantized kind `moments` (jaxmem.optim.states: its codes),
+    blocks of `block` values (default: the kind's) along each tensor's last dim; vectors and tensors under
+    `threshold` values stay fp32 (kind.quantizes)."""
+    kind = moment_kind(moments)
+    if not kind.quantized:
+        raise ValueError(f"scale_by_adam_lowbit: {moments} moments are not quantized")
+    m_code, v_code = kind.codes
+    block = block or kind.default_block
 
     def stored_zeros(p, code):
         if not quantizes(p.shape, threshold):
@@ -75,11 +72,12 @@ def stored_like(old, new):
     return jax.tree.map(store, old, new, is_leaf=codes.is_quantized)
 
 
-def make_lowbit_adamw(cfg: Config, bits: int, *, block: int | None = None, threshold: int = THRESHOLD
+def make_lowbit_adamw(cfg: Config, moments: str, *, block: int | None = None, threshold: int = THRESHOLD
                       ) -> optax.GradientTransformation:
     """`jaxmem.optim.choice.make_optimizer`'s AdamW (its schedule, betas, eps, decoupled weight decay without
-    norms and biases) with m and v in `bits` bits; the chain and its state's layout are optax.adamw's."""
+    norms and biases) with m and v in the quantized kind `moments`; the chain and its state's layout are
+    optax.adamw's."""
     o = cfg.optimizer
-    return optax.chain(scale_by_adam_lowbit(o.b1, o.b2, o.eps, bits=bits, block=block, threshold=threshold),
+    return optax.chain(scale_by_adam_lowbit(o.b1, o.b2, o.eps, moments=moments, block=block, threshold=threshold),
                        optax.add_decayed_weights(o.weight_decay, decay_mask),
                        optax.scale_by_learning_rate(schedule(cfg)))

@@ -1,5 +1,5 @@
-"""The run's optimizer (an optax GradientTransformation) from its config: AdamW with its moments in
-fp32 / bf16 (optax.adamw) or block-quantized in int8 / int4 (jaxmem.optim.adamw_lowbit), or Adafactor
+"""The run's optimizer (an optax GradientTransformation) from its config: AdamW with its moments in a float
+dtype (optax.adamw) or block-quantized (jaxmem.optim.adamw_lowbit), as jaxmem.optim.states' kind says, or Adafactor
 (optax.adafactor, jaxmem.optim.adafactor); warmup + cosine decay, decoupled weight decay without norms and
 biases. Clipping by the global norm sits outside the chain, in the update (jaxmem.optim.layerwise)."""
 from __future__ import annotations
@@ -12,19 +12,17 @@ from jaxmem.config.schema import Config
 from jaxmem.optim.adafactor import make_adafactor
 from jaxmem.optim.adamw_lowbit import make_lowbit_adamw
 from jaxmem.optim.hyper import decay_mask, schedule
-from jaxmem.optim.kind import StateKind
-
-MOMENT_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+from jaxmem.optim.kind import state_kind
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """The optimizer `cfg` names (StateKind): AdamW's m and v in precision.moment_dtype, or Adafactor."""
-    kind = StateKind.from_config(cfg)
+    kind = state_kind(cfg)
     if kind.name == "adafactor":
         return make_adafactor(cfg)
     if kind.quantized:
-        return make_lowbit_adamw(cfg, kind.bits, block=kind.block)
-    o, dtype = cfg.optimizer, MOMENT_DTYPES[kind.moment]
+        return make_lowbit_adamw(cfg, kind.moment, block=kind.block)
+    o, dtype = cfg.optimizer, kind.moments.dtype
     adamw = optax.adamw(schedule(cfg), b1=o.b1, b2=o.b2, eps=o.eps, weight_decay=o.weight_decay, mu_dtype=dtype,
                         mask=decay_mask)
     return moments_in(adamw, dtype)

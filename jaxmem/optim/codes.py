@@ -21,6 +21,12 @@ Codes (values of the normalized x / scale, nearest value chosen):
   by, with no zero (2309.01507's "zero-point problem": a second moment rounded to 0 turns m / sqrt(v) into
   m / eps). Rounded to the nearest value of sqrt.
 The unsigned 8-bit code has no zero either: its zero is replaced by the bottom level's lower edge.
+- `e4m3_signed` / `e4m3_unsigned`: no table lookup: x / scale times float8_e4m3fn's largest value (448) cast
+  to that dtype (round to nearest even), the codes stored as float8_e4m3fn (fp8 moments, as torchao's
+  AdamWFp8: e4m3 values with a per-block scale). Three mantissa bits keep every value from 2^-6 / 448 of its
+  block's scale up within 1/16 of itself, whatever its decade. The unsigned one (v) rounds a positive value
+  below e4m3's smallest subnormal up to it rather than to 0, like the unsigned 8-bit code (the zero-point
+  problem above).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 
@@ -42,6 +49,7 @@ class Code:
     signed: bool
     values: tuple[float, ...]
     sqrt_linear: bool = False  # round in the sqrt domain with a closed form (linear_square4)
+    storage: str | None = None  # a float8 dtype the codes are cast to and stored in (e4m3), else uint8 indices
 
     @functools.cached_property
     def table(self) -> np.ndarray:
@@ -109,11 +117,21 @@ def dynamic_tree_values(bits: int, signed: bool, zero: bool = True) -> tuple[flo
     return tuple(float(v) for v in sorted(values))
 
 
+def float8_values(dtype_name: str, signed: bool) -> tuple[float, ...]:
+    """A float8 dtype's distinct finite values over its largest (signed), or its positive ones (unsigned)."""
+    dtype = getattr(ml_dtypes, dtype_name)
+    values = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float64)
+    values = np.unique(values[np.isfinite(values)]) / float(ml_dtypes.finfo(dtype).max)
+    return tuple(float(v) for v in (values if signed else values[values > 0]))
+
+
 CODES = {c.name: c for c in (
     Code("dynamic8_signed", 8, True, dynamic_tree_values(8, True)),
     Code("dynamic8_unsigned", 8, False, dynamic_tree_values(8, False, zero=False)),
     Code("dynamic4_signed", 4, True, dynamic_tree_values(4, True)),
     Code("linear_square4", 4, False, tuple((k / 16) ** 2 for k in range(1, 17)), sqrt_linear=True),
+    Code("e4m3_signed", 8, True, float8_values("float8_e4m3fn", True), storage="float8_e4m3fn"),
+    Code("e4m3_unsigned", 8, False, float8_values("float8_e4m3fn", False), storage="float8_e4m3fn"),
 )}
 
 
@@ -121,7 +139,8 @@ CODES = {c.name: c for c in (
                    meta_fields=["code", "block", "last"])
 @dataclasses.dataclass(frozen=True)
 class QTensor:
-    """A quantized tensor: `codes` (uint8, the tensor's shape; 4-bit: last dim ceil(last / 2)), `scales`
+    """A quantized tensor: `codes` (uint8, the tensor's shape; 4-bit: last dim ceil(last / 2); a float8 code:
+    its dtype, the tensor's shape), `scales`
     (fp32, `shape[:-1] + (blocks,)`), and static meta: the code's name, the block length and the last dim."""
 
     codes: jax.Array
@@ -162,9 +181,12 @@ def zeros(shape: tuple[int, ...], code_name: str, block: int) -> QTensor:
     """The quantized zero tensor of `shape` (an optimizer's initial moment) without any arithmetic."""
     code = CODES[code_name]
     byte = code.zero_index * 17 if code.bits == 4 else code.zero_index  # both nibbles for 4 bits
-    return QTensor(jnp.full(codes_shape(shape, code.bits), byte, jnp.uint8),
-                   jnp.zeros(scales_shape(shape, block), jnp.float32), code_name, block_for(shape[-1], block)[0],
-                   shape[-1])
+    if code.storage:  # a float8 code's zero is 0 in its dtype
+        stored = jnp.zeros(shape, code.storage)
+    else:
+        stored = jnp.full(codes_shape(shape, code.bits), byte, jnp.uint8)
+    return QTensor(stored, jnp.zeros(scales_shape(shape, block), jnp.float32), code_name,
+                   block_for(shape[-1], block)[0], shape[-1])
 
 
 def _blocked(x: jax.Array, length: int, count: int) -> jax.Array:
@@ -212,6 +234,16 @@ def _encode(code: Code, y: jax.Array) -> jax.Array:
     return idx.astype(jnp.uint8)
 
 
+def _cast(code: Code, y: jax.Array) -> jax.Array:
+    """Normalized y as a float8 code: y times the dtype's largest value, rounded to nearest by the cast; an
+    unsigned code's positive values no lower than the smallest subnormal (no zero where v is not 0)."""
+    info = ml_dtypes.finfo(getattr(ml_dtypes, code.storage))
+    z = y * float(info.max)
+    if not code.signed:
+        z = jnp.where(z > 0, jnp.maximum(z, float(info.smallest_subnormal)), z)
+    return z.astype(code.storage)
+
+
 def _pack(idx: jax.Array) -> jax.Array:
     """Pairs of 4-bit indices along the last dim -> one uint8 (even element in the low nibble)."""
     if idx.shape[-1] % 2:
@@ -237,7 +269,7 @@ def quantize(x: jax.Array, code_name: str, block: int) -> QTensor:
     else:
         scales = jnp.max(xb, axis=-1)
     safe = scales + (scales == 0).astype(scales.dtype)  # 1 for an all-zero block; no constant to place
-    idx = _encode(code, xb / safe[..., None])
+    idx = (_cast if code.storage else _encode)(code, xb / safe[..., None])
     idx = idx.reshape(idx.shape[:-2] + (count * length,))[..., :last]
     return QTensor(_pack(idx) if code.bits == 4 else idx, scales, code_name, length, last)
 
@@ -245,8 +277,11 @@ def quantize(x: jax.Array, code_name: str, block: int) -> QTensor:
 def dequantize(q: QTensor, dtype=jnp.float32) -> jax.Array:
     """The values a QTensor stands for, [..., last] in `dtype`."""
     code = CODES[q.code]
-    idx = _unpack(q.codes, q.last) if code.bits == 4 else q.codes
-    values = _constant(code.table, idx)[idx.astype(jnp.int32)]
+    if code.storage:
+        values = q.codes.astype(jnp.float32) * (1.0 / float(ml_dtypes.finfo(getattr(ml_dtypes, code.storage)).max))
+    else:
+        idx = _unpack(q.codes, q.last) if code.bits == 4 else q.codes
+        values = _constant(code.table, idx)[idx.astype(jnp.int32)]
     count = q.scales.shape[-1]
     scale = jnp.broadcast_to(q.scales[..., None], q.scales.shape + (q.block,))
     scale = scale.reshape(q.scales.shape[:-1] + (count * q.block,))[..., :q.last]

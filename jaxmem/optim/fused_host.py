@@ -23,7 +23,8 @@ from jaxmem.kernels.host_adamw import (BuildError, host_adamw, host_adamw_lowbit
                                       register)
 from jaxmem.optim import codes, rows
 from jaxmem.optim.hyper import decay_mask, schedule
-from jaxmem.optim.kind import StateKind
+from jaxmem.optim.kind import state_kind
+from jaxmem.optim.states import KINDS
 from jaxmem.optim.layerwise import split_layers
 from jaxmem.optim.specs import quantized_specs
 
@@ -32,9 +33,10 @@ _COUNTED = (optax.ScaleByAdamState, optax.ScaleByScheduleState)
 
 def not_covered(cfg: Config, param_dtype) -> str | None:
     """Why the kernel cannot run this config's update (one line naming the key), or None where it can."""
-    kind, p = StateKind.from_config(cfg), cfg.precision
-    if kind.name != "adamw" or kind.moment not in ("float32", "int8", "int4"):
-        return (f"it keeps AdamW's moments in float32, int8 or int4 (optimizer.name={kind.name}, "
+    kind, p = state_kind(cfg), cfg.precision
+    if not kind.fused_host:
+        covered = ", ".join(k.name for k in KINDS if k.fused_host)
+        return (f"it keeps AdamW's moments in one of {covered} (optimizer.name={kind.name}, "
                 f"precision.moment_dtype={kind.moment})")
     if not p.master_weights:
         return "it updates an fp32 master copy (precision.master_weights=false)"

@@ -17,7 +17,8 @@ achieved rate:
 Collectives and host transfers that run inside the forward/backward (FSDP gathers, fetched host weights,
 offloaded layer inputs) overlap with compute (step = max of them); the optimizer state streamed through
 the device when it lives on the host (update on device) moves after the backward, serially, and adds; an
-update run on the host (offload.optimizer_update=host) adds its CPU time, HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT.
+update run on the host (offload.optimizer_update=host) adds its CPU time: the state kind's host_update_rate
+(jaxmem.optim.states).
 Host bytes are counted as they cross the link: master, m and v in AND out, grads, fetched weights.
 
 Fitting (benchmarks/calibration/h100_measured.json, benchmarks/costmodel.md): the per-kernel
@@ -45,7 +46,7 @@ from jaxmem.kernels.attention.pallas import score_pairs
 from jaxmem.kernels import loss_blocks
 from jaxmem.kernels.cross_entropy.chunked import tiles
 from jaxmem.core.accounting import state_elems as _state_elems
-from jaxmem.optim.kind import StateKind
+from jaxmem.optim import states
 
 # MATMUL_EFFICIENCY (projection / MLP matmuls, fraction of the dense peak), HBM_EFFICIENCY (memory-bound
 # work: norms, RoPE, SiLU, residual adds, the AdamW update; fraction of HBM bandwidth) and
@@ -75,23 +76,13 @@ CHUNKED_LOSS_EFFICIENCY_BY_TILE = {(1024, 4096): 0.396, (2048, 8192): 0.483, (40
 # against one measured offload step (benchmarks/constants.md, costmodel).
 HOST_LINK_EFFICIENCY = 1.0
 
-# The optimizer update on the host CPU (offload.optimizer_update=host: jaxmem.optim.host_update.whole_update under
-# XLA host compute), serial after the backward, per trained parameter, by how AdamW keeps its moments. Estimated
-# from the update alone measured on one GPU machine's host CPU (scripts/bench_host_update.py --platform cuda;
-# benchmarks/host_update_gpu_host.md, benchmarks/constants.md); another host's cores and memory bandwidth give
-# another rate. Adafactor (no first moment, factored second) is priced as fp32 AdamW.
-HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT = {"float32": 2.65e-9, "bfloat16": 2.65e-9, "int8": 4.9e-9, "int4": 4.9e-9}
+# The optimizer update on the host CPU (offload.optimizer_update=host), serial after the backward, per trained
+# parameter: each optimizer state kind's estimated rate (jaxmem.optim.states, StateKind.host_update_seconds_per_param).
 # The layer-scan update the whole one replaced (jaxmem.optim.layerwise.layerwise_update under host compute): the
 # step time one measured run added over the model without this term, over its parameters (benchmarks/bench_h200/
 # run7; benchmarks/constants.md, costmodel). The cost model prices the cases measured with it
 # (benchmarks/calibration: "host_update": "layer_scan") at this rate.
 LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM = 12.71 / 2_351_776_512
-
-
-def host_update_seconds_per_param(kind: StateKind) -> float:
-    """The host update's estimated seconds per trained parameter for this optimizer state (fp32 for Adafactor)."""
-    moment = kind.moment if kind.name == "adamw" else "float32"
-    return HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT[moment]
 
 
 # One layer's forward as a graph: value -> (producer, its inputs). Recompute walks it back to saved values.
@@ -152,7 +143,7 @@ class Cost:
                             "chunked_loss_efficiency_by_tile": {f"{t}x{v}": e for (t, v), e
                                                                 in CHUNKED_LOSS_EFFICIENCY_BY_TILE.items()},
                             "host_link_efficiency": HOST_LINK_EFFICIENCY,
-                            "host_update_seconds_per_param": dict(HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT),
+                            "host_update_seconds_per_param": states.host_update_rates(),
                             "fitted_on": "benchmarks/calibration/h100_measured.json"}
         return out
 
@@ -279,7 +270,7 @@ def _layer_elems(bill: Bill, specs) -> int:
 def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad_accum: int, rows: int,
                    host_update_rate: float | None = None) -> dict:
     """Seconds per part of one step on one device of `gpu`, and the host-link bytes (per device). `host_update_rate`:
-    seconds per parameter of an update on the host (default: host_update_seconds_per_param of the state)."""
+    seconds per parameter of an update on the host (default: the state's host_update_seconds_per_param)."""
     seq = cfg.train.seq_len
     tokens = grad_accum * rows * seq
     peak = gpu.peak_flops(cfg.precision.compute_dtype)
@@ -298,7 +289,7 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     overlapped, serial = _host_link_bytes(cfg, bill, grad_accum)
     link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
     homes = bill.layout.homes
-    rate = host_update_seconds_per_param(bill.layout.optimizer) if host_update_rate is None else host_update_rate
+    rate = bill.layout.optimizer.host_update_seconds_per_param if host_update_rate is None else host_update_rate
     host_update_s = _opt_elems(bill) * rate if homes.update_on_host else 0.0
     compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
     return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,

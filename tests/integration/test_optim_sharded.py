@@ -1,6 +1,7 @@
 """The optimizers' update jitted on an fsdp=8 mesh of 8 CPU devices, params and state sharded by
-`jaxmem.optim.specs.state_specs`, equals the one-device update: int8 / int4 AdamW moments (codes sharded like
-the param, scales too where whole blocks fall inside a shard) and Adafactor's factored second moment."""
+`jaxmem.optim.specs.state_specs`, equals the one-device update: int8 / int4 / float8 AdamW moments (codes
+sharded like the param, scales too where whole blocks fall inside a shard) and Adafactor's factored second
+moment."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,7 +9,7 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxmem.loader import load_config
-from jaxmem.optim import adafactor, adamw_lowbit, specs
+from jaxmem.optim import adafactor, adamw_lowbit, specs, states
 
 from optim_checks import assert_same_moments
 
@@ -24,13 +25,14 @@ def _fsdp8():
     return lambda tree: jax.tree.map(lambda s: NamedSharding(mesh, s), tree, is_leaf=lambda x: isinstance(x, P))
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_lowbit_adamw_fsdp8_step_equals_one_device(bits):
+@pytest.mark.parametrize("kind,block", [("int8", 256), ("int4", 128), ("float8", 256)])
+def test_lowbit_adamw_fsdp8_step_equals_one_device(kind, block):
     """Each device holds its shard of the codes, shaped like its shard of the param."""
+    bits = states.moment_kind(kind).bits
     shapes = {"rows": (64, 4096), "wo": (4, 8, 512), "stack": (2, 16, 300), "norm": (64,)}
     param_specs = {"rows": P("fsdp", None), "wo": P(None, None, "fsdp"), "stack": P(None, "fsdp", None),
                    "norm": P()}
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=bits, block=256 if bits == 8 else 128)
+    opt = adamw_lowbit.scale_by_adam_lowbit(moments=kind, block=block)
     params = _tree(0, shapes)
     state = opt.init(params)
     _, state = jax.jit(opt.update)(_tree(1, shapes, 1e-2), state)

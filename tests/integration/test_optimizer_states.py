@@ -1,4 +1,4 @@
-"""The optimizer state kinds end to end (issue 45): int8 / int4 AdamW moments, bf16 weights without a master
+"""The optimizer state kinds end to end (issue 45): int8 / int4 / float8 AdamW moments, bf16 weights without a master
 rounded stochastically, Adafactor. Short runs of configs/tiny.yaml against fp32 AdamW (the 300-step table is
 benchmarks/optimizer_states.md), an exact resume of each kind, the config's rules, and what the planner makes
 of them. The kinds step by step (the fsdp=8 step, the update on the host, in the backward and in pieces against
@@ -18,7 +18,8 @@ from jaxmem.train import run
 from tiny_config import tiny_config
 
 BF16_SR = ["precision.param_dtype=bfloat16", "precision.master_weights=false"]
-KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dtype=int4"], "bf16_sr": BF16_SR,
+KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dtype=int4"],
+         "float8": ["precision.moment_dtype=float8"], "bf16_sr": BF16_SR,
          "adafactor": ["optimizer.name=adafactor"], "int8_bf16_sr": BF16_SR + ["precision.moment_dtype=int8"]}
 
 
@@ -27,7 +28,7 @@ KINDS = {"int8": ["precision.moment_dtype=int8"], "int4": ["precision.moment_dty
 
 @pytest.mark.parametrize("overrides,message", [
     (["precision.moment_dtype=int4", "precision.moment_block=127"], "precision.moment_block: int4"),
-    (["precision.moment_block=256"], "precision.moment_block: blocks are for int8 / int4"),
+    (["precision.moment_block=256"], "precision.moment_block: blocks are for quantized moments"),
     (["precision.moment_dtype=int8", "precision.moment_block=-1"], "precision.moment_block: must be >= 0"),
     (["precision.stochastic_rounding=true"], "precision.stochastic_rounding: rounds updates into bfloat16"),
     (["precision.param_dtype=bfloat16", "precision.master_weights=true", "precision.stochastic_rounding=true"],
@@ -55,7 +56,6 @@ def test_stochastic_rounding_defaults_on_for_bf16_weights_without_a_master():
 # ---------------------------------------------------------------- training
 
 
-@pytest.mark.slow
 def test_short_runs_follow_fp32_adamw(tmp_path):
     """20 steps of configs/tiny.yaml on 8 devices from the same seed (the loss falls from ln 256 to under half
     of it): int8 moments and bf16 weights with stochastic rounding end within 5% of fp32 AdamW's loss,
@@ -76,7 +76,7 @@ def test_short_runs_follow_fp32_adamw(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["int8", "bf16_sr", "adafactor"])
+@pytest.mark.parametrize("kind", ["int8", "float8", "bf16_sr", "adafactor"])
 def test_resume_equals_the_straight_run(tmp_path, kind):
     """Six steps straight, and again from the step-3 checkpoint: the same losses bit for bit (the quantized
     state is saved as its codes and scales; the rounding bits are drawn from the seed and the step)."""

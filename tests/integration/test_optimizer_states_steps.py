@@ -36,6 +36,9 @@ def test_state_is_stored_as_its_kind():
     m = state["opt"]["layers"][0].mu
     assert codes.is_quantized(m["w_up"]) and m["w_up"].codes.dtype == jnp.uint8 and m["w_up"].code == "dynamic4_signed"
     assert not codes.is_quantized(m["attn_norm"]) and m["attn_norm"].dtype == jnp.float32  # vectors stay fp32
+    _, state = _steps(KINDS["float8"], n=1)
+    v = state["opt"]["layers"][0].nu["w_up"]
+    assert v.codes.dtype == jnp.float8_e4m3fn and v.code == "e4m3_unsigned" and v.block == 256
     _, state = _steps(KINDS["adafactor"] + BF16_SR, n=2)
     assert int(jax.tree.leaves(state["opt"]["rest"])[0]) == 2  # the step count adam_count reads
     factored = state["opt"]["layers"][0]

@@ -9,6 +9,7 @@ import pytest
 
 from jaxmem.loader import load_config
 from jaxmem.plan.bill import compute_bill
+from jaxmem.optim import states
 from jaxmem.plan import costmodel
 from jaxmem.plan.costmodel import estimate, time_breakdown
 from jaxmem.config.targets import TARGETS, get_target
@@ -117,7 +118,7 @@ def test_the_host_side_update_is_priced_per_trained_param():
         on_host.params * costmodel.LAYER_SCAN_HOST_UPDATE_SECONDS_PER_PARAM)
     now = costmodel.estimate(cfg, bill, get_target(host["target"]), 1, bill.layout.grad_accum, bill.layout.rows)
     assert now.breakdown["host_update_seconds"] == pytest.approx(
-        on_host.params * costmodel.HOST_UPDATE_SECONDS_PER_PARAM_BY_MOMENT["float32"])
+        on_host.params * states.moment_kind("float32").host_update_rate)
     assert streamed.breakdown["host_update_seconds"] == 0.0
     assert on_host.serial_host_seconds >= on_host.breakdown["host_update_seconds"]
     measured = host["measured_step_seconds"] / device["measured_step_seconds"]

@@ -10,7 +10,7 @@ import pytest
 
 from jaxmem.loader import load_config
 from jaxmem.optim import choice, layerwise
-from jaxmem.optim import adamw_lowbit, codes
+from jaxmem.optim import adamw_lowbit, codes, states
 
 SHAPES = {"big": (8, 4096), "odd": (9, 41, 341), "norm": (64,)}
 
@@ -36,12 +36,12 @@ def _adam_state(opt_state):
     return opt_state[0] if isinstance(opt_state, tuple) else opt_state
 
 
-@pytest.mark.parametrize("bits", [8, 4])
-def test_step_matches_fp32_adam(bits):
+@pytest.mark.parametrize("kind", ["int8", "int4", "float8"])
+def test_step_matches_fp32_adam(kind):
     """Two low-bit steps build a non-trivial state; from its moments, fp32 optax.scale_by_adam and the low-bit
     step give the same update (the update is taken before requantizing), and the stored new moments are
     optax's within the code's bound (fp32 leaves under the threshold: equal)."""
-    lowbit = adamw_lowbit.scale_by_adam_lowbit(b1=0.9, b2=0.95, bits=bits)
+    lowbit = adamw_lowbit.scale_by_adam_lowbit(b1=0.9, b2=0.95, moments=kind)
     reference = optax.scale_by_adam(b1=0.9, b2=0.95)
     step = jax.jit(lowbit.update)
     state = lowbit.init(_tree(0))
@@ -66,10 +66,10 @@ def test_step_matches_fp32_adam(bits):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bits,drift,excess", [(8, 0.05, 0.01), (4, 0.4, 0.05)])
-def test_trajectory_follows_fp32(bits, drift, excess):
-    """50 noisy steps towards a target: the low-bit weights stay near fp32 AdamW's (8 bits: within a few % of
-    the distance travelled; 4 bits drift further) and end about as close to the target."""
+@pytest.mark.parametrize("kind,drift,excess", [("int8", 0.05, 0.01), ("int4", 0.4, 0.05), ("float8", 0.05, 0.01)])
+def test_trajectory_follows_fp32(kind, drift, excess):
+    """50 noisy steps towards a target: the low-bit weights stay near fp32 AdamW's (8 bits, int8 or float8:
+    within a few % of the distance travelled; 4 bits drift further) and end about as close to the target."""
     rng = np.random.default_rng(0)
     target = jnp.asarray(rng.standard_normal((64, 4096)), jnp.float32)
 
@@ -87,23 +87,25 @@ def test_trajectory_follows_fp32(bits, drift, excess):
         return w
 
     want = run(optax.scale_by_adam(0.9, 0.95))
-    got = run(adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, bits=bits))
+    got = run(adamw_lowbit.scale_by_adam_lowbit(0.9, 0.95, moments=kind))
     assert float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)) <= drift
     assert float(jnp.linalg.norm(got - target)) <= (1 + excess) * float(jnp.linalg.norm(want - target))
 
 
-@pytest.mark.parametrize("bits,per_param", [(8, 2 + 8 / 2048), (4, 1 + 8 / 128)])
-def test_state_bytes(bits, per_param):
-    """m + v take 2 bytes per parameter in 8 bits, 1 in 4, plus an fp32 scale per block each; tensors under
-    the threshold keep fp32 moments."""
-    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", []), bits)
+@pytest.mark.parametrize("kind,per_param,stored", [("int8", 2 + 8 / 2048, jnp.uint8), ("int4", 1 + 8 / 128, jnp.uint8),
+                                                  ("float8", 2 + 8 / 256, jnp.float8_e4m3fn)])
+def test_state_bytes(kind, per_param, stored):
+    """m + v take 2 bytes per parameter in 8 bits (int8 codes or float8 values), 1 in 4, plus an fp32 scale per
+    block each; tensors under the threshold keep fp32 moments."""
+    bits = states.moment_kind(kind).bits
+    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", []), kind)
     params = {"w": jax.ShapeDtypeStruct((256, 4096), jnp.bfloat16), "norm": jax.ShapeDtypeStruct((4095,), jnp.bfloat16)}
     adam = _adam_state(jax.eval_shape(opt.init, params))
     w_m, w_v = adam.mu["w"], adam.nu["w"]
-    assert w_m.codes.dtype == w_v.codes.dtype == jnp.uint8 and w_m.scales.dtype == jnp.float32
-    block = adamw_lowbit.DEFAULT_BLOCK[bits]
+    assert w_m.codes.dtype == w_v.codes.dtype == stored and w_m.scales.dtype == jnp.float32
+    block = states.moment_kind(kind).default_block
     assert w_m.codes.shape == (256, 4096 * bits // 8) and w_m.scales.shape == (256, 4096 // block)
-    assert (w_m.code, w_v.code) == adamw_lowbit.MOMENT_CODES[bits]
+    assert (w_m.code, w_v.code) == states.moment_kind(kind).codes
     assert (w_m.nbytes + w_v.nbytes) / (256 * 4096) == pytest.approx(per_param)
     assert adam.mu["norm"].dtype == adam.nu["norm"].dtype == jnp.float32 and adam.mu["norm"].shape == (4095,)
 
@@ -112,7 +114,7 @@ def test_chain_is_adamw():
     """make_lowbit_adamw with every tensor under the threshold is make_optimizer's AdamW (schedule, weight
     decay without norms): the same updates and the same state layout."""
     cfg = load_config("configs/tiny.yaml", ["optimizer.warmup_steps=2", "optimizer.weight_decay=0.1"])
-    lowbit = adamw_lowbit.make_lowbit_adamw(cfg, 8, threshold=10 ** 9)
+    lowbit = adamw_lowbit.make_lowbit_adamw(cfg, "int8", threshold=10 ** 9)
     reference = choice.make_optimizer(cfg)
     params = _tree(0)
     s_low, s_ref = lowbit.init(params), reference.init(params)
@@ -129,7 +131,7 @@ def test_layerwise_update_slices_layers():
     """jaxmem.optim.layerwise.layerwise_update runs the low-bit optimizer unchanged: the state of a [L, ...] stack
     (init vmapped over the layers) is updated a layer at a time (take_layer / put_layer slice codes and
     scales alike), and equals updating the whole stack at once."""
-    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), 8)
+    opt = adamw_lowbit.make_lowbit_adamw(load_config("configs/tiny.yaml", ["optimizer.warmup_steps=0"]), "int8")
     shapes = {"embed": (16, 4096), "layers": {"w": (3, 8, 1024), "norm": (3, 64)}}
     weights = _tree(0, shapes=shapes)
     state = layerwise.init_opt_state(opt, weights)
@@ -143,12 +145,13 @@ def test_layerwise_update_slices_layers():
     np.testing.assert_allclose(new_w["layers"]["w"], weights["layers"]["w"] + u["w"], rtol=1e-6, atol=1e-7)
 
 
-def test_orbax_round_trip(tmp_path):
+@pytest.mark.parametrize("kind", ["int4", "float8"])
+def test_orbax_round_trip(tmp_path, kind):
     """A low-bit state saves and restores with orbax as the train state is (StandardSave / StandardRestore
     onto an abstract target with shardings), QTensors' meta coming from the target."""
     import orbax.checkpoint as ocp
 
-    opt = adamw_lowbit.scale_by_adam_lowbit(bits=4)
+    opt = adamw_lowbit.scale_by_adam_lowbit(moments=kind)
     params = _tree(0, shapes={"w": (8, 300), "norm": (64,)})
     _, state = jax.jit(opt.update)(_tree(1, shapes={"w": (8, 300), "norm": (64,)}), opt.init(params))
     with ocp.StandardCheckpointer() as ckpt:

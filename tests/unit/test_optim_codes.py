@@ -14,15 +14,19 @@ from jaxmem.optim import codes
 # value where a signed code has no -1. dynamic8_signed: top level 64 values 0.9/64 apart -> 0.9/128, also
 # 1 - (-0.99297) for y = -1. dynamic8_unsigned: 128 values -> 0.9/256. dynamic4_signed: top level 4 values
 # 0.225 apart -> 0.1125 (and -1 -> -0.8875). linear_square4: sqrt within 1/32 -> v within (1/32)(2 + 1/32).
+# e4m3 (float8 codes): 416 and 448 are its two largest values, so half their gap over 448.
 ABS_BOUND = {"dynamic8_signed": 0.9 / 128, "dynamic8_unsigned": 0.9 / 256, "dynamic4_signed": 0.1125,
-             "linear_square4": (2 + 1 / 32) / 32}
+             "linear_square4": (2 + 1 / 32) / 32, "e4m3_signed": 16 / 448, "e4m3_unsigned": 16 / 448}
 # Largest relative error |dequantized - x| / |x| for |x| >= 10**-k of the block's scale, per code and k: the
 # tables' own maxima (test_tables sweeps them). A dynamic code's level 10**-k holds half as many values as
 # the level above, so its relative error about doubles per decade; the top level's worst is a value half-way
 # between its two lowest values, e.g. 8-bit signed (0.9/128) / 0.11406.
 REL_BOUND = {"dynamic8_signed": {1: 0.0617, 2: 0.1098, 3: 0.1800},
              "dynamic8_unsigned": {1: 0.03285, 2: 0.0617, 3: 0.1098},
-             "dynamic4_signed": {1: 0.4656, 2: 0.7106}, "linear_square4": {1: 0.1901, 2: 0.5625}}
+             "dynamic4_signed": {1: 0.4656, 2: 0.7106}, "linear_square4": {1: 0.1901, 2: 0.5625},
+             # e4m3's 3 mantissa bits: half a step over 1 + 1/16 of it, in every decade of its normal range
+             # (down to 2^-6 / 448 of the scale)
+             "e4m3_signed": {k: 1 / 17 for k in (1, 2, 3, 4)}, "e4m3_unsigned": {k: 1 / 17 for k in (1, 2, 3, 4)}}
 BLOCK = {8: 2048, 4: 128}
 
 
@@ -84,10 +88,12 @@ def test_nearest_value_and_bounds(name):
 
 @pytest.mark.parametrize("name", sorted(codes.CODES))
 def test_tables(name):
-    """2**bits sorted values in [-1, 1], +1 among them; the v codes have no zero, the m codes do."""
+    """2**bits sorted values in [-1, 1] (a float8 code: its dtype's distinct finite ones, the unsigned one's
+    positive ones), +1 among them; the v codes have no zero, the m codes do."""
     code = codes.CODES[name]
     values = np.asarray(code.values)
-    assert len(values) == 2 ** code.bits and np.all(np.diff(values) > 0)
+    assert len(values) == ({True: 253, False: 126}[code.signed] if code.storage else 2 ** code.bits)
+    assert np.all(np.diff(values) > 0)
     assert values[-1] == 1.0 and values[0] >= -1.0
     assert (0.0 in values) == code.signed
     # the bounds above are the tables' own: the widest half-gap, or the uncovered part of [-1, 1]

@@ -53,7 +53,7 @@ def test_equals_layerwise(bits):
     one-pass kernel (fused) too: the same state tree, counts and values up to fp32 rounding."""
     cfg = load_config("configs/tiny.yaml", CFG)
     opt = choice.make_optimizer(cfg) if bits in (None, "fused") else adamw_lowbit.make_lowbit_adamw(
-        cfg, bits, threshold=1024)
+        cfg, f"int{bits}", threshold=1024)
     fused = _fused(cfg) if bits == "fused" else None
     weights = _tree(0)
     state = layerwise.init_opt_state(opt, weights)
@@ -96,7 +96,7 @@ def test_under_host_compute(bits):
     low-bit optimizer too, and gives what it gives on the device."""
     cfg = load_config("configs/tiny.yaml", CFG + ["offload.optimizer=host", "offload.optimizer_update=host"])
     opt = choice.make_optimizer(cfg) if bits in (None, "fused") else adamw_lowbit.make_lowbit_adamw(
-        cfg, bits, threshold=1024)
+        cfg, f"int{bits}", threshold=1024)
     weights, grads = _tree(0), _tree(1, 0.1)
     state = layerwise.init_opt_state(opt, weights)
     update = functools.partial(host_update.whole_update, opt, clip_norm=0.5, param_dtype=jnp.bfloat16,
