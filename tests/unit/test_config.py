@@ -126,7 +126,7 @@ BAD_CROSS = {
 # One bad override per feature of the registry: its rules run at load (the loader's _features_rules).
 BAD_FEATURE = {
     "moe": (["parallel.ep=0"], "parallel.ep: must be a positive size (no -1 fill), got 0"),
-    "lora": (["lora.rank=4", "lora.alpha=0"], "lora.alpha: must be > 0, got 0.0"),
+    "lora": (["lora.rank=4", "lora.alpha=0"], "lora.alpha: must be a finite number > 0, got 0.0"),
     "update_in_backward": (["optimizer.update_in_backward=true"],
                            "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
     "pipeline": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
