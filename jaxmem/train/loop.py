@@ -356,4 +356,5 @@ def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: 
     if scaled:
         record.update(loss_scale=float(last["loss_scale"]), update_skipped=bool(last["update_skipped"]))
     record.update({k: float(last[k]) for k in ROUTER_METRICS if k in last})  # a mixture of experts
+    record.update({k: float(v) for k, v in last.items() if "/" in k})  # an objective's (core.plugins.Objective)
     return record
