@@ -15,6 +15,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxmem.core.step_state import assemble_state
+from jaxmem.io import data
 
 # The train-state entry holding a plug-in's frozen part (a LoRA base): never differentiated, never saved
 # (a checkpoint's restore rebuilds it: ProgramPlugin.frozen_part).
@@ -137,9 +138,8 @@ class Objective:
         raise NotImplementedError
 
 
-# The batch array of stored reference log-probs per token, [A, rows, T], float32 bits in int32 (a batch's
-# arrays are int32): an objective whose `reference` is "batch" reads it.
-REFERENCE_KEY = "reference_logps"
+# The batch array an objective whose `reference` is "batch" reads (jaxmem.io.data.REFERENCE_KEY).
+REFERENCE_KEY = data.REFERENCE_KEY
 
 
 # ---------------------------------------------------------------- program level

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from jaxmem.config.preference import REFERENCE_FREE, resolved_reference  # noqa: F401 (re-exported)
 from jaxmem.config.schema import Config
 from jaxmem.core.plugins import Objective
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
@@ -13,16 +14,6 @@ from jaxmem.preference import losses
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins", "logps/chosen",
            "logps/rejected")
-REFERENCE_FREE = ("orpo", "simpo")  # objectives that compare with no reference policy
-
-
-def resolved_reference(cfg: Config) -> str:
-    """preference.reference with auto decided: none (orpo, simpo), base (LoRA), precompute or model."""
-    if cfg.train.objective in REFERENCE_FREE:
-        return "none"
-    if cfg.preference.reference == "auto":
-        return "base" if cfg.lora.rank > 0 else "precompute"
-    return cfg.preference.reference
 
 
 def _pairs(x_b):
