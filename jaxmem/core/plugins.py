@@ -222,6 +222,11 @@ class Feature:
         """The loss the step minimizes instead of next-token cross-entropy, or None (at most one feature)."""
         return None
 
+    def prepare_source(self, cfg, prog, state, source, resumed: bool):
+        """The data source a run trains on, given the one the config names and the run's start `state` (a
+        pass with the initial weights that stores what the batches then carry); the source unchanged if none."""
+        return source
+
     def run_program(self, cfg, features: "Features"):
         """A program that replaces the one-program run (a pipeline: one per stage), or None."""
         return None
@@ -275,6 +280,11 @@ class Features:
 
     def objective(self, cfg) -> Objective | None:
         return next((o for o in (f.objective(cfg) for f in self.active) if o is not None), None)
+
+    def prepare_source(self, cfg, prog, state, source, resumed: bool):
+        for feature in self.active:
+            source = feature.prepare_source(cfg, prog, state, source, resumed)
+        return source
 
     def check_micro_batches(self, cfg, grad_accum: int) -> None:
         for feature in self.active:

@@ -19,7 +19,7 @@ from jaxmem.config.schema import Config, ConfigError
 from jaxmem.config.schema import RECORD_KINDS
 from jaxmem.config.preference import resolved_reference
 from jaxmem.io.documents import build_rows
-from jaxmem.io.documents.pairs import build_pairs
+from jaxmem.io.documents.pairs import REFERENCE_KEY, build_pairs  # noqa: F401 (REFERENCE_KEY: the core's name)
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.
@@ -38,9 +38,6 @@ def check_data_files(cfg: Config) -> None:
         raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
 
 
-# The batch array of stored reference log-probs per token, [A, rows, T], float32 bits in int32 (a batch's
-# arrays are int32): preference.reference=precompute's (jaxmem.core.objective reads it).
-REFERENCE_KEY = "reference_logps"
 
 
 def batch_keys(cfg: Config) -> tuple[str, ...]:

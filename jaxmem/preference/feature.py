@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
+from jaxmem.preference import precompute
 from jaxmem.preference.reference_copy import ReferenceCopy
 
 
@@ -26,6 +27,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.pp: pipeline stages do not run train.objective={objective} yet; use pp=1")
     if cfg.optimizer.update_in_backward:
         raise ConfigError(f"optimizer.update_in_backward: does not run train.objective={objective} yet; set false")
+    if cfg.eval.path:
+        raise ConfigError(f"eval.path: held-out pairs are not evaluated with train.objective={objective} yet; leave "
+                          "eval.path empty")
     if p.beta <= 0:
         raise ConfigError(f"preference.beta: {p.beta} must be > 0")
     if not 0.0 <= p.label_smoothing < 0.5:
@@ -61,6 +65,11 @@ class Preference(Feature):
 
     def objective(self, cfg: Config):
         return PreferenceObjective(cfg) if self.applies(cfg) else None
+
+    def prepare_source(self, cfg: Config, prog, state, source, resumed: bool):
+        if self.applies(cfg) and resolved_reference(cfg) == "precompute":
+            return precompute.prepare_source(cfg, prog, state, source, resumed)
+        return source
 
     def program_plugin(self, cfg: Config):
         if self.applies(cfg) and cfg.lora.rank == 0 and resolved_reference(cfg) == "model":

@@ -42,7 +42,8 @@ class PreferenceObjective(Objective):
         p = self.settings
         extra = 0.0
         if self.name in ("dpo", "ipo"):
-            ref_c, ref_r = _pairs(jnp.sum(jnp.where(valid, reference_bt, 0.0), axis=-1))
+            # a forward's reference is 0 on ignored labels; stored sums sit at a row's first position
+            ref_c, ref_r = _pairs(jnp.sum(reference_bt, axis=-1))
             if self.name == "dpo":
                 loss, r_c, r_r = losses.dpo(policy_c, policy_r, ref_c, ref_r, beta=p.beta,
                                             label_smoothing=p.label_smoothing)

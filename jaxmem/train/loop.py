@@ -36,7 +36,7 @@ from jaxmem.optim.hyper import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
-from jaxmem.features import build_run_program
+from jaxmem.features import build_run_program, for_config
 from jaxmem.train.save_clock import SaveClock
 from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile
@@ -229,6 +229,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         if start >= total:
             _note(f"{cfg.out_dir} already holds step {start} >= train.steps={total}; nothing to train")
             return summary
+        # a feature's pass over the data before training (stored reference log-probs: jaxmem.preference)
+        source = for_config(cfg).prepare_source(cfg, prog, state, source, resumed is not None)
         data = Batches(source, prog, start, position)
         batch = next(data)  # bad data fails here, before the compile
         t0 = time.perf_counter()

@@ -15,7 +15,8 @@ from jaxmem.config.validate import require_out_dir
 RESOLVED_CONFIG = "config.resolved.yaml"
 LEGACY_CONFIG = "config.yaml"  # what runs wrote before the resolved config got its own name
 RUN_ENTRIES = (".jaxmem.lock", RESOLVED_CONFIG, "metrics.jsonl", "checkpoints", "tensorboard", "wandb",
-               "allocator.json", "oom_report.json", "memory_profile_step*.prof")
+               "allocator.json", "oom_report.json", "memory_profile_step*.prof",
+               "reference_logps.*")  # stored reference log-probs (jaxmem.preference.precompute)
 
 
 def _a_run_entry(name: str, names: set[str]) -> bool:

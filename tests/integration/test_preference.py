@@ -190,3 +190,30 @@ def test_loss_rewards_and_adapter_gradients_equal_trl(folder, objective, tmp_pat
     for name, layer in grads["layers"].items():
         for part in ("a", "b"):
             _assert_close(layer[part], ref_grads["layers"][name][part], f"{name}.{part}")
+
+
+def _run_cfg(folder, out_dir, *extra):
+    return _cfg(folder, "dpo", f"out_dir={out_dir}", "train.steps=3", "train.log_every=1", "train.progress=false",
+                "train.micro_batch=2", "parallel.fsdp=-1", "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", *extra)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("lora", "references"), [(True, ("base", "precompute")), (False, ("model", "precompute"))])
+def test_references_give_the_same_losses(folder, tmp_path, lora, references):
+    """The frozen base (adapters off), the stored log-probs and a frozen copy are one reference: the same loss at
+    every step of the same run to 1e-5 (the weights are bf16 values, so the bf16 copy is exact)."""
+    from jaxmem.train import run
+
+    extra = [] if lora else ["lora.rank=0"]
+    losses = {}
+    for ref in references:
+        summary = run(_run_cfg(folder, tmp_path / ref, f"preference.reference={ref}", *extra))
+        losses[ref] = [r["loss"] for r in summary["records"]]
+        assert len(losses[ref]) == 3 and losses[ref][-1] < losses[ref][0]  # it trains
+    np.testing.assert_allclose(losses[references[0]], losses[references[1]], rtol=1e-5, atol=1e-6)
+    if "precompute" in references:  # a run that finds the stored values reuses them (checksum verified)
+        stored = tmp_path / "precompute" / "reference_logps.npy"
+        before = stored.stat().st_mtime_ns
+        again = run(_run_cfg(folder, tmp_path / "precompute", "preference.reference=precompute", "train.steps=4",
+                             *extra))
+        assert stored.stat().st_mtime_ns == before and again["start_step"] == 3

@@ -23,6 +23,9 @@ from jaxmem.io.documents.template_bounds import budget
 from jaxmem.io.documents.tokenize import load_tokenizer, tokenizer_spec
 
 FIELDS = ("prompt", "chosen", "rejected")
+# The batch array of stored reference log-probs, [A, rows, T] int32 holding float32 bits: a row's reference sum at
+# its first position, zeros elsewhere (preference.reference=precompute: jaxmem.preference.precompute).
+REFERENCE_KEY = "reference_logps"
 SKIPS = {"missing": "a missing or mistyped field", "identical": "chosen equal to rejected",
          "long_prompt": "a prompt over data.max_prompt_len", "empty": "a completion empty after truncation"}
 
@@ -130,6 +133,7 @@ class PairRows:
     def __init__(self, pairs: list, seq_len: int, seed: int, stats: dict, decode=None):
         self.pairs, self.seq_len, self.seed, self.stats, self.decode = pairs, seq_len, seed, stats, decode
         self._orders: dict[int, np.ndarray] = {}
+        self.reference: np.ndarray | None = None  # [pairs, 2] stored reference sums, once computed
 
     def _order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -147,14 +151,28 @@ class PairRows:
         return prompt + (chosen if int(n) % 2 == 0 else rejected), len(prompt)
 
     def rows(self, indices: np.ndarray) -> dict[str, np.ndarray]:
-        inputs = np.zeros((len(indices), self.seq_len), np.int32)
-        labels = np.full((len(indices), self.seq_len), IGNORE_INDEX, np.int32)
-        for i, n in enumerate(indices):
-            ids, n_prompt = self.sequence(n)
+        """inputs and labels of global samples `indices` (with REFERENCE_KEY once the reference is stored)."""
+        return self._rows([(self.pair_of(n), int(n) % 2) for n in indices])
+
+    def pair_rows(self, pair_ids) -> dict[str, np.ndarray]:
+        """The rows of pairs `pair_ids` in that order, chosen then rejected (the precompute pass)."""
+        return self._rows([(int(k), side) for k in pair_ids for side in (0, 1)])
+
+    def _rows(self, slots: list) -> dict[str, np.ndarray]:
+        inputs = np.zeros((len(slots), self.seq_len), np.int32)
+        labels = np.full((len(slots), self.seq_len), IGNORE_INDEX, np.int32)
+        for i, (k, side) in enumerate(slots):
+            prompt = self.pairs[k][0]
+            ids = prompt + self.pairs[k][1 + side]
             positions = len(ids) - 1
             inputs[i, :positions] = ids[:-1]
-            labels[i, n_prompt - 1:positions] = ids[n_prompt:]
-        return {"inputs": inputs, "labels": labels}
+            labels[i, len(prompt) - 1:positions] = ids[len(prompt):]
+        out = {"inputs": inputs, "labels": labels}
+        if self.reference is not None:
+            stored = np.zeros((len(slots), self.seq_len), np.float32)
+            stored[:, 0] = [self.reference[k, side] for k, side in slots]
+            out[REFERENCE_KEY] = stored.view(np.int32)
+        return out
 
     def describe(self, pairs: int = 1) -> str:
         """The first `pairs` pairs of the first epoch: the prompt, then each completion with its trained tokens
