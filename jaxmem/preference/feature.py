@@ -8,6 +8,8 @@ from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
 from jaxmem.preference import precompute
+from jaxmem.preference import reference_copy
+from jaxmem.preference.bill import BILL_TERMS
 from jaxmem.preference.reference_copy import ReferenceCopy
 
 
@@ -72,9 +74,17 @@ class Preference(Feature):
         return source
 
     def program_plugin(self, cfg: Config):
-        if self.applies(cfg) and cfg.lora.rank == 0 and resolved_reference(cfg) == "model":
-            return ReferenceCopy()
-        return None
+        return ReferenceCopy() if _holds_copy(cfg) else None
+
+    def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
+        return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+
+    bill_terms = BILL_TERMS
+
+
+def _holds_copy(cfg: Config) -> bool:
+    """Whether the state holds a frozen reference copy (reference=model in a full fine-tune)."""
+    return cfg.train.objective != "sft" and cfg.lora.rank == 0 and resolved_reference(cfg) == "model"
 
 
 PREFERENCE = Preference()

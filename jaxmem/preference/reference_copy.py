@@ -13,6 +13,13 @@ from jaxmem.core.step_state import assemble_state
 COPY_DTYPE = jnp.bfloat16
 
 
+def layout_part(trainable: dict) -> dict:
+    """The Layout's frozen part: the params' tree in COPY_DTYPE on the params' specs (the planner's bill
+    counts it as the state's frozen bytes)."""
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COPY_DTYPE), trainable["abstract_params"])
+    return {"frozen_abstract": abstract, "frozen_specs": trainable["param_specs"]}
+
+
 def _copy(params):
     return jax.tree.map(lambda x: x.astype(COPY_DTYPE), params)
 
@@ -22,8 +29,7 @@ class ReferenceCopy(ProgramPlugin):
     assembles_state = False  # the state's frozen part is not assemble_state's (no layer-at-a-time host init)
 
     def frozen_layout(self, layout) -> dict:
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COPY_DTYPE), layout.abstract_params)
-        return {FROZEN: (abstract, layout.param_specs)}
+        return {FROZEN: (layout.frozen_abstract, layout.frozen_specs)}
 
     def fresh_state(self, prog, params, seed) -> dict:
         state = assemble_state(prog.cfg, prog.precision, prog.optimizer, params)
