@@ -83,11 +83,14 @@ def _compiled(overrides: list[str], explain: bool) -> dict:
            "analytic": p["analytic"]["device_total"]}
     if explain:
         result = explain_peak(cfg, topo, top=10)
-        tokens, vocab = cfg.train.micro_batch * cfg.train.seq_len, cfg.model.vocab_size
-        out["top_buffers"] = [{k: b.get(k) for k in ("bytes", "shape", "kind", "name") if k in b}
+        vocab = cfg.model.vocab_size
+        out["top_buffers"] = [{k: b.get(k) for k in ("bytes", "shape", "dtype", "category", "op", "why")}
                               for b in result["buffers"]]
-        out["largest_buffer"] = max(b["bytes"] for b in result["buffers"])
-        out["token_vocab_bytes"] = tokens * vocab * 2  # the smallest [tokens, vocab] buffer (bf16)
+        # a [tokens, vocab] buffer: one with a vocab dimension that is not the embedding or LM head weight (the
+        # step's arguments) or a gradient of them ([vocab, d_model] / [d_model, vocab])
+        weights = ({vocab, cfg.model.d_model},)
+        out["token_vocab_buffers"] = [b for b in out["top_buffers"] if vocab in b["shape"]
+                                      and not (len(b["shape"]) == 2 and set(b["shape"]) in weights)]
     return out
 
 
@@ -120,16 +123,16 @@ def markdown(result: dict) -> str:
                   f"`{RECIPE}` with `train.global_batch=2`; the SFT row is the same config with "
                   "`train.objective=sft` on two 4096-token sequences. Device GiB per GPU, XLA's memory analysis "
                   "of the train step compiled for the GPU on this CPU-only machine; nothing here ran on a GPU.", "",
-                  "| run | DPO GiB | SFT GiB | DPO / SFT | largest buffer at DPO's peak | [tokens, vocab] bf16 |",
+                  "| run | DPO GiB | SFT GiB | DPO / SFT | largest three buffers at DPO's peak (`jaxmem explain`) | "
+                  "[tokens, vocab] buffers in the top ten |",
                   "|---|---|---|---|---|---|"]
         for r in rows:
             d = r["dpo"]
+            top = ", ".join(f"{b['dtype']}{b['shape']}" for b in d["top_buffers"][:3])
+            found = "none" if not d["token_vocab_buffers"] else ", ".join(
+                f"{b['dtype']}{b['shape']}" for b in d["token_vocab_buffers"])
             lines.append(f"| {r['name']} | **{d['device_total'] / GIB:.2f}** | {r['sft']['device_total'] / GIB:.2f} "
-                         f"| **{r['ratio']:.3f}** | {d['largest_buffer'] / GIB:.3f} GiB | "
-                         f"{d['token_vocab_bytes'] / GIB:.2f} GiB (none in the top ten) |"
-                         if d["largest_buffer"] < d["token_vocab_bytes"] else
-                         f"| {r['name']} | {d['device_total'] / GIB:.2f} | {r['sft']['device_total'] / GIB:.2f} | "
-                         f"{r['ratio']:.3f} | {d['largest_buffer'] / GIB:.3f} GiB | a [tokens, vocab]-sized buffer |")
+                         f"| **{r['ratio']:.3f}** | {top} | {found} |")
         lines += ["", "The reference is the frozen base with the adapters off: one more forward without the "
                   "adapters' terms, under stop_gradient, so it keeps no residual for the backward; the log-probs "
                   "come per token from the chunked LM head + loss, so no [tokens, vocab] logits exist."]

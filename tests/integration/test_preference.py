@@ -45,12 +45,7 @@ def folder(tmp_path_factory):
 
 
 def _cfg(folder, objective, *extra):
-    root, tokenizer = folder
-    return load_config("configs/tiny.yaml", MODEL + [
-        f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
-        "data.kind=jsonl", f"data.path={root / 'pairs.jsonl'}", f"data.tokenizer={tokenizer}", "data.format=preference",
-        f"data.cache_dir={root / 'cache'}", f"train.objective={objective}", f"train.micro_batch={2 * PAIRS}",
-        f"train.seq_len={SEQ}", "parallel.fsdp=1", "preference.beta=0.2", *extra])
+    return load_config("configs/tiny.yaml", _cli_overrides(folder, objective) + list(extra))
 
 
 def _random_adapters(params, seed=0):
@@ -211,9 +206,104 @@ def test_references_give_the_same_losses(folder, tmp_path, lora, references):
         losses[ref] = [r["loss"] for r in summary["records"]]
         assert len(losses[ref]) == 3 and losses[ref][-1] < losses[ref][0]  # it trains
     np.testing.assert_allclose(losses[references[0]], losses[references[1]], rtol=1e-5, atol=1e-6)
+    if lora:  # the fsdp mesh (8 devices, 2 rows each) trains like one device holding the 16 rows
+        one = run(_run_cfg(folder, tmp_path / "one", "parallel.fsdp=1", "train.micro_batch=16"))
+        np.testing.assert_allclose([r["loss"] for r in one["records"]], losses["base"], rtol=1e-5, atol=1e-6)
     if "precompute" in references:  # a run that finds the stored values reuses them (checksum verified)
         stored = tmp_path / "precompute" / "reference_logps.npy"
         before = stored.stat().st_mtime_ns
         again = run(_run_cfg(folder, tmp_path / "precompute", "preference.reference=precompute", "train.steps=4",
                              *extra))
         assert stored.stat().st_mtime_ns == before and again["start_step"] == 3
+
+
+def test_bad_pairs_are_counted_and_skipped_or_refused_in_one_line(folder, tmp_path, capsys):
+    """Missing fields, chosen == rejected, a prompt over the budget, a completion cut to nothing: counted and
+    skipped in one line; a file with nothing trainable left: one line naming its file and first record."""
+    rows = make_source(_cfg(folder, "dpo", "data.max_prompt_len=4")).rows
+    assert rows.stats["skipped_missing"] == 1 and rows.stats["skipped_identical"] == 1
+    assert rows.stats["skipped_long_prompt"] > 0 and rows.stats["pairs"] + rows.stats["skipped_long_prompt"] == PAIRS
+    line = [x for x in capsys.readouterr().err.splitlines() if "pairs of" in x]
+    assert len(line) == 1 and "skipped 1 for a missing or mistyped field, 1 for chosen equal to rejected" in line[0]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"prompt": "the cat", "chosen": "yes"}) + "\n"
+                   + json.dumps({"prompt": "a", "chosen": "no", "rejected": "no"}) + "\n")
+    with pytest.raises(ConfigError, match=rf"^data.path: {bad}:1: no trainable pair in {bad} .*missing") as e:
+        make_source(_cfg(folder, "dpo", f"data.path={bad}"))
+    assert "\n" not in str(e.value)
+    # a completion cut to nothing: the prompt fills the row
+    with pytest.raises(ConfigError, match="empty after truncation"):
+        make_source(_cfg(folder, "dpo", "train.seq_len=4", "data.max_prompt_len=8", f"data.path={_one_pair(tmp_path)}"))
+
+
+def _one_pair(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text(json.dumps({"prompt": "why is the sky", "chosen": "blue", "rejected": "red"}) + "\n")
+    return path
+
+
+@pytest.mark.parametrize(("overrides", "fragment"), [
+    (["data.format=text", "data.kind=synthetic"], "train.objective: dpo trains on preference pairs"),
+    (["train.micro_batch=3"], "train.micro_batch: 3 must be even"),
+    (["parallel.pp=2"], "parallel.pp: pipeline stages do not run train.objective=dpo"),
+    (["lora.rank=0", "preference.reference=base"], "preference.reference: base is the frozen LoRA base"),
+    (["preference.reference=model"], "preference.reference: model would copy the LoRA base"),
+    (["train.objective=simpo", "preference.reference=base"], "compares with no reference policy"),
+    (["preference.beta=0"], "preference.beta: 0.0 must be > 0"),
+    (["preference.label_smoothing=0.5"], "preference.label_smoothing: 0.5 must be in [0, 0.5)"),
+])
+def test_bad_preference_settings_are_refused_in_one_line(folder, overrides, fragment):
+    with pytest.raises(ConfigError) as e:
+        _cfg(folder, "dpo", *overrides)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_a_dpo_run_resumes_exactly_after_ctrl_c(folder, tmp_path):
+    """SIGINT saves the current step; the resume's losses and adapters equal the uninterrupted run's."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from cpu_env import cpu_env
+    from jaxmem.core.checkpoint import Checkpoints
+    from jaxmem.train import run
+    from jaxmem.train.signals import EXIT_SAVED
+
+    steps = 6
+    overrides = lambda out: [f"out_dir={out}", f"train.steps={steps}", "train.log_every=1", "train.progress=false",  # noqa: E731
+                             "checkpoint.every=0", "train.micro_batch=2", "parallel.fsdp=-1"]
+    straight = run(_cfg(folder, "dpo", *overrides(tmp_path / "straight")))
+    out = tmp_path / "run"
+    argv = _cli_overrides(folder, "dpo") + overrides(out)
+    proc = subprocess.Popen([sys.executable, "-m", "jaxmem.cli", "train", "configs/tiny.yaml", *argv],
+                            env=cpu_env(8, JAXMEM_TEST_STEP_SLEEP="0.4"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 240
+        while not ((out / "metrics.jsonl").exists() and len((out / "metrics.jsonl").read_text().splitlines()) >= 2):
+            assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-3000:]
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == EXIT_SAVED, err[-3000:]
+    saved = Checkpoints(out / "checkpoints").all_steps()
+    assert len(saved) == 1 and 2 <= saved[0] < steps
+    resumed = run(_cfg(folder, "dpo", *overrides(out)))
+    assert resumed["resumed_from"] == saved[0]
+    want = {r["step"]: (r["loss"], r["rewards/chosen"]) for r in straight["records"]}
+    assert {r["step"]: (r["loss"], r["rewards/chosen"]) for r in resumed["records"]} == \
+        {s: want[s] for s in range(saved[0] + 1, steps + 1)}
+
+
+def _cli_overrides(folder, objective):
+    """_cfg's overrides, as a command line gives them."""
+    root, tokenizer = folder
+    return MODEL + [f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
+                    "data.kind=jsonl", f"data.path={root / 'pairs.jsonl'}", f"data.tokenizer={tokenizer}",
+                    "data.format=preference", f"data.cache_dir={root / 'cache'}", f"train.objective={objective}",
+                    f"train.micro_batch={2 * PAIRS}", f"train.seq_len={SEQ}", "parallel.fsdp=1", "preference.beta=0.2"]
