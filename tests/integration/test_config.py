@@ -103,6 +103,8 @@ BAD_SECTION = {
     "data": (["data.workers=-1"], "data.workers: must be >= 0"),
     "checkpoint": (["checkpoint.keep=0"], "checkpoint.every must be >= 0 and checkpoint.keep >= 1"),
     "lora": (["lora.rank=-1"], "lora.rank: must be >= 0 (0: full fine-tune), got -1"),
+    "preference": (["train.objective=dpo"], "train.objective: dpo trains on preference pairs; set "
+                                            "data.format=preference"),
     "distributed": (["distributed.coordinator=host", "distributed.num_processes=2", "distributed.process_id=0"],
                     "distributed.coordinator: 'host' must be HOST:PORT"),
     "remat": (["remat.every_k=0"], "remat.every_k: must be >= 1, got 0"),
