@@ -201,6 +201,10 @@ class Feature:
     def check_micro_batches(self, cfg, grad_accum: int) -> None:
         """Rules on the number of micro-batches per step (known once the data ways are)."""
 
+    def micro_batch_unit(self, cfg) -> int:
+        """train.micro_batch must be a multiple of this (preference pairs: 2); tune and sweep search in it."""
+        return 1
+
     def check_layout(self, cfg, sizes: dict[str, int], kernels: dict[str, str]) -> None:
         """Rules on the mesh sizes and the kernels `auto` resolved to."""
 

@@ -65,6 +65,9 @@ class Preference(Feature):
     def check(self, cfg: Config) -> None:
         check(cfg)
 
+    def micro_batch_unit(self, cfg: Config) -> int:
+        return 2 if self.applies(cfg) else 1  # a pair's two rows
+
     def objective(self, cfg: Config):
         return PreferenceObjective(cfg) if self.applies(cfg) else None
 
