@@ -17,6 +17,7 @@ from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
 from jaxmem.core.step_state import GRADS_SCOPE, split_batch
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.mesh import sharding
+from jaxmem.model.moe import ROUTER_METRICS, is_moe
 from jaxmem.optim.hyper import schedule
 from jaxmem.optim.layerwise import adam_count
 
@@ -41,10 +42,19 @@ def micro_grad_fn(prog, chosen, logprob_fn):
     """grad_fn(params, micro, totals, frozen, key) -> (gradient of the micro-batch's loss share x the loss
     scale, (loss share, metric shares)); micro = (inputs, labels, segment ids, positions, stored reference)."""
 
+    cfg = prog.cfg
+    routed = is_moe(cfg.model)
+
     def micro_loss(params, micro, totals, frozen, key):
-        policy = logprob_fn(params, *micro[:4], base=frozen, dropout_key=key)
+        policy = logprob_fn(params, *micro[:4], base=frozen, dropout_key=key, router_losses=routed)
         reference = reference_logprobs(prog, chosen, logprob_fn, params, frozen, micro)
+        if routed:  # a mixture of experts: the router losses, weighted by their coefficients, a micro-batch's mean
+            policy, router = policy
         share, metrics = chosen.micro_loss(policy, reference, micro[1], totals)
+        if routed:
+            share = share + (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
+                             + cfg.model.router_z_loss_coef * router["moe_z_loss"]) / prog.grad_accum
+            metrics = dict(metrics, **{k: v / prog.grad_accum for k, v in router.items()})
         return share * totals["scale"], (share, metrics)
 
     return jax.grad(micro_loss, has_aux=True)
@@ -76,7 +86,9 @@ def make_step(prog, chosen, logprob_fn, updated_state):
 
 
 def chosen_metrics(prog) -> tuple:
-    return prog.features.objective(prog.cfg).metric_names
+    """The metrics a step of the program's objective reports (and a mixture of experts' router statistics)."""
+    routed = ROUTER_METRICS if is_moe(prog.cfg.model) else ()
+    return prog.features.objective(prog.cfg).metric_names + tuple(routed)
 
 
 def _accumulate(prog, grad_fn, state, micro_batches, p_grad, totals):
