@@ -268,7 +268,7 @@ def select_token_logprobs(cfg: KernelConfig, platform: str, mesh=None, dw_axes: 
     [T, D] with labels [T] or [B, T, D] with [B, T]: the loss `select_loss` picks, per token (a preference
     objective sums them per sequence), through the same fused kernels, so no [tokens, vocab] array exists."""
     impl = resolve(cfg, platform, _devices(mesh))["loss"]
-    return _scoped(f"logprobs_{impl}", _token_logprobs(impl, cfg, platform, mesh, dw_axes))
+    return _scoped(f"loss_{impl}", _token_logprobs(impl, cfg, platform, mesh, dw_axes))  # the loss kernel, per token
 
 
 def _token_logprobs(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | None):
