@@ -290,8 +290,10 @@ def test_a_dpo_run_resumes_exactly_after_ctrl_c(folder, tmp_path):
     from jaxmem.train.signals import EXIT_SAVED
 
     steps = 6
-    overrides = lambda out: [f"out_dir={out}", f"train.steps={steps}", "train.log_every=1", "train.progress=false",  # noqa: E731
-                             "checkpoint.every=0", "train.micro_batch=2", "parallel.fsdp=-1"]
+    def overrides(out):
+        return [f"out_dir={out}", f"train.steps={steps}", "train.log_every=1", "train.progress=false",
+                "checkpoint.every=0", "train.micro_batch=2", "parallel.fsdp=-1"]
+
     straight = run(_cfg(folder, "dpo", *overrides(tmp_path / "straight")))
     out = tmp_path / "run"
     argv = _cli_overrides(folder, "dpo") + overrides(out)
