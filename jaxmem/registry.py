@@ -17,8 +17,9 @@ from jaxmem.lora.feature import LORA
 from jaxmem.moe.feature import MOE
 from jaxmem.pipeline import runtime
 from jaxmem.pipeline.feature import PIPELINE
+from jaxmem.preference.feature import PREFERENCE
 
-FEATURES = (MOE, LORA, UPDATE_IN_BACKWARD, PIPELINE)
+FEATURES = (MOE, LORA, UPDATE_IN_BACKWARD, PIPELINE, PREFERENCE)
 
 
 def for_config(cfg: Config) -> Features:

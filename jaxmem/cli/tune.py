@@ -185,6 +185,8 @@ class Tuner:
         self.n = self.topo.n_devices
         self.global_batch = global_batch or base.train.global_batch or (
             base.train.micro_batch * _data_ways(base, self.n) * max(base.train.grad_accum, 1))
+        # the smallest micro-batch the active features take (preference pairs: 2 rows)
+        self.unit = max([1] + [f.micro_batch_unit(base) for f in registry.FEATURES if f.applies(base)])
         self.meshes = mesh_options(base, self.n)
         if self.meshes != [[]]:  # a free mesh: a feature may add its own (a mixture of experts: ep)
             self.meshes += [m for f in registry.FEATURES for m in f.search_meshes(self._load, base, self.n)]
@@ -252,8 +254,8 @@ class Tuner:
             for mesh in self.meshes:
                 ways = _data_ways(self._load(mesh) if mesh else self._load([]), self.n)
                 # params on the host take the whole global batch in one micro-batch (no accumulation there)
-                micro = self.global_batch // ways if "offload.params=host" in lever else 1
-                batch = batch_overrides(max(micro, 1), ways, self.global_batch)
+                micro = self.global_batch // ways if "offload.params=host" in lever else self.unit
+                batch = batch_overrides(max(micro, self.unit), ways, self.global_batch)
                 if batch is not None:
                     out.append(Candidate(BF16 + self.reset + lever + mesh + batch, name))
         return out
@@ -298,7 +300,7 @@ class Tuner:
     def raise_micro_batch(self, cand: Candidate, fitting: list[Candidate]) -> list[Candidate]:
         """`cand` with the micro-batch doubled while memory allows; a larger one is compiled only where it could
         win and its analytic bill, scaled by `cand`'s compiled/analytic ratio, is near the usable memory."""
-        out, micro = [], 1
+        out, micro = [], self.unit
         ways = _data_ways(self._load(cand.overrides), self.n)
         ratio = cand.row["device_bytes"] / cand.row["analytic_device_bytes"]
         while time.monotonic() < self.budget_end:

@@ -130,6 +130,8 @@ BAD_FEATURE = {
     "update_in_backward": (["optimizer.update_in_backward=true"],
                            "optimizer.update_in_backward: needs remat.preset=full or offload_layer_inputs"),
     "pipeline": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
+    "preference": (["train.objective=dpo"], "train.objective: dpo trains on preference pairs; set "
+                                            "data.format=preference"),
 }
 
 
