@@ -25,9 +25,10 @@ from jaxmem.moe.feature import MOE
 from jaxmem.offload.feature import HOST_OFFLOAD
 from jaxmem.pipeline import runtime
 from jaxmem.pipeline.feature import PIPELINE
+from jaxmem.preference.feature import PREFERENCE
 from jaxmem.seqpar.feature import SEQUENCE_PARALLEL
 
-FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARALLEL)
+FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARALLEL, PREFERENCE)
 
 
 def for_config(cfg: Config) -> Features:
@@ -89,6 +90,7 @@ SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "data": validate.check_data,
     "checkpoint": validate.check_checkpoint,
     "lora": LORA.check,
+    "preference": PREFERENCE.check,
     "distributed": lambda cfg: validate.check_distributed(cfg.distributed),
     "remat": remat.check,
     "offload": HOST_OFFLOAD.check,

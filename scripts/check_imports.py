@@ -166,8 +166,8 @@ def describe(graph: dict[str, dict[str, int]], known: dict[str, Path], cycle: li
 # Bottom first. "<root>" is the package's __init__ (its lazy public surface); "version" and "features" are the
 # root modules jaxmem/version.py and jaxmem/features.py (the registry).
 FLOORS = (("config", "version"), ("runtime",), ("mesh",), ("kernels",), ("model",), ("io",), ("optim",),
-          ("core",), ("generation",), ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar"), ("features",),
-          ("plan",),
+          ("core",), ("generation",), ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar", "preference"),
+          ("features",), ("plan",),
           ("train",), ("cli",), ("api",), ("<root>",))
 # (importing package, imported package) -> why it may run up a floor or across the feature floor
 UP_ALLOWED: dict[tuple[str, str], str] = {}

@@ -5,6 +5,7 @@ import argparse
 import sys
 from jaxmem.features import load_config
 from jaxmem.io.data import RecordSource, make_source, packing_summary, untrained_line
+from jaxmem.io.documents.pairs import pairs_summary
 from jaxmem.cli.help import HelpFormatter
 
 _DESCRIPTION = """\
@@ -25,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     ap.add_argument("--preview", action="store_true", help="print rendered documents with the trained tokens "
                                                            "marked (default: statistics only)")
-    ap.add_argument("--documents", type=int, default=1, help="how many documents to preview (default: 1)")
+    ap.add_argument("--documents", type=int, default=1, help="how many documents (preference pairs: pairs) to "
+                                                             "preview (default: 1)")
     args = ap.parse_intermixed_args(sys.argv[1:] if argv is None else argv)
     cfg = load_config(args.config, args.overrides)
     source = make_source(cfg, refuse_untrained=False)  # shown, with a warning: `jaxmem train` refuses it
@@ -34,6 +36,9 @@ def main(argv: list[str] | None = None) -> int:
               "no documents, masks or packing to preview (use jsonl, parquet or hf)")
         return 0
     rows = source.rows
+    if cfg.data.format == "preference":  # pairs: what was skipped and cut is summed up in the first line
+        print(rows.describe(pairs=args.documents) if args.preview else pairs_summary(rows.stats))
+        return 0
     if not rows.stats["trained_tokens"]:
         print(f"jaxmem data: warning: {untrained_line(cfg)}", file=sys.stderr)
     if args.preview:

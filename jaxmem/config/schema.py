@@ -207,6 +207,9 @@ class TrainConfig:
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
     wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
                         "local); empty: off")
+    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = _f(
+        "sft", "what the step minimizes, one of sft (next-token cross-entropy), dpo, ipo, orpo, simpo (preference "
+               "pairs: data.format=preference, settings in the preference section)")
     memory_profile_at: int = _f(0, "after this step, save a device memory profile (pprof) to "
                                    "out_dir/memory_profile_step<N>.prof; 0: off")
 
@@ -228,9 +231,11 @@ class DataConfig:
     tokenizer: str = _f("", "tokenizer.json (needs the tokenizers package); its directory's tokenizer_config.json "
                             "gives the chat template and the bos / eos tokens; required for record kinds; "
                             "empty with kind=text: one token per byte")
-    format: Literal["text", "prompt_completion", "messages"] = _f(
+    format: Literal["text", "prompt_completion", "messages", "preference"] = _f(
         "text", "what a record holds, one of text (one document), prompt_completion (a prompt and its completion), "
-                "messages (a chat: role / content turns, rendered with the chat template)")
+                "messages (a chat: role / content turns, rendered with the chat template), preference (a prompt "
+                "with a chosen and a rejected completion: strings, or message lists rendered with the chat "
+                "template; one sequence per row, the pair's two on adjacent rows)")
     text_field: str = _f("text", "record field holding the document for format=text")
     prompt_field: str = _f("prompt", "record field holding the prompt for format=prompt_completion")
     completion_field: str = _f("completion", "record field holding the completion for format=prompt_completion")
@@ -250,6 +255,9 @@ class DataConfig:
     cache_dir: str = _f("", "where tokenized and packed records are cached, keyed by a hash of the files and "
                             "settings; empty: ~/.cache/jaxmem/data")
     workers: int = _f(0, "processes that tokenize records; 0: one per CPU core, at most 8")
+    max_prompt_len: int = _f(0, "format=preference: the prompt's token budget (a longer prompt's pair is "
+                                "skipped and counted); 0: half of train.seq_len. Completions are cut from the "
+                                "end to fit the row")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,6 +284,23 @@ class LoraConfig:
         False, "store the frozen embedding table and LM head as base_dtype too (int8 or nf4, per vocab row): the "
                "embedding dequantizes the rows it gathers, the chunked loss a vocab chunk at a time; needs "
                "kernels.loss=chunked on one device")
+
+
+@dataclasses.dataclass(frozen=True)
+class PreferenceConfig:
+    beta: float = _f(0.1, "dpo / ipo / simpo: the reward scale (IPO's tau); orpo: unused (see orpo_lambda)")
+    label_smoothing: float = _f(0.0, "dpo: the probability that a pair's labels are flipped (conservative DPO), "
+                                     "in [0, 0.5)")
+    simpo_gamma: float = _f(0.5, "simpo: the target reward margin gamma (TRL's simpo_gamma): the loss is "
+                                 "-log sigmoid(beta x (chosen - rejected) - gamma)")
+    length_normalize: bool = _f(True, "simpo: rewards from the mean log-prob per completion token (false: "
+                                      "the sum)")
+    orpo_lambda: float = _f(0.1, "orpo: the weight of the odds-ratio term beside the chosen completion's NLL")
+    reference: Literal["auto", "base", "precompute", "model"] = _f(
+        "auto", "where dpo / ipo take the reference policy's log-probs, one of auto (base with LoRA, precompute "
+                "otherwise), base (the frozen LoRA base, adapters off: no extra weights), precompute (one pass "
+                "with the initial weights before training, stored in the run folder), model (a frozen bf16 copy "
+                "sharded like the params); orpo and simpo take none")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -424,6 +449,8 @@ class Config:
     data: DataConfig = _f(DataConfig(), "token source")
     eval: EvalConfig = _f(EvalConfig(), "held-out loss and perplexity during training")
     lora: LoraConfig = _f(LoraConfig(), "LoRA / QLoRA adapters on a frozen (optionally quantized) base")
+    preference: PreferenceConfig = _f(PreferenceConfig(), "preference tuning (train.objective dpo, ipo, orpo, "
+                                                          "simpo): the loss's settings and the reference")
     checkpoint: CheckpointConfig = _f(CheckpointConfig(), "run checkpoints (save, resume, init_from)")
     distributed: DistributedConfig = _f(DistributedConfig(), "multi-process (multi-host) runs")
     remat: RematConfig = _f(RematConfig(), "activation checkpointing (rematerialization)")

@@ -15,6 +15,7 @@ import dataclasses
 from typing import Protocol
 
 from jaxmem.core.step_state import assemble_state
+from jaxmem.io import data
 
 # The train-state entry holding a plug-in's frozen part (a LoRA base): never differentiated, never saved
 # (a checkpoint's restore rebuilds it: ProgramPlugin.frozen_part).
@@ -93,6 +94,12 @@ class ProgramPlugin:
     def micro_key(self, cfg, step, index):
         raise NotImplementedError
 
+    def reference_inputs(self, params, frozen):
+        """(params, frozen part) of a forward that runs the reference policy an objective compares with (a
+        LoRA base: zero adapters on the frozen base; a frozen copy the state holds), or None where the state
+        holds none."""
+        return None
+
     def make_step(self, prog, loss_sum_fn):
         """A train step replacing the program's, or None."""
         return None
@@ -104,6 +111,35 @@ class ProgramPlugin:
 
     def check_meta(self, cfg, meta: dict, directory) -> None:
         """A ConfigError where a checkpoint's meta says its state does not belong to this run."""
+
+
+class Objective:
+    """What the train step minimizes over a micro-batch, taken from the per-token log-probs of the labels
+    (the fused LM head + loss path, never [tokens, vocab] logits). Next-token cross-entropy, the default, is
+    the program's own step and brings none; a feature hands one through Feature.objective (preference
+    tuning; GRPO) and the core builds the step around it (jaxmem.core.objective).
+
+    A micro-batch's loss and metrics are shares of the step's: `totals` are step-wide counts taken over the
+    whole batch (the pairs, their tokens), so summing the shares over micro-batches gives the step's means."""
+
+    name = ""
+    # where the reference policy's per-token log-probs come from: "none", "forward" (a forward on
+    # ProgramPlugin.reference_inputs, no gradient), or "batch" (the batch array REFERENCE_KEY: stored values)
+    reference = "none"
+    metric_names: tuple = ()  # the metrics a step reports beside loss, named 'group/name'
+
+    def totals(self, labels_arbt) -> dict:
+        """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
+        return {}
+
+    def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
+        """(this micro-batch's share of the step loss, {metric: share}) from the policy's per-token log-probs
+        [B, T] (0 on ignored labels), the reference's (None where `reference` is "none") and the labels."""
+        raise NotImplementedError
+
+
+# The batch array an objective whose `reference` is "batch" reads (jaxmem.io.data.REFERENCE_KEY).
+REFERENCE_KEY = data.REFERENCE_KEY
 
 
 # ---------------------------------------------------------------- program level
@@ -182,6 +218,15 @@ class Feature:
         """The forward context with this feature's pieces (an expert dispatcher, ...)."""
         return ctx
 
+    def objective(self, cfg) -> Objective | None:
+        """The loss the step minimizes instead of next-token cross-entropy, or None (at most one feature)."""
+        return None
+
+    def prepare_source(self, cfg, prog, state, source, resumed: bool):
+        """The data source a run trains on, given the one the config names and the run's start `state` (a
+        pass with the initial weights that stores what the batches then carry); the source unchanged if none."""
+        return source
+
     def run_program(self, cfg, features: "Features"):
         """A program that replaces the one-program run (a pipeline: one per stage), or None."""
         return None
@@ -232,6 +277,14 @@ class Features:
         for feature in self.active:
             ctx = feature.forward_context(cfg, mesh, ctx)
         return ctx
+
+    def objective(self, cfg) -> Objective | None:
+        return next((o for o in (f.objective(cfg) for f in self.active) if o is not None), None)
+
+    def prepare_source(self, cfg, prog, state, source, resumed: bool):
+        for feature in self.active:
+            source = feature.prepare_source(cfg, prog, state, source, resumed)
+        return source
 
     def check_micro_batches(self, cfg, grad_accum: int) -> None:
         for feature in self.active:

@@ -22,7 +22,7 @@ from jaxmem import kernels
 from jaxmem.core import offload, remat
 from jaxmem.mesh import sharding
 from jaxmem.config.schema import Config
-from jaxmem.core import embed_grad, grad_dtype, host_init
+from jaxmem.core import embed_grad, grad_dtype, host_init, objective
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.core.layout import Layout, platform_of, resolve as resolve_layout
 from jaxmem.model import ForwardContext, init_model
@@ -294,7 +294,7 @@ def _head_grad_axes(prog: TrainProgram) -> tuple | None:
 
 
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
-             router_carry: bool = False):
+             router_carry: bool = False, logprobs: bool = False):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
     model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then
     the layers `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
@@ -302,12 +302,14 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     `base` is the state's frozen part and `dropout_key` the train step's per micro-batch key, both read by the
     program's plug-in (jaxmem.core.plugins; LoRA: its base, and its adapters' input dropout).
     `router_carry` (a mixture of experts' pipeline stage): a stage that is not first takes x = (hidden states,
-    the earlier layers' router statistics), one that is not last returns (hidden states, statistics)."""
+    the earlier layers' router statistics), one that is not last returns (hidden states, statistics).
+    `logprobs`: the last part gives the per-token log-probs of the labels [B, T] instead (an objective's,
+    jaxmem.core.objective), through the same fused kernels."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
-    loss_impl = kernels.select_loss(cfg.kernels, prog.layout.platform, mesh=mesh,
-                                    dw_axes=_head_grad_axes(prog)) if last else None
+    select = kernels.select_token_logprobs if logprobs else kernels.select_loss
+    loss_impl = select(cfg.kernels, prog.layout.platform, mesh=mesh, dw_axes=_head_grad_axes(prog)) if last else None
 
     plugin = prog.plugin
     plugin.check_mesh(mesh)
@@ -345,6 +347,9 @@ def _make_step(prog: TrainProgram):
     replaced = prog.plugin.make_step(prog, loss_sum_fn)  # update-in-backward's
     if replaced is not None:
         return replaced
+    chosen = prog.features.objective(prog.cfg)  # a feature's loss instead of next-token cross-entropy
+    if chosen is not None:
+        return objective.make_step(prog, chosen, functools.partial(stage_fn, prog, logprobs=True), _updated_state)
     cfg = prog.cfg
     grad_fn, router_zero = _micro_grad_fn(prog)
     rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))

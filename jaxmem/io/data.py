@@ -17,7 +17,9 @@ import numpy as np
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.config.schema import RECORD_KINDS
+from jaxmem.config.preference import resolved_reference
 from jaxmem.io.documents import build_rows
+from jaxmem.io.documents.pairs import REFERENCE_KEY, build_pairs  # noqa: F401 (REFERENCE_KEY: the core's name)
 
 # The synthetic "language" is fixed (independent of train.seed) so that every seed
 # trains on the same task; train.seed only picks which sentences are drawn.
@@ -36,12 +38,18 @@ def check_data_files(cfg: Config) -> None:
         raise ConfigError(f"data.path: {d.path} is not a file (data.kind={d.kind} reads one file)")
 
 
+
+
 def batch_keys(cfg: Config) -> tuple[str, ...]:
     """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
     masks), plus segment ids and positions when documents are packed (attention stays inside a document,
-    RoPE restarts). One document per row needs neither: right padding is never attended to."""
+    RoPE restarts). One document per row needs neither: right padding is never attended to. Preference pairs
+    are one sequence per row; with stored reference log-probs they carry them too."""
     if cfg.data.kind not in RECORD_KINDS:
         return ("tokens",)
+    if cfg.data.format == "preference":
+        stored = resolved_reference(cfg) == "precompute"
+        return ("inputs", "labels") + ((REFERENCE_KEY,) if stored else ())
     return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
 
 
@@ -192,6 +200,11 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path",
     if path is not None:
         cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, path=path))
     kind, seed, vocab = cfg.data.kind, cfg.train.seed, cfg.model.vocab_size
+    if kind in RECORD_KINDS and cfg.data.format == "preference":
+        log = lambda line: print(f"jaxmem data: {cfg.data.path}: {line}", file=sys.stderr, flush=True)  # noqa: E731
+        pairs = build_pairs(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,
+                            log=log)
+        return RecordSource(pairs, ("inputs", "labels"))
     if kind in RECORD_KINDS:
         log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,

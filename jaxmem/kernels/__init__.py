@@ -23,7 +23,8 @@ from jaxmem.kernels.attention.pallas import flash_attention
 from jaxmem.kernels.attention.cudnn import cudnn_attention
 from jaxmem.kernels.rms_norm.pallas import rms_norm
 from jaxmem.kernels.grouped_matmul.config import GroupedMatmulBlocks
-from jaxmem.kernels.cross_entropy.sharded import shard_loss
+from jaxmem.kernels.cross_entropy.sharded import shard_loss, shard_token_logprobs
+from jaxmem.kernels.cross_entropy.reference import linear_token_logprobs_reference
 from jaxmem.kernels.attention import reference as attention_reference_module
 from jaxmem.kernels.cross_entropy import chunked as cross_entropy_chunked, pallas as cross_entropy_pallas
 from jaxmem.kernels.cross_entropy import reference as cross_entropy_reference
@@ -260,6 +261,35 @@ def _loss(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | No
     backward = functools.partial(module.backward_grads, blocks=blocks, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss,
                                  **extra)
     return shard_loss(forward, backward, mesh, ignore_index=IGNORE_INDEX, z_loss=cfg.z_loss, dw_axes=dw_axes)
+
+
+def select_token_logprobs(cfg: KernelConfig, platform: str, mesh=None, dw_axes: tuple | None = None):
+    """fn(h, w_dv, labels) -> per-token log-probs of the labels (fp32, labels' shape, 0 on IGNORE_INDEX), h
+    [T, D] with labels [T] or [B, T, D] with [B, T]: the loss `select_loss` picks, per token (a preference
+    objective sums them per sequence), through the same fused kernels, so no [tokens, vocab] array exists."""
+    impl = resolve(cfg, platform, _devices(mesh))["loss"]
+    return _scoped(f"logprobs_{impl}", _token_logprobs(impl, cfg, platform, mesh, dw_axes))
+
+
+def _token_logprobs(impl: str, cfg: KernelConfig, platform: str, mesh, dw_axes: tuple | None):
+    blocks = loss_blocks(cfg)
+    if impl == "naive":
+        fn = functools.partial(linear_token_logprobs_reference, ignore_index=IGNORE_INDEX)
+    elif impl in ("chunked", "pallas"):
+        module = cross_entropy_chunked if impl == "chunked" else cross_entropy_pallas
+        extra = {"interpret": _pallas_interpret("kernels.loss", platform)} if impl == "pallas" else {}
+        if mesh is not None and mesh.size > 1:
+            forward = functools.partial(module.forward_stats, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
+            backward = functools.partial(module.backward_grads, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
+            return shard_token_logprobs(forward, backward, mesh, ignore_index=IGNORE_INDEX, dw_axes=dw_axes)
+        fn = functools.partial(module.linear_token_logprobs, blocks=blocks, ignore_index=IGNORE_INDEX, **extra)
+    else:
+        raise KernelUnavailable(f"kernels.loss={impl!r} is not a known implementation")
+
+    def run(h, w, labels):
+        return fn(h.reshape(-1, h.shape[-1]), w, labels.reshape(-1)).reshape(labels.shape)
+
+    return run
 
 
 def platform_of(devices) -> str:

@@ -122,6 +122,11 @@ class LoraPlugin(ProgramPlugin):
         """From (seed, step, micro-batch) only: the remat recompute and a resume draw the same masks."""
         return step_key(cfg.train.seed, step, index)
 
+    def reference_inputs(self, params, frozen):
+        """The base alone: zero adapters add nothing to a projection (jaxmem.lora.linear), so the forward is
+        the frozen base's, with no extra weights held."""
+        return jax.tree.map(jax.numpy.zeros_like, params), frozen
+
     # ------------------------------------------------------------ checkpoints
     def meta(self, cfg) -> dict:
         return {META_KEY: lora_base_identity(cfg)}

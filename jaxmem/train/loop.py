@@ -38,7 +38,7 @@ from jaxmem.optim.hyper import schedule_steps
 from jaxmem.plan.oom import is_oom
 from jaxmem.core.precision import all_finite
 from jaxmem.core.program import TrainProgram
-from jaxmem.features import build_run_program
+from jaxmem.features import build_run_program, for_config
 from jaxmem.train.save_clock import SaveClock
 from jaxmem.train.signals import StopRequest
 from jaxmem.train.telemetry import MemoryTelemetry, save_memory_profile
@@ -244,6 +244,8 @@ def _train(cfg: Config, prog: TrainProgram, ckpts: Checkpoints | None, source: T
         if start >= total:
             _finished(cfg, start)
             return summary
+        # a feature's pass over the data before training (stored reference log-probs: jaxmem.preference)
+        source = for_config(cfg).prepare_source(cfg, prog, state, source, resumed is not None)
         data = Batches(source, prog, start, position)
         batch = next(data)  # bad data fails here, before the compile
         t0 = time.perf_counter()
@@ -395,4 +397,5 @@ def _record(step: int, host: list, elapsed: float, scaled: bool, seen_per_step: 
     if scaled:
         record.update(loss_scale=float(last["loss_scale"]), update_skipped=bool(last["update_skipped"]))
     record.update({k: float(last[k]) for k in ROUTER_METRICS if k in last})  # a mixture of experts
+    record.update({k: float(v) for k, v in last.items() if "/" in k})  # an objective's (core.plugins.Objective)
     return record

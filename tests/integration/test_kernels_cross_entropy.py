@@ -8,10 +8,11 @@ import pytest
 from jax.sharding import AxisType, Mesh
 
 from jaxmem.config import ConfigError, KernelConfig
-from jaxmem.kernels import KernelUnavailable, select_attention, select_loss
+from jaxmem.kernels import KernelUnavailable, select_attention, select_loss, select_token_logprobs
 from jaxmem.kernels.cross_entropy import chunked, pallas
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
-from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX, linear_cross_entropy_reference
+from jaxmem.kernels.cross_entropy.reference import (IGNORE_INDEX, linear_cross_entropy_reference,
+                                                    linear_token_logprobs_reference)
 from kernel_checks import LLAMA3_LOSS_SHAPE, compile_loss_for_h100, TOLERANCES, assert_close
 
 SMALL = CrossEntropyBlocks(block_t=16, block_v=64, pallas_block_t=16, pallas_block_v=64, pallas_block_d=16)
@@ -99,6 +100,44 @@ def test_sharded_loss_matches_reference(impl, shape, dw_axes):
     assert_close(loss, ref_loss, 2e-5, "loss")
     assert_close(grads[0], ref_grads[0], 2e-5, "dh")
     assert_close(grads[1], ref_grads[1], 2e-5, "dW")
+
+
+def _logprobs_reference(h, w, labels, g):
+    f = lambda h, w: jnp.sum(g * linear_token_logprobs_reference(h.astype(jnp.float32), w.astype(jnp.float32),
+                                                                 labels))
+    return linear_token_logprobs_reference(h, w, labels), jax.grad(f, (0, 1))(h, w)
+
+
+def _check_logprobs(fn, t, d, v, tol, blocks=SMALL):
+    """Per-token log-probs and the VJP of a per-token cotangent, against the [T, V] reference."""
+    h, w, labels = _inputs(t, d, v, jnp.float32, seed=7)
+    g = jax.random.normal(jax.random.key(11), (t,), jnp.float32)
+    logp, vjp = jax.vjp(lambda h, w: fn(h, w, labels), h, w)
+    ref, ref_grads = _logprobs_reference(h, w, labels, g)
+    assert_close(logp, ref, tol, "logp")
+    assert np.all(np.asarray(logp)[np.asarray(labels) == IGNORE_INDEX] == 0.0)
+    assert np.all(np.asarray(logp)[np.asarray(labels) != IGNORE_INDEX] < 0.0)
+    dh, dw = vjp(g)
+    assert_close(dh, ref_grads[0], tol, "dh")
+    assert_close(dw, ref_grads[1], tol, "dW")
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+def test_token_logprobs_match_reference(impl):
+    """The per-token variant of the fused loss: value and VJP of a per-token cotangent, odd T and V."""
+    fn = {"chunked": functools.partial(chunked.linear_token_logprobs, blocks=SMALL),
+          "pallas": functools.partial(pallas.linear_token_logprobs, blocks=SMALL, interpret=True)}[impl]
+    _check_logprobs(fn, 37, 48, 503, 2e-5)
+
+
+@pytest.mark.parametrize("impl", ["chunked", "pallas"])
+@pytest.mark.parametrize(("shape", "dw_axes"), [((1, 4, 2), ("fsdp",)), ((2, 2, 2), ("dp", "fsdp"))])
+def test_sharded_token_logprobs_match_reference(impl, shape, dw_axes):
+    """Per shard (tokens over the data axes, vocab over tp): the per-token cotangent stays on its tokens."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(shape), ("dp", "fsdp", "tp"), axis_types=(AxisType.Auto,) * 3)
+    fn = select_token_logprobs(KernelConfig(loss=impl, loss_block_t=16, loss_block_v=64), "cpu", mesh=mesh,
+                               dw_axes=dw_axes)
+    _check_logprobs(jax.jit(fn), 64, 32, 200, 2e-5)
 
 
 @pytest.mark.parametrize(("d_model", "scattered"), [(32, True), (36, False)])

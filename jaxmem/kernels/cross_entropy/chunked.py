@@ -19,7 +19,7 @@ import jax.numpy as jnp
 
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
+from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy, fused_linear_token_logprobs
 
 
 def _pad_tokens(h_td, labels_t, block_t: int, ignore_index: int):
@@ -104,7 +104,8 @@ def forward_stats(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks, ignore_in
 
 def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, ignore_index: int = IGNORE_INDEX,
                    z_loss: float = 0.0):
-    """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard)."""
+    """(dh, dW) of g * loss_sum, given the global per-token lse (the vocab may be a shard); g is a scalar, or
+    a per-token weight [T] (the per-token log-probs' backward: vjp.fused_linear_token_logprobs)."""
     t, d = h_td.shape
     v = w_dv.shape[1]
     frozen = hasattr(w_dv, "zero_cotangent")  # a frozen quantized head: no dW
@@ -112,6 +113,8 @@ def backward_grads(h_td, w_dv, labels_t, lse, g, *, blocks: CrossEntropyBlocks, 
     h_pad, lab_pad = _pad_tokens(h_td, labels_t, bt, ignore_index)
     n_t = h_pad.shape[0] // bt
     lse = jnp.pad(lse, (0, h_pad.shape[0] - lse.shape[0]))
+    if jnp.ndim(g):
+        g = jnp.pad(g, (0, h_pad.shape[0] - t))
     valid = lab_pad != ignore_index
     # d(loss)/d(logit) = g * ((1 + 2 z lse) softmax - onehot) on valid tokens
     soft_scale = jnp.where(valid, g * (1.0 + 2.0 * z_loss * lse), 0.0)
@@ -163,6 +166,15 @@ def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = C
                          ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
     return _chunked(h_td, w_dv, labels_t, blocks, ignore_index, z_loss)
+
+
+_chunked_logprobs = fused_linear_token_logprobs(forward_stats, backward_grads)
+
+
+def linear_token_logprobs(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = CrossEntropyBlocks(),
+                          ignore_index: int = IGNORE_INDEX):
+    """Per-token log-probs of the labels [T] (fp32, 0 on ignored labels), like the reference's."""
+    return _chunked_logprobs(h_td, w_dv, labels_t, blocks, ignore_index, ())
 
 
 def scratch_bytes(tokens: int, vocab: int, blocks: CrossEntropyBlocks, d_model: int = 0,

@@ -27,7 +27,7 @@ from jax.experimental.pallas import triton as plgpu
 from jaxmem.kernels.cross_entropy import chunked
 from jaxmem.kernels.cross_entropy.config import CrossEntropyBlocks
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy
+from jaxmem.kernels.cross_entropy.vjp import fused_linear_cross_entropy, fused_linear_token_logprobs
 
 TARGET_PROGRAMS = 512  # forward grid size to aim for: a few programs per SM on the largest targets
 
@@ -160,6 +160,15 @@ def linear_cross_entropy(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = C
                          ignore_index: int = IGNORE_INDEX, z_loss: float = 0.0, interpret: bool = False):
     """(sum of per-token losses over valid tokens, number of valid tokens), like the reference."""
     return _fused(h_td, w_dv, labels_t, blocks, ignore_index, z_loss, (("interpret", interpret),))
+
+
+_fused_logprobs = fused_linear_token_logprobs(forward_stats, backward_grads)
+
+
+def linear_token_logprobs(h_td, w_dv, labels_t, *, blocks: CrossEntropyBlocks = CrossEntropyBlocks(),
+                          ignore_index: int = IGNORE_INDEX, interpret: bool = False):
+    """Per-token log-probs of the labels [T] (fp32, 0 on ignored labels), like the reference's."""
+    return _fused_logprobs(h_td, w_dv, labels_t, blocks, ignore_index, (("interpret", interpret),))
 
 
 def scratch_bytes(tokens: int, vocab: int, blocks: CrossEntropyBlocks, d_model: int = 0,

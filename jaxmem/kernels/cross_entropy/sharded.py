@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxmem.kernels.cross_entropy.vjp import loss_sum
+from jaxmem.kernels.cross_entropy.vjp import loss_sum, token_logprobs
 from jaxmem.mesh.axes import data_axes, seq_axis, token_axes, tp_axis
 
 
@@ -114,3 +114,61 @@ def shard_loss(forward, backward, mesh: Mesh, *, ignore_index: int, z_loss: floa
         return global_loss(h, w_dv, labels), jnp.sum(labels != ignore_index)
 
     return loss_fn
+
+
+def shard_token_logprobs(forward, backward, mesh: Mesh, *, ignore_index: int, dw_axes: tuple | None = None):
+    """fn(h, w_dv, labels) -> per-token log-probs with labels' shape, running `forward`/`backward` per shard
+    like shard_loss (same layouts, same dW reduction); the cotangent is per token, so it stays on the tokens'
+    shards, and each shard's backward weighs its tokens by -g."""
+    tokens, tp = token_axes(mesh), tp_axis(mesh)
+    split = tuple(a for a in tokens or () if a in (dw_axes or ()))
+    others = tuple(a for a in tokens or () if a not in split) or None
+
+    def scattered(d_model: int) -> bool:
+        return bool(split) and d_model % math.prod(mesh.shape[a] for a in split) == 0
+
+    def forward_body(h, w_dv, labels):
+        h_td, labels_t = _flat(h, labels)
+        lse, target = forward(h_td, w_dv, _local_labels(labels_t, w_dv.shape[1], tp, ignore_index))
+        if tp is not None:
+            m = jax.lax.pmax(lse, tp)
+            lse = m + jnp.log(jax.lax.psum(jnp.exp(lse - m), tp))
+            target = jax.lax.psum(target, tp)
+        return token_logprobs(lse, target, labels_t, ignore_index).reshape(labels.shape), lse.reshape(labels.shape)
+
+    def backward_body(h, w_dv, labels, lse, g):
+        h_td, labels_t = _flat(h, labels)
+        labels_l = _local_labels(labels_t, w_dv.shape[1], tp, ignore_index)
+        dh, dw = backward(h_td, w_dv, labels_l, lse.reshape(-1), -g.reshape(-1).astype(jnp.float32))
+        if scattered(w_dv.shape[0]):
+            dw = _psum_if(jax.lax.psum_scatter(dw, split, scatter_dimension=0, tiled=True), others)
+        else:
+            dw = _psum_if(dw, tokens)
+        return _psum_if(dh, tp).reshape(h.shape), dw
+
+    def specs(ndim: int):
+        token_spec = P(tokens) if ndim == 2 else P(data_axes(mesh), seq_axis(mesh))
+        return P(*token_spec, None), P(None, tp), token_spec
+
+    @jax.custom_vjp
+    def logprobs(h, w_dv, labels):
+        return fwd(h, w_dv, labels)[0]
+
+    def fwd(h, w_dv, labels):
+        rows, cols, token_spec = specs(h.ndim)
+        logp, lse = jax.shard_map(forward_body, mesh=mesh, in_specs=(rows, cols, token_spec),
+                                  out_specs=(token_spec, token_spec), check_vma=False)(h, w_dv, labels)
+        return logp, (h, w_dv, labels, lse)
+
+    def bwd(res, g):
+        h, w_dv, labels, lse = res
+        rows, cols, token_spec = specs(h.ndim)
+        dw_spec = P(split, tp) if scattered(w_dv.shape[0]) else cols
+        dh, dw = jax.shard_map(backward_body, mesh=mesh, in_specs=(rows, cols, token_spec, token_spec, token_spec),
+                               out_specs=(rows, dw_spec), check_vma=False)(h, w_dv, labels, lse, g)
+        if dw_axes is not None:  # as shard_loss: dh released with the reduced dW
+            dh, dw = jax.lax.optimization_barrier((dh, dw))
+        return dh, dw, None
+
+    logprobs.defvjp(fwd, bwd)
+    return logprobs

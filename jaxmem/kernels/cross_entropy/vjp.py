@@ -1,4 +1,5 @@
-"""One custom_vjp wrapper shared by every fused loss: forward stats -> loss, saved lse -> (dh, dW)."""
+"""The custom_vjp wrappers shared by every fused loss: forward stats -> loss (or per-token log-probs), saved
+lse -> (dh, dW)."""
 from __future__ import annotations
 
 import functools
@@ -43,3 +44,31 @@ def fused_linear_cross_entropy(forward_stats, backward_grads):
             jnp.sum(labels_t != ignore_index)
 
     return linear_cross_entropy
+
+
+def token_logprobs(lse, target, labels_t, ignore_index):
+    """Per-token log-prob of the label, target - lse, and 0 where the label is ignored."""
+    return jnp.where(labels_t != ignore_index, target - lse, 0.0)
+
+
+def fused_linear_token_logprobs(forward_stats, backward_grads):
+    """Builds `fn(h_td, w_dv, labels_t, blocks, ignore_index, options) -> logp_t [T]` (fp32, 0 on ignored
+    labels) from the same forward / backward as the loss: log p = -(per-token loss), so the cotangent g_t of
+    the log-probs is the loss backward's with the per-token weight -g_t. No [T, V] array exists either way."""
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+    def logprobs(h_td, w_dv, labels_t, blocks, ignore_index, options):
+        return fwd(h_td, w_dv, labels_t, blocks, ignore_index, options)[0]
+
+    def fwd(h_td, w_dv, labels_t, blocks, ignore_index, options):
+        lse, target = forward_stats(h_td, w_dv, labels_t, blocks=blocks, ignore_index=ignore_index, **dict(options))
+        return token_logprobs(lse, target, labels_t, ignore_index), (h_td, w_dv, labels_t, lse)
+
+    def bwd(blocks, ignore_index, options, res, g_t):
+        h_td, w_dv, labels_t, lse = res
+        dh, dw = backward_grads(h_td, w_dv, labels_t, lse, -g_t.astype(jnp.float32), blocks=blocks,
+                                ignore_index=ignore_index, z_loss=0.0, **dict(options))
+        return dh, dw, None
+
+    logprobs.defvjp(fwd, bwd)
+    return logprobs

@@ -1,0 +1,1 @@
+"""Preference tuning: DPO, IPO, ORPO, SimPO on pairs of completions (docs/preference.md)."""

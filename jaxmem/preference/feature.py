@@ -1,0 +1,90 @@
+"""Preference tuning (train.objective dpo, ipo, orpo, simpo) as a feature: its rules at load, its objective
+(jaxmem.preference.objective) and, for a full fine-tune with preference.reference=model, the program plug-in
+holding the frozen reference copy (jaxmem.preference.reference_copy). With LoRA the reference is the frozen base
+with the adapters off (the LoRA plug-in's reference_inputs): no extra weights."""
+from __future__ import annotations
+
+from jaxmem.config.schema import Config, ConfigError
+from jaxmem.core.plugins import Feature
+from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
+from jaxmem.preference import precompute
+from jaxmem.preference import reference_copy
+from jaxmem.preference.bill import BILL_TERMS
+from jaxmem.preference.reference_copy import ReferenceCopy
+
+
+def check(cfg: Config) -> None:
+    objective, p = cfg.train.objective, cfg.preference
+    if objective == "sft":
+        if cfg.data.format == "preference":
+            raise ConfigError("data.format: preference pairs need train.objective dpo, ipo, orpo or simpo")
+        return
+    if cfg.data.format != "preference":
+        raise ConfigError(f"train.objective: {objective} trains on preference pairs; set data.format=preference "
+                          "(records with prompt, chosen, rejected)")
+    if cfg.train.micro_batch % 2:
+        raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must be even with train.objective="
+                          f"{objective} (a pair's chosen and rejected sequences share a device's micro-batch)")
+    if cfg.parallel.pp > 1:
+        raise ConfigError(f"parallel.pp: pipeline stages do not run train.objective={objective} yet; use pp=1")
+    if cfg.optimizer.update_in_backward:
+        raise ConfigError(f"optimizer.update_in_backward: does not run train.objective={objective} yet; set false")
+    if cfg.eval.path:
+        raise ConfigError(f"eval.path: held-out pairs are not evaluated with train.objective={objective} yet; leave "
+                          "eval.path empty")
+    if p.beta <= 0:
+        raise ConfigError(f"preference.beta: {p.beta} must be > 0")
+    if not 0.0 <= p.label_smoothing < 0.5:
+        raise ConfigError(f"preference.label_smoothing: {p.label_smoothing} must be in [0, 0.5)")
+    if p.orpo_lambda < 0:
+        raise ConfigError(f"preference.orpo_lambda: {p.orpo_lambda} must be >= 0")
+    _check_reference(cfg)
+
+
+def _check_reference(cfg: Config) -> None:
+    objective, reference = cfg.train.objective, cfg.preference.reference
+    if objective in REFERENCE_FREE:
+        if reference != "auto":
+            raise ConfigError(f"preference.reference: train.objective={objective} compares with no reference "
+                              "policy (none is allocated); leave it auto")
+        return
+    if reference == "base" and cfg.lora.rank == 0:
+        raise ConfigError("preference.reference: base is the frozen LoRA base with the adapters off; it needs "
+                          "lora.rank > 0 (a full fine-tune: precompute or model)")
+    if reference == "model" and cfg.lora.rank > 0:
+        raise ConfigError("preference.reference: model would copy the LoRA base the run already holds frozen; "
+                          "use base (the same weights, no copy) or precompute")
+
+
+class Preference(Feature):
+    name = "preference"
+
+    def applies(self, cfg: Config) -> bool:
+        return cfg.train.objective != "sft"
+
+    def check(self, cfg: Config) -> None:
+        check(cfg)
+
+    def objective(self, cfg: Config):
+        return PreferenceObjective(cfg) if self.applies(cfg) else None
+
+    def prepare_source(self, cfg: Config, prog, state, source, resumed: bool):
+        if self.applies(cfg) and resolved_reference(cfg) == "precompute":
+            return precompute.prepare_source(cfg, prog, state, source, resumed)
+        return source
+
+    def program_plugin(self, cfg: Config):
+        return ReferenceCopy() if _holds_copy(cfg) else None
+
+    def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
+        return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+
+    bill_terms = BILL_TERMS
+
+
+def _holds_copy(cfg: Config) -> bool:
+    """Whether the state holds a frozen reference copy (reference=model in a full fine-tune)."""
+    return cfg.train.objective != "sft" and cfg.lora.rank == 0 and resolved_reference(cfg) == "model"
+
+
+PREFERENCE = Preference()

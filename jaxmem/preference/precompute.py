@@ -1,0 +1,98 @@
+"""preference.reference=precompute: one pass over every pair with the run's initial weights before training writes
+each pair's reference log-probs (the sums over the chosen and the rejected completion's tokens, [pairs, 2] fp32)
+into the run folder, with a sha256 of the values and what decided them; a run (a resume too) that finds a file
+whose checksum and identity match reuses it. The batches then carry each row's sum (jaxmem.io.data.REFERENCE_KEY,
+at the row's first position), so no reference weights exist during training.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from jaxmem.config.schema import Config, ConfigError, to_dict
+from jaxmem.core.plugins import FROZEN
+from jaxmem.core.program import stage_fn
+from jaxmem.io.data import REFERENCE_KEY, RecordSource, batch_keys
+from jaxmem.mesh import sharding
+
+VALUES_FILE, CHECK_FILE = "reference_logps.npy", "reference_logps.json"
+
+
+def identity(cfg: Config, pairs: int) -> str:
+    """What decides the stored values: the data, the model and where its initial weights come from."""
+    d = to_dict(cfg)
+    decided = {"data": d["data"], "model": d["model"], "init_from": cfg.checkpoint.init_from, "seed": cfg.train.seed,
+               "seq_len": cfg.train.seq_len, "lora": d["lora"], "precision": d["precision"], "pairs": pairs}
+    return hashlib.sha256(json.dumps(decided, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _stored(out_dir: Path, want: str) -> np.ndarray | None:
+    """The stored values when their checksum and identity match, else None."""
+    try:
+        check = json.loads((out_dir / CHECK_FILE).read_text())
+        raw = (out_dir / VALUES_FILE).read_bytes()
+    except (OSError, ValueError):
+        return None
+    if check.get("identity") != want or check.get("sha256") != hashlib.sha256(raw).hexdigest():
+        return None
+    return np.load(out_dir / VALUES_FILE)
+
+
+def _store(out_dir: Path, values: np.ndarray, ident: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir / (VALUES_FILE + ".tmp")
+    with tmp.open("wb") as f:
+        np.save(f, values)
+    raw = tmp.read_bytes()
+    tmp.replace(out_dir / VALUES_FILE)
+    (out_dir / CHECK_FILE).write_text(json.dumps({"sha256": hashlib.sha256(raw).hexdigest(), "identity": ident,
+                                                  "pairs": len(values)}) + "\n")
+
+
+def reference_sums(prog, params, frozen, rows) -> np.ndarray:
+    """[pairs, 2] fp32: each pair's completion log-prob sums (chosen, rejected) under `params`, a global
+    micro-batch of pairs at a time (the last one padded with pair 0)."""
+    if jax.process_count() > 1:
+        raise ConfigError("preference.reference: precompute runs in one process; use model (or base with LoRA)")
+    forward = stage_fn(prog, logprobs=True)
+    shard = NamedSharding(prog.mesh, sharding.batch_spec(prog.mesh))
+    sums = jax.jit(lambda p, f, x, y: jnp.sum(forward(p, x, y, base=f), axis=-1), out_shardings=None)
+    per_batch = prog.rows // 2
+    n = len(rows.pairs)
+    out = np.zeros((n, 2), np.float32)
+    with prog.lowering():
+        for start in range(0, n, per_batch):
+            ids = np.arange(start, start + per_batch) % n  # the last batch repeats the first pairs
+            batch = rows.pair_rows(ids)
+            x, y = (jax.device_put(batch[k], shard) for k in ("inputs", "labels"))
+            got = np.asarray(sums(params, frozen, x, y)).reshape(-1, 2)
+            keep = min(per_batch, n - start)
+            out[start:start + keep] = got[:keep]
+    return out
+
+
+def prepare_source(cfg: Config, prog, state, source: RecordSource, resumed: bool) -> RecordSource:
+    """The pairs with their stored reference sums: reused from the run folder, else computed now from the initial
+    weights (`state` on a fresh run; on a resume without the file, the initial weights rebuilt)."""
+    rows = source.rows
+    out_dir, ident = Path(cfg.out_dir), identity(cfg, len(rows.pairs))
+    values = _stored(out_dir, ident)
+    if values is None:
+        if resumed:  # the state has trained: the reference is the initial weights, rebuilt
+            state = prog.init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else prog.init_state()
+        print(f"jaxmem train: preference.reference=precompute: one pass over {len(rows.pairs)} pairs with the "
+              f"initial weights, stored in {out_dir / VALUES_FILE}", file=sys.stderr, flush=True)
+        values = reference_sums(prog, state["params"], state.get(FROZEN), rows)
+        _store(out_dir, values, ident)
+    else:
+        print(f"jaxmem train: reusing the reference log-probs of {out_dir / VALUES_FILE} (checksum verified)",
+              file=sys.stderr, flush=True)
+    rows.reference = values
+    return RecordSource(rows, batch_keys(cfg))
