@@ -26,9 +26,10 @@ from jaxmem.offload.feature import HOST_OFFLOAD
 from jaxmem.pipeline import runtime
 from jaxmem.pipeline.feature import PIPELINE
 from jaxmem.preference.feature import PREFERENCE
+from jaxmem.rl.feature import RL_FEATURE
 from jaxmem.seqpar.feature import SEQUENCE_PARALLEL
 
-FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARALLEL, PREFERENCE)
+FEATURES = (MOE, LORA, HOST_OFFLOAD, UPDATE_IN_BACKWARD, PIPELINE, SEQUENCE_PARALLEL, PREFERENCE, RL_FEATURE)
 
 
 def for_config(cfg: Config) -> Features:
@@ -91,6 +92,7 @@ SECTION_VALIDATORS: dict[str, Callable[[Config], None]] = {
     "checkpoint": validate.check_checkpoint,
     "lora": LORA.check,
     "preference": PREFERENCE.check,
+    "rl": RL_FEATURE.check,
     "distributed": lambda cfg: validate.check_distributed(cfg.distributed),
     "remat": remat.check,
     "offload": HOST_OFFLOAD.check,

@@ -166,7 +166,7 @@ def describe(graph: dict[str, dict[str, int]], known: dict[str, Path], cycle: li
 # Bottom first. "<root>" is the package's __init__ (its lazy public surface); "version" and "features" are the
 # root modules jaxmem/version.py and jaxmem/features.py (the registry).
 FLOORS = (("config", "version"), ("runtime",), ("mesh",), ("kernels",), ("model",), ("io",), ("optim",),
-          ("core",), ("generation",), ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar", "preference"),
+          ("core",), ("generation",), ("lora", "moe", "pipeline", "offload", "inbackward", "seqpar", "preference", "rl"),
           ("features",), ("plan",),
           ("train",), ("cli",), ("api",), ("<root>",))
 # (importing package, imported package) -> why it may run up a floor or across the feature floor
