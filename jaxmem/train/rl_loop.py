@@ -12,6 +12,7 @@ from pathlib import Path
 import jax
 
 from jaxmem.io.no_follow import open_no_follow
+from jaxmem.rl.objective import METRICS
 from jaxmem.rl.prompts import read_prompts, run_codec
 from jaxmem.rl.rewards import RewardError, load_rewards
 from jaxmem.rl.rollout import Rollouts, jit_train_step
@@ -43,6 +44,7 @@ def train_grpo(cfg, prog, ckpts, stop: StopRequest) -> dict:
         loop._finished(cfg, start)
         return summary
     outputs = loop._Outputs(cfg, start)
+    _cut_samples(cfg, start)
     try:
         step_fn = jit_train_step(prog)
         loop._note(f"{'resuming at' if resumed is not None else 'starting at'} step {start} of {cfg.train.steps} "
@@ -83,6 +85,7 @@ def _steps(cfg, prog, ckpts, stop, rollouts, step_fn, state, start, resumed, out
             loop._check_finite(cfg, [(done, metrics)], [host], ckpts)
             record = loop._record(done, [host], time.perf_counter() - t0, cfg.precision.loss_scale.enabled,
                                   rollouts.n * cfg.train.seq_len)
+            record.update({k: float(host[k]) for k in METRICS})  # "kl" too (the SFT record keeps names with "/")
             record.update(rollout.metrics)
             summary["records"].append(record)
             outputs.record(record)
@@ -96,6 +99,16 @@ def _steps(cfg, prog, ckpts, stop, rollouts, step_fn, state, start, resumed, out
 
 
 loop.OBJECTIVE_LOOPS["grpo"] = train_grpo
+
+
+def _cut_samples(cfg, start: int) -> None:
+    """samples.jsonl keeps the steps up to the one resumed from: the steps after it are drawn again."""
+    path = Path(cfg.out_dir) / SAMPLES_FILE
+    if jax.process_index() != 0 or not path.is_file() or path.is_symlink():
+        return
+    kept = [line for line in path.read_text(encoding="utf-8").splitlines() if json.loads(line)["step"] <= start]
+    with open_no_follow(path, "w") as f:
+        f.write("".join(line + "\n" for line in kept))
 
 
 def _write_samples(cfg, step: int, samples: list) -> None:

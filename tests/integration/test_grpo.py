@@ -50,7 +50,8 @@ def folder(tmp_path_factory):
     tokenizer = write_tokenizer(root / "tok")
     save_hf(init_model(load_config("configs/tiny.yaml", MODEL).model, seed=3), root / "hf", dtype="bfloat16")
     (root / "rewards.py").write_text(REWARDS)
-    (root / "prompts.jsonl").write_text(json.dumps({"prompt": "the cat", "answer": "4"}) + "\n")
+    prompts = ["the cat", "a dog sat", "why is it blue", "tell me", "the sea", "what is the sky"]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "4"}) + "\n" for p in prompts))
     return root, tokenizer
 
 
@@ -190,3 +191,63 @@ def test_rewards_are_refused_in_one_line(folder):
             score(load_rewards(f"{root / 'rewards.py'}:{name}", ""), ["the cat"] * 2, ["a", "b"], record)
     out = score(load_rewards(f"{root / 'rewards.py'}:length", ""), ["p", "p"], ["ab", "abc"], record)
     np.testing.assert_array_equal(out[:, 0], [2.0, 3.0])
+
+
+def _run_cfg(folder, out_dir, *extra):
+    return _cfg(folder, f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
+                "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
+                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "parallel.fsdp=-1",
+                f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra)
+
+
+@pytest.mark.slow
+def test_resume_after_sigint_equals_a_straight_run(folder, tmp_path, monkeypatch):
+    """A run stopped by SIGINT during step 2 saves step 2; its resume to step 4 draws the same prompts and
+    completions and gives the same metrics as a straight run; samples.jsonl holds completions and rewards."""
+    import os
+    import signal
+
+    from jaxmem.train import rl_loop, run
+
+    straight = run(_run_cfg(folder, tmp_path / "straight"))["records"]
+    assert [r["step"] for r in straight] == [1, 2, 3, 4] and all(0 < r["completions/mean_length"] for r in straight)
+    collect = rl_loop.Rollouts.collect
+
+    def interrupted(self, state, rollout):
+        if rollout == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return collect(self, state, rollout)
+
+    monkeypatch.setattr(rl_loop.Rollouts, "collect", interrupted)
+    first = run(_run_cfg(folder, tmp_path / "resumed"))
+    assert first["stopped_by"] == "SIGINT" and first["final_step"] == 2
+    monkeypatch.setattr(rl_loop.Rollouts, "collect", collect)
+    second = run(_run_cfg(folder, tmp_path / "resumed"))
+    assert second["start_step"] == 2
+    for a, b in zip(straight[2:], second["records"]):
+        for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length", "clip_ratio/region_mean"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    samples = [json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * GROUPS * GROUP and {s["step"] for s in samples} == {1, 2, 3, 4}
+    assert (tmp_path / "resumed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+    assert all(s["rewards"]["length"] == len(s["completion"]) for s in samples)
+
+
+@pytest.mark.slow
+def test_a_failing_reward_stops_the_run_in_one_line(folder, tmp_path):
+    from jaxmem.train import TrainError, run
+
+    with pytest.raises(TrainError, match=r"^step 1: reward .*rewards.py:raises raised KeyError.*record"):
+        run(_run_cfg(folder, tmp_path / "fails", f"rl.rewards={folder[0] / 'rewards.py'}:raises"))
+
+
+def test_samples_are_never_written_through_a_link(tmp_path):
+    from jaxmem.train.rl_loop import _write_samples
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep")
+    (tmp_path / "samples.jsonl").symlink_to(target)
+    cfg = types.SimpleNamespace(out_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="symbolic link"):
+        _write_samples(cfg, 1, [{"completion": "x"}])
+    assert target.read_text() == "keep"
