@@ -1,5 +1,5 @@
 """Writes the files docs/rl.md starts from, made offline: a tiny Hugging Face Llama folder (random weights of the
-`tiny` preset) with a word-level tokenizer (digits, a few words, Llama-3-style special tokens and chat template)
+`tiny` preset, a 32-token vocabulary) with a word-level tokenizer (digits, a few words, Llama-3-style special tokens and chat template)
 and a prompts file of sums "a plus b" (a + b <= 9) with each record's `answer`, the field configs/rl/rewards.py
 checks.
 
@@ -26,6 +26,9 @@ TEMPLATE = ("{% for message in messages %}{% set content = '<|start_header_id|>'
             "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 
+VOCAB = 32  # the tokenizer's 23 ids, padded: a random model's completions are mostly real words
+
+
 def write_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
@@ -48,7 +51,7 @@ def write_prompts(path: Path) -> None:
 def main(out: str) -> None:
     folder = Path(out)
     (folder / "hf").mkdir(parents=True, exist_ok=True)
-    cfg = load_config("configs/tiny.yaml", ["model.preset=tiny"])
+    cfg = load_config("configs/tiny.yaml", ["model.preset=tiny", f"model.vocab_size={VOCAB}"])
     save_hf(init_model(cfg.model, seed=0), folder / "hf", dtype="float32")
     write_tokenizer(folder / "hf")
     write_prompts(folder / "prompts.jsonl")
