@@ -3,7 +3,7 @@ with random weights, sums "a plus b"), trains configs/rl/tiny-grpo.yaml (LoRA, 4
 rewards configs/rl/rewards.py) and writes the mean reward per window of steps to benchmarks/grpo.json and
 benchmarks/grpo.md.
 
-    python scripts/bench_grpo.py [--steps 200] [--work /tmp/grpo_bench]
+    python scripts/bench_grpo.py [--steps 300] [--work /tmp/grpo_bench]
 """
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ WINDOW = 20  # steps per row of the curve
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--work", default="/tmp/grpo_bench")
     args = parser.parse_args()
     work = Path(args.work)
