@@ -41,7 +41,7 @@ def main() -> None:
         f"out_dir={work / 'run'}", f"train.steps={args.steps}", "train.log_every=1", "train.progress=false",
         f"data.tokenizer={work / 'rl_example/hf/tokenizer.json'}", f"checkpoint.init_from={work / 'rl_example/hf'}",
         f"rl.prompts={work / 'rl_example/prompts.jsonl'}", "checkpoint.every=0",
-        f"rl.rewards={ROOT / 'configs/rl/rewards.py'}:correct,{ROOT / 'configs/rl/rewards.py'}:one_digit"])
+        f"rl.rewards={ROOT / 'configs/rl/rewards.py'}:correct,{ROOT / 'configs/rl/rewards.py'}:digit_first"])
     t0 = time.perf_counter()
     records = run(cfg)["records"]
     wall = time.perf_counter() - t0
@@ -50,7 +50,7 @@ def main() -> None:
         chunk = records[lo:lo + WINDOW]
         mean = lambda key: sum(r[key] for r in chunk) / len(chunk)  # noqa: E731
         rows.append({"steps": f"{chunk[0]['step']}-{chunk[-1]['step']}", "reward": mean("reward"),
-                     "correct": mean("rewards/correct/mean"), "one_digit": mean("rewards/one_digit/mean"),
+                     "correct": mean("rewards/correct/mean"), "digit_first": mean("rewards/digit_first/mean"),
                      "mean_length": mean("completions/mean_length"), "no_signal": mean("frac_reward_zero_std")})
     result = {"how": "measured on CPU", "host": platform.processor() or platform.machine(), "jax": jax.__version__,
               "config": "configs/rl/tiny-grpo.yaml", "steps": args.steps, "wall_s": wall, "curve": rows}
@@ -58,11 +58,11 @@ def main() -> None:
     lines = ["# GRPO: the tiny arithmetic task's reward curve", "",
              f"Measured on CPU ({result['host']}, jax {jax.__version__}) by `python scripts/bench_grpo.py --steps "
              f"{args.steps}`: configs/rl/tiny-grpo.yaml (tiny Llama with random weights, LoRA rank 8, 4 prompts x 8 "
-             f"completions a step, rewards `correct` (weight 1) and `one_digit` (weight 0.5) from "
+             f"completions a step, rewards `correct` (weight 1) and `digit_first` (weight 0.5) from "
              f"configs/rl/rewards.py), {args.steps} steps in {wall:.0f} s.", "",
-             "| steps | mean reward | correct | one digit | completion length | groups with no signal |",
+             "| steps | mean reward | correct | digit first | completion length | groups with no signal |",
              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['steps']} | {r['reward']:.3f} | {r['correct']:.3f} | {r['one_digit']:.3f} | "
+    lines += [f"| {r['steps']} | {r['reward']:.3f} | {r['correct']:.3f} | {r['digit_first']:.3f} | "
               f"{r['mean_length']:.2f} | {r['no_signal']:.2f} |" for r in rows]
     lines += ["", "Planned phases (rollout and training peaks, the 20K-context Llama-3.1-8B QLoRA recipe): not "
               "produced yet; `jaxmem plan` of a grpo config says so in one line."]

@@ -8,6 +8,6 @@ def correct(prompts, completions, answer, **fields):
     return [1.0 if c.split()[:1] == [a] else 0.0 for c, a in zip(completions, answer)]
 
 
-def one_digit(prompts, completions, **fields):
-    """1.0 when the completion is a single digit (the answer's form), else 0."""
-    return [1.0 if len(c.split()) == 1 and c.strip().isdigit() else 0.0 for c in completions]
+def digit_first(prompts, completions, **fields):
+    """1.0 when the completion starts with a digit (the answer's form), else 0."""
+    return [1.0 if c.split()[:1] and c.split()[0].isdigit() else 0.0 for c in completions]
