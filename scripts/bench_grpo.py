@@ -1,5 +1,5 @@
 """The tiny GRPO task's reward curve, measured on CPU: makes the example files (scripts/rl_example.py: a tiny Llama
-with random weights, sums "a plus b"), trains configs/rl/tiny-grpo.yaml (LoRA, 4 prompts x 8 completions a step,
+with random weights, sums "a plus b"), trains configs/rl/tiny-grpo.yaml (a full fine-tune, 4 prompts x 8 completions a step,
 rewards configs/rl/rewards.py) and writes the mean reward per window of steps to benchmarks/grpo.json and
 benchmarks/grpo.md.
 
@@ -58,7 +58,7 @@ def main() -> None:
     (ROOT / "benchmarks/grpo.json").write_text(json.dumps(result, indent=2) + "\n")
     lines = ["# GRPO: the tiny arithmetic task's reward curve", "",
              f"Measured on CPU ({result['host']}, jax {jax.__version__}) by `python scripts/bench_grpo.py --steps "
-             f"{args.steps}`: configs/rl/tiny-grpo.yaml (tiny Llama with random weights, LoRA rank 8, 4 prompts x 8 "
+             f"{args.steps}`: configs/rl/tiny-grpo.yaml (tiny Llama with random weights, a full fine-tune, 4 prompts x 8 "
              f"completions a step, rewards `correct` (weight 1) and `digit_first` (weight 0.5) from "
              f"configs/rl/rewards.py), {args.steps} steps in {wall:.0f} s.", "",
              "| steps | mean reward | correct | digit first | completion length | groups with no signal |",
@@ -66,8 +66,8 @@ def main() -> None:
     lines += [f"| {r['steps']} | {r['reward']:.3f} | {r['correct']:.3f} | {r['digit_first']:.3f} | "
               f"{r['mean_length']:.2f} | {r['no_signal']:.2f} |" for r in rows]
     lines += ["", "Each row is the mean over its steps (one rollout of 32 completions a step). The form reward "
-              "(`digit_first`) is learned within the first steps and the mean reward rises with it; the sums "
-              "themselves (`correct`) stay near chance (1 in 10) for a model with random weights in this budget.",
+              "(`digit_first`) is learned first; the sums (`correct`, 1 in 10 by chance among digits) follow more "
+              "slowly and unevenly (a row's figure depends on which prompts its steps drew).",
               "", "Planned phases (rollout and training peaks, the 20K-context Llama-3.1-8B QLoRA recipe): not "
               "produced yet; `jaxmem plan` of a grpo config says so in one line."]
     (ROOT / "benchmarks/grpo.md").write_text("\n".join(lines) + "\n")
