@@ -67,7 +67,9 @@ def main() -> None:
               f"{r['mean_length']:.2f} | {r['no_signal']:.2f} |" for r in rows]
     lines += ["", "Each row is the mean over its steps (one rollout of 32 completions a step). The form reward "
               "(`digit_first`) is learned first; the sums (`correct`, 1 in 10 by chance among digits) follow more "
-              "slowly and unevenly (a row's figure depends on which prompts its steps drew).",
+              "slowly and unevenly (a row's figure depends on which prompts its steps drew). By the last rows almost every group's "
+              "completions are alike (groups with no signal near 1): the policy has become nearly deterministic "
+              "and GRPO has no more signal to learn the remaining sums from.",
               "", "Planned phases (rollout and training peaks, the 20K-context Llama-3.1-8B QLoRA recipe): not "
               "produced yet; `jaxmem plan` of a grpo config says so in one line."]
     (ROOT / "benchmarks/grpo.md").write_text("\n".join(lines) + "\n")
