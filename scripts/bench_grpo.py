@@ -26,6 +26,7 @@ import rl_example  # noqa: E402
 from jaxmem.features import load_config  # noqa: E402
 from jaxmem.train import run  # noqa: E402
 
+PHASES = "## The 20K recipe's phases"  # a section of the page this script keeps (written from `jaxmem plan`)
 WINDOWS = (1, 5, 10, 20, 50, 100, 200, 300, 400, 500)  # the curve's rows end at these steps
 
 

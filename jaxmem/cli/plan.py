@@ -14,6 +14,7 @@ from jaxmem.plan.report import render
 from jaxmem.features import load_config
 from jaxmem.plan.plot import plot_plans
 from jaxmem.plan.generation import check as check_generation, plan_generation, render_lines as render_generation
+from jaxmem.plan.rl import plan_rl, render_lines as render_rl
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -56,14 +57,18 @@ def main(argv: list[str] | None = None) -> int:
     jobs = []
     for path in configs:
         cfg = load_config(path, overrides)
-        if cfg.train.objective == "grpo":  # two programs (rollout, training) and what stays live across them
-            raise ConfigError(f"{path}: jaxmem plan of train.objective=grpo is not implemented yet (its rollout and "
-                              "training phases are not billed); plan the training step with train.objective=sft, "
-                              "generation with a generate: section")
+        if cfg.train.objective == "grpo" and args.no_compile:
+            raise ConfigError(f"{path}: the analytic bill does not price train.objective=grpo; plan it without "
+                              "--no-compile (its rollout and training programs are compiled)")
         check_generation(cfg)
         jobs.append((path, cfg, resolve_topology(cfg, args.target, args.gpus_per_host, args.hosts)))
     plans = []
     for path, cfg, topo in jobs:
+        if cfg.train.objective == "grpo":  # two programs (rollout, training) and what stays live across them
+            result = plan_rl(cfg, topo)
+            print("\n".join(render_rl(result)))
+            plans.append(result)
+            continue
         result = plan(cfg, topo, compile=not args.no_compile, source=path)
         remember(result)  # `jaxmem train` reads the compiled total back to set XLA's allocator
         render(result)

@@ -448,6 +448,9 @@ class RLConfig:
     group_size: int = _f(4, "completions generated per prompt (a group); advantages are normalized within it")
     prompts_per_step: int = _f(2, "prompts per rollout; the rollout generates prompts_per_step x group_size "
                                   "completions")
+    generation_batch: int = _f(0, "completions decoded at once in a rollout (the KV cache's rows; the rollout runs "
+                                  "the decode loop on its completions in chunks of this many); 0: all at once. "
+                                  "The cache's dtype is generate.cache_dtype")
     max_prompt_len: int = _f(64, "a prompt's token budget (a longer prompt is refused in one line)")
     max_completion_len: int = _f(32, "new tokens per completion at most")
     temperature: float = _f(1.0, "sampling temperature of the rollout (> 0)")

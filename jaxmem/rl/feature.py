@@ -19,6 +19,10 @@ def check(cfg: Config) -> None:
     for key in ("prompts_per_step", "max_prompt_len", "max_completion_len", "updates_per_rollout"):
         if getattr(rl, key) < 1:
             raise ConfigError(f"rl.{key}: {getattr(rl, key)} must be >= 1")
+    n = rl.prompts_per_step * rl.group_size
+    if rl.generation_batch < 0 or (rl.generation_batch and n % rl.generation_batch):
+        raise ConfigError(f"rl.generation_batch: {rl.generation_batch} must divide rl.prompts_per_step x "
+                          f"rl.group_size ({n}); 0: all at once")
     if not rl.temperature > 0:
         raise ConfigError(f"rl.temperature: {rl.temperature} must be > 0 (a rollout samples)")
     if not 0 < rl.top_p <= 1 or rl.top_k < 0:

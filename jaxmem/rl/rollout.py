@@ -59,8 +59,11 @@ class Rollouts:
                               f"{self.n} completions; set train.global_batch={self.n} (now "
                               f"{prog.grad_accum * prog.rows})")
         sampling = Sampling(temperature=rl.temperature, top_k=rl.top_k, top_p=rl.top_p)
+        cache_dtype = None if cfg.generate.cache_dtype == "auto" else cfg.generate.cache_dtype
         self.generate = jax.jit(generate_fn(Decoder.from_program(prog), max_new=rl.max_completion_len,
-                                            sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id))
+                                            sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id,
+                                            cache_dtype=cache_dtype))
+        self.chunk = rl.generation_batch or self.n
         logprob_fn = stage_fn(prog, logprobs=True)
         self.policy_logprobs = jax.jit(lambda p, f, x, y: logprob_fn(p, x, y, base=f))
 
@@ -80,8 +83,7 @@ class Rollouts:
         prompt_ids = [self.prompts.ids[i] for i in rows]
         tokens, starts = left_pad(prompt_ids, rl.max_prompt_len, self.codec.pad_id)
         weights = (state["params"], state.get(FROZEN))
-        out = jax.device_get(self.generate(weights, tokens, starts, self.key(rollout)))
-        completions, lengths = np.asarray(out.tokens), np.asarray(out.lengths)
+        completions, lengths = self._decode(weights, tokens, starts, self.key(rollout))
         texts = [self.codec.decode(c[:n].tolist()) for c, n in zip(completions, lengths)]
         records = [self.prompts.records[i] for i in rows]
         prompts = [r.get("prompt", r.get("messages")) for r in records]
@@ -99,6 +101,17 @@ class Rollouts:
             [r.name for r in self.rewards], map(float, f))), "advantage": float(a)}
             for i, p, t, f, a in zip(rows, prompts, texts, per_function, advantages)]
         return Rollout(batch, metrics, samples)
+
+    def _decode(self, weights, tokens, starts, key):
+        """(tokens [N, max_completion_len], lengths [N]): chunks of rl.generation_batch rows, chunk c drawing with
+        fold_in(key, c) (one chunk: the key itself)."""
+        outs = []
+        for c, lo in enumerate(range(0, self.n, self.chunk)):
+            chunk_key = key if self.chunk == self.n else jax.random.fold_in(key, c)
+            outs.append(jax.device_get(self.generate(weights, tokens[lo:lo + self.chunk], starts[lo:lo + self.chunk],
+                                                     chunk_key)))
+        return (np.concatenate([np.asarray(o.tokens) for o in outs]),
+                np.concatenate([np.asarray(o.lengths) for o in outs]))
 
     def _stored(self, state, inputs, labels, advantages):
         """[N, T, 3] float32: the old policy's log-probs, the reference's (0 with rl.beta 0), the advantage."""
@@ -125,10 +138,15 @@ class Rollouts:
         return metrics
 
 
-def jit_train_step(prog):
-    """The program's objective step jitted for a rollout's batch (the stored array has a last axis of 3)."""
+def batch_shardings(prog) -> dict:
+    """The rollout batch's shardings: rows over the data ways (the stored array has a last axis of 3)."""
     data = sharding.batch_spec(prog.mesh)[0]
     rows = NamedSharding(prog.mesh, P(None, data, None))
-    batch = {"inputs": rows, "labels": rows, REFERENCE_KEY: NamedSharding(prog.mesh, P(None, data, None, None))}
+    return {"inputs": rows, "labels": rows, REFERENCE_KEY: NamedSharding(prog.mesh, P(None, data, None, None))}
+
+
+def jit_train_step(prog):
+    """The program's objective step jitted for a rollout's batch."""
+    batch = batch_shardings(prog)
     return jax.jit(prog.step_fn(), in_shardings=(prog.state_shardings, batch),
                    out_shardings=(prog.state_shardings, None), donate_argnums=(0,))

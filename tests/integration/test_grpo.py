@@ -196,7 +196,7 @@ def test_rewards_are_refused_in_one_line(folder):
 def _run_cfg(folder, out_dir, *extra):
     return _cfg(folder, f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
                 "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
-                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "parallel.fsdp=-1",
+                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
                 f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra)
 
 
@@ -251,3 +251,23 @@ def test_samples_are_never_written_through_a_link(tmp_path):
     with pytest.raises(ConfigError, match="symbolic link"):
         _write_samples(cfg, 1, [{"completion": "x"}])
     assert target.read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_plan_compiles_both_phases(folder):
+    """jaxmem plan of a grpo config: the training step and the rollout's generation program compiled, the train
+    state live across both (its bytes per device from the abstract state), the run's peak the larger phase."""
+    from jaxmem.plan.rl import plan_rl
+    from jaxmem.runtime.aot import resolve_topology
+
+    cfg = _cfg(folder, "parallel.fsdp=-1", f"train.micro_batch={GROUPS * GROUP // jax.device_count()}")
+    result = plan_rl(cfg, resolve_topology(cfg))
+    prog = build_program(cfg)
+    state = sum(a.dtype.itemsize * np.prod(a.sharding.shard_shape(a.shape))
+                for a in jax.tree.leaves(prog.abstract_state))
+    assert result["live_across"] == state
+    assert result["rollout"]["phase_peak"] > state + result["rollout"]["cache_bytes"] // 2
+    assert result["training"]["device_peak"] > state
+    assert result["run_peak"] == max(result["rollout"]["phase_peak"], result["training"]["device_peak"])
+    with pytest.raises(ConfigError, match="analytic bill does not price"):
+        plan_rl(cfg, resolve_topology(cfg), compile=False)
