@@ -127,14 +127,15 @@ class Rollouts:
         return stored
 
     def _metrics(self, per_function, total, lengths, completions, no_signal) -> dict:
+        """TRL's names; standard deviations with Bessel's correction, as TRL takes them."""
         stopped = np.isin(completions, np.asarray(self.codec.stop_ids or (-1,))).any(axis=1)
-        metrics = {"reward": float(total.mean()), "reward_std": float(total.std()),
+        metrics = {"reward": float(total.mean()), "reward_std": float(total.std(ddof=1)),
                    "frac_reward_zero_std": no_signal, "completions/mean_length": float(lengths.mean()),
                    "completions/min_length": float(lengths.min()), "completions/max_length": float(lengths.max()),
                    "completions/clipped_ratio": float(1.0 - stopped.mean())}
         for j, reward in enumerate(self.rewards):
             metrics[f"rewards/{reward.name}/mean"] = float(per_function[:, j].mean())
-            metrics[f"rewards/{reward.name}/std"] = float(per_function[:, j].std())
+            metrics[f"rewards/{reward.name}/std"] = float(per_function[:, j].std(ddof=1))
         return metrics
 
 

@@ -231,6 +231,10 @@ def test_resume_after_sigint_equals_a_straight_run(folder, tmp_path, monkeypatch
     assert len(samples) == 4 * GROUPS * GROUP and {s["step"] for s in samples} == {1, 2, 3, 4}
     assert (tmp_path / "resumed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
     assert all(s["rewards"]["length"] == len(s["completion"]) for s in samples)
+    for record in straight:  # every completion of a step is sampled here (8 of them)
+        lengths = [s["rewards"]["length"] for s in samples if s["step"] == record["step"]]
+        assert record["reward"] == pytest.approx(np.mean(lengths)) and record["reward_std"] == pytest.approx(
+            np.std(lengths, ddof=1))
 
 
 @pytest.mark.slow
