@@ -18,8 +18,9 @@ from jaxmem.moe.feature import MOE
 from jaxmem.pipeline import runtime
 from jaxmem.pipeline.feature import PIPELINE
 from jaxmem.preference.feature import PREFERENCE
+from jaxmem.rl.feature import RL_FEATURE
 
-FEATURES = (MOE, LORA, UPDATE_IN_BACKWARD, PIPELINE, PREFERENCE)
+FEATURES = (MOE, LORA, UPDATE_IN_BACKWARD, PIPELINE, PREFERENCE, RL_FEATURE)
 
 
 def for_config(cfg: Config) -> Features:

@@ -169,7 +169,7 @@ def describe(graph: dict[str, dict[str, int]], known: dict[str, Path], cycle: li
 # "api" are the root modules jaxmem/version.py, jaxmem/registry.py (the features), jaxmem/loader.py (loading and
 # checking a config) and jaxmem/api.py (the library surface).
 FLOORS = (("config", "version"), ("runtime",), ("mesh",), ("kernels",), ("model",), ("io",), ("optim",),
-          ("core",), ("generation",), ("lora", "moe", "pipeline", "inbackward", "preference"), ("registry",),
+          ("core",), ("generation",), ("lora", "moe", "pipeline", "inbackward", "preference", "rl"), ("registry",),
           ("loader",), ("plan",),
           ("train",), ("cli",), ("api",), ("<root>",))
 # (importing package, imported package) -> why it may run up a floor or across the feature floor

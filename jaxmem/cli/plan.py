@@ -61,6 +61,10 @@ def main(argv: list[str] | None = None) -> int:
     plans = []
     for path, cfg, topo in jobs:
         result = plan(cfg, topo, compile=not args.no_compile, source=path)
+        if "lines" in result:  # a feature's run of several programs (GRPO: rollout and training), rendered by it
+            print("\n".join(result["lines"]))
+            plans.append(result)
+            continue
         remember(result)  # `jaxmem train` reads the compiled total back to set XLA's allocator
         render(result)
         if cfg.generate.batch:  # the generate: section: the cache and the generation program's peak

@@ -237,9 +237,10 @@ class TrainConfig:
     tensorboard: bool = _f(False, "also write TensorBoard events to out_dir/tensorboard (needs tensorboardX)")
     wandb: str = _f("", "also log to this Weights & Biases project (needs wandb; WANDB_MODE=offline keeps it "
                         "local); empty: off")
-    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo"] = _f(
+    objective: Literal["sft", "dpo", "ipo", "orpo", "simpo", "grpo"] = _f(
         "sft", "what the step minimizes, one of sft (next-token cross-entropy), dpo, ipo, orpo, simpo (preference "
-               "pairs: data.format=preference, settings in the preference section)")
+               "pairs: data.format=preference, settings in the preference section), grpo (group relative policy "
+               "optimization on prompts: settings in the rl section)")
     memory_profile_at: int = _f(0, "after this step, save a device memory profile (pprof) to "
                                    "out_dir/memory_profile_step<N>.prof; 0: off")
 
@@ -474,6 +475,37 @@ class GenerateConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class RLConfig:
+    prompts: str = _f("", "train.objective=grpo: a jsonl file of prompts, each record a prompt (text) or messages (a "
+                          "chat, through data.tokenizer's chat template); its other fields go to the rewards")
+    rewards: str = _f("", "comma-separated reward functions, each module:function or path.py:function called as "
+                          "f(prompts, completions, **fields) -> one float per completion (TRL's convention)")
+    reward_weights: str = _f("", "comma-separated weights, one per reward function; empty: all 1")
+    group_size: int = _f(4, "completions generated per prompt (a group); advantages are normalized within it")
+    prompts_per_step: int = _f(2, "prompts per rollout; the rollout generates prompts_per_step x group_size "
+                                  "completions")
+    generation_batch: int = _f(0, "completions decoded at once in a rollout (the KV cache's rows; the rollout runs "
+                                  "the decode loop on its completions in chunks of this many); 0: all at once. "
+                                  "The cache's dtype is generate.cache_dtype")
+    max_prompt_len: int = _f(64, "a prompt's token budget (a longer prompt is refused in one line)")
+    max_completion_len: int = _f(32, "new tokens per completion at most")
+    temperature: float = _f(1.0, "sampling temperature of the rollout (> 0)")
+    top_p: float = _f(1.0, "nucleus sampling of the rollout; 1.0: off")
+    top_k: int = _f(0, "top-k sampling of the rollout; 0: off")
+    beta: float = _f(0.0, "weight of the KL to the reference (the base with adapters off for LoRA); 0: no "
+                          "reference is computed or allocated")
+    epsilon_low: float = _f(0.2, "the importance ratio's lower clip: 1 - epsilon_low")
+    epsilon_high: float = _f(0.2, "the importance ratio's upper clip: 1 + epsilon_high (DAPO: 0.28)")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _f(
+        "dapo", "the loss's normalization, one of grpo (per sequence mean, then the mean), dr_grpo (sum over "
+                "completions x max_completion_len), dapo (per token over the rollout)")
+    updates_per_rollout: int = _f(1, "optimizer steps on each rollout (TRL's num_iterations), with the importance "
+                                     "ratio to the rollout's log-probs")
+    samples_every: int = _f(0, "write a few prompts with their completions and rewards to out_dir/samples.jsonl "
+                               "every this many rollouts; 0: never")
+
+
+@dataclasses.dataclass(frozen=True)
 class Config:
     out_dir: str = _f("runs/default", "run folder: config.yaml, metrics.jsonl, checkpoints/ (a run there resumes)")
     model: ModelConfig = _f(ModelConfig(), "model shape")
@@ -496,6 +528,7 @@ class Config:
     kernels: KernelConfig = _f(KernelConfig(), "fused kernel choices and tile sizes")
     target: TargetConfig = _f(TargetConfig(), "the GPU target a plan compiles for and its fit rule")
     generate: GenerateConfig = _f(GenerateConfig(), "generation with the run's model, as `jaxmem plan` sizes it")
+    rl: RLConfig = _f(RLConfig(), "reinforcement learning from rewards (train.objective=grpo)")
 
 
 def field_docs(cls: type = None, prefix: str = ""):

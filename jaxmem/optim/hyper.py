@@ -9,9 +9,11 @@ from jaxmem.config.schema import Config
 
 
 def schedule_steps(cfg: Config) -> tuple[int, int]:
-    """(warmup, decay) steps of the LR schedule: optimizer.decay_steps=0 means train.steps."""
+    """(warmup, decay) steps of the LR schedule: optimizer.decay_steps=0 means train.steps (GRPO: its optimizer
+    steps, train.steps x rl.updates_per_rollout)."""
     o = cfg.optimizer
-    decay = o.decay_steps or cfg.train.steps
+    updates = cfg.rl.updates_per_rollout if cfg.train.objective == "grpo" else 1
+    decay = o.decay_steps or cfg.train.steps * updates
     return min(o.warmup_steps, max(decay - 1, 0)), decay
 
 

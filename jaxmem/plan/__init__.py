@@ -10,6 +10,7 @@ from jaxmem.config.schema import Config
 from jaxmem.plan.bill import compute_bill
 from jaxmem.plan.compiled import CompiledFigures, compile_for_plan
 from jaxmem.plan.costmodel import estimate
+from jaxmem.plan.generation import plan_generation
 from jaxmem.plan.report import build_plan
 
 
@@ -22,9 +23,11 @@ class Planner:
     estimate: Callable  # jaxmem.plan.costmodel.estimate
     build_plan: Callable  # jaxmem.plan.report.build_plan
     compiled_figures: Callable  # jaxmem.plan.compiled.CompiledFigures
+    build_program: Callable  # jaxmem.registry.build_program
+    plan_generation: Callable  # jaxmem.plan.generation.plan_generation
 
 
-PLANNER = Planner(compute_bill, estimate, build_plan, CompiledFigures)
+PLANNER = Planner(compute_bill, estimate, build_plan, CompiledFigures, registry.build_program, plan_generation)
 
 
 def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "") -> dict:

@@ -15,7 +15,7 @@ from jaxmem.preference.reference_copy import ReferenceCopy
 
 def check(cfg: Config) -> None:
     objective, p = cfg.train.objective, cfg.preference
-    if objective == "sft":
+    if objective in ("sft", "grpo"):  # grpo: jaxmem.rl
         if cfg.data.format == "preference":
             raise ConfigError("data.format: preference pairs need train.objective dpo, ipo, orpo or simpo")
         return
@@ -60,7 +60,7 @@ class Preference(Feature):
     name = "preference"
 
     def applies(self, cfg: Config) -> bool:
-        return cfg.train.objective != "sft"
+        return cfg.train.objective not in ("sft", "grpo")
 
     def check(self, cfg: Config) -> None:
         check(cfg)
@@ -87,7 +87,7 @@ class Preference(Feature):
 
 def _holds_copy(cfg: Config) -> bool:
     """Whether the state holds a frozen reference copy (reference=model in a full fine-tune)."""
-    return cfg.train.objective != "sft" and cfg.lora.rank == 0 and resolved_reference(cfg) == "model"
+    return PREFERENCE.applies(cfg) and cfg.lora.rank == 0 and resolved_reference(cfg) == "model"
 
 
 PREFERENCE = Preference()

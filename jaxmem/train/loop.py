@@ -193,6 +193,11 @@ class _Outputs:
             w.close()
 
 
+# Loops of objectives that are not a pass over a token source, by train.objective; each module registers its
+# own (jaxmem.train.rl_loop: grpo), imported by the package jaxmem.train.
+OBJECTIVE_LOOPS: dict = {}
+
+
 def run(cfg: Config) -> dict:
     """Trains `cfg` (resuming from `<out_dir>/checkpoints` if it holds one); returns a summary dict.
 
@@ -220,11 +225,14 @@ def _run_locked(cfg: Config, stop: StopRequest) -> dict:
         wandb_available()
     if not cfg.checkpoint.enabled:
         check_checkpointless_run(cfg.out_dir)  # it would start at step 0 over a saved run's metrics
-    source = make_source(cfg)  # a text file is read and checked against the vocabulary here
+    grpo = cfg.train.objective == "grpo"  # prompts and rollouts instead of a token source (jaxmem.train.rl_loop)
+    source = None if grpo else make_source(cfg)  # a text file is read and checked against the vocabulary here
     ckpts = Checkpoints.for_run(cfg) if cfg.checkpoint.enabled else None
     try:
         cfg = resume_schedule(cfg, ckpts)  # a resume keeps the saved LR schedule when train.steps grows
         prog = build_run_program(cfg)
+        if grpo:
+            return OBJECTIVE_LOOPS["grpo"](cfg, prog, ckpts, stop)
         return _train(cfg, prog, ckpts, source, Evaluator.for_run(cfg, prog), stop)
     finally:
         if ckpts:

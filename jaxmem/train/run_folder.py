@@ -19,7 +19,8 @@ RESOLVED_CONFIG = "config.resolved.yaml"
 LEGACY_CONFIG = "config.yaml"  # what runs wrote before the resolved config got its own name
 RUN_ENTRIES = (".jaxmem.lock", RESOLVED_CONFIG, "metrics.jsonl", "checkpoints", "tensorboard", "wandb",
                "allocator.json", "oom_report.json", "memory_profile_step*.prof",
-               "reference_logps.*")  # stored reference log-probs (jaxmem.preference.precompute)
+               "reference_logps.*",  # stored reference log-probs (jaxmem.preference.precompute)
+               "samples.jsonl")  # a GRPO run's completions (jaxmem.train.rl_loop)
 
 
 def _a_run_entry(name: str, names: set[str]) -> bool:

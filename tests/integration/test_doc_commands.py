@@ -40,7 +40,7 @@ from jaxmem import cli
 from jaxmem.config import schema
 
 WALKTHROUGHS = {"docs/finetune.md": None, "README.md": "Fine-tune a Hugging Face model"}
-TINY = re.compile(r"^configs/tiny[\w-]*\.yaml$")
+TINY = re.compile(r"^configs/(rl/)?tiny[\w-]*\.yaml$")
 CHEAP_COMMANDS = {"list", "config", "doctor"}
 PLACEHOLDER = re.compile(r"^(\[.*|.*\]|\.\.\.|[A-Z][A-Z_]*(=\S*)?|--[\w-]+=?[A-Z_]+)$|\|")
 

@@ -132,6 +132,7 @@ BAD_FEATURE = {
     "pipeline": (["parallel.pp=2", "parallel.pp_layers=3,3"], "parallel.pp_layers: [3, 3] must be 2"),
     "preference": (["train.objective=dpo"], "train.objective: dpo trains on preference pairs; set "
                                             "data.format=preference"),
+    "rl": (["train.objective=grpo"], "rl.prompts: train.objective=grpo needs a jsonl file of prompts"),
 }
 
 

@@ -1,0 +1,1 @@
+"""GRPO: group relative policy optimization from reward functions (train.objective=grpo, the rl section)."""

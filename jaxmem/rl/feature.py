@@ -1,0 +1,63 @@
+"""GRPO as a feature: its rules at load and its objective (jaxmem.rl.objective). The reference with rl.beta > 0
+is the LoRA base with the adapters off (the LoRA plug-in's reference_inputs: no extra weights); its log-probs
+are taken once per rollout (jaxmem.rl.rollout) and carried by the batch like the old policy's."""
+from __future__ import annotations
+
+from jaxmem.config.schema import Config, ConfigError
+from jaxmem.rl.plan import plan_rl
+from jaxmem.core.plugins import Feature
+from jaxmem.rl.objective import GRPOObjective
+from jaxmem.rl.rewards import load_rewards
+
+
+def check(cfg: Config) -> None:
+    rl = cfg.rl
+    if not rl.prompts:
+        raise ConfigError("rl.prompts: train.objective=grpo needs a jsonl file of prompts")
+    load_rewards(rl.rewards, rl.reward_weights)  # an unimportable reference is refused now, in one line
+    if rl.group_size < 2:
+        raise ConfigError(f"rl.group_size: {rl.group_size} must be >= 2 (advantages are taken within a group)")
+    for key in ("prompts_per_step", "max_prompt_len", "max_completion_len", "updates_per_rollout"):
+        if getattr(rl, key) < 1:
+            raise ConfigError(f"rl.{key}: {getattr(rl, key)} must be >= 1")
+    n = rl.prompts_per_step * rl.group_size
+    if rl.generation_batch < 0 or (rl.generation_batch and n % rl.generation_batch):
+        raise ConfigError(f"rl.generation_batch: {rl.generation_batch} must divide rl.prompts_per_step x "
+                          f"rl.group_size ({n}); 0: all at once")
+    if not rl.temperature > 0:
+        raise ConfigError(f"rl.temperature: {rl.temperature} must be > 0 (a rollout samples)")
+    if not 0 < rl.top_p <= 1 or rl.top_k < 0:
+        raise ConfigError("rl.top_p must be in (0, 1] and rl.top_k >= 0")
+    if rl.beta < 0 or not 0 <= rl.epsilon_low < 1 or rl.epsilon_high < 0:
+        raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
+    if rl.beta > 0 and cfg.lora.rank == 0:
+        raise ConfigError("rl.beta: a KL to a frozen copy of a full fine-tune is not implemented yet; train LoRA "
+                          "adapters (the reference is the base) or set rl.beta=0")
+    if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
+        raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
+                          f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")
+    if cfg.train.seq_len < rl.max_prompt_len + rl.max_completion_len:
+        raise ConfigError(f"train.seq_len: {cfg.train.seq_len} must hold rl.max_prompt_len + rl.max_completion_len")
+    if cfg.parallel.pp > 1 or cfg.optimizer.update_in_backward:
+        raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
+
+
+class RL(Feature):
+    name = "rl"
+
+    def applies(self, cfg: Config) -> bool:
+        return cfg.train.objective == "grpo"
+
+    def check(self, cfg: Config) -> None:
+        if self.applies(cfg):
+            check(cfg)
+
+    def objective(self, cfg: Config):
+        return GRPOObjective(cfg) if self.applies(cfg) else None
+
+    def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
+        """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""
+        return plan_rl(cfg, topo, planner, compile=compile) if self.applies(cfg) else None
+
+
+RL_FEATURE = RL()

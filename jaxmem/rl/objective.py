@@ -1,0 +1,66 @@
+"""GRPO's objective (jaxmem.core.plugins.Objective): a micro-batch's rows are completions, labels only on the
+completion's tokens. Its `reference` is "batch": the rollout stores per token, in the batch's REFERENCE_KEY
+array [B, T, 3] float32, the log-probs the rollout's policy gave (old), the reference's (0 with rl.beta=0)
+and the completion's advantage. Per token: the clipped importance-ratio surrogate (PPO's) plus beta x the k3
+KL estimate to the reference; then normalized as rl.loss_type says, as TRL's GRPOTrainer does."""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from jaxmem.config.schema import Config
+from jaxmem.core.plugins import Objective
+from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+
+METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
+OLD, REFERENCE, ADVANTAGE = 0, 1, 2  # the stored array's last axis
+
+
+def per_token_terms(policy_bt, old_bt, ref_bt, advantage_bt, *, beta, epsilon_low, epsilon_high):
+    """(loss per token, kl per token (0 with beta 0: no reference), low clipped, high clipped), each [B, T]."""
+    advantage_b1 = advantage_bt
+    ratio = jnp.exp(policy_bt - old_bt)
+    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+    loss = -jnp.minimum(ratio * advantage_b1, clipped * advantage_b1)
+    kl = jnp.exp(ref_bt - policy_bt) - (ref_bt - policy_bt) - 1.0 if beta else jnp.zeros_like(policy_bt)
+    if beta:
+        loss = loss + beta * kl
+    low = (ratio < 1.0 - epsilon_low) & (advantage_b1 < 0)
+    high = (ratio > 1.0 + epsilon_high) & (advantage_b1 > 0)
+    return loss, kl, low, high
+
+
+def normalized(loss_bt, mask_bt, loss_type: str, totals: dict):
+    """This micro-batch's share of the step's loss: grpo (each completion's mean over its tokens, then the mean
+    over completions), dr_grpo (the sum over completions x rl.max_completion_len), dapo (over all tokens)."""
+    summed = jnp.sum(loss_bt * mask_bt, axis=-1)
+    if loss_type == "grpo":
+        return jnp.sum(summed / jnp.maximum(jnp.sum(mask_bt, axis=-1), 1.0)) / totals["completions"]
+    if loss_type == "dr_grpo":
+        return jnp.sum(summed) / (totals["completions"] * totals["max_completion_len"])
+    return jnp.sum(summed) / totals["tokens"]
+
+
+class GRPOObjective(Objective):
+    name = "grpo"
+    reference = "batch"
+    metric_names = METRICS
+
+    def __init__(self, cfg: Config):
+        self.settings = cfg.rl
+
+    def totals(self, labels_arbt) -> dict:
+        a, rows = labels_arbt.shape[:2]
+        tokens = jnp.sum(labels_arbt != IGNORE_INDEX).astype(jnp.float32)
+        return {"completions": jnp.float32(a * rows), "tokens": jnp.maximum(tokens, 1.0),
+                "max_completion_len": jnp.float32(self.settings.max_completion_len)}
+
+    def micro_loss(self, policy_bt, stored_bt3, labels_bt, totals: dict):
+        s = self.settings
+        mask = (labels_bt != IGNORE_INDEX).astype(jnp.float32)
+        loss, kl, low, high = per_token_terms(
+            policy_bt, stored_bt3[..., OLD], stored_bt3[..., REFERENCE], stored_bt3[..., ADVANTAGE], beta=s.beta,
+            epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high)
+        token_share = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / totals["tokens"]  # noqa: E731
+        metrics = {"kl": token_share(kl), "clip_ratio/low_mean": token_share(low),
+                   "clip_ratio/high_mean": token_share(high), "clip_ratio/region_mean": token_share(low | high)}
+        return normalized(loss, mask, s.loss_type, totals), metrics

@@ -1,0 +1,81 @@
+"""`jaxmem plan` of a GRPO config (through the feature's plan_run hook, handed the planner's pieces) (train.objective=grpo): its two programs compiled for the target, each with
+the train state beside it. The rollout phase is the generation program (prefill + decode loop over
+rl.prompts_per_step x rl.group_size rows, the KV cache) while the rest of the train state (optimizer moments,
+master weights) stays on the device; the training phase is the objective step on the rollout's batch. The
+run's peak is the larger of the two. The analytic bill does not price GRPO: a plan without compile is refused."""
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jaxmem.config.schema import Config, ConfigError
+from jaxmem.core.plugins import REFERENCE_KEY
+from jaxmem.rl.rollout import batch_shardings, jit_train_step
+from jaxmem.runtime.aot import Topology
+from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, read_fields
+
+
+def rollout_config(cfg: Config) -> Config:
+    """`cfg` with a generate: section sized like one decode of its rollouts (rl.generation_batch rows; the plan
+    rounds the lengths up to buckets, so powers of two are planned exactly)."""
+    rl = cfg.rl
+    generate = dataclasses.replace(cfg.generate, batch=rl.generation_batch or rl.prompts_per_step * rl.group_size,
+                                   prompt_len=rl.max_prompt_len, max_new_tokens=rl.max_completion_len)
+    return dataclasses.replace(cfg, generate=generate)
+
+
+def _training(cfg: Config, topo: Topology, build_program) -> dict:
+    with captured_stderr():
+        prog = build_program(cfg, devices=list(topo.devices()))
+    step = jit_train_step(prog)
+    shape = (prog.grad_accum, prog.rows, cfg.train.seq_len)
+    shardings = batch_shardings(prog)
+    batch = {key: jax.ShapeDtypeStruct(shape + ((3,) if key == REFERENCE_KEY else ()),
+                                       jnp.float32 if key == REFERENCE_KEY else jnp.int32, sharding=spec)
+             for key, spec in shardings.items()}
+    with captured_stderr(), prog.lowering():
+        fields = read_fields(step.lower(prog.abstract_state, batch).compile())
+    per_device = lambda a: a.dtype.itemsize * _prod(a.sharding.shard_shape(a.shape))  # noqa: E731
+    batch_bytes = sum(per_device(a) for a in batch.values())
+    return {"device_peak": device_bytes(fields), "state_bytes": fields["argument"] - batch_bytes, "fields": fields}
+
+
+def _prod(shape) -> int:
+    out = 1
+    for n in shape:
+        out *= n
+    return out
+
+
+def plan_rl(cfg: Config, topo: Topology, planner, compile: bool = True) -> dict:
+    """{"rollout": {...}, "training": {...}, "live_across": bytes, "run_peak": bytes, "label", "lines": the
+    rendered summary} per device; `planner`: jaxmem.plan.Planner (build_program, plan_generation)."""
+    if not compile:
+        raise ConfigError("plan --no-compile: the analytic bill does not price train.objective=grpo; plan it "
+                          "compiled (its rollout and training programs)")
+    start = time.perf_counter()
+    training = _training(cfg, topo, planner.build_program)
+    rollout = planner.plan_generation(rollout_config(cfg), topo, compile=True)
+    weights_in_rollout = rollout["fields"]["argument"]
+    rollout_total = rollout["device_peak"] - weights_in_rollout + training["state_bytes"]
+    where = f"{topo.label} (deviceless)" if topo.name else f"{topo.label} (attached devices)"
+    result = {"rollout": dict(rollout, phase_peak=rollout_total), "training": training,
+            "live_across": training["state_bytes"], "run_peak": max(rollout_total, training["device_peak"]),
+            "label": f"compiled for {where}", "compile_seconds": round(time.perf_counter() - start, 2),
+            "fits": None if topo.gpu is None else max(rollout_total, training["device_peak"]) <= topo.gpu.hbm_bytes}
+    return dict(result, lines=render_lines(result))
+
+
+def render_lines(result: dict) -> list[str]:
+    gib = lambda n: f"{n / 2**30:.3f} GiB"  # noqa: E731
+    r = result["rollout"]
+    return [f"GRPO plan per device ({result['label']}):",
+            f"  live across both phases (the train state): {gib(result['live_across'])}",
+            f"  rollout phase: generation of {r['batch']} completions (prompt bucket {r['prompt_bucket']}, "
+            f"{r['new_bucket']} new, {r['cache_dtype']} KV cache {gib(r['cache_bytes'])}) beside the state: "
+            f"{gib(r['phase_peak'])}",
+            f"  training phase: the GRPO step on the rollout's batch: {gib(result['training']['device_peak'])}",
+            f"  run peak: {gib(result['run_peak'])}"]

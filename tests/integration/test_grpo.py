@@ -1,0 +1,278 @@
+"""GRPO vs TRL on CPU: for a tiny Hugging Face Llama made offline (bf16-representable weights, fp32 compute), a
+fixed batch of 2 prompts x 4 completions, fixed rewards and old log-probs off the current policy (so the ratio
+clips), jaxmem's GRPO loss and its LoRA adapters' gradient equal TRL's GRPOTrainer._compute_loss on the PEFT
+model within 1e-4, for each loss normalization (grpo, dr_grpo, dapo), with and without the KL to the base;
+the group advantages equal TRL's; reward functions that fail are refused in one line."""
+import dataclasses
+import json
+import types
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from chat_fixtures import write_tokenizer
+from jaxmem.config import ConfigError
+from jaxmem.core import objective as core_objective
+from jaxmem.core.program import stage_fn
+from jaxmem.loader import load_config
+from jaxmem.registry import build_program
+from jaxmem.io.hf import save_hf
+from jaxmem.model import init_model
+from jaxmem.rl.advantages import group_advantages
+from jaxmem.rl.objective import GRPOObjective
+from jaxmem.rl.rewards import RewardError, load_rewards, score
+from test_preference import MODEL, _adapter_grads, _assert_close, _peft_model, _random_adapters
+
+torch = pytest.importorskip("torch")
+trl = pytest.importorskip("trl")
+
+GROUPS, GROUP, PROMPT, COMPLETION, SEQ = 2, 4, 6, 10, 32
+REWARDS = """
+def length(prompts, completions, **fields):
+    return [float(len(c)) for c in completions]
+
+def wrong_count(prompts, completions, **fields):
+    return [0.0]
+
+def nan(prompts, completions, **fields):
+    return [float("nan")] * len(completions)
+
+def raises(prompts, completions, **fields):
+    raise KeyError("answer")
+"""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    tokenizer = write_tokenizer(root / "tok")
+    save_hf(init_model(load_config("configs/tiny.yaml", MODEL).model, seed=3), root / "hf", dtype="bfloat16")
+    (root / "rewards.py").write_text(REWARDS)
+    prompts = ["the cat", "a dog sat", "why is it blue", "tell me", "the sea", "what is the sky"]
+    (root / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p, "answer": "4"}) + "\n" for p in prompts))
+    return root, tokenizer
+
+
+def _cfg(folder, *extra):
+    root, tokenizer = folder
+    return load_config("configs/tiny.yaml", MODEL + [
+        f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
+        f"data.tokenizer={tokenizer}", "train.objective=grpo", f"rl.prompts={root / 'prompts.jsonl'}",
+        f"rl.rewards={root / 'rewards.py'}:length", f"rl.group_size={GROUP}", f"rl.prompts_per_step={GROUPS}",
+        f"rl.max_prompt_len={PROMPT}", f"rl.max_completion_len={COMPLETION}", f"train.micro_batch={GROUPS * GROUP}",
+        f"train.seq_len={SEQ}", "parallel.fsdp=1", "precision.compute_dtype=float32", *extra])
+
+
+def _fixed_batch():
+    """prompt ids [N, PROMPT], completion ids [N, COMPLETION], completion mask, rewards [N]."""
+    rng = np.random.default_rng(0)
+    prompts = np.repeat(rng.integers(3, 64, (GROUPS, PROMPT)), GROUP, axis=0)
+    completions = rng.integers(3, 64, (GROUPS * GROUP, COMPLETION))
+    lengths = np.array([10, 4, 7, 10, 2, 9, 10, 5])
+    mask = (np.arange(COMPLETION)[None] < lengths[:, None]).astype(np.int64)
+    rewards = np.array([1.0, 0.0, 0.5, 1.0, 2.0, -1.0, 0.0, 0.3], np.float32)
+    return prompts, completions, mask, rewards
+
+
+def _torch_logps(model, prompt_ids, completion_ids, completion_mask):
+    ids = torch.cat([prompt_ids, completion_ids], 1)
+    attention = torch.cat([torch.ones_like(prompt_ids), completion_mask], 1)
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, PROMPT - 1:-1]
+    return torch.gather(logits.log_softmax(-1), 2, completion_ids[..., None])[..., 0]
+
+
+def _trl_loss(model, loss_type, beta, inputs):
+    """GRPOTrainer._compute_loss on our inputs: its log-prob pass replaced by the same torch computation."""
+    from trl import GRPOTrainer
+
+    def logps(_model, input_ids, attention_mask, logits_to_keep, **_):
+        out = _torch_logps(model, input_ids[:, :PROMPT], input_ids[:, PROMPT:], attention_mask[:, PROMPT:])
+        return out, torch.zeros_like(out), None
+
+    accelerator = types.SimpleNamespace(num_processes=1, gather=lambda x: x, gather_for_metrics=lambda x: x,
+                                        reduce=lambda x, reduction: x, sync_gradients=True)
+    stub = types.SimpleNamespace(
+        _get_per_token_logps_and_entropies=logps, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
+        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        use_vllm=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
+        max_completion_length=COMPLETION, accelerator=accelerator, _entropy_bonus_enabled=False,
+        aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
+    loss = GRPOTrainer._compute_loss(stub, model, inputs)
+    loss.backward()
+    return float(loss), {k: v[-1] for k, v in stub._metrics["train"].items()}
+
+
+def _trl_advantages(rewards):
+    from trl.trainer.utils import nanstd
+
+    grouped = torch.tensor(rewards).view(-1, GROUP)
+    std = nanstd(grouped, dim=1).repeat_interleave(GROUP)
+    advantages = (torch.tensor(rewards) - grouped.mean(1).repeat_interleave(GROUP)) / (std + 1e-4)
+    return advantages.numpy(), float(torch.isclose(std, torch.zeros_like(std)).float().mean())
+
+
+@pytest.fixture(scope="module")
+def program(folder):
+    cfg = _cfg(folder)
+    prog = build_program(cfg, devices=jax.devices()[:1])
+    state = prog.init_from(cfg.checkpoint.init_from)
+    return cfg, prog, state, _random_adapters(state["params"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("loss_type,beta", [("grpo", 0.04), ("dr_grpo", 0.04), ("dapo", 0.04), ("dapo", 0.0)])
+def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, tmp_path):
+    cfg, prog, state, adapters = program
+    prompts, completions, mask, rewards = _fixed_batch()
+    advantages, _, _ = group_advantages(rewards[:, None], [1.0], GROUP)
+    model = _peft_model(folder, cfg, adapters, tmp_path)
+    p, c, m = torch.tensor(prompts), torch.tensor(completions), torch.tensor(mask)
+    with torch.no_grad():
+        policy = _torch_logps(model, p, c, m)
+        old = policy + torch.tensor(np.random.default_rng(1).normal(0, 0.3, policy.shape), dtype=torch.float32)
+        with model.disable_adapter():
+            ref = _torch_logps(model, p, c, m)
+    inputs = {"prompt_ids": p, "prompt_mask": torch.ones_like(p), "completion_ids": c, "completion_mask": m,
+              "advantages": torch.tensor(advantages), "old_per_token_logps": old, "ref_per_token_logps": ref,
+              "num_items_in_batch": m.sum().float()}
+    ref_loss, ref_metrics = _trl_loss(model, loss_type, beta, inputs)
+
+    seq = np.concatenate([prompts, completions], 1)
+    n, width = seq.shape
+    x = np.zeros((n, SEQ), np.int32)
+    x[:, :width - 1] = seq[:, :-1]
+    labels = np.full((n, SEQ), -100, np.int32)
+    labels[:, PROMPT - 1:width - 1] = np.where(mask > 0, completions, -100)
+    stored = np.zeros((n, SEQ, 3), np.float32)
+    stored[:, PROMPT - 1:width - 1, 0], stored[:, PROMPT - 1:width - 1, 1] = old.numpy(), ref.numpy()
+    stored[..., 2] = advantages[:, None]
+    chosen = GRPOObjective(dataclasses.replace(cfg, rl=dataclasses.replace(
+        cfg.rl, loss_type=loss_type, beta=beta, epsilon_high=0.28)))
+    grad_fn = jax.jit(core_objective.micro_grad_fn(prog, chosen, stage_fn(prog, logprobs=True)))
+    y = jnp.asarray(labels)
+    totals = dict(chosen.totals(y[None]), scale=jnp.float32(1.0))
+    grads, (loss, metrics) = grad_fn(adapters, (jnp.asarray(x), y, None, None, jnp.asarray(stored)), totals,
+                                     state["base"], None)
+    _assert_close(float(loss), ref_loss, "loss")
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (("kl",) if beta else ()):
+        _assert_close(float(metrics[key]), ref_metrics[key], key, tol=1e-4 if ref_metrics[key] > 1e-3 else 1e-2)
+    assert ref_metrics["clip_ratio/region_mean"] > 0  # the noise on the old log-probs makes the ratio clip
+    ref_grads = _adapter_grads(model, cfg, tmp_path)
+    for name, layer in grads["layers"].items():
+        for part in ("a", "b"):
+            _assert_close(layer[part], ref_grads["layers"][name][part], f"{name}.{part}")
+
+
+def test_group_advantages_equal_trl():
+    rewards = np.array([1.0, 0.0, 0.5, 1.0, 2.0, 2.0, 2.0, 2.0], np.float32)
+    advantages, total, no_signal = group_advantages(rewards[:, None], [1.0], GROUP)
+    expected, expected_flat = _trl_advantages(rewards)
+    np.testing.assert_allclose(advantages, expected, atol=1e-6)
+    assert no_signal == expected_flat == 0.5
+    weighted, _, _ = group_advantages(np.stack([rewards, 2 * rewards], 1), [1.0, 0.5], GROUP)
+    np.testing.assert_allclose(weighted, _trl_advantages(2 * rewards)[0], atol=1e-6)
+
+
+def test_rewards_are_refused_in_one_line(folder):
+    root = folder[0]
+    with pytest.raises(ConfigError, match="cannot be imported"):
+        load_rewards("no_such_module_anywhere:f", "")
+    with pytest.raises(ConfigError, match="has no function"):
+        load_rewards(f"{root / 'rewards.py'}:missing", "")
+    with pytest.raises(ConfigError, match="no file"):
+        _cfg(folder, f"rl.rewards={root / 'absent.py'}:length")
+    record = [{"prompt": "the cat", "answer": "4"}] * 2
+    for name, words in (("wrong_count", "returned 1 values for 2"), ("nan", "returned nan"),
+                        ("raises", "raised KeyError")):
+        with pytest.raises(RewardError, match=f"{name}.*{words}.*answer"):
+            score(load_rewards(f"{root / 'rewards.py'}:{name}", ""), ["the cat"] * 2, ["a", "b"], record)
+    out = score(load_rewards(f"{root / 'rewards.py'}:length", ""), ["p", "p"], ["ab", "abc"], record)
+    np.testing.assert_array_equal(out[:, 0], [2.0, 3.0])
+
+
+def _run_cfg(folder, out_dir, *extra):
+    return _cfg(folder, f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
+                "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
+                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
+                f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra)
+
+
+@pytest.mark.slow
+def test_resume_after_sigint_equals_a_straight_run(folder, tmp_path, monkeypatch):
+    """A run stopped by SIGINT during step 2 saves step 2; its resume to step 4 draws the same prompts and
+    completions and gives the same metrics as a straight run; samples.jsonl holds completions and rewards."""
+    import os
+    import signal
+
+    from jaxmem.train import rl_loop, run
+
+    straight = run(_run_cfg(folder, tmp_path / "straight"))["records"]
+    assert [r["step"] for r in straight] == [1, 2, 3, 4] and all(0 < r["completions/mean_length"] for r in straight)
+    collect = rl_loop.Rollouts.collect
+
+    def interrupted(self, state, rollout):
+        if rollout == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+        return collect(self, state, rollout)
+
+    monkeypatch.setattr(rl_loop.Rollouts, "collect", interrupted)
+    first = run(_run_cfg(folder, tmp_path / "resumed"))
+    assert first["stopped_by"] == "SIGINT" and first["final_step"] == 2
+    monkeypatch.setattr(rl_loop.Rollouts, "collect", collect)
+    second = run(_run_cfg(folder, tmp_path / "resumed"))
+    assert second["start_step"] == 2
+    for a, b in zip(straight[2:], second["records"]):
+        for key in ("loss", "grad_norm", "reward", "kl", "completions/mean_length", "clip_ratio/region_mean"):
+            assert abs(a[key] - b[key]) <= 1e-6 * max(1.0, abs(a[key])), (a["step"], key, a[key], b[key])
+    samples = [json.loads(line) for line in (tmp_path / "straight" / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == 4 * GROUPS * GROUP and {s["step"] for s in samples} == {1, 2, 3, 4}
+    assert (tmp_path / "resumed" / "samples.jsonl").read_text() == (tmp_path / "straight" / "samples.jsonl").read_text()
+    assert all(s["rewards"]["length"] == len(s["completion"]) for s in samples)
+    for record in straight:  # every completion of a step is sampled here (8 of them)
+        lengths = [s["rewards"]["length"] for s in samples if s["step"] == record["step"]]
+        assert record["reward"] == pytest.approx(np.mean(lengths)) and record["reward_std"] == pytest.approx(
+            np.std(lengths, ddof=1))
+
+
+@pytest.mark.slow
+def test_a_failing_reward_stops_the_run_in_one_line(folder, tmp_path):
+    from jaxmem.train import TrainError, run
+
+    with pytest.raises(TrainError, match=r"^step 1: reward .*rewards.py:raises raised KeyError.*record"):
+        run(_run_cfg(folder, tmp_path / "fails", f"rl.rewards={folder[0] / 'rewards.py'}:raises"))
+
+
+def test_samples_are_never_written_through_a_link(tmp_path):
+    from jaxmem.train.rl_loop import _write_samples
+
+    target = tmp_path / "elsewhere.txt"
+    target.write_text("keep")
+    (tmp_path / "samples.jsonl").symlink_to(target)
+    cfg = types.SimpleNamespace(out_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match="symbolic link"):
+        _write_samples(cfg, 1, [{"completion": "x"}])
+    assert target.read_text() == "keep"
+
+
+@pytest.mark.slow
+def test_plan_compiles_both_phases(folder):
+    """jaxmem plan of a grpo config: the training step and the rollout's generation program compiled, the train
+    state live across both (its bytes per device from the abstract state), the run's peak the larger phase."""
+    from jaxmem.plan import plan
+    from jaxmem.runtime.aot import resolve_topology
+
+    cfg = _cfg(folder, "parallel.fsdp=-1", f"train.micro_batch={GROUPS * GROUP // jax.device_count()}")
+    result = plan(cfg, resolve_topology(cfg))
+    prog = build_program(cfg)
+    state = sum(a.dtype.itemsize * np.prod(a.sharding.shard_shape(a.shape))
+                for a in jax.tree.leaves(prog.abstract_state))
+    assert result["live_across"] == state
+    assert result["rollout"]["phase_peak"] > state + result["rollout"]["cache_bytes"] // 2
+    assert result["training"]["device_peak"] > state
+    assert result["run_peak"] == max(result["rollout"]["phase_peak"], result["training"]["device_peak"])
+    with pytest.raises(ConfigError, match="analytic bill does not price"):
+        plan(cfg, resolve_topology(cfg), compile=False)
