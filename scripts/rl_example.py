@@ -18,29 +18,17 @@ from jaxmem.loader import load_config  # noqa: E402
 from jaxmem.io.hf import save_hf  # noqa: E402
 from jaxmem.model import init_model  # noqa: E402
 
-SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from word_tokenizer import write_word_tokenizer  # noqa: E402
+
 WORDS = [str(d) for d in range(10)] + "plus equals user assistant the answer is what".split()
-TEMPLATE = ("{% for message in messages %}{% set content = '<|start_header_id|>' + message['role'] + "
-            "'<|end_header_id|>\n\n' + message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
-            "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
-            "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 
 
 VOCAB = 32  # the tokenizer's 23 ids, padded: a random model's completions are mostly real words
 
 
 def write_tokenizer(folder: Path) -> None:
-    from tokenizers import Tokenizer, models, pre_tokenizers, processors
-
-    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, **{w: i + 1 for i, w in enumerate(WORDS)}}, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    tokenizer.add_special_tokens(SPECIALS)
-    bos = tokenizer.token_to_id("<|begin_of_text|>")
-    tokenizer.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
-                                                             special_tokens=[("<|begin_of_text|>", bos)])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", "chat_template": TEMPLATE}))
+    write_word_tokenizer(folder, WORDS)
 
 
 def write_prompts(path: Path) -> None:

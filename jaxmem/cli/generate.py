@@ -19,10 +19,8 @@ from jaxmem.core.checkpoint import Checkpoints, restore_run
 from jaxmem.registry import build_program
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.sampling import Sampling
-from jaxmem.generation.text import CACHE_DTYPES, Generator, TextCodec, hf_codec
-from jaxmem.io.documents.chat import ChatTemplate
+from jaxmem.generation.text import CACHE_DTYPES, Generator, hf_codec, run_codec
 from jaxmem.io.hf import load_hf
-from jaxmem.io.hf_companions import special_ids
 from jaxmem.train.run_folder import resolved_config
 
 _EXAMPLES = """\
@@ -30,19 +28,6 @@ examples:
   jaxmem generate exported/sft --prompt "why is the sky blue" --max-new-tokens 64
   jaxmem generate runs/sft --chat --prompt "tell me about the sea" --temperature 0.7 --top-p 0.9 --seed 1
   jaxmem generate runs/sft --prompts prompts.jsonl --chat --cache-dtype int8   # one {"prompt": ...} a line"""
-
-
-def _run_codec(cfg) -> TextCodec | None:
-    ids = special_ids(cfg)
-    if not ids:
-        return None
-    tokenizer = ids["tokenizer"]
-    name = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
-    template = ChatTemplate(ids["template"], "the run's chat template", name(ids["bos"]), name(ids["eos"])) \
-        if ids["template"] else None
-    stops = tuple(ids["stop"])
-    pad = ids["pad"] if ids["pad"] is not None else (stops[0] if stops else 0)
-    return TextCodec(tokenizer, template, stops, pad)
 
 
 def open_source(source: str | Path, *, step: int | None = None, dtype: str = "float32") -> Generator:
@@ -64,7 +49,7 @@ def open_source(source: str | Path, *, step: int | None = None, dtype: str = "fl
             state, _ = restore_run(prog, ckpts, step if step is not None else steps[-1])
         finally:
             ckpts.close()
-        return Generator(Decoder.from_program(prog), Decoder.weights_of_state(state), _run_codec(cfg),
+        return Generator(Decoder.from_program(prog), Decoder.weights_of_state(state), run_codec(cfg),
                          rows_multiple=prog.layout.data_ways)
     if not (path / "config.json").is_file():
         raise ConfigError(f"{source}: neither a run's folder (config.resolved.yaml) nor a Hugging Face folder "

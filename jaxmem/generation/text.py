@@ -22,6 +22,7 @@ from jaxmem.generation.loop import generate_fn, left_pad
 from jaxmem.generation.sampling import Sampling
 from jaxmem.io.documents.chat import ChatTemplate
 from jaxmem.io.documents.tokenize import load_tokenizer
+from jaxmem.io.hf_companions import special_ids
 
 CACHE_DTYPES = ("float32", "bfloat16", "float16", "int8")
 
@@ -148,3 +149,18 @@ def check_request(prompts: list[list[int]], max_new_tokens: int, cfg, cache_dtyp
     bad = [t for p in prompts for t in p if not 0 <= t < cfg.vocab_size]
     if bad:
         raise ConfigError(f"prompts: token id {bad[0]} is outside the vocabulary (0 .. {cfg.vocab_size - 1})")
+
+
+def run_codec(cfg) -> "TextCodec | None":
+    """A run's codec: its data.tokenizer with the chat template, generation stopping at its eos and end-of-turn
+    ids; None where the run names no tokenizer."""
+    ids = special_ids(cfg)
+    if not ids:
+        return None
+    tokenizer = ids["tokenizer"]
+    name = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
+    template = ChatTemplate(ids["template"], "the run's chat template", name(ids["bos"]), name(ids["eos"])) \
+        if ids["template"] else None
+    stops = tuple(ids["stop"])
+    pad = ids["pad"] if ids["pad"] is not None else (stops[0] if stops else 0)
+    return TextCodec(tokenizer, template, stops, pad)

@@ -10,24 +10,17 @@ from pathlib import Path
 import numpy as np
 
 from jaxmem.config.schema import Config, ConfigError
+from jaxmem.generation import text
 from jaxmem.generation.text import TextCodec
-from jaxmem.io.documents.chat import ChatTemplate
-from jaxmem.io.hf_companions import special_ids
 
 
 def run_codec(cfg: Config) -> TextCodec:
     """The run's data.tokenizer with its chat template; generation stops at its eos and end-of-turn ids."""
-    ids = special_ids(cfg)
-    if not ids:
+    codec = text.run_codec(cfg)
+    if codec is None:
         raise ConfigError("data.tokenizer: train.objective=grpo decodes completions to text for the rewards; set "
                           "data.tokenizer to a tokenizer.json")
-    tokenizer = ids["tokenizer"]
-    name = lambda i: None if i is None else tokenizer.id_to_token(i)  # noqa: E731
-    template = ChatTemplate(ids["template"], "the run's chat template", name(ids["bos"]), name(ids["eos"])) \
-        if ids["template"] else None
-    stops = tuple(ids["stop"])
-    pad = ids["pad"] if ids["pad"] is not None else (stops[0] if stops else 0)
-    return TextCodec(tokenizer, template, stops, pad)
+    return codec
 
 
 @dataclasses.dataclass(frozen=True)

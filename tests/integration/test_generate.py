@@ -379,10 +379,10 @@ def test_new_lengths_within_a_bucket_reuse_the_compiled_program(models):
 def test_a_run_reads_its_tokenizer_template_and_stop_ids(hf_folder, lora_runs, capsys):
     """A run's codec: data.tokenizer, its chat template and end-of-turn token as the stop id (as export-hf
     writes them); a run without a tokenizer decodes token ids only, and text is refused in one line."""
-    from jaxmem.cli.generate import _run_codec
+    from jaxmem.generation.text import run_codec
 
     directory, _, tokenizer, stop = hf_folder
-    codec = _run_codec(jaxmem.load_config("configs/tiny.yaml", [f"data.tokenizer={directory / 'tokenizer.json'}"]))
+    codec = run_codec(jaxmem.load_config("configs/tiny.yaml", [f"data.tokenizer={directory / 'tokenizer.json'}"]))
     assert stop in codec.stop_ids and codec.template is not None
     ids = codec.encode("why is the sky blue", chat=True)
     text = tokenizer.decode(ids, skip_special_tokens=False).replace(" ", "")
