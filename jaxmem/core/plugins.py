@@ -35,6 +35,11 @@ class ProgramPlugin:
         """{FROZEN: (abstract tree, partition specs)} for a frozen part beside the trainable state; {} if none."""
         return {}
 
+    def place_frozen(self, shardings: dict, abstract: dict) -> dict:
+        """The state's shardings with the frozen part's memory kinds decided (a part kept in pinned host
+        memory); as they are by default."""
+        return shardings
+
     def fresh_state(self, prog, params, seed) -> dict:
         """A step-0 train state around the model's `params` (the program's state_from_params)."""
         return assemble_state(prog.cfg, prog.precision, prog.optimizer, params)

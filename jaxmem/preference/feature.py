@@ -51,6 +51,10 @@ def _check_reference(cfg: Config) -> None:
     if reference == "base" and cfg.lora.rank == 0:
         raise ConfigError("preference.reference: base is the frozen LoRA base with the adapters off; it needs "
                           "lora.rank > 0 (a full fine-tune: precompute or model)")
+    if reference != "model" and (cfg.preference.reference_dtype != "bfloat16"
+                                 or cfg.preference.reference_memory != "device"):
+        raise ConfigError(f"preference.reference_dtype / reference_memory: set how a reference=model copy is "
+                          f"stored; preference.reference is {reference} (no copy)")
     if reference == "model" and cfg.lora.rank > 0:
         raise ConfigError("preference.reference: model would copy the LoRA base the run already holds frozen; "
                           "use base (the same weights, no copy) or precompute")
@@ -77,10 +81,12 @@ class Preference(Feature):
         return source
 
     def program_plugin(self, cfg: Config):
-        return ReferenceCopy() if _holds_copy(cfg) else None
+        if not _holds_copy(cfg):
+            return None
+        return ReferenceCopy(cfg.preference.reference_dtype, cfg.preference.reference_memory == "host")
 
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
-        return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+        return reference_copy.layout_part(cfg, trainable, sizes) if _holds_copy(cfg) else None
 
     bill_terms = BILL_TERMS
 

@@ -1,0 +1,62 @@
+"""preference.reference=model stored as bf16, int8 or nf4, on the device or the host: each gives the reference
+log-probs of the bf16 copy within what its quantization error explains (int8 per channel closer than nf4's
+16 levels), and the layout's frozen part shrinks as the stored forms say."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxmem.core import objective as core_objective
+from jaxmem.core.plugins import FROZEN
+from jaxmem.core.program import stage_fn
+from jaxmem.io.data import make_source
+from jaxmem.preference import reference_copy
+from jaxmem.registry import build_program
+from test_preference import PAIRS, SEQ, _cfg, folder  # noqa: F401 (the module's fixture)
+
+
+def _rewards(folder, *extra):  # noqa: F811
+    """(mean |rewards/chosen| / beta, |rewards/rejected| / beta): the policy (the initial weights) against the
+    copy, i.e. how far the copy's log-prob sums are from the weights' own, and the program."""
+    cfg = _cfg(folder, "dpo", "lora.rank=0", "preference.reference=model", "train.micro_batch=2", *extra)
+    prog = build_program(cfg, devices=jax.devices()[:1])
+    state = prog.init_from(cfg.checkpoint.init_from)
+    batch = make_source(cfg).samples(np.arange(2 * PAIRS), SEQ)
+    chosen = prog.features.objective(cfg)
+    grad_fn = jax.jit(core_objective.micro_grad_fn(prog, chosen, stage_fn(prog, logprobs=True)))
+    labels = jnp.asarray(batch["labels"])
+    micro = (jnp.asarray(batch["inputs"]), labels, None, None, None)
+    totals = dict(chosen.totals(labels[None]), scale=jnp.float32(1.0))
+    _, (_, metrics) = grad_fn(state["params"], micro, totals, state[FROZEN], None)
+    beta = cfg.preference.beta
+    return abs(float(metrics["rewards/chosen"])) / beta, abs(float(metrics["rewards/rejected"])) / beta, prog
+
+
+def _layer_bytes(prog) -> int:
+    return sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(prog.layout.frozen_abstract["layers"]))
+
+
+@pytest.mark.slow
+def test_reference_dtypes_and_host_give_the_bf16_copys_log_probs(folder):  # noqa: F811
+    bf16 = _rewards(folder)
+    assert bf16[:2] == (0.0, 0.0)  # the weights are bf16 values: the bf16 copy is exact
+    host = _rewards(folder, "preference.reference_memory=host")
+    assert host[:2] == (0.0, 0.0)
+    int8 = _rewards(folder, "preference.reference_dtype=int8")
+    nf4 = _rewards(folder, "preference.reference_dtype=nf4", "preference.reference_memory=host")
+    print("mean |log-prob sum error| per sequence, chosen / rejected: int8", int8[:2], "nf4", nf4[:2])
+    for err in (*int8[:2], *nf4[:2]):
+        assert 0.0 < err
+    # a per-sequence sum over ~20 tokens: int8 keeps each weight within half a step of 1/127 of its channel's
+    # absmax, nf4 within half a code gap (up to 1/6) of its block's
+    assert max(int8[:2]) < 1e-3 and max(nf4[:2]) < 2e-2 and max(int8[:2]) < max(nf4[:2])
+    layers = {}
+    for name, (*_, prog) in (("bf16", bf16), ("host", host), ("int8", int8), ("nf4", nf4)):
+        layers[name] = _layer_bytes(prog)
+        assert layers[name] == reference_copy.copy_bytes(prog.cfg, prog.layout.abstract_params)[0]  # the bill's
+    assert layers["host"] == layers["bf16"]
+    # int8: a byte a weight and an fp32 scale per 32 of them, nf4: half a byte and an fp32 absmax per 64; the
+    # norms stay bf16
+    assert 0.5 < layers["int8"] / layers["bf16"] < 0.65 and 0.25 < layers["nf4"] / layers["bf16"] < 0.4
