@@ -7,6 +7,7 @@ from __future__ import annotations
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
+from jaxmem.preference import plan as preference_plan
 from jaxmem.preference import precompute
 from jaxmem.preference import reference_copy
 from jaxmem.preference.bill import BILL_TERMS
@@ -89,6 +90,12 @@ class Preference(Feature):
         return reference_copy.layout_part(cfg, trainable, sizes) if _holds_copy(cfg) else None
 
     bill_terms = BILL_TERMS
+
+    def plan_section(self, cfg: Config, bill, cost) -> dict | None:
+        return preference_plan.precompute_section(cfg, bill, cost) if self.applies(cfg) else None
+
+    def render_plan(self, plan: dict, console) -> None:
+        preference_plan.render(plan, console)
 
 
 def _holds_copy(cfg: Config) -> bool:

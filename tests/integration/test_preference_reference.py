@@ -60,3 +60,30 @@ def test_reference_dtypes_and_host_give_the_bf16_copys_log_probs(folder):  # noq
     # int8: a byte a weight and an fp32 scale per 32 of them, nf4: half a byte and an fp32 absmax per 64; the
     # norms stay bf16
     assert 0.5 < layers["int8"] / layers["bf16"] < 0.65 and 0.25 < layers["nf4"] / layers["bf16"] < 0.4
+
+
+def test_plan_prices_the_precompute_pass(folder, tmp_path):  # noqa: F811
+    """`jaxmem plan` of reference=precompute: the pass's time (a forward per token of the cost model's step, over
+    the file's records) and the bytes it stores, as np.save writes them."""
+    import io
+
+    from rich.console import Console
+
+    from jaxmem.plan import plan, resolve_topology
+    from jaxmem.plan.report import render
+
+    cfg = _cfg(folder, "dpo", "lora.rank=0", "preference.reference=precompute", "parallel.fsdp=1")
+    out = plan(cfg, resolve_topology(cfg, target="h100-80g", gpus_per_host=1, hosts=1), compile=False)
+    section, cost = out["preference"], out["cost"]
+    assert section["pairs"] == PAIRS + 2 and section["label"].startswith("estimated")
+    # a forward is a third of a full fine-tune's step FLOPs (less where remat recomputes): the step's pairs
+    # (rows / 2) take that share of the step's compute time
+    step_pairs = cost["tokens_per_step"] / (2 * cfg.train.seq_len)
+    assert 0.2 < section["seconds_per_pair"] * step_pairs / cost["compute_seconds"] <= 1 / 3 + 1e-9
+    assert section["seconds"] == pytest.approx(section["seconds_per_pair"] * section["pairs"])
+    np.save(tmp_path / "v.npy", np.zeros((section["pairs"], 2), np.float32))
+    stored = (tmp_path / "v.npy").stat().st_size
+    assert stored < section["disk_bytes"] <= stored + 256
+    console = Console(file=io.StringIO(), width=200)
+    render(out, console)
+    assert "one forward pass over the pairs before training" in console.file.getvalue()
