@@ -30,9 +30,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.pp: pipeline stages do not run train.objective={objective} yet; use pp=1")
     if cfg.optimizer.update_in_backward:
         raise ConfigError(f"optimizer.update_in_backward: does not run train.objective={objective} yet; set false")
-    if cfg.eval.path:
-        raise ConfigError(f"eval.path: held-out pairs are not evaluated with train.objective={objective} yet; leave "
-                          "eval.path empty")
+    if cfg.eval.path and resolved_reference(cfg) == "precompute":
+        raise ConfigError("eval.path: held-out pairs need the reference's log-probs, which precompute stores for the "
+                          "training pairs only; set preference.reference=model (or base with LoRA) to evaluate")
     if p.beta <= 0:
         raise ConfigError(f"preference.beta: {p.beta} must be > 0")
     if not 0.0 <= p.label_smoothing < 0.5:

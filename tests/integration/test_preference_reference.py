@@ -87,3 +87,39 @@ def test_plan_prices_the_precompute_pass(folder, tmp_path):  # noqa: F811
     console = Console(file=io.StringIO(), width=200)
     render(out, console)
     assert "one forward pass over the pairs before training" in console.file.getvalue()
+
+
+def test_held_out_pairs_give_the_step_metrics_over_every_pair(folder):  # noqa: F811
+    """eval.path with a preference objective: TRL's metrics as means over every held-out pair, read once in
+    batches of 3 pairs (the last one 2 short: its masked pairs count nowhere), equal to one micro-batch of all
+    the pairs (the train step's metrics) under the same adapters."""
+    from test_preference import _jaxmem
+
+    from jaxmem.train.evaluate import Evaluator
+
+    loss, metrics, _, adapters, _, _ = _jaxmem(_cfg(folder, "dpo"))
+    cfg = _cfg(folder, "dpo", f"eval.path={folder[0] / 'pairs.jsonl'}", "eval.batches=8", "train.micro_batch=6")
+    prog = build_program(cfg, devices=jax.devices()[:1])
+    state = dict(prog.init_from(cfg.checkpoint.init_from), params=adapters)
+    got = Evaluator.for_run(cfg, prog).run(state)
+    assert got["eval_pairs"] == PAIRS and len(prog.features.objective(cfg).metric_names) == 6
+    np.testing.assert_allclose(got["eval_loss"], loss, rtol=1e-5, atol=1e-6)
+    for name, value in metrics.items():
+        np.testing.assert_allclose(got[f"eval_{name}"], value, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+def test_a_run_evaluates_held_out_pairs_with_a_reference_copy(folder, tmp_path):  # noqa: F811
+    """The loop's periodic evaluation of a full fine-tune (FSDP over 8 devices) against its int8 reference copy:
+    TRL's names in the records; at step 1 the policy has moved from the reference (nonzero rewards)."""
+    from test_preference import _run_cfg
+
+    from jaxmem.train import run
+
+    summary = run(_run_cfg(folder, tmp_path / "run", "lora.rank=0", "preference.reference=model",
+                           "preference.reference_dtype=int8", f"eval.path={folder[0] / 'pairs.jsonl'}",
+                           "eval.every=1", "eval.batches=2", "train.steps=2"))
+    evals = [r for r in summary["records"] if "eval_loss" in r]
+    assert len(evals) == 2 and all(r["eval_pairs"] == PAIRS for r in evals)  # 2 batches of 8 pairs (8 devices)
+    assert abs(evals[-1]["eval_rewards/margins"]) > 0 and 0.0 <= evals[-1]["eval_rewards/accuracies"] <= 1.0
+    assert evals[-1]["eval_rewards/margins"] == pytest.approx(
+        evals[-1]["eval_rewards/chosen"] - evals[-1]["eval_rewards/rejected"], abs=1e-6)

@@ -14,10 +14,10 @@ MODEL = ["model.vocab_size=256", "model.d_model=64", "model.n_layers=2", "model.
 
 
 def _bill(*extra):
-    cfg = load_config("configs/tiny.yaml", MODEL + ["train.objective=dpo", "data.format=preference", "data.kind=jsonl",
-                                                    "data.path=pairs.jsonl", "data.tokenizer=tokenizer.json", "lora.rank=0",
-                                                    "train.micro_batch=2", "parallel.fsdp=1",
-                                                    "preference.reference=model", *extra])
+    overrides = ["train.objective=dpo", "data.format=preference", "data.kind=jsonl", "data.path=pairs.jsonl",
+                 "data.tokenizer=tokenizer.json", "lora.rank=0", "train.micro_batch=2", "parallel.fsdp=1",
+                 "preference.reference=model"]
+    cfg = load_config("configs/tiny.yaml", MODEL + overrides + list(extra))
     return compute_bill(cfg, 1), cfg
 
 
@@ -46,3 +46,10 @@ def test_copy_settings_without_a_copy_are_refused(extra):
 
     with pytest.raises(ConfigError, match="preference.reference_dtype / reference_memory"):
         _bill(*extra)
+
+
+def test_held_out_pairs_with_precomputed_reference_are_refused():
+    from jaxmem.config import ConfigError
+
+    with pytest.raises(ConfigError, match="eval.path: held-out pairs need the reference's log-probs"):
+        _bill("preference.reference=precompute", "eval.path=held_out.jsonl")
