@@ -6,7 +6,7 @@ reference forward, which runs under stop_gradient and keeps no residual for the 
 from __future__ import annotations
 
 from jaxmem.config.preference import resolved_reference
-from jaxmem.core.accounting import per_device
+from jaxmem.core.reference_copy import stored_bytes
 
 
 def _loss(d) -> None:
@@ -36,9 +36,7 @@ def _reference_copy(d) -> None:
         return
     if cfg.preference.reference_memory != "host":
         return
-    stored = {k for k, v in layout.frozen_abstract["layers"].items() if isinstance(v, dict)}
-    on_host = per_device({k: layout.frozen_abstract["layers"][k] for k in stored},
-                         {k: layout.frozen_specs["layers"][k] for k in stored}, layout.mesh_sizes, in_bytes=True)
+    on_host = stored_bytes(layout)
     d.device["base"] -= on_host
     d.host["base"] = d.host.get("base", 0) + on_host
 

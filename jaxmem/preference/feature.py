@@ -1,6 +1,6 @@
 """Preference tuning (train.objective dpo, ipo, orpo, simpo) as a feature: its rules at load, its objective
 (jaxmem.preference.objective) and, for a full fine-tune with preference.reference=model, the program plug-in
-holding the frozen reference copy (jaxmem.preference.reference_copy). With LoRA the reference is the frozen base
+holding the frozen reference copy (jaxmem.core.reference_copy). With LoRA the reference is the frozen base
 with the adapters off (the LoRA plug-in's reference_inputs): no extra weights."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
 from jaxmem.preference import plan as preference_plan
 from jaxmem.preference import precompute
-from jaxmem.preference import reference_copy
+from jaxmem.core import reference_copy
 from jaxmem.preference.bill import BILL_TERMS
-from jaxmem.preference.reference_copy import ReferenceCopy
+from jaxmem.core.reference_copy import ReferenceCopy
 
 
 def check(cfg: Config) -> None:
@@ -87,7 +87,10 @@ class Preference(Feature):
         return ReferenceCopy(cfg.preference.reference_dtype, cfg.preference.reference_memory == "host")
 
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
-        return reference_copy.layout_part(cfg, trainable, sizes) if _holds_copy(cfg) else None
+        if not _holds_copy(cfg):
+            return None
+        p = cfg.preference
+        return reference_copy.layout_part(p.reference_dtype, p.reference_memory == "host", trainable, sizes)
 
     bill_terms = BILL_TERMS
 

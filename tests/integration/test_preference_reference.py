@@ -12,7 +12,7 @@ from jaxmem.core import objective as core_objective
 from jaxmem.core.plugins import FROZEN
 from jaxmem.core.program import stage_fn
 from jaxmem.io.data import make_source
-from jaxmem.preference import reference_copy
+from jaxmem.core import reference_copy
 from jaxmem.registry import build_program
 from test_preference import PAIRS, SEQ, _cfg, folder  # noqa: F401 (the module's fixture)
 
@@ -55,7 +55,8 @@ def test_reference_dtypes_and_host_give_the_bf16_copys_log_probs(folder):  # noq
     layers = {}
     for name, (*_, prog) in (("bf16", bf16), ("host", host), ("int8", int8), ("nf4", nf4)):
         layers[name] = _layer_bytes(prog)
-        assert layers[name] == reference_copy.copy_bytes(prog.cfg, prog.layout.abstract_params)[0]  # the bill's
+        assert layers[name] == reference_copy.copy_bytes(prog.cfg.preference.reference_dtype,
+                                                                  prog.layout.abstract_params)[0]  # the bill's
     assert layers["host"] == layers["bf16"]
     # int8: a byte a weight and an fp32 scale per 32 of them, nf4: half a byte and an fp32 absmax per 64; the
     # norms stay bf16

@@ -1,16 +1,17 @@
-"""preference.reference=model for a full fine-tune: a frozen copy of the initial weights beside the train state
-(its frozen part, jaxmem.core.plugins.FROZEN: sharded like the params, never differentiated, never saved; a
-resume rebuilds it from where the initial weights came from). The reference forward reads it in place of the
-params (jaxmem.core.objective).
+"""A frozen copy of a full fine-tune's initial weights beside the train state, the reference policy an objective
+compares with (preference.reference=model; a KL penalty's reference): the state's frozen part
+(jaxmem.core.plugins.FROZEN), sharded like the params, never differentiated, never saved (a resume rebuilds it
+from where the initial weights came from). The reference forward reads it in place of the params
+(jaxmem.core.objective.reference_logprobs, through ReferenceCopy.reference_inputs).
 
-The copy is bf16, or (preference.reference_dtype) each layer's linear weights are stored int8 per channel or
-NF4 in blocks (jaxmem.core.quant, QLoRA's schemes) while the norms, embedding and LM head stay bf16: the model
-is then merged with [L] placeholders for those weights and the layer scan carries their stored forms, each
-dequantized at the top of its layer (no dequantized copy of the whole stack). With reference_memory=host the
-copy's layers live in pinned host memory and come to the device a layer at a time.
+The copy is bf16, or each layer's linear weights are stored int8 per channel or NF4 in blocks
+(jaxmem.core.quant, QLoRA's schemes) while the norms, embedding and LM head stay bf16: the model is then merged
+with [L] placeholders for those weights and the layer scan carries their stored forms, each dequantized at the
+top of its layer (no dequantized copy of the whole stack). On the host, the stored weights live in pinned host
+memory and come to the device a layer at a time.
 
-`reference_weights(cfg, abstract_params, param_specs, sizes)` and `ReferenceCopy` are independent of the
-preference objective: any objective comparing with a frozen copy of a full fine-tune's weights can use them."""
+A feature uses it with `ReferenceCopy(dtype, on_host)` as its program plug-in and `layout_part(dtype, on_host,
+trainable, sizes)` as its part of the Layout; `copy_bytes` sizes it for a plan."""
 from __future__ import annotations
 
 import dataclasses
@@ -22,6 +23,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.core import offload
+from jaxmem.core.accounting import per_device
 from jaxmem.core.plugins import FROZEN, ProgramPlugin
 from jaxmem.core.quant import dequantize, quantize_int8, quantize_nf4, quantized_bytes
 from jaxmem.core.step_state import assemble_state
@@ -78,10 +80,9 @@ def _stored_specs(dtype: str, spec, stored, sizes: dict[str, int]):
     return jax.tree.map(lambda x: P(None, axes) if split(x) else P(*[None] * x.ndim), stored)
 
 
-def layout_part(cfg, trainable: dict, sizes: dict[str, int]) -> dict:
+def layout_part(dtype: str, on_host: bool, trainable: dict, sizes: dict[str, int]) -> dict:
     """The Layout's frozen part: the copy's abstract tree and its specs (the planner's bill counts it as the
     state's frozen bytes)."""
-    dtype, on_host = cfg.preference.reference_dtype, cfg.preference.reference_memory == "host"
     abstract_params = trainable["abstract_params"]
     names = quantized_names(abstract_params)
     abstract = jax.eval_shape(lambda p: make_copy(dtype, on_host, p, names), abstract_params)
@@ -92,9 +93,9 @@ def layout_part(cfg, trainable: dict, sizes: dict[str, int]) -> dict:
     return {"frozen_abstract": abstract, "frozen_specs": specs}
 
 
-def copy_bytes(cfg, abstract_params: dict) -> tuple[int, int]:
-    """(bytes of the copy's layers, bytes of the rest), unsharded: the layers live where reference_memory says."""
-    dtype, names = cfg.preference.reference_dtype, quantized_names(abstract_params)
+def copy_bytes(dtype: str, abstract_params: dict) -> tuple[int, int]:
+    """(bytes of the copy's layers, bytes of the rest), unsharded."""
+    names = quantized_names(abstract_params)
     layers = 0
     for name, a in abstract_params["layers"].items():
         stored = dtype if name in names else "bfloat16"
@@ -102,6 +103,13 @@ def copy_bytes(cfg, abstract_params: dict) -> tuple[int, int]:
     rest = sum(math.prod(a.shape) * 2 for k, v in abstract_params.items() if k != "layers"
                for a in jax.tree.leaves(v))
     return layers, rest
+
+
+def stored_bytes(layout) -> int:
+    """Per-device bytes of the copy's stored layer weights (the part an on-host copy keeps on the host)."""
+    layers, specs = layout.frozen_abstract["layers"], layout.frozen_specs["layers"]
+    stored = [k for k, v in layers.items() if isinstance(v, dict)]
+    return per_device({k: layers[k] for k in stored}, {k: specs[k] for k in stored}, layout.mesh_sizes, in_bytes=True)
 
 
 @dataclasses.dataclass
