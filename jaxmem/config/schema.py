@@ -338,6 +338,13 @@ class PreferenceConfig:
                 "otherwise), base (the frozen LoRA base, adapters off: no extra weights), precompute (one pass "
                 "with the initial weights before training, stored in the run folder), model (a frozen bf16 copy "
                 "sharded like the params); orpo and simpo take none")
+    reference_dtype: Literal["bfloat16", "int8", "nf4"] = _f(
+        "bfloat16", "reference=model: how the frozen copy stores each layer's linear weights, one of bfloat16, "
+                    "int8 (per channel) or nf4 (QLoRA's blocks of 64), dequantized a layer at a time in the "
+                    "reference forward; norms, embedding and LM head stay bfloat16")
+    reference_memory: Literal["device", "host"] = _f(
+        "device", "reference=model: where the frozen copy's layers live, device or host (pinned host memory, "
+                  "brought to the device a layer at a time, as offload.params=host does)")
 
 
 @dataclasses.dataclass(frozen=True)

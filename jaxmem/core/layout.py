@@ -75,8 +75,12 @@ class Layout:
     @property
     def freezes_model(self) -> bool:
         """Whether the model's weights are a frozen part of the state (LoRA's base) and the trainable trees a
-        feature's own: no weight gradient for the model."""
-        return self.frozen_abstract is not None
+        feature's own: no weight gradient for the model. A frozen part beside the model's own trainable weights
+        (a reference copy of a full fine-tune) does not freeze the model."""
+        if self.frozen_abstract is None:
+            return False
+        layers = lambda tree: jax.tree.structure((tree or {}).get("layers"))  # noqa: E731
+        return layers(self.abstract_params) != layers(self.model_abstract_params)
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as

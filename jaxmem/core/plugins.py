@@ -35,6 +35,11 @@ class ProgramPlugin:
         """{FROZEN: (abstract tree, partition specs)} for a frozen part beside the trainable state; {} if none."""
         return {}
 
+    def place_frozen(self, shardings: dict, abstract: dict) -> dict:
+        """The state's shardings with the frozen part's memory kinds decided (a part kept in pinned host
+        memory); as they are by default."""
+        return shardings
+
     def fresh_state(self, prog, params, seed) -> dict:
         """A step-0 train state around the model's `params` (the program's state_from_params)."""
         return assemble_state(prog.cfg, prog.precision, prog.optimizer, params)
@@ -297,6 +302,11 @@ class Feature:
     def render_plan(self, plan: dict, console) -> None:
         """Prints this feature's section of a plan's report, where the plan dict carries one."""
 
+    def plan_section(self, cfg, bill, cost) -> dict | None:
+        """This feature's section of a one-program plan (stored under its name; render_plan prints it): what
+        the step's bill and cost (jaxmem.plan.costmodel.Cost) do not cover, e.g. a pass before training."""
+        return None
+
 
 @dataclasses.dataclass(frozen=True)
 class Features:
@@ -389,6 +399,10 @@ class Features:
     def plan_run(self, cfg, topo, planner, *, compile: bool, source: str) -> dict | None:
         plans = (f.plan_run(cfg, self, topo, planner, compile=compile, source=source) for f in self.active)
         return next((p for p in plans if p is not None), None)
+
+    def plan_sections(self, cfg, bill, cost) -> dict:
+        sections = ((f.name, f.plan_section(cfg, bill, cost)) for f in self.active)
+        return {name: section for name, section in sections if section is not None}
 
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""

@@ -248,7 +248,7 @@ def build_program(cfg: Config, mesh: Mesh | None = None, devices=None, *, keep: 
         specs["grad_norm"] = P()
     for key, (frozen_abstract, frozen_specs) in plugin.frozen_layout(layout).items():
         abstract[key], specs[key] = frozen_abstract, frozen_specs
-    shardings = offload.place_shardings(cfg, sharding.named(mesh, specs), abstract)
+    shardings = plugin.place_frozen(offload.place_shardings(cfg, sharding.named(mesh, specs), abstract), abstract)
     abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
 
     # config rules ran at load; these need the data ways

@@ -14,7 +14,7 @@ with the layer dim leading.
 from jaxmem.lora.adapters import (TARGETS, adapter_axes, init_adapters, merge, resolve_targets, scale,
                                   target_weights)
 from jaxmem.lora.peft_format import load_peft, save_peft
-from jaxmem.lora.quant import (NF4_CODES, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4,
+from jaxmem.core.quant import (NF4_CODES, dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4,
                                quantized_bytes)
 
 __all__ = ["TARGETS", "adapter_axes", "init_adapters", "merge", "resolve_targets", "scale", "target_weights",

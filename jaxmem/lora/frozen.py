@@ -4,7 +4,7 @@ The train state keeps the adapters under "params" (the only trainable tree: grad
 master weights exist for it alone) and the base model under "base", never written: every linear of every
 layer (all seven projections, adapted or not, as QLoRA defines it; in a mixture of experts the experts'
 stacked [E, ...] projections, quantized per layer as one weight, while the small router stays at the parameter
-dtype) stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by jaxmem.lora.quant), the norms (and
+dtype) stored as `lora.base_dtype` (bfloat16, or int8 / nf4 quantized by jaxmem.core.quant), the norms (and
 the embedding and LM head unless `lora.quantize_embeddings`) at the parameter dtype. The model itself is built from the base with each
 linear replaced by a [L] placeholder; the layer scan carries the stored linears and the adapters per layer
 and hands the model a FrozenWeight or an AdaptedWeight (jaxmem.lora.linear) in their place: the projection
@@ -24,7 +24,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jaxmem.lora.adapters import TARGETS, resolve_targets, scale as lora_scale, target_weights
-from jaxmem.lora.quant import dequantize, quantize_int8, quantize_nf4
+from jaxmem.core.quant import dequantize, quantize_int8, quantize_nf4
 from jaxmem.config.schema import Config
 from jaxmem.mesh.sharding import entry_axes
 from jaxmem.lora.frozen_vocab import store_table

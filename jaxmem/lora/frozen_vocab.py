@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxmem.lora.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
+from jaxmem.core.quant import dequantize_int8, dequantize_nf4, quantize_int8, quantize_nf4
 from jaxmem.mesh.axes import constrain
 from jaxmem.model.layers import ACT_BTD
 

@@ -27,7 +27,7 @@ import string
 import jax
 import jax.numpy as jnp
 
-from jaxmem.lora.quant import dequantize
+from jaxmem.core.quant import dequantize
 from jaxmem.model.layers import einsum_project
 from jaxmem.model.moe import grouped_linear
 

@@ -1,4 +1,4 @@
-"""jaxmem.lora.quant's schemes in numpy, on the host, one layer at a time (jaxmem.lora.load_base).
+"""jaxmem.core.quant's schemes in numpy, on the host, one layer at a time (jaxmem.lora.load_base).
 
 Bit-identical to the jnp quantizers: every step is an elementwise IEEE op or a max, which round the same
 everywhere (values times the reciprocal scale, as quant.py spells it), and the one float sum (the mean of a
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxmem.lora.quant import INT8_MAX, INV_INT8_MAX, NF4_CODES, SCALE_BLOCK
+from jaxmem.core.quant import INT8_MAX, INV_INT8_MAX, NF4_CODES, SCALE_BLOCK
 
 _CODES = [np.float32(c) for c in NF4_CODES]
 CHUNK = 1 << 16  # elements quantized at a time (temporaries: about ten times that in bytes)

@@ -39,7 +39,9 @@ def plan(cfg: Config, topo: Topology, *, compile: bool = True, source: str = "")
     bill = compute_bill(cfg, topo.n_devices, gpu=_is_gpu(topo), device_memory=topo.gpu.hbm_bytes if topo.gpu else None)
     cost = estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
     compiled = compile_for_plan(cfg, topo)[1] if compile else None
-    return build_plan(cfg, topo, bill, compiled, cost, source)
+    out = build_plan(cfg, topo, bill, compiled, cost, source)
+    out.update(features.plan_sections(cfg, bill, cost))  # a pass before training (preference's precompute)
+    return out
 
 
 def _is_gpu(topo: Topology) -> bool:

@@ -1,16 +1,17 @@
 """Preference tuning (train.objective dpo, ipo, orpo, simpo) as a feature: its rules at load, its objective
 (jaxmem.preference.objective) and, for a full fine-tune with preference.reference=model, the program plug-in
-holding the frozen reference copy (jaxmem.preference.reference_copy). With LoRA the reference is the frozen base
+holding the frozen reference copy (jaxmem.core.reference_copy). With LoRA the reference is the frozen base
 with the adapters off (the LoRA plug-in's reference_inputs): no extra weights."""
 from __future__ import annotations
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
+from jaxmem.preference import plan as preference_plan
 from jaxmem.preference import precompute
-from jaxmem.preference import reference_copy
+from jaxmem.core import reference_copy
 from jaxmem.preference.bill import BILL_TERMS
-from jaxmem.preference.reference_copy import ReferenceCopy
+from jaxmem.core.reference_copy import ReferenceCopy
 
 
 def check(cfg: Config) -> None:
@@ -29,9 +30,9 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"parallel.pp: pipeline stages do not run train.objective={objective} yet; use pp=1")
     if cfg.optimizer.update_in_backward:
         raise ConfigError(f"optimizer.update_in_backward: does not run train.objective={objective} yet; set false")
-    if cfg.eval.path:
-        raise ConfigError(f"eval.path: held-out pairs are not evaluated with train.objective={objective} yet; leave "
-                          "eval.path empty")
+    if cfg.eval.path and resolved_reference(cfg) == "precompute":
+        raise ConfigError("eval.path: held-out pairs need the reference's log-probs, which precompute stores for the "
+                          "training pairs only; set preference.reference=model (or base with LoRA) to evaluate")
     if p.beta <= 0:
         raise ConfigError(f"preference.beta: {p.beta} must be > 0")
     if not 0.0 <= p.label_smoothing < 0.5:
@@ -51,6 +52,10 @@ def _check_reference(cfg: Config) -> None:
     if reference == "base" and cfg.lora.rank == 0:
         raise ConfigError("preference.reference: base is the frozen LoRA base with the adapters off; it needs "
                           "lora.rank > 0 (a full fine-tune: precompute or model)")
+    if reference != "model" and (cfg.preference.reference_dtype != "bfloat16"
+                                 or cfg.preference.reference_memory != "device"):
+        raise ConfigError(f"preference.reference_dtype / reference_memory: set how a reference=model copy is "
+                          f"stored; preference.reference is {reference} (no copy)")
     if reference == "model" and cfg.lora.rank > 0:
         raise ConfigError("preference.reference: model would copy the LoRA base the run already holds frozen; "
                           "use base (the same weights, no copy) or precompute")
@@ -77,12 +82,23 @@ class Preference(Feature):
         return source
 
     def program_plugin(self, cfg: Config):
-        return ReferenceCopy() if _holds_copy(cfg) else None
+        if not _holds_copy(cfg):
+            return None
+        return ReferenceCopy(cfg.preference.reference_dtype, cfg.preference.reference_memory == "host")
 
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
-        return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+        if not _holds_copy(cfg):
+            return None
+        p = cfg.preference
+        return reference_copy.layout_part(p.reference_dtype, p.reference_memory == "host", trainable, sizes)
 
     bill_terms = BILL_TERMS
+
+    def plan_section(self, cfg: Config, bill, cost) -> dict | None:
+        return preference_plan.precompute_section(cfg, bill, cost) if self.applies(cfg) else None
+
+    def render_plan(self, plan: dict, console) -> None:
+        preference_plan.render(plan, console)
 
 
 def _holds_copy(cfg: Config) -> bool:

@@ -31,9 +31,12 @@ class PreferenceObjective(Objective):
         self.reference = {"none": "none", "precompute": "batch"}.get(source, "forward")
 
     def totals(self, labels_arbt) -> dict:
-        a, rows = labels_arbt.shape[:2]
-        chosen_tokens = jnp.sum(labels_arbt[:, 0::2] != IGNORE_INDEX)
-        return {"pairs": jnp.float32(a * rows // 2), "chosen_tokens": jnp.maximum(chosen_tokens, 1).astype(jnp.float32)}
+        """The step's pairs (those whose chosen row has labels: every pair in training; held-out batches mask the
+        rows past the set's end) and their chosen completions' tokens."""
+        chosen = labels_arbt[:, 0::2] != IGNORE_INDEX
+        pairs = jnp.sum(jnp.any(chosen, axis=-1))
+        return {"pairs": jnp.maximum(pairs, 1).astype(jnp.float32),
+                "chosen_tokens": jnp.maximum(jnp.sum(chosen), 1).astype(jnp.float32)}
 
     def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
         valid = labels_bt != IGNORE_INDEX
@@ -58,7 +61,8 @@ class PreferenceObjective(Objective):
             loss, r_c, r_r = losses.orpo_odds(policy_c, policy_r, n_c, n_r, lam=p.orpo_lambda)
             logp_c, logp_r = policy_c / jnp.maximum(n_c, 1), policy_r / jnp.maximum(n_r, 1)
             extra = -jnp.sum(policy_c) / totals["chosen_tokens"]
-        share = lambda x: jnp.sum(x) / totals["pairs"]  # noqa: E731
+        real = n_c > 0  # a pair without labels (past a held-out set's end) counts nowhere
+        share = lambda x: jnp.sum(jnp.where(real, x, 0.0)) / totals["pairs"]  # noqa: E731
         metrics = {"rewards/chosen": share(r_c), "rewards/rejected": share(r_r),
                    "rewards/accuracies": share((r_c > r_r).astype(jnp.float32)), "rewards/margins": share(r_c - r_r),
                    "logps/chosen": share(logp_c), "logps/rejected": share(logp_r)}

@@ -18,10 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.core import offload
+from jaxmem.core.objective import reference_logprobs
+from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
 from jaxmem.io.data import Batches, RecordSource, make_source
 from jaxmem.io.documents.packing import IGNORE_INDEX
 from jaxmem.config.schema import Config
-from jaxmem.core.program import TrainProgram, loss_sum_fn, split_batch
+from jaxmem.core.program import TrainProgram, loss_sum_fn, split_batch, stage_fn
 
 
 def eval_step(prog: TrainProgram):
@@ -43,6 +45,34 @@ def eval_step(prog: TrainProgram):
     return jax.jit(step, in_shardings=(prog.state_shardings["params"], prog.state_shardings.get("base"), batch))
 
 
+def objective_eval_step(prog: TrainProgram, chosen):
+    """jitted fn(params, frozen, batch) -> (pairs, loss sum, {metric: sum}) of an objective other than the
+    next-token loss (jaxmem.core.plugins.Objective: a preference loss), each micro-batch's shares weighted by
+    its pairs so that the sums over batches divide by the pairs into means over every held-out pair."""
+    cfg, prec = prog.cfg, prog.precision
+    logprob_fn = stage_fn(prog, logprobs=True)
+
+    def step(params, frozen, batch):
+        params = offload.cast_for_grad(cfg, params, prec.grad_reduce)
+
+        def one(carry, micro):
+            totals = dict(chosen.totals(micro[1][None]), scale=jnp.float32(1.0))
+            policy = logprob_fn(params, *micro[:4], base=frozen)
+            reference = reference_logprobs(prog, chosen, logprob_fn, params, frozen, micro)
+            share, metrics = chosen.micro_loss(policy, reference, micro[1], totals)
+            has = jnp.any(micro[1][0::2] != IGNORE_INDEX, axis=-1)
+            pairs = jnp.sum(has).astype(jnp.float32)
+            weighted = {k: v * pairs for k, v in metrics.items()}
+            return jax.tree.map(jnp.add, carry, (pairs, share * pairs, weighted)), None
+
+        zero = (jnp.float32(0.0), jnp.float32(0.0), {k: jnp.float32(0.0) for k in chosen.metric_names})
+        out, _ = jax.lax.scan(one, zero, split_batch(batch) + (batch.get(REFERENCE_KEY),))
+        return out
+
+    batch = {key: prog.batch_sharding for key in prog.batch_keys}
+    return jax.jit(step, in_shardings=(prog.state_shardings["params"], prog.state_shardings.get(FROZEN), batch))
+
+
 @dataclasses.dataclass
 class Evaluator:
     """Evaluates every `eval.every` steps and at the last step."""
@@ -59,7 +89,7 @@ class Evaluator:
             return None
         source = make_source(cfg, path=cfg.eval.path, key="eval.path")
         data = Batches(source, prog)
-        distinct = source.rows.n_rows if isinstance(source, RecordSource) else source.n_windows
+        distinct = _distinct_rows(source)
         count = min(cfg.eval.batches, -(-distinct // data.per_step))
         batches = [prog.shard_batch(_read_once(data, i * data.per_step, distinct)) for i in range(count)]
         extra = count * data.per_step - distinct
@@ -75,7 +105,12 @@ class Evaluator:
         return done == total or bool(every and done % every == 0)
 
     def run(self, state: dict) -> dict:
-        """eval_loss (mean over the held-out valid labels), eval_ppl = exp(eval_loss), eval_tokens."""
+        """eval_loss (mean over the held-out valid labels), eval_ppl = exp(eval_loss), eval_tokens; with an
+        objective of its own (a preference loss) its loss and metrics (eval_rewards/chosen, ...: TRL's names)
+        as means over the held-out pairs, and eval_pairs."""
+        chosen = self.prog.features.objective(self.cfg)
+        if chosen is not None:
+            return self._run_objective(state, chosen)
         if self.step_fn is None:
             if hasattr(self.prog, "eval_loss"):  # a pipeline evaluates stage by stage
                 self.step_fn = self.prog.eval_loss
@@ -91,6 +126,19 @@ class Evaluator:
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 80.0)), "eval_tokens": tokens}
 
 
+    def _run_objective(self, state: dict, chosen) -> dict:
+        if self.step_fn is None:
+            fn = objective_eval_step(self.prog, chosen)
+            self.step_fn = lambda state, batch: fn(state["params"], state.get(FROZEN), batch)
+        pairs, loss, sums = 0.0, 0.0, dict.fromkeys(chosen.metric_names, 0.0)
+        for batch in self.batches:
+            n, loss_sum, metric_sums = jax.device_get(self.step_fn(state, batch))
+            pairs, loss = pairs + float(n), loss + float(loss_sum)
+            sums = {k: v + float(metric_sums[k]) for k, v in sums.items()}
+        mean = lambda x: x / max(pairs, 1.0)  # noqa: E731
+        return {"eval_loss": mean(loss), **{f"eval_{k}": mean(v) for k, v in sums.items()}, "eval_pairs": int(pairs)}
+
+
 def _read_once(data: Batches, position: int, distinct: int):
     """This process's rows of the held-out batch at `position`; records' rows past the set's `distinct` rows
     (which would wrap round to its start) keep no labels."""
@@ -99,3 +147,11 @@ def _read_once(data: Batches, position: int, distinct: int):
         return local
     past_end = data.sample_indices(position) >= distinct
     return dict(local, labels=np.where(past_end[..., None], IGNORE_INDEX, local["labels"]).astype(np.int32))
+
+
+def _distinct_rows(source) -> int:
+    """The held-out rows (a token stream: its windows; preference pairs: two rows each)."""
+    if not isinstance(source, RecordSource):
+        return source.n_windows
+    rows = source.rows
+    return 2 * len(rows.pairs) if hasattr(rows, "pairs") else rows.n_rows

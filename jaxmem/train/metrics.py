@@ -166,5 +166,9 @@ def log_line(record: dict) -> str:
         line += f" ({record['seen_tokens_per_sec']:,.0f} seen)"
     line += f"  {record['step_time_s']:.3f} s/step"
     if "eval_loss" in record:
-        line += f"  eval_loss {record['eval_loss']:.4f}  eval_ppl {record['eval_ppl']:.2f}"
+        line += f"  eval_loss {record['eval_loss']:.4f}"
+        if "eval_ppl" in record:
+            line += f"  eval_ppl {record['eval_ppl']:.2f}"
+        if "eval_rewards/accuracies" in record:  # a preference objective's held-out pairs
+            line += f"  eval_rewards/accuracies {record['eval_rewards/accuracies']:.3f}"
     return line

@@ -17,7 +17,8 @@ from jaxmem.config import ConfigError
 from jaxmem.loader import load_config
 from jaxmem.io.hf import load_hf, save_hf
 from jaxmem.io.hf_safetensors import CheckpointReader
-from jaxmem.lora import quant, quant_host
+from jaxmem.core import quant
+from jaxmem.lora import quant_host
 from jaxmem.lora.frozen import make_base
 from jaxmem.lora.load_base import stream_base
 from jaxmem.model import init_model

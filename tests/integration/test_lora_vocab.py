@@ -10,7 +10,7 @@ import pytest
 from jaxmem.config import ConfigError
 
 from jaxmem.loader import load_config
-from jaxmem.lora.quant import NF4_CODES, SCALE_BLOCK
+from jaxmem.core.quant import NF4_CODES, SCALE_BLOCK
 from jaxmem.core.program import loss_sum_fn
 from jaxmem.registry import build_program
 

@@ -25,7 +25,7 @@ from jaxmem.lora import load_peft, merge, resolve_targets, save_peft, target_wei
 from jaxmem.lora.adapters import adapter_axes, hf_target_names
 from jaxmem.lora.export import merged_params
 from jaxmem.lora.frozen import layer_shapes, unstore
-from jaxmem.lora.quant import quantized_bytes
+from jaxmem.core.quant import quantized_bytes
 
 RANK = 4
 EXPERTS = ("expert_gate", "expert_up", "expert_down")

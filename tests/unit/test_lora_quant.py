@@ -1,11 +1,11 @@
-"""jaxmem.lora.quant against numpy references of the same schemes: codes, scales, packing, error bounds, jit."""
+"""jaxmem.core.quant against numpy references of the same schemes: codes, scales, packing, error bounds, jit."""
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxmem.lora import quant
-from jaxmem.lora.quant import NF4_CODES, NF4_MAX_GAP, SCALE_BLOCK, quantized_bytes
+from jaxmem.core import quant
+from jaxmem.core.quant import NF4_CODES, NF4_MAX_GAP, SCALE_BLOCK, quantized_bytes
 
 # Compiled once per shape (faster than op-by-op); test_jit_matches_eager checks the eager path agrees.
 quantize_int8 = jax.jit(quant.quantize_int8, static_argnums=1)

@@ -103,7 +103,8 @@ def build_pairs(data: DataConfig, *, path: str, seq_len: int, vocab_size: int, s
                           f"{budget})")
     stats = {"pairs": len(pairs), "records": len(records), **{f"skipped_{k}": v for k, v in skipped.items()},
              "cut": sum(int(cut) for *_, cut in pairs)}
-    log(pairs_summary(stats))
+    unpacked = "" if data.packing == "none" else f"; data.packing={data.packing} does not pack pairs (a row each)"
+    log(pairs_summary(stats) + unpacked)
     tokenizer = maker.tokenizer
     return PairRows([p[:3] for p in pairs], seq_len, seed, stats,
                     decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=False))
