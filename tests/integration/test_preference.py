@@ -264,7 +264,8 @@ def _one_pair(tmp_path):
 @pytest.mark.parametrize(("overrides", "fragment"), [
     (["data.format=text", "data.kind=synthetic"], "train.objective: dpo trains on preference pairs"),
     (["train.micro_batch=3"], "train.micro_batch: 3 must be even"),
-    (["parallel.pp=2"], "parallel.pp: pipeline stages do not run train.objective=dpo"),
+    (["lora.rank=0", "preference.reference=precompute", "parallel.pp=2"],
+     "parallel.pp: pipeline stages do not run train.objective=dpo"),
     (["lora.rank=0", "preference.reference=base"], "preference.reference: base is the frozen LoRA base"),
     (["preference.reference=model"], "preference.reference: model would copy the LoRA base"),
     (["train.objective=simpo", "preference.reference=base"], "compares with no reference policy"),
