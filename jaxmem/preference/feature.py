@@ -1,6 +1,6 @@
 """Preference tuning (train.objective dpo, ipo, orpo, simpo) as a feature: its rules at load, its objective
 (jaxmem.preference.objective) and, for a full fine-tune with preference.reference=model, the program plug-in
-holding the frozen reference copy (jaxmem.preference.reference_copy). With LoRA the reference is the frozen base
+holding the frozen reference copy (jaxmem.core.reference_copy). With LoRA the reference is the frozen base
 with the adapters off (the LoRA plug-in's reference_inputs): no extra weights."""
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from jaxmem.config.schema import Config, ConfigError
 from jaxmem.core.plugins import Feature
 from jaxmem.preference.objective import REFERENCE_FREE, PreferenceObjective, resolved_reference
 from jaxmem.preference import precompute
-from jaxmem.preference import reference_copy
+from jaxmem.core import reference_copy
 from jaxmem.preference.bill import BILL_TERMS
-from jaxmem.preference.reference_copy import ReferenceCopy
+from jaxmem.core.reference_copy import ReferenceCopy
 
 
 def check(cfg: Config) -> None:

@@ -1,7 +1,7 @@
-"""preference.reference=model for a full fine-tune: a frozen bf16 copy of the initial weights beside the train
-state (its frozen part, jaxmem.core.plugins.FROZEN: sharded like the params, never differentiated, never saved;
-a resume rebuilds it from where the initial weights came from). The reference forward reads it in place of the
-params (jaxmem.core.objective)."""
+"""A reference policy for a full fine-tune (preference.reference=model; GRPO with rl.beta > 0): a frozen bf16
+copy of the initial weights beside the train state (its frozen part, jaxmem.core.plugins.FROZEN: sharded like
+the params, never differentiated, never saved; a resume rebuilds it from where the initial weights came from).
+The reference forward reads it in place of the params (jaxmem.core.objective)."""
 from __future__ import annotations
 
 import jax
