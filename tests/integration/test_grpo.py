@@ -57,13 +57,17 @@ def folder(tmp_path_factory):
 
 
 def _cfg(folder, *extra):
+    return load_config("configs/tiny.yaml", _overrides(folder, *extra))
+
+
+def _overrides(folder, *extra):
     root, tokenizer = folder
-    return load_config("configs/tiny.yaml", MODEL + [
+    return MODEL + [
         f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
         f"data.tokenizer={tokenizer}", "train.objective=grpo", f"rl.prompts={root / 'prompts.jsonl'}",
         f"rl.rewards={root / 'rewards.py'}:length", f"rl.group_size={GROUP}", f"rl.prompts_per_step={GROUPS}",
         f"rl.max_prompt_len={PROMPT}", f"rl.max_completion_len={COMPLETION}", f"train.micro_batch={GROUPS * GROUP}",
-        f"train.seq_len={SEQ}", "parallel.fsdp=1", "precision.compute_dtype=float32", *extra])
+        f"train.seq_len={SEQ}", "parallel.fsdp=1", "precision.compute_dtype=float32", *extra]
 
 
 def _fixed_batch():
@@ -195,10 +199,14 @@ def test_rewards_are_refused_in_one_line(folder):
 
 
 def _run_cfg(folder, out_dir, *extra):
-    return _cfg(folder, f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
-                "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
-                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
-                f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra)
+    return _cfg(folder, *_run_overrides(out_dir, *extra))
+
+
+def _run_overrides(out_dir, *extra):
+    return [f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
+            "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
+            "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
+            f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra]
 
 
 @pytest.mark.slow
@@ -276,3 +284,36 @@ def test_plan_compiles_both_phases(folder):
     assert result["run_peak"] == max(result["rollout"]["phase_peak"], result["training"]["device_peak"])
     with pytest.raises(ConfigError, match="analytic bill does not price"):
         plan(cfg, resolve_topology(cfg), compile=False)
+
+
+@pytest.mark.slow
+def test_an_export_of_a_lora_grpo_run_loads_in_transformers(folder, tmp_path):
+    """export-hf and merge-lora --peft of a 2-step LoRA GRPO run: the merged folder loads alone in transformers,
+    the PEFT adapters load on the base folder, and both give jaxmem's logits for one batch."""
+    import peft
+    import transformers
+
+    from jaxmem import cli
+    from test_export_hf import _run_logits
+
+    overrides = _overrides(folder, *_run_overrides(tmp_path / "run", "train.steps=2", "rl.updates_per_rollout=1"))
+    from jaxmem.train import run
+
+    run(load_config("configs/tiny.yaml", overrides))
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert cli.main(["merge-lora", "configs/tiny.yaml", *overrides, "--out", str(tmp_path / "merged"),
+                     "--peft", str(tmp_path / "adapters"), "--dtype", "float32"]) == 0
+    tokens = np.random.default_rng(1).integers(3, 64, (2, 16)).astype(np.int32)
+    ours = _run_logits(tmp_path / "run", tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder[0] / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapters")
+        models = {"export-hf": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32),
+                  "merge-lora": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                                                  dtype=torch.float32),
+                  "peft": adapted}
+        for name, model in models.items():
+            theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+            assert np.abs(theirs - ours).max() < 1e-4, (name, np.abs(theirs - ours).max())
+    assert np.abs(base_logits - ours).max() > 1e-4  # the two GRPO steps moved the adapters
