@@ -59,6 +59,9 @@ class Layout:
     model_param_specs: dict = None
     frozen_abstract: dict | None = None  # the state's frozen part in its stored form (a LoRA base), or None
     frozen_specs: dict | None = None
+    # the frozen part is a reference policy's copy of the weights (jaxmem.core.reference_copy): the model itself
+    # is trained in full
+    frozen_is_reference: bool = False
     # Each active feature's own decisions by its name (LoRA: its setup); `layout.part(NAME)` reads them, None for
     # a feature the registry knows that the config leaves off.
     parts: dict = dataclasses.field(default_factory=dict)
@@ -76,7 +79,7 @@ class Layout:
     def freezes_model(self) -> bool:
         """Whether the model's weights are a frozen part of the state (LoRA's base) and the trainable trees a
         feature's own: no weight gradient for the model."""
-        return self.frozen_abstract is not None
+        return self.frozen_abstract is not None and not self.frozen_is_reference
 
     def per_device_elems(self, names: tuple, shape: tuple[int, ...]) -> int:
         """Elements per device of a value with these logical axis names and global shape, sharded exactly as

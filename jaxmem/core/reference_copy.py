@@ -17,7 +17,7 @@ def layout_part(trainable: dict) -> dict:
     """The Layout's frozen part: the params' tree in COPY_DTYPE on the params' specs (the planner's bill
     counts it as the state's frozen bytes)."""
     abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, COPY_DTYPE), trainable["abstract_params"])
-    return {"frozen_abstract": abstract, "frozen_specs": trainable["param_specs"]}
+    return {"frozen_abstract": abstract, "frozen_specs": trainable["param_specs"], "frozen_is_reference": True}
 
 
 def _copy(params):

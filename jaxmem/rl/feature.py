@@ -1,11 +1,15 @@
 """GRPO as a feature: its rules at load and its objective (jaxmem.rl.objective). The reference with rl.beta > 0
-is the LoRA base with the adapters off (the LoRA plug-in's reference_inputs: no extra weights); its log-probs
-are taken once per rollout (jaxmem.rl.rollout) and carried by the batch like the old policy's."""
+is the LoRA base with the adapters off (the LoRA plug-in's reference_inputs: no extra weights) or, for a full
+fine-tune, a frozen bf16 copy of the initial weights (jaxmem.core.reference_copy, in the state and so in the
+plan); its log-probs are taken once per rollout (jaxmem.rl.rollout) and carried by the batch like the old
+policy's."""
 from __future__ import annotations
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.rl.plan import plan_rl
+from jaxmem.core import reference_copy
 from jaxmem.core.plugins import Feature
+from jaxmem.core.reference_copy import ReferenceCopy
 from jaxmem.rl.objective import GRPOObjective
 from jaxmem.rl.rewards import load_rewards
 
@@ -30,9 +34,6 @@ def check(cfg: Config) -> None:
         raise ConfigError("rl.top_p must be in (0, 1] and rl.top_k >= 0")
     if rl.beta < 0 or not 0 <= rl.epsilon_low < 1 or rl.epsilon_high < 0:
         raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
-    if rl.beta > 0 and cfg.lora.rank == 0:
-        raise ConfigError("rl.beta: a KL to a frozen copy of a full fine-tune is not implemented yet; train LoRA "
-                          "adapters (the reference is the base) or set rl.beta=0")
     if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
                           f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")
@@ -55,9 +56,20 @@ class RL(Feature):
     def objective(self, cfg: Config):
         return GRPOObjective(cfg) if self.applies(cfg) else None
 
+    def program_plugin(self, cfg: Config):
+        return ReferenceCopy() if _holds_copy(cfg) else None
+
+    def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
+        return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+
     def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
         """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""
         return plan_rl(cfg, topo, planner, compile=compile) if self.applies(cfg) else None
+
+
+def _holds_copy(cfg: Config) -> bool:
+    """Whether the state holds a frozen reference copy (rl.beta > 0 in a full fine-tune)."""
+    return cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.lora.rank == 0
 
 
 RL_FEATURE = RL()

@@ -286,6 +286,41 @@ def test_plan_compiles_both_phases(folder):
         plan(cfg, resolve_topology(cfg), compile=False)
 
 
+def test_kl_term_equals_a_float64_reference():
+    """per_token_terms' loss and k3 KL on fixed log-probs equal numpy's in float64 (within float32's rounding)."""
+    from jaxmem.rl.objective import per_token_terms
+
+    rng = np.random.default_rng(2)
+    policy, old, ref = (rng.normal(-2.0, 0.5, (4, 6)) for _ in range(3))
+    advantage = np.repeat(rng.normal(0, 1, (4, 1)), 6, axis=1)
+    loss, kl, _, _ = per_token_terms(*(jnp.asarray(a, jnp.float32) for a in (policy, old, ref, advantage)),
+                                     beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
+    expected_kl = np.exp(ref - policy) - (ref - policy) - 1.0
+    ratio = np.exp(policy - old)
+    expected = -np.minimum(ratio * advantage, np.clip(ratio, 0.8, 1.28) * advantage) + 0.04 * expected_kl
+    np.testing.assert_allclose(np.asarray(kl), expected_kl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loss), expected, rtol=1e-5, atol=1e-6)
+    assert expected_kl.min() > 0
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_takes_its_kl_to_a_frozen_copy(folder, tmp_path):
+    """rl.beta > 0 without LoRA: the state holds a bf16 copy of the initial weights; the KL is 0 on the first
+    rollout's one update (the policy is the copy), then grows as the weights move away from it."""
+    from jaxmem.core.plugins import FROZEN
+    from jaxmem.train import run
+
+    cfg = _run_cfg(folder, tmp_path / "full", "lora.rank=0", "train.steps=2", "rl.updates_per_rollout=1")
+    prog = build_program(cfg)
+    frozen = jax.tree.leaves(prog.abstract_state[FROZEN])
+    assert frozen and all(a.dtype == jnp.bfloat16 for a in frozen)
+    assert len(frozen) == len(jax.tree.leaves(prog.abstract_state["params"]))
+    assert not prog.layout.freezes_model  # the copy is a reference: the model is trained (and exported) whole
+    records = run(cfg)["records"]
+    assert [r["step"] for r in records] == [1, 2]
+    assert abs(records[0]["kl"]) < 1e-6 and records[1]["kl"] > 1e-5, [r["kl"] for r in records]
+
+
 @pytest.mark.slow
 def test_an_export_of_a_lora_grpo_run_loads_in_transformers(folder, tmp_path):
     """export-hf and merge-lora --peft of a 2-step LoRA GRPO run: the merged folder loads alone in transformers,
