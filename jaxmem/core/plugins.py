@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from jaxmem.config.schema import ConfigError
 from jaxmem.core.step_state import assemble_state
 from jaxmem.io import data
 
@@ -294,6 +295,11 @@ class Feature:
         the planner's own pieces (`planner`: jaxmem.plan.Planner), or None (the one-program plan)."""
         return None
 
+    def unsupported(self, cfg, command: str) -> str | None:
+        """Why `jaxmem COMMAND` (tune, sweep, explain) cannot take `cfg` yet, in one line naming the key, or
+        None."""
+        return None
+
     def render_plan(self, plan: dict, console) -> None:
         """Prints this feature's section of a plan's report, where the plan dict carries one."""
 
@@ -389,6 +395,12 @@ class Features:
     def plan_run(self, cfg, topo, planner, *, compile: bool, source: str) -> dict | None:
         plans = (f.plan_run(cfg, self, topo, planner, compile=compile, source=source) for f in self.active)
         return next((p for p in plans if p is not None), None)
+
+    def refuse_unsupported(self, cfg, command: str) -> None:
+        """A one-line ConfigError where an active feature says `jaxmem COMMAND` cannot take `cfg` yet."""
+        reason = next((r for r in (f.unsupported(cfg, command) for f in self.active) if r), None)
+        if reason:
+            raise ConfigError(reason)
 
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""

@@ -43,6 +43,17 @@ def check(cfg: Config) -> None:
         raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
 
 
+# what the commands that price one training program do not do for a run of two phases (rollout, training)
+UNSUPPORTED = {
+    "tune": "tune does not search a GRPO run yet (it prices one training program; GRPO adds a rollout phase): "
+            "`jaxmem plan` it and set rl.generation_batch and train.micro_batch by hand",
+    "sweep": "sweep does not take a GRPO run yet (its points are one training program's plans): `jaxmem plan` "
+             "each setting",
+    "explain": "explain does not read a GRPO run's programs yet (it explains one training step's buffers): "
+               "`jaxmem plan` gives each phase's peak",
+}
+
+
 class RL(Feature):
     name = "rl"
 
@@ -61,6 +72,11 @@ class RL(Feature):
 
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
         return reference_copy.layout_part(trainable) if _holds_copy(cfg) else None
+
+    def unsupported(self, cfg: Config, command: str) -> str | None:
+        if not self.applies(cfg) or command not in UNSUPPORTED:
+            return None
+        return f"train.objective=grpo: {UNSUPPORTED[command]}"
 
     def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
         """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""

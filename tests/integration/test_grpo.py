@@ -352,3 +352,16 @@ def test_an_export_of_a_lora_grpo_run_loads_in_transformers(folder, tmp_path):
             theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
             assert np.abs(theirs - ours).max() < 1e-4, (name, np.abs(theirs - ours).max())
     assert np.abs(base_logits - ours).max() > 1e-4  # the two GRPO steps moved the adapters
+
+
+@pytest.mark.parametrize("command,extra", [("tune", ["--target", "h100-80g"]), ("explain", []),
+                                           ("sweep", ["--grid", "train.micro_batch=4,8", "--no-compile"])])
+def test_tune_sweep_and_explain_refuse_grpo_in_one_line(folder, command, extra, capsys, tmp_path):
+    """No SFT bill or traceback for a GRPO config: one line naming what is not supported yet, exit 2."""
+    from jaxmem import cli
+
+    out = ["--out", str(tmp_path / "sweep")] if command == "sweep" else []
+    assert cli.main([command, "configs/tiny.yaml", *_overrides(folder), *extra, *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jaxmem {command}: config error: train.objective=grpo: {command} "), err
+    assert not (tmp_path / "sweep").exists()
