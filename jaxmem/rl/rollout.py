@@ -47,6 +47,19 @@ def training_rows(prompt_ids: list, completions: np.ndarray, lengths: np.ndarray
     return inputs, labels
 
 
+def logprob_fns(prog):
+    """(policy, reference), each jitted fn(params, frozen, inputs [B, T], labels [B, T]) -> the per-token
+    log-probs of the labels [B, T]: the current policy's, and the reference's on the plug-in's reference_inputs
+    (the LoRA base with the adapters off, or a full fine-tune's frozen copy)."""
+    logprob_fn = stage_fn(prog, logprobs=True)
+
+    def reference(params, frozen, inputs, labels):
+        ref_params, ref_frozen = prog.plugin.reference_inputs(params, frozen)
+        return logprob_fn(ref_params, inputs, labels, base=ref_frozen)
+
+    return jax.jit(lambda p, f, x, y: logprob_fn(p, x, y, base=f)), jax.jit(reference)
+
+
 class Rollouts:
     """collect(state, rollout) -> Rollout for a TrainProgram `prog` of a grpo config."""
 
@@ -64,14 +77,7 @@ class Rollouts:
                                             sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id,
                                             cache_dtype=cache_dtype))
         self.chunk = rl.generation_batch or self.n
-        logprob_fn = stage_fn(prog, logprobs=True)
-        self.policy_logprobs = jax.jit(lambda p, f, x, y: logprob_fn(p, x, y, base=f))
-
-        def reference(params, frozen, inputs, labels):
-            ref_params, ref_frozen = prog.plugin.reference_inputs(params, frozen)
-            return logprob_fn(ref_params, inputs, labels, base=ref_frozen)
-
-        self.reference_logprobs = jax.jit(reference)
+        self.policy_logprobs, self.reference_logprobs = logprob_fns(prog)
 
     def key(self, rollout: int):
         return jax.random.fold_in(jax.random.key(self.prog.cfg.train.seed), rollout)

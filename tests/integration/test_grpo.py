@@ -268,8 +268,9 @@ def test_samples_are_never_written_through_a_link(tmp_path):
 
 @pytest.mark.slow
 def test_plan_compiles_both_phases(folder):
-    """jaxmem plan of a grpo config: the training step and the rollout's generation program compiled, the train
-    state live across both (its bytes per device from the abstract state), the run's peak the larger phase."""
+    """jaxmem plan of a grpo config: the training step, the rollout's generation program and the log-prob pass
+    compiled, the train state live across them (its bytes per device from the abstract state), the run's peak
+    the largest phase."""
     from jaxmem.plan import plan
     from jaxmem.runtime.aot import resolve_topology
 
@@ -281,7 +282,12 @@ def test_plan_compiles_both_phases(folder):
     assert result["live_across"] == state
     assert result["rollout"]["phase_peak"] > state + result["rollout"]["cache_bytes"] // 2
     assert result["training"]["device_peak"] > state
-    assert result["run_peak"] == max(result["rollout"]["phase_peak"], result["training"]["device_peak"])
+    logprobs = result["logprobs"]  # rl.beta 0 here: the old policy's pass alone
+    assert list(logprobs["passes"]) == ["old"] and logprobs["rows"] == GROUPS * GROUP
+    assert state < logprobs["phase_peak"] < result["training"]["device_peak"]  # no backward, no moments touched
+    assert result["run_peak"] == max(result["rollout"]["phase_peak"], logprobs["phase_peak"],
+                                     result["training"]["device_peak"])
+    assert "  log-prob phase: the forward passes of the old log-probs" in "\n".join(result["lines"])
     with pytest.raises(ConfigError, match="analytic bill does not price"):
         plan(cfg, resolve_topology(cfg), compile=False)
 
