@@ -133,6 +133,11 @@ class Objective:
         """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
         return {}
 
+    def abstract_batch(self, prog) -> dict | None:
+        """The step's batch as abstract arrays where it is not the data source's (GRPO: a rollout's rows and
+        stored log-probs), or None."""
+        return None
+
     def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
         """(this micro-batch's share of the step loss, {metric: share}) from the policy's per-token log-probs
         [B, T] (0 on ignored labels), the reference's (None where `reference` is "none") and the labels."""

@@ -16,9 +16,9 @@ import jax.numpy as jnp
 from jaxmem.config.schema import Config, ConfigError
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
+from jaxmem.core.plugins import FROZEN
 from jaxmem.mesh import sharding
-from jaxmem.rl.rollout import batch_shardings, jit_train_step, logprob_fns
+from jaxmem.rl.rollout import jit_train_step, logprob_fns
 from jaxmem.runtime.aot import Topology
 from jaxmem.runtime.compiled_memory import captured_stderr, device_bytes, read_fields
 
@@ -34,11 +34,7 @@ def rollout_config(cfg: Config) -> Config:
 
 def _training(cfg: Config, prog) -> dict:
     step = jit_train_step(prog)
-    shape = (prog.grad_accum, prog.rows, cfg.train.seq_len)
-    shardings = batch_shardings(prog)
-    batch = {key: jax.ShapeDtypeStruct(shape + ((3,) if key == REFERENCE_KEY else ()),
-                                       jnp.float32 if key == REFERENCE_KEY else jnp.int32, sharding=spec)
-             for key, spec in shardings.items()}
+    batch = prog.abstract_batch()  # the rollout's (jaxmem.rl.objective.abstract_batch)
     with captured_stderr(), prog.lowering():
         fields = read_fields(step.lower(prog.abstract_state, batch).compile())
     per_device = lambda a: a.dtype.itemsize * _prod(a.sharding.shard_shape(a.shape))  # noqa: E731
@@ -102,6 +98,6 @@ def render_lines(result: dict) -> list[str]:
             f"{r['new_bucket']} new, {r['cache_dtype']} KV cache {gib(r['cache_bytes'])}) beside the state: "
             f"{gib(r['phase_peak'])}",
             f"  log-prob phase: the forward passes of the {' and '.join(result['logprobs']['passes'])} log-probs, "
-            f"{result['logprobs']['rows']} rows at a time, beside the state: {gib(result['logprobs']['phase_peak'])}",
+            f"{result['logprobs']['rows']} row(s) at a time, beside the state: {gib(result['logprobs']['phase_peak'])}",
             f"  training phase: the GRPO step on the rollout's batch: {gib(result['training']['device_peak'])}",
             f"  run peak: {gib(result['run_peak'])}"]

@@ -11,7 +11,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
@@ -20,7 +19,6 @@ from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.loop import generate_fn, left_pad
 from jaxmem.generation.sampling import Sampling
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.mesh import sharding
 from jaxmem.rl.advantages import group_advantages
 from jaxmem.rl.objective import ADVANTAGE, OLD, REFERENCE
 from jaxmem.rl.rewards import score
@@ -145,15 +143,6 @@ class Rollouts:
         return metrics
 
 
-def batch_shardings(prog) -> dict:
-    """The rollout batch's shardings: rows over the data ways (the stored array has a last axis of 3)."""
-    data = sharding.batch_spec(prog.mesh)[0]
-    rows = NamedSharding(prog.mesh, P(None, data, None))
-    return {"inputs": rows, "labels": rows, REFERENCE_KEY: NamedSharding(prog.mesh, P(None, data, None, None))}
-
-
 def jit_train_step(prog):
-    """The program's objective step jitted for a rollout's batch."""
-    batch = batch_shardings(prog)
-    return jax.jit(prog.step_fn(), in_shardings=(prog.state_shardings, batch),
-                   out_shardings=(prog.state_shardings, None), donate_argnums=(0,))
+    """The program's objective step jitted for a rollout's batch (jaxmem.rl.objective.abstract_batch)."""
+    return prog.jit_step()
