@@ -79,7 +79,9 @@ RUN_CONFIGS = sorted(p for p in glob.glob("configs/**/*.yaml", recursive=True) i
 
 @pytest.mark.parametrize("path", RUN_CONFIGS)  # sweep specs are validated by tests/integration/test_sweep.py
 def test_every_shipped_config_validates(path):
-    cfg = load_config(path)
+    from tiny_config import shipped_config
+
+    cfg = shipped_config(path)
     assert to_dict(cfg)["model"]["vocab_size"] > 0
 
 
