@@ -9,6 +9,7 @@ from pathlib import Path
 
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config import ConfigError
+from jaxmem import registry
 from jaxmem.loader import load_config
 from jaxmem.plan.explain import explain_with_timeline, render
 from jaxmem.runtime.aot import add_target_args, resolve_topology
@@ -59,6 +60,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.compare:
         extra = [*args.overrides, *args.compare_set]
         jobs.append((args.compare, load_config(args.compare, extra), extra))
+    for _, cfg, _ in jobs:
+        registry.for_config(cfg).refuse_unsupported(cfg, "explain")
     topos = [resolve_topology(cfg, args.target, args.gpus_per_host, args.hosts) for _, cfg, _ in jobs]
     results, timelines = [], []
     for (path, cfg, overrides), topo in zip(jobs, topos):

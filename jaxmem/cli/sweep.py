@@ -351,6 +351,8 @@ def main(argv: list[str] | None = None) -> int:
         topo = resolve_topology(cfg, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
         for feature in registry.FEATURES:  # a mixture of experts: parallel.ep=auto
             grid = feature.expand_grid(grid, lambda o: load_config(config, base + o), cfg, topo.n_devices)
+    checked = load_config(config, base)
+    registry.for_config(checked).refuse_unsupported(checked, "sweep")
     rows = run_sweep(config, grid, base, target, out, cache, args.workers, not args.no_compile)
     paths = write_outputs(rows, out)
     print_summary(rows)

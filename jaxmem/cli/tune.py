@@ -179,6 +179,7 @@ class Tuner:
         self.budget_end = time.monotonic() + budget_s
         self.cache_dir, self.workers = cache_dir, workers
         base = load_config(config, overrides)
+        registry.for_config(base).refuse_unsupported(base, "tune")
         self.topo = resolve_topology(base, target.get("name"), target.get("gpus_per_host"), target.get("hosts"))
         if not self.topo.name:
             raise ConfigError("jaxmem tune: needs a GPU target (--target or target.name): it plans for the GPU")

@@ -499,8 +499,9 @@ class RLConfig:
     temperature: float = _f(1.0, "sampling temperature of the rollout (> 0)")
     top_p: float = _f(1.0, "nucleus sampling of the rollout; 1.0: off")
     top_k: int = _f(0, "top-k sampling of the rollout; 0: off")
-    beta: float = _f(0.0, "weight of the KL to the reference (the base with adapters off for LoRA); 0: no "
-                          "reference is computed or allocated")
+    beta: float = _f(0.0, "weight of the KL to the reference (the base with adapters off for LoRA, a frozen bf16 "
+                          "copy of the initial weights for a full fine-tune); 0: no reference is computed or "
+                          "allocated")
     epsilon_low: float = _f(0.2, "the importance ratio's lower clip: 1 - epsilon_low")
     epsilon_high: float = _f(0.2, "the importance ratio's upper clip: 1 + epsilon_high (DAPO: 0.28)")
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = _f(

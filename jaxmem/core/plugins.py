@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from jaxmem.config.schema import ConfigError
 from jaxmem.core.step_state import assemble_state
 from jaxmem.io import data
 
@@ -136,6 +137,11 @@ class Objective:
     def totals(self, labels_arbt) -> dict:
         """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
         return {}
+
+    def abstract_batch(self, prog) -> dict | None:
+        """The step's batch as abstract arrays where it is not the data source's (GRPO: a rollout's rows and
+        stored log-probs), or None."""
+        return None
 
     def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
         """(this micro-batch's share of the step loss, {metric: share}) from the policy's per-token log-probs
@@ -299,6 +305,11 @@ class Feature:
         the planner's own pieces (`planner`: jaxmem.plan.Planner), or None (the one-program plan)."""
         return None
 
+    def unsupported(self, cfg, command: str) -> str | None:
+        """Why `jaxmem COMMAND` (tune, sweep, explain) cannot take `cfg` yet, in one line naming the key, or
+        None."""
+        return None
+
     def render_plan(self, plan: dict, console) -> None:
         """Prints this feature's section of a plan's report, where the plan dict carries one."""
 
@@ -403,6 +414,12 @@ class Features:
     def plan_sections(self, cfg, bill, cost) -> dict:
         sections = ((f.name, f.plan_section(cfg, bill, cost)) for f in self.active)
         return {name: section for name, section in sections if section is not None}
+
+    def refuse_unsupported(self, cfg, command: str) -> None:
+        """A one-line ConfigError where an active feature says `jaxmem COMMAND` cannot take `cfg` yet."""
+        reason = next((r for r in (f.unsupported(cfg, command) for f in self.active) if r), None)
+        if reason:
+            raise ConfigError(reason)
 
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""

@@ -103,6 +103,10 @@ class TrainProgram:
         return NamedSharding(self.mesh, P(None, data, None))
 
     def abstract_batch(self) -> dict:
+        chosen = self.features.objective(self.cfg)
+        own = chosen.abstract_batch(self) if chosen is not None else None  # an objective's own batch (GRPO's)
+        if own is not None:
+            return own
         array = jax.ShapeDtypeStruct(self.batch_shape, jnp.int32, sharding=self.batch_sharding)
         return {key: array for key in self.batch_keys}
 
@@ -165,7 +169,7 @@ class TrainProgram:
         return _make_step(self)
 
     def jit_step(self):
-        batch = {key: self.batch_sharding for key in self.batch_keys}
+        batch = {key: array.sharding for key, array in self.abstract_batch().items()}
         return jax.jit(self.step_fn(), in_shardings=(self.state_shardings, batch),
                        out_shardings=(self.state_shardings, None), donate_argnums=(0,))
 

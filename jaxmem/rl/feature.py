@@ -1,11 +1,15 @@
 """GRPO as a feature: its rules at load and its objective (jaxmem.rl.objective). The reference with rl.beta > 0
-is the LoRA base with the adapters off (the LoRA plug-in's reference_inputs: no extra weights); its log-probs
-are taken once per rollout (jaxmem.rl.rollout) and carried by the batch like the old policy's."""
+is the LoRA base with the adapters off (the LoRA plug-in's reference_inputs: no extra weights) or, for a full
+fine-tune, a frozen bf16 copy of the initial weights (jaxmem.core.reference_copy, in the state and so in the
+plan); its log-probs are taken once per rollout (jaxmem.rl.rollout) and carried by the batch like the old
+policy's."""
 from __future__ import annotations
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.rl.plan import plan_rl
+from jaxmem.core import reference_copy
 from jaxmem.core.plugins import Feature
+from jaxmem.core.reference_copy import ReferenceCopy
 from jaxmem.rl.objective import GRPOObjective
 from jaxmem.rl.rewards import load_rewards
 
@@ -30,9 +34,6 @@ def check(cfg: Config) -> None:
         raise ConfigError("rl.top_p must be in (0, 1] and rl.top_k >= 0")
     if rl.beta < 0 or not 0 <= rl.epsilon_low < 1 or rl.epsilon_high < 0:
         raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
-    if rl.beta > 0 and cfg.lora.rank == 0:
-        raise ConfigError("rl.beta: a KL to a frozen copy of a full fine-tune is not implemented yet; train LoRA "
-                          "adapters (the reference is the base) or set rl.beta=0")
     if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
                           f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")
@@ -40,6 +41,17 @@ def check(cfg: Config) -> None:
         raise ConfigError(f"train.seq_len: {cfg.train.seq_len} must hold rl.max_prompt_len + rl.max_completion_len")
     if cfg.parallel.pp > 1 or cfg.optimizer.update_in_backward:
         raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
+
+
+# what the commands that price one training program do not do for a run of two phases (rollout, training)
+UNSUPPORTED = {
+    "tune": "tune does not search a GRPO run yet (it prices one training program; GRPO adds a rollout phase): "
+            "`jaxmem plan` it and set rl.generation_batch and train.micro_batch by hand",
+    "sweep": "sweep does not take a GRPO run yet (its points are one training program's plans): `jaxmem plan` "
+             "each setting",
+    "explain": "explain does not read a GRPO run's programs yet (it explains one training step's buffers): "
+               "`jaxmem plan` gives each phase's peak",
+}
 
 
 class RL(Feature):
@@ -55,9 +67,25 @@ class RL(Feature):
     def objective(self, cfg: Config):
         return GRPOObjective(cfg) if self.applies(cfg) else None
 
+    def program_plugin(self, cfg: Config):
+        return ReferenceCopy() if _holds_copy(cfg) else None
+
+    def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
+        return reference_copy.layout_part("bfloat16", False, trainable, sizes) if _holds_copy(cfg) else None
+
+    def unsupported(self, cfg: Config, command: str) -> str | None:
+        if not self.applies(cfg) or command not in UNSUPPORTED:
+            return None
+        return f"train.objective=grpo: {UNSUPPORTED[command]}"
+
     def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
         """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""
         return plan_rl(cfg, topo, planner, compile=compile) if self.applies(cfg) else None
+
+
+def _holds_copy(cfg: Config) -> bool:
+    """Whether the state holds a frozen reference copy (rl.beta > 0 in a full fine-tune)."""
+    return cfg.train.objective == "grpo" and cfg.rl.beta > 0 and cfg.lora.rank == 0
 
 
 RL_FEATURE = RL()

@@ -5,11 +5,14 @@ and the completion's advantage. Per token: the clipped importance-ratio surrogat
 KL estimate to the reference; then normalized as rl.loss_type says, as TRL's GRPOTrainer does."""
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.config.schema import Config
-from jaxmem.core.plugins import Objective
+from jaxmem.core.plugins import REFERENCE_KEY, Objective
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
+from jaxmem.mesh import sharding
 
 METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")
 OLD, REFERENCE, ADVANTAGE = 0, 1, 2  # the stored array's last axis
@@ -40,6 +43,17 @@ def normalized(loss_bt, mask_bt, loss_type: str, totals: dict):
     return jnp.sum(summed) / totals["tokens"]
 
 
+def abstract_batch(prog) -> dict:
+    """A rollout's training batch (jaxmem.rl.rollout): inputs and labels [A, rows, T] int32, the stored
+    [A, rows, T, 3] float32; rows over the data ways."""
+    data = sharding.batch_spec(prog.mesh)[0]
+    shape = (prog.grad_accum, prog.rows, prog.cfg.train.seq_len)
+    rows = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=NamedSharding(prog.mesh, P(None, data, None)))
+    stored = jax.ShapeDtypeStruct(shape + (3,), jnp.float32, sharding=NamedSharding(prog.mesh, P(None, data, None,
+                                                                                                  None)))
+    return {"inputs": rows, "labels": rows, REFERENCE_KEY: stored}
+
+
 class GRPOObjective(Objective):
     name = "grpo"
     reference = "batch"
@@ -47,6 +61,9 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: Config):
         self.settings = cfg.rl
+
+    def abstract_batch(self, prog) -> dict:
+        return abstract_batch(prog)
 
     def totals(self, labels_arbt) -> dict:
         a, rows = labels_arbt.shape[:2]

@@ -11,7 +11,6 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
@@ -20,7 +19,6 @@ from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.loop import generate_fn, left_pad
 from jaxmem.generation.sampling import Sampling
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
-from jaxmem.mesh import sharding
 from jaxmem.rl.advantages import group_advantages
 from jaxmem.rl.objective import ADVANTAGE, OLD, REFERENCE
 from jaxmem.rl.rewards import score
@@ -47,6 +45,19 @@ def training_rows(prompt_ids: list, completions: np.ndarray, lengths: np.ndarray
     return inputs, labels
 
 
+def logprob_fns(prog):
+    """(policy, reference), each jitted fn(params, frozen, inputs [B, T], labels [B, T]) -> the per-token
+    log-probs of the labels [B, T]: the current policy's, and the reference's on the plug-in's reference_inputs
+    (the LoRA base with the adapters off, or a full fine-tune's frozen copy)."""
+    logprob_fn = stage_fn(prog, logprobs=True)
+
+    def reference(params, frozen, inputs, labels):
+        ref_params, ref_frozen = prog.plugin.reference_inputs(params, frozen)
+        return logprob_fn(ref_params, inputs, labels, base=ref_frozen)
+
+    return jax.jit(lambda p, f, x, y: logprob_fn(p, x, y, base=f)), jax.jit(reference)
+
+
 class Rollouts:
     """collect(state, rollout) -> Rollout for a TrainProgram `prog` of a grpo config."""
 
@@ -64,14 +75,7 @@ class Rollouts:
                                             sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id,
                                             cache_dtype=cache_dtype))
         self.chunk = rl.generation_batch or self.n
-        logprob_fn = stage_fn(prog, logprobs=True)
-        self.policy_logprobs = jax.jit(lambda p, f, x, y: logprob_fn(p, x, y, base=f))
-
-        def reference(params, frozen, inputs, labels):
-            ref_params, ref_frozen = prog.plugin.reference_inputs(params, frozen)
-            return logprob_fn(ref_params, inputs, labels, base=ref_frozen)
-
-        self.reference_logprobs = jax.jit(reference)
+        self.policy_logprobs, self.reference_logprobs = logprob_fns(prog)
 
     def key(self, rollout: int):
         return jax.random.fold_in(jax.random.key(self.prog.cfg.train.seed), rollout)
@@ -139,15 +143,6 @@ class Rollouts:
         return metrics
 
 
-def batch_shardings(prog) -> dict:
-    """The rollout batch's shardings: rows over the data ways (the stored array has a last axis of 3)."""
-    data = sharding.batch_spec(prog.mesh)[0]
-    rows = NamedSharding(prog.mesh, P(None, data, None))
-    return {"inputs": rows, "labels": rows, REFERENCE_KEY: NamedSharding(prog.mesh, P(None, data, None, None))}
-
-
 def jit_train_step(prog):
-    """The program's objective step jitted for a rollout's batch."""
-    batch = batch_shardings(prog)
-    return jax.jit(prog.step_fn(), in_shardings=(prog.state_shardings, batch),
-                   out_shardings=(prog.state_shardings, None), donate_argnums=(0,))
+    """The program's objective step jitted for a rollout's batch (jaxmem.rl.objective.abstract_batch)."""
+    return prog.jit_step()

@@ -109,7 +109,17 @@ def _kind(command: Command) -> str:
     configs = [w for w in argv[2:] if w.endswith(".yaml") and "=" not in w]
     if configs and all(TINY.match(c) for c in configs) and not _names_missing_file(argv, configs):
         return "run"
+    if argv[1] == "export-hf" and _trained_earlier_on_page(command):
+        return "run"
     return "parses"
+
+
+def _trained_earlier_on_page(command: Command) -> bool:
+    """Whether an earlier line of the page trains a tiny config into the run folder `command` reads (argv[2])."""
+    before = (REPO / command.page).read_text().splitlines()[:command.line - 1]
+    run_dir = re.escape(command.argv[2])
+    trains = re.compile(rf"^jaxmem train configs/(rl/)?tiny[\w-]*\.yaml .*out_dir={run_dir}(\s|$)")
+    return any(trains.match(line) for line in before)
 
 
 def _names_missing_file(argv, configs) -> bool:

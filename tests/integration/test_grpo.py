@@ -57,13 +57,17 @@ def folder(tmp_path_factory):
 
 
 def _cfg(folder, *extra):
+    return load_config("configs/tiny.yaml", _overrides(folder, *extra))
+
+
+def _overrides(folder, *extra):
     root, tokenizer = folder
-    return load_config("configs/tiny.yaml", MODEL + [
+    return MODEL + [
         f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
         f"data.tokenizer={tokenizer}", "train.objective=grpo", f"rl.prompts={root / 'prompts.jsonl'}",
         f"rl.rewards={root / 'rewards.py'}:length", f"rl.group_size={GROUP}", f"rl.prompts_per_step={GROUPS}",
         f"rl.max_prompt_len={PROMPT}", f"rl.max_completion_len={COMPLETION}", f"train.micro_batch={GROUPS * GROUP}",
-        f"train.seq_len={SEQ}", "parallel.fsdp=1", "precision.compute_dtype=float32", *extra])
+        f"train.seq_len={SEQ}", "parallel.fsdp=1", "precision.compute_dtype=float32", *extra]
 
 
 def _fixed_batch():
@@ -195,10 +199,14 @@ def test_rewards_are_refused_in_one_line(folder):
 
 
 def _run_cfg(folder, out_dir, *extra):
-    return _cfg(folder, f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
-                "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
-                "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
-                f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra)
+    return _cfg(folder, *_run_overrides(out_dir, *extra))
+
+
+def _run_overrides(out_dir, *extra):
+    return [f"out_dir={out_dir}", "train.steps=4", "train.log_every=1", "train.progress=false",
+            "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", "rl.samples_every=1",
+            "rl.beta=0.04", "rl.updates_per_rollout=2", "rl.top_k=20", "rl.generation_batch=4", "parallel.fsdp=-1",
+            f"train.micro_batch={GROUPS * GROUP // jax.device_count()}", *extra]
 
 
 @pytest.mark.slow
@@ -260,8 +268,9 @@ def test_samples_are_never_written_through_a_link(tmp_path):
 
 @pytest.mark.slow
 def test_plan_compiles_both_phases(folder):
-    """jaxmem plan of a grpo config: the training step and the rollout's generation program compiled, the train
-    state live across both (its bytes per device from the abstract state), the run's peak the larger phase."""
+    """jaxmem plan of a grpo config: the training step, the rollout's generation program and the log-prob pass
+    compiled, the train state live across them (its bytes per device from the abstract state), the run's peak
+    the largest phase."""
     from jaxmem.plan import plan
     from jaxmem.runtime.aot import resolve_topology
 
@@ -273,6 +282,92 @@ def test_plan_compiles_both_phases(folder):
     assert result["live_across"] == state
     assert result["rollout"]["phase_peak"] > state + result["rollout"]["cache_bytes"] // 2
     assert result["training"]["device_peak"] > state
-    assert result["run_peak"] == max(result["rollout"]["phase_peak"], result["training"]["device_peak"])
+    logprobs = result["logprobs"]  # rl.beta 0 here: the old policy's pass alone
+    assert list(logprobs["passes"]) == ["old"] and logprobs["rows"] == GROUPS * GROUP
+    assert state < logprobs["phase_peak"] < result["training"]["device_peak"]  # no backward, no moments touched
+    assert result["run_peak"] == max(result["rollout"]["phase_peak"], logprobs["phase_peak"],
+                                     result["training"]["device_peak"])
+    assert "  log-prob phase: the forward passes of the old log-probs" in "\n".join(result["lines"])
     with pytest.raises(ConfigError, match="analytic bill does not price"):
         plan(cfg, resolve_topology(cfg), compile=False)
+
+
+def test_kl_term_equals_a_float64_reference():
+    """per_token_terms' loss and k3 KL on fixed log-probs equal numpy's in float64 (within float32's rounding)."""
+    from jaxmem.rl.objective import per_token_terms
+
+    rng = np.random.default_rng(2)
+    policy, old, ref = (rng.normal(-2.0, 0.5, (4, 6)) for _ in range(3))
+    advantage = np.repeat(rng.normal(0, 1, (4, 1)), 6, axis=1)
+    loss, kl, _, _ = per_token_terms(*(jnp.asarray(a, jnp.float32) for a in (policy, old, ref, advantage)),
+                                     beta=0.04, epsilon_low=0.2, epsilon_high=0.28)
+    expected_kl = np.exp(ref - policy) - (ref - policy) - 1.0
+    ratio = np.exp(policy - old)
+    expected = -np.minimum(ratio * advantage, np.clip(ratio, 0.8, 1.28) * advantage) + 0.04 * expected_kl
+    np.testing.assert_allclose(np.asarray(kl), expected_kl, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(loss), expected, rtol=1e-5, atol=1e-6)
+    assert expected_kl.min() > 0
+
+
+@pytest.mark.slow
+def test_a_full_fine_tune_takes_its_kl_to_a_frozen_copy(folder, tmp_path):
+    """rl.beta > 0 without LoRA: the state holds a bf16 copy of the initial weights; the KL is 0 on the first
+    rollout's one update (the policy is the copy), then grows as the weights move away from it."""
+    from jaxmem.core.plugins import FROZEN
+    from jaxmem.train import run
+
+    cfg = _run_cfg(folder, tmp_path / "full", "lora.rank=0", "train.steps=2", "rl.updates_per_rollout=1")
+    prog = build_program(cfg)
+    frozen = jax.tree.leaves(prog.abstract_state[FROZEN])
+    assert frozen and all(a.dtype == jnp.bfloat16 for a in frozen)
+    assert len(frozen) == len(jax.tree.leaves(prog.abstract_state["params"]))
+    assert not prog.layout.freezes_model  # the copy is a reference: the model is trained (and exported) whole
+    records = run(cfg)["records"]
+    assert [r["step"] for r in records] == [1, 2]
+    assert abs(records[0]["kl"]) < 1e-6 and records[1]["kl"] > 1e-5, [r["kl"] for r in records]
+
+
+@pytest.mark.slow
+def test_an_export_of_a_lora_grpo_run_loads_in_transformers(folder, tmp_path):
+    """export-hf and merge-lora --peft of a 2-step LoRA GRPO run: the merged folder loads alone in transformers,
+    the PEFT adapters load on the base folder, and both give jaxmem's logits for one batch."""
+    import peft
+    import transformers
+
+    from jaxmem import cli
+    from test_export_hf import _run_logits
+
+    overrides = _overrides(folder, *_run_overrides(tmp_path / "run", "train.steps=2", "rl.updates_per_rollout=1"))
+    from jaxmem.train import run
+
+    run(load_config("configs/tiny.yaml", overrides))
+    assert cli.main(["export-hf", str(tmp_path / "run"), "--out", str(tmp_path / "hf"), "--dtype", "float32"]) == 0
+    assert cli.main(["merge-lora", "configs/tiny.yaml", *overrides, "--out", str(tmp_path / "merged"),
+                     "--peft", str(tmp_path / "adapters"), "--dtype", "float32"]) == 0
+    tokens = np.random.default_rng(1).integers(3, 64, (2, 16)).astype(np.int32)
+    ours = _run_logits(tmp_path / "run", tokens)
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder[0] / "hf", dtype=torch.float32)
+    with torch.no_grad():
+        base_logits = base(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+        adapted = peft.PeftModel.from_pretrained(base, tmp_path / "adapters")
+        models = {"export-hf": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32),
+                  "merge-lora": transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged",
+                                                                                  dtype=torch.float32),
+                  "peft": adapted}
+        for name, model in models.items():
+            theirs = model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
+            assert np.abs(theirs - ours).max() < 1e-4, (name, np.abs(theirs - ours).max())
+    assert np.abs(base_logits - ours).max() > 1e-4  # the two GRPO steps moved the adapters
+
+
+@pytest.mark.parametrize("command,extra", [("tune", ["--target", "h100-80g"]), ("explain", []),
+                                           ("sweep", ["--grid", "train.micro_batch=4,8", "--no-compile"])])
+def test_tune_sweep_and_explain_refuse_grpo_in_one_line(folder, command, extra, capsys, tmp_path):
+    """No SFT bill or traceback for a GRPO config: one line naming what is not supported yet, exit 2."""
+    from jaxmem import cli
+
+    out = ["--out", str(tmp_path / "sweep")] if command == "sweep" else []
+    assert cli.main([command, "configs/tiny.yaml", *_overrides(folder), *extra, *out]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"jaxmem {command}: config error: train.objective=grpo: {command} "), err
+    assert not (tmp_path / "sweep").exists()

@@ -23,6 +23,7 @@ from jaxmem.core import remat
 from jaxmem.runtime.aot import resolve_topology
 from jaxmem.config import KernelConfig
 from jaxmem.loader import load_config
+from tiny_config import shipped_config
 from jaxmem.core.layout import spec_leaves
 from jaxmem.config.names import ALL_NAMES, CheckpointName as CN
 from jaxmem.plan.bill import compute_bill
@@ -35,7 +36,7 @@ CONFIGS = sorted(p for p in (ROOT / "configs").rglob("*.yaml") if "sweeps" not i
 
 @pytest.fixture(scope="module", params=CONFIGS, ids=lambda p: str(p.relative_to(ROOT / "configs")))
 def program_and_bill(request):
-    cfg = load_config(request.param)
+    cfg = shipped_config(request.param)
     if cfg.target.name:
         pytest.importorskip("jax_cuda12_plugin")
     topo = resolve_topology(cfg)

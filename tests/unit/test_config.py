@@ -77,16 +77,11 @@ def test_config_base_inheritance(tmp_path):
 RUN_CONFIGS = sorted(p for p in glob.glob("configs/**/*.yaml", recursive=True) if "/sweeps/" not in p)
 
 
-# configs whose init_from is the folder an example script writes first (docs/preference.md, docs/rl.md)
-EXAMPLE_MODELS = {"configs/tiny-dpo.yaml": "pref_example/hf", "configs/rl/tiny-grpo.yaml": "rl_example/hf"}
-
-
 @pytest.mark.parametrize("path", RUN_CONFIGS)  # sweep specs are validated by tests/integration/test_sweep.py
 def test_every_shipped_config_validates(path):
-    if path in EXAMPLE_MODELS:  # named before it exists: refused in one line, the rest validates without it
-        with pytest.raises(ConfigError, match=f"checkpoint.init_from: {EXAMPLE_MODELS[path]} does not exist"):
-            load_config(path)
-    cfg = load_config(path, ['checkpoint.init_from=""'] if path in EXAMPLE_MODELS else [])
+    from tiny_config import shipped_config
+
+    cfg = shipped_config(path)
     assert to_dict(cfg)["model"]["vocab_size"] > 0
 
 
