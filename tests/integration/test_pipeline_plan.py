@@ -86,6 +86,7 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     import dataclasses
 
     from jaxmem.pipeline.plan import StageFigures, _as_compiled
+    from jaxmem.plan.compiled import CompiledFigures
     from jaxmem.runtime.aot import resolve_topology
 
     bills = [StageFigures(**{k: v for k, v in b.items() if k in StageFigures.__dataclass_fields__})
@@ -94,7 +95,7 @@ def test_the_plans_host_figure_is_the_largest_stages_not_the_worst_device_stages
     bills[1 - worst] = dataclasses.replace(bills[1 - worst], state_host=3 * 2**30)
     host = max(f.host_total for f in bills)
     cfg = load_config("configs/tiny.yaml", PLAN)
-    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host)
+    compiled = _as_compiled(bills[worst], resolve_topology(cfg, None, None, None), 2, host, CompiledFigures)
     assert compiled.host_total == 3 * 2**30 > bills[worst].host_total
     assert compiled.device_total == bills[worst].device_total
 
