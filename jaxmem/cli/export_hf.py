@@ -68,24 +68,31 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None, dtype:
     returns (the step exported, a line on the tokenizer files)."""
     check_target(out, overwrite=overwrite)  # before anything is read
     cfg = run_config(run_dir)
-    ckpts = Checkpoints.for_run(cfg)
-    try:
-        steps = ckpts.all_steps()
-        if not steps:
-            raise ConfigError(f"RUN_DIR: {run_dir} holds no finalized checkpoint to export")
-        if step is not None and step not in steps:
-            raise ConfigError(f"--step: {run_dir} holds no step {step}; saved steps: {', '.join(map(str, steps))}")
-        prog = build_program(cfg)
-        state, meta = restore_run(prog, ckpts, step if step is not None else steps[-1])
-    finally:
-        ckpts.close()
+    prog, state, step = restored_step(cfg, run_dir, step, f"RUN_DIR: {run_dir} holds no finalized checkpoint to export")
     params = exported_params(prog, state)
     model = prog.model(jax.device_get(params) if not prog.layout.freezes_model else params)
     with written_whole(out, overwrite=overwrite) as staging:
         save_hf(model, staging, dtype=dtype or cfg.precision.param_dtype,
                 max_shard_bytes=max_shard_bytes or DEFAULT_SHARD_BYTES)
         note = write_companions(cfg, staging)
-    return int(meta.get("step", step or steps[-1])), note
+    return step, note
+
+
+def restored_step(cfg, folder, step: int | None, none_saved: str):
+    """(program, train state, step) of the run's checkpoint at `step` (default: its latest); a one-line
+    ConfigError when the run saved none (`none_saved`), or not that step (naming `folder`)."""
+    ckpts = Checkpoints.for_run(cfg)
+    try:
+        steps = ckpts.all_steps()
+        if not steps:
+            raise ConfigError(none_saved)
+        if step is not None and step not in steps:
+            raise ConfigError(f"--step: {folder} holds no step {step}; saved steps: {', '.join(map(str, steps))}")
+        prog = build_program(cfg)
+        state, meta = restore_run(prog, ckpts, step if step is not None else steps[-1])
+    finally:
+        ckpts.close()
+    return prog, state, int(meta.get("step", step if step is not None else steps[-1]))
 
 
 def main(argv: list[str] | None = None) -> int:

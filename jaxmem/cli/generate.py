@@ -12,14 +12,12 @@ import json
 import sys
 from pathlib import Path
 
-from jaxmem.cli.export_hf import run_config
+from jaxmem.cli.export_hf import restored_step, run_config
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.config.schema import ConfigError
-from jaxmem.core.checkpoint import Checkpoints, restore_run
-from jaxmem.registry import build_program
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.sampling import Sampling
-from jaxmem.generation.text import CACHE_DTYPES, Generator, hf_codec, run_codec
+from jaxmem.generation.text import CACHE_DTYPES, Generator, hf_codec, prompt_lines, run_codec
 from jaxmem.io.hf import load_hf
 from jaxmem.train.run_folder import resolved_config
 
@@ -38,17 +36,7 @@ def open_source(source: str | Path, *, step: int | None = None, dtype: str = "fl
         raise ConfigError(f"{source}: no such folder; give a run's out_dir or a Hugging Face folder")
     if resolved_config(path).is_file():
         cfg = run_config(path)
-        ckpts = Checkpoints.for_run(cfg)
-        try:
-            steps = ckpts.all_steps()
-            if not steps:
-                raise ConfigError(f"{source}: the run holds no finalized checkpoint")
-            if step is not None and step not in steps:
-                raise ConfigError(f"--step: {source} holds no step {step}; saved steps: {', '.join(map(str, steps))}")
-            prog = build_program(cfg)
-            state, _ = restore_run(prog, ckpts, step if step is not None else steps[-1])
-        finally:
-            ckpts.close()
+        prog, state, _ = restored_step(cfg, source, step, f"{source}: the run holds no finalized checkpoint")
         return Generator(Decoder.from_program(prog), Decoder.weights_of_state(state), run_codec(cfg),
                          rows_multiple=prog.layout.data_ways)
     if not (path / "config.json").is_file():
@@ -67,13 +55,7 @@ def read_prompts(path: str | Path) -> list:
     if not path.is_file():
         raise ConfigError(f"--prompts: {path} not found")
     prompts = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"--prompts: {path} line {number} is not JSON ({e})") from None
+    for number, record in prompt_lines(path, "--prompts"):
         value = record.get("prompt", record.get("messages")) if isinstance(record, dict) else None
         if not isinstance(value, (str, list)):
             raise ConfigError(f"--prompts: {path} line {number} has no \"prompt\" string or \"messages\" list")

@@ -164,3 +164,15 @@ def run_codec(cfg) -> "TextCodec | None":
     stops = tuple(ids["stop"])
     pad = ids["pad"] if ids["pad"] is not None else (stops[0] if stops else 0)
     return TextCodec(tokenizer, template, stops, pad)
+
+
+def prompt_lines(path: Path, key: str):
+    """(line number, record) of each non-blank line of the JSONL prompts file `path`; a line that is not JSON is
+    a one-line ConfigError naming `key` (the flag or config key that gave the file)."""
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield number, json.loads(line)
+        except ValueError as e:
+            raise ConfigError(f"{key}: {path} line {number} is not JSON ({e})") from None

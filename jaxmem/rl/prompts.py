@@ -4,7 +4,6 @@ record's other fields go to the reward functions. Also the run's codec (its toke
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import numpy as np
@@ -47,13 +46,7 @@ def read_prompts(cfg: Config, codec: TextCodec) -> Prompts:
     if not path.is_file():
         raise ConfigError(f"rl.prompts: no file {path}")
     records, ids = [], []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError as e:
-            raise ConfigError(f"rl.prompts: {path} line {number} is not JSON ({e})") from None
+    for number, record in text.prompt_lines(path, "rl.prompts"):
         if not isinstance(record, dict) or ("prompt" in record) == ("messages" in record):
             raise ConfigError(f"rl.prompts: {path} line {number} needs exactly one of prompt (text) or messages")
         tokens = codec.encode(record.get("prompt", record.get("messages")), chat="messages" in record)
