@@ -60,9 +60,11 @@ LAYOUTS = {  # stage devices x micro_batch = ROWS rows per micro-batch
 }
 
 
+# Each layout once and each schedule on several layouts: with the mixture-of-experts cases below (pp4 gpipe,
+# pp2 x ep2 1f1b) and the levers (pp2 x fsdp4, the default 1f1b), every layout meets both schedules; the
+# schedules' tick order itself is tests/unit/test_pipeline_schedule.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("name", sorted(LAYOUTS))
+@pytest.mark.parametrize("name,kind", [("pp2_fsdp4", "gpipe"), ("pp4_fsdp2", "1f1b"), ("pp2_fsdp2_tp2", "gpipe")])
 def test_pipeline_matches_one_device(name, kind, reference):
     cfg, pipe = _pipeline(LAYOUTS[name], [f"parallel.pp_schedule={kind}"])
     metrics, state = _train(pipe, cfg)
@@ -75,14 +77,15 @@ def test_pipeline_matches_one_device(name, kind, reference):
                      whole[part], want_state[part])
 
 
-LEVERS = {  # tied embeddings (the last stage's copy), bf16 + fp32 master, remat, activation and optimizer offload
-    "tied": ["model.tie_embeddings=true"],
+LEVERS = {  # tied embeddings (the last stage's copy) with Qwen2's qkv bias, bf16 + fp32 master, remat,
+    # activation and optimizer offload
+    "tied_qkv_bias": ["model.tie_embeddings=true", "model.qkv_bias=true"],
     "offload": ["remat.preset=offload_layer_inputs", "offload.optimizer=host"],
-    "qkv_bias": ["model.qkv_bias=true"],  # Qwen2's
     "bf16_master_full_remat": ["precision.param_dtype=bfloat16", "precision.compute_dtype=bfloat16",
                                "precision.master_weights=true", "remat.preset=full"],
-    "int8_moments": ["precision.moment_dtype=int8"],  # block-quantized AdamW state (jaxmem.optim)
-    # int4 moments, bf16 weights without a master: each stage rounds with bits of its own (its index folded in)
+    # block-quantized AdamW state (jaxmem.optim; every kind is stored and stepped by the same stage code, int8's
+    # codes are tests/integration/test_optimizer_states_steps.py's), bf16 weights without a master: each stage
+    # rounds with bits of its own (its index folded in)
     "int4_bf16_stochastic_rounding": ["precision.moment_dtype=int4", "precision.param_dtype=bfloat16",
                                       "precision.master_weights=false"],
 }
@@ -239,7 +242,7 @@ def moe_reference():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout,kind", [("pp2_fsdp4", "1f1b"), ("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
+@pytest.mark.parametrize("layout,kind", [("pp4_fsdp2", "gpipe"), ("pp2_ep2_fsdp2", "1f1b")])
 def test_mixture_of_experts_pipeline_matches_one_device(layout, kind, moe_reference):
     """tiny-moe (router losses weighted 0.1 and 0.01): the stages pass the router statistics ahead and their
     cotangents back, so losses, gradient norms, router losses and params equal one device's; evaluation
