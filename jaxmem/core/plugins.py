@@ -134,8 +134,9 @@ class Objective:
     reference = "none"
     metric_names: tuple = ()  # the metrics a step reports beside loss, named 'group/name'
 
-    def totals(self, labels_arbt) -> dict:
-        """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
+    def totals(self, labels_arbt, segments_arbt=None) -> dict:
+        """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T] (and their segment ids
+        where rows are packed, else None)."""
         return {}
 
     def abstract_batch(self, prog) -> dict | None:
@@ -143,9 +144,10 @@ class Objective:
         stored log-probs), or None."""
         return None
 
-    def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
+    def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict, segments_bt=None):
         """(this micro-batch's share of the step loss, {metric: share}) from the policy's per-token log-probs
-        [B, T] (0 on ignored labels), the reference's (None where `reference` is "none") and the labels."""
+        [B, T] (0 on ignored labels), the reference's (None where `reference` is "none"), the labels and, where
+        rows are packed, the segment ids (sequences' sums are then taken per segment), else None."""
         raise NotImplementedError
 
 
