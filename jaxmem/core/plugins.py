@@ -292,6 +292,12 @@ class Feature:
         """Seconds per step of this feature's own collectives (estimated), overlapping compute."""
         return 0.0
 
+    def extra_step_flops(self, cfg, forward_flops: float) -> float:
+        """FLOPs per step this feature runs beside the trained forward and backward, given `forward_flops`, one
+        forward of the whole model over the step's tokens (a preference reference policy's forward: that many
+        again); the cost model adds them to the step's compute at the dense matmul rate."""
+        return 0.0
+
     def zero3_gathered(self, cfg, bill) -> tuple[int, float]:
         """(weight elements this feature shards its own way under ZeRO-3, the bytes of them one all-gather
         brings each device per pass); the cost model gathers the rest over the state axes."""
@@ -400,6 +406,9 @@ class Features:
 
     def collective_seconds(self, cfg, bill, gpu, grad_accum: int) -> float:
         return sum(feature.collective_seconds(cfg, bill, gpu, grad_accum) for feature in self.active)
+
+    def extra_step_flops(self, cfg, forward_flops: float) -> float:
+        return sum(feature.extra_step_flops(cfg, forward_flops) for feature in self.active)
 
     def zero3_gathered(self, cfg, bill) -> list[tuple[int, float]]:
         return [feature.zero3_gathered(cfg, bill) for feature in self.active]

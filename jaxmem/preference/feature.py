@@ -95,6 +95,12 @@ class Preference(Feature):
 
     bill_terms = BILL_TERMS
 
+    def extra_step_flops(self, cfg: Config, forward_flops: float) -> float:
+        """reference=base or model: one more forward of the whole model per step, under stop_gradient (precompute
+        runs its pass before training: the plan's preference section prices it)."""
+        with_forward = self.applies(cfg) and resolved_reference(cfg) in ("base", "model")
+        return forward_flops if with_forward else 0.0
+
     def plan_section(self, cfg: Config, bill, cost) -> dict | None:
         return preference_plan.precompute_section(cfg, bill, cost) if self.applies(cfg) else None
 
