@@ -113,7 +113,7 @@ def test_a_segment_does_not_see_the_other_pairs_of_its_row(setup):
 def test_packed_rows_hold_whole_pairs_once_an_epoch(folder, capsys):  # noqa: F811
     cfg = _packed_cfg(folder, "dpo")
     rows = make_source(cfg).rows
-    assert "pairs packed in" in capsys.readouterr().err and "does not pack" not in capsys.readouterr().err
+    assert "pairs packed in" in capsys.readouterr().err
     for epoch in range(2):  # every pair once an epoch, each as its two segments (chosen, then rejected)
         ids = rows.row_of(np.arange(epoch * rows.n_rows, (epoch + 1) * rows.n_rows))
         assert sorted(k for r in ids for k in rows.row_pairs(int(r))) == list(range(PAIRS))
