@@ -168,20 +168,23 @@ def test_data_preview_shows_segments_and_plan_plans(folder, capsys, tmp_path):  
 
 
 @pytest.mark.slow
-def test_a_packed_run_trains_and_its_references_agree(folder, tmp_path):  # noqa: F811
-    """The train loop on packed rows over the fsdp mesh (8 devices, a packed row each): the frozen base and the
-    stored log-probs (the precompute pass over the packed rows) give the same losses to 1e-5 at every step; packed
-    held-out pairs are each evaluated once."""
+@pytest.mark.parametrize(("extra", "references"), [([], ("base", "precompute")),
+                                                   (["lora.rank=0"], ("model", "precompute"))], ids=["lora", "full"])
+def test_a_packed_run_trains_and_its_references_agree(folder, tmp_path, extra, references):  # noqa: F811
+    """The train loop on packed rows over the fsdp mesh (8 devices, a packed row each): the frozen base (or a
+    frozen copy) and the stored log-probs (the precompute pass over the packed rows) give the same losses to 1e-5
+    at every step; packed held-out pairs are each evaluated once."""
     from jaxmem.train import run
 
     losses = {}
-    for ref, held_out in (("base", [f"eval.path={folder[0] / 'pairs.jsonl'}"]), ("precompute", [])):
+    for ref in references:
+        held_out = [f"eval.path={folder[0] / 'pairs.jsonl'}"] if ref != "precompute" else []
         cfg = _packed_cfg(folder, "dpo", f"out_dir={tmp_path / ref}", f"preference.reference={ref}", "train.steps=3",
                           "train.log_every=1", "train.progress=false", "train.micro_batch=1", "parallel.fsdp=-1",
-                          "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", *held_out)
+                          "optimizer.warmup_steps=0", "optimizer.lr=1e-2", "checkpoint.every=0", *extra, *held_out)
         records = run(cfg)["records"]
         losses[ref] = [r["loss"] for r in records if "loss" in r]
         assert len(losses[ref]) == 3 and losses[ref][-1] < losses[ref][0]  # it trains
         if held_out:  # packed held-out pairs: every pair counted once
             assert [r["eval_pairs"] for r in records if "eval_pairs" in r] == [PAIRS]
-    np.testing.assert_allclose(losses["base"], losses["precompute"], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(losses[references[0]], losses[references[1]], rtol=1e-5, atol=1e-6)

@@ -87,7 +87,7 @@ class PackedPairRows(PairRows):
     def describe(self, pairs: int = 1) -> str:
         """The first packed rows of the first epoch holding `pairs` pairs: each segment (its pair and side,
         positions) with its prompt and its trained completion tokens in [[ ]], then the packing line."""
-        out = [pairs_summary(self.stats), self.summary()]
+        out = [pairs_summary(self.stats), self.packing_line()]
         shown = 0
         for row in self._row_order(0).tolist():
             if shown >= pairs:
@@ -110,6 +110,9 @@ class PackedPairRows(PairRows):
         return "\n".join(out)
 
     def summary(self) -> str:
+        return f"{pairs_summary(self.stats)}; {self.packing_line()}"
+
+    def packing_line(self) -> str:
         s = self.stats
         return (f"{len(self.pairs)} pairs packed in {s['rows']} rows of {self.seq_len} positions (data.packing="
                 f"{s['packing']}, {s['efficiency']:.1%} filled; each pair's chosen and rejected sequences are two "

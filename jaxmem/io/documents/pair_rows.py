@@ -35,6 +35,10 @@ class PairRows:
             self._orders[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.pairs))
         return self._orders[epoch]
 
+    def summary(self) -> str:
+        """One line: the pairs, what was cut and skipped (packed rows: and how they pack)."""
+        return pairs_summary(self.stats)
+
     @property
     def n_rows(self) -> int:
         """Rows of one epoch: two a pair."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 from jaxmem.config.schema import ConfigError, DataConfig
 from jaxmem.io.documents.chat import ChatTemplate
 from jaxmem.io.documents.pair_packing import PackedPairRows
-from jaxmem.io.documents.pair_rows import REFERENCE_KEY, SKIPS, PairRows, pairs_summary  # noqa: F401 (re-exported)
+from jaxmem.io.documents.pair_rows import REFERENCE_KEY, SKIPS, PairRows  # noqa: F401 (REFERENCE_KEY: re-exported)
 from jaxmem.io.documents.reading import read_records, record_files
 from jaxmem.io.documents.template_bounds import budget
 from jaxmem.io.documents.tokenize import load_tokenizer, tokenizer_spec
@@ -103,10 +103,10 @@ def build_pairs(data: DataConfig, *, path: str, seq_len: int, vocab_size: int, s
     tokenizer = maker.tokenizer
     decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=False)  # noqa: E731
     if data.packing == "none":
-        log(pairs_summary(stats))
-        return PairRows([p[:3] for p in pairs], seq_len, seed, stats, decode=decode)
-    rows = PackedPairRows([p[:3] for p in pairs], seq_len, seed, stats, data.packing, decode=decode)
-    log(pairs_summary(stats) + "; " + rows.summary())
+        rows = PairRows([p[:3] for p in pairs], seq_len, seed, stats, decode=decode)
+    else:
+        rows = PackedPairRows([p[:3] for p in pairs], seq_len, seed, stats, data.packing, decode=decode)
+    log(rows.summary())
     return rows
 
 
