@@ -1,6 +1,6 @@
 """Packed preference pairs (data.packing with a preference objective): whole pairs as two segments each of a
 row. On the same pairs a packed micro-batch gives the unpacked one's loss, rewards/chosen, rewards/rejected and
-LoRA gradient to 1e-5 (dpo, simpo); the stored reference log-probs of the packed pass equal the unpacked pass's
+LoRA gradient to 1e-5 (dpo, simpo, orpo); the stored reference log-probs of the packed pass equal the unpacked pass's
 and give the forward reference's loss; a segment's log-probs do not change when another pair of its row does;
 the rows are whole pairs, every pair once an epoch, the same on every build (a resume reads the same rows);
 `jaxmem data --preview` shows the segments and `jaxmem plan` plans the packed rows."""
@@ -64,7 +64,7 @@ def _close(a, b, what, tol=1e-5):
     assert err < tol, f"{what}: relative error {err:.2e}"
 
 
-@pytest.mark.parametrize("objective", ["dpo", "simpo"])
+@pytest.mark.parametrize("objective", ["dpo", "simpo", "orpo"])
 def test_packed_pairs_train_like_a_row_each(setup, folder, objective):  # noqa: F811
     prog, state, adapters, packed, unpacked = setup
     cfg = _packed_cfg(folder, objective)
