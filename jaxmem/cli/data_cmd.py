@@ -5,7 +5,6 @@ import argparse
 import sys
 from jaxmem.loader import load_config
 from jaxmem.io.data import RecordSource, make_source, packing_summary, untrained_line
-from jaxmem.io.documents.pairs import pairs_summary
 from jaxmem.cli.help import HelpFormatter
 
 _DESCRIPTION = """\
@@ -37,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     rows = source.rows
     if cfg.data.format == "preference":  # pairs: what was skipped and cut is summed up in the first line
-        print(rows.describe(pairs=args.documents) if args.preview else pairs_summary(rows.stats))
+        print(rows.describe(pairs=args.documents) if args.preview else rows.summary())
         return 0
     if not rows.stats["trained_tokens"]:
         print(f"jaxmem data: warning: {untrained_line(cfg)}", file=sys.stderr)

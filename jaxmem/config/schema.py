@@ -269,7 +269,8 @@ class DataConfig:
         "text", "what a record holds, one of text (one document), prompt_completion (a prompt and its completion), "
                 "messages (a chat: role / content turns, rendered with the chat template), preference (a prompt "
                 "with a chosen and a rejected completion: strings, or message lists rendered with the chat "
-                "template; one sequence per row, the pair's two on adjacent rows)")
+                "template; one sequence per row, the pair's two on adjacent rows; with packing greedy or first_fit, "
+                "whole pairs per row, a sequence a segment)")
     text_field: str = _f("text", "record field holding the document for format=text")
     prompt_field: str = _f("prompt", "record field holding the prompt for format=prompt_completion")
     completion_field: str = _f("completion", "record field holding the completion for format=prompt_completion")

@@ -50,7 +50,7 @@ def micro_grad_fn(prog, chosen, logprob_fn):
         reference = reference_logprobs(prog, chosen, logprob_fn, params, frozen, micro)
         if routed:  # a mixture of experts: the router losses, weighted by their coefficients, a micro-batch's mean
             policy, router = policy
-        share, metrics = chosen.micro_loss(policy, reference, micro[1], totals)
+        share, metrics = chosen.micro_loss(policy, reference, micro[1], totals, micro[2])
         if routed:
             share = share + (cfg.model.router_aux_loss_coef * router["moe_aux_loss"]
                              + cfg.model.router_z_loss_coef * router["moe_z_loss"]) / prog.grad_accum
@@ -71,7 +71,7 @@ def make_step(prog, chosen, logprob_fn, updated_state):
         state = offload.mark_host_entries(cfg, state)
         micro_batches = split_batch(batch) + (batch.get(REFERENCE_KEY),)
         scale = state["loss_scale"]["scale"] if "loss_scale" in state else jnp.float32(1.0)
-        totals = dict(chosen.totals(micro_batches[1]), scale=scale)
+        totals = dict(chosen.totals(micro_batches[1], micro_batches[2]), scale=scale)
         p_grad = grad_dtype.step_params(prog, grad_fn, state["params"], micro_batches, totals, state.get(FROZEN))
         with jax.named_scope(GRADS_SCOPE):
             grads, loss, metrics = _accumulate(prog, grad_fn, state, micro_batches, p_grad, totals)

@@ -134,8 +134,9 @@ class Objective:
     reference = "none"
     metric_names: tuple = ()  # the metrics a step reports beside loss, named 'group/name'
 
-    def totals(self, labels_arbt) -> dict:
-        """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
+    def totals(self, labels_arbt, segments_arbt=None) -> dict:
+        """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T] (and their segment ids
+        where rows are packed, else None)."""
         return {}
 
     def abstract_batch(self, prog) -> dict | None:
@@ -143,9 +144,10 @@ class Objective:
         stored log-probs), or None."""
         return None
 
-    def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict):
+    def micro_loss(self, policy_bt, reference_bt, labels_bt, totals: dict, segments_bt=None):
         """(this micro-batch's share of the step loss, {metric: share}) from the policy's per-token log-probs
-        [B, T] (0 on ignored labels), the reference's (None where `reference` is "none") and the labels."""
+        [B, T] (0 on ignored labels), the reference's (None where `reference` is "none"), the labels and, where
+        rows are packed, the segment ids (sequences' sums are then taken per segment), else None."""
         raise NotImplementedError
 
 
@@ -290,6 +292,12 @@ class Feature:
         """Seconds per step of this feature's own collectives (estimated), overlapping compute."""
         return 0.0
 
+    def extra_step_flops(self, cfg, forward_flops: float) -> float:
+        """FLOPs per step this feature runs beside the trained forward and backward, given `forward_flops`, one
+        forward of the whole model over the step's tokens (a preference reference policy's forward: that many
+        again); the cost model adds them to the step's compute at the dense matmul rate."""
+        return 0.0
+
     def zero3_gathered(self, cfg, bill) -> tuple[int, float]:
         """(weight elements this feature shards its own way under ZeRO-3, the bytes of them one all-gather
         brings each device per pass); the cost model gathers the rest over the state axes."""
@@ -398,6 +406,9 @@ class Features:
 
     def collective_seconds(self, cfg, bill, gpu, grad_accum: int) -> float:
         return sum(feature.collective_seconds(cfg, bill, gpu, grad_accum) for feature in self.active)
+
+    def extra_step_flops(self, cfg, forward_flops: float) -> float:
+        return sum(feature.extra_step_flops(cfg, forward_flops) for feature in self.active)
 
     def zero3_gathered(self, cfg, bill) -> list[tuple[int, float]]:
         return [feature.zero3_gathered(cfg, bill) for feature in self.active]

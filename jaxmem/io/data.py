@@ -46,13 +46,15 @@ def batch_keys(cfg: Config) -> tuple[str, ...]:
     """The arrays of a step's batch: token rows for the stream sources; for records inputs and labels (loss
     masks), plus segment ids and positions when documents are packed (attention stays inside a document,
     RoPE restarts). One document per row needs neither: right padding is never attended to. Preference pairs
-    are one sequence per row; with stored reference log-probs they carry them too."""
+    are one sequence per row, or packed whole pairs (a sequence a segment); with stored reference log-probs they
+    carry them too."""
     if cfg.data.kind not in RECORD_KINDS:
         return ("tokens",)
+    packed = ("segment_ids", "positions") if cfg.data.packing != "none" else ()
     if cfg.data.format == "preference":
         stored = resolved_reference(cfg) == "precompute"
-        return ("inputs", "labels") + ((REFERENCE_KEY,) if stored else ())
-    return ("inputs", "labels") + (("segment_ids", "positions") if cfg.data.packing != "none" else ())
+        return ("inputs", "labels") + packed + ((REFERENCE_KEY,) if stored else ())
+    return ("inputs", "labels") + packed
 
 
 class TokenSource(Protocol):
@@ -206,7 +208,7 @@ def make_source(cfg: Config, path: str | None = None, key: str = "data.path",
         log = lambda line: print(f"jaxmem data: {cfg.data.path}: {line}", file=sys.stderr, flush=True)  # noqa: E731
         pairs = build_pairs(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,
                             log=log)
-        return RecordSource(pairs, ("inputs", "labels"))
+        return RecordSource(pairs, tuple(k for k in batch_keys(cfg) if k != REFERENCE_KEY))  # stored: once computed
     if kind in RECORD_KINDS:
         log = lambda line: print(f"jaxmem data: {line}", file=sys.stderr, flush=True)  # noqa: E731
         rows = build_rows(cfg.data, path=cfg.data.path, seq_len=cfg.train.seq_len, vocab_size=vocab, seed=seed,

@@ -115,7 +115,7 @@ _TILED_OPS = ["q_proj", "kv_proj", "kv_proj", "o_proj", "up_proj", "up_proj", "d
 class Cost:
     params: int
     model_flops: float  # 6 N T (LoRA: 4 N T + 6 N_adapters T) + attention (unmasked), per step, all devices
-    hardware_flops: float  # model FLOPs + recomputed forward FLOPs
+    hardware_flops: float  # model FLOPs + recomputed forward FLOPs + a feature's own passes (a reference forward)
     recompute_flops: float
     compute_seconds: float  # the device's serial work: matmuls + attention + loss + memory-bound + per layer
     collective_seconds: float
@@ -286,20 +286,36 @@ def time_breakdown(cfg: Config, bill: Bill, gpu: GpuTarget, n_devices: int, grad
     loss_s, loss_flops = _loss_seconds(cfg, loss_kernel, tokens, n_devices, peak, bill.layout.freezes_model)
     memory_s, hbm_bytes = _memory_seconds(cfg, bill, gpu, tokens, n_devices)
     layer_s = LAYER_OVERHEAD_SECONDS * cfg.model.n_layers * grad_accum
+    extra_flops = _extra_step_flops(cfg, tokens)  # a feature's own passes (a preference reference's forward)
+    extra_s = extra_flops / (n_devices * peak * MATMUL_EFFICIENCY)
     overlapped, serial = _host_link_bytes(cfg, bill, grad_accum)
     link = gpu.host_link_bandwidth * HOST_LINK_EFFICIENCY
     homes = bill.layout.homes
     rate = bill.layout.optimizer.host_update_seconds_per_param if host_update_rate is None else host_update_rate
     host_update_s = _opt_elems(bill) * rate if homes.update_on_host else 0.0
-    compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s
+    compute_s = matmul_s + attn_s + loss_s + memory_s + layer_s + extra_s
     return {"matmul_seconds": matmul_s, "attention_seconds": attn_s, "loss_seconds": loss_s,
-            "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "compute_seconds": compute_s,
+            "memory_bound_seconds": memory_s, "layer_overhead_seconds": layer_s, "extra_seconds": extra_s,
+            "extra_flops": extra_flops, "compute_seconds": compute_s,
             "host_bytes_overlapped": float(overlapped), "host_bytes_serial": float(serial),
             "host_overlapped_seconds": overlapped / link, "host_serial_seconds": serial / link,
             "host_update_seconds": host_update_s,
             "matmul_flops": matmul_flops, **_breakdown_defaults(), "attention_kernel_flops": attn_flops,
             "loss_flops": loss_flops, "hbm_bytes": hbm_bytes, "attention_kernel": attn_kernel,
             "loss_kernel": loss_kernel, **own_rate}
+
+
+def forward_flops(cfg: Config, tokens: int) -> float:
+    """One forward of the whole model over `tokens` tokens: 2 FLOPs per matmul weight and token (the LM head
+    included, not the embedding lookup) plus the unmasked attention forward, as model_flops counts them."""
+    m = cfg.model
+    matmul_params = active_param_count(m) - m.vocab_size * m.d_model * (0 if m.tie_embeddings else 1)
+    return 2.0 * matmul_params * tokens + _op_flops(cfg, tokens)["attention"] * m.n_layers
+
+
+def _extra_step_flops(cfg: Config, tokens: int) -> float:
+    """What the active features run per step beside the trained forward and backward (Feature.extra_step_flops)."""
+    return registry.for_config(cfg).extra_step_flops(cfg, forward_flops(cfg, tokens))
 
 
 def _breakdown_defaults() -> dict:
@@ -446,7 +462,7 @@ def estimate(cfg: Config, bill: Bill, gpu: GpuTarget | None, n_devices: int, gra
     n_tiles = tile_count(cfg.train.seq_len, bill.mesh.get("sp", 1), cfg.remat.seq_tile)
     recompute = recompute_flops_per_layer(cfg, tokens, bill.layout.saved, bill.layout.kernels.get("attention"),
                                           n_tiles) * m.n_layers
-    hardware = model_flops + recompute
+    hardware = model_flops + recompute + _extra_step_flops(cfg, tokens)
     if gpu is None:
         return Cost(n_params, model_flops, hardware, recompute, 0.0, 0.0, 0.0, 0.0, 0.0, tokens)
     peak = gpu.peak_flops(cfg.precision.compute_dtype)

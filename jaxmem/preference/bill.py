@@ -1,5 +1,6 @@
 """Preference tuning's terms of the analytic bill (jaxmem.plan.bill). The pair's two sequences are two rows of
-the micro-batch (the base terms count them); a frozen reference copy is the state's frozen part (the layout's,
+the micro-batch, or two segments of a packed row (the base terms count the rows, packed ones with their segment
+ids and positions); a frozen reference copy is the state's frozen part (the layout's,
 counted by the base state term); stored reference log-probs are one more batch array (counted with the inputs).
 What is left: the per-token log-probs of policy and reference ([rows, T] fp32, never [tokens, vocab]) and the
 reference forward, which runs under stop_gradient and keeps no residual for the backward."""
@@ -22,7 +23,9 @@ def _loss(d) -> None:
     source = {"none": "no reference (none allocated)", "base": "the frozen LoRA base with the adapters off (no "
               "extra weights)", "precompute": "stored reference log-probs in the batch (no reference weights)",
               "model": copy}[resolved_reference(cfg)]
-    d.notes.append(f"train.objective={cfg.train.objective}: pairs on adjacent rows, per-token log-probs from the "
+    rows = "pairs on adjacent rows" if cfg.data.packing == "none" else \
+        f"whole pairs packed in rows (data.packing={cfg.data.packing}: a sequence a segment)"
+    d.notes.append(f"train.objective={cfg.train.objective}: {rows}, per-token log-probs from the "
                    f"fused LM head (no [tokens, vocab] logits); reference: {source}")
 
 

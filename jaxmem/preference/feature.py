@@ -23,9 +23,10 @@ def check(cfg: Config) -> None:
     if cfg.data.format != "preference":
         raise ConfigError(f"train.objective: {objective} trains on preference pairs; set data.format=preference "
                           "(records with prompt, chosen, rejected)")
-    if cfg.train.micro_batch % 2:
+    if cfg.train.micro_batch % 2 and cfg.data.packing == "none":
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must be even with train.objective="
-                          f"{objective} (a pair's chosen and rejected sequences share a device's micro-batch)")
+                          f"{objective} (a pair's chosen and rejected sequences share a device's micro-batch; "
+                          "with data.packing greedy or first_fit a row holds whole pairs and any count is allowed)")
     if cfg.parallel.pp > 1:
         raise ConfigError(f"parallel.pp: pipeline stages do not run train.objective={objective} yet; use pp=1")
     if cfg.optimizer.update_in_backward:
@@ -71,7 +72,7 @@ class Preference(Feature):
         check(cfg)
 
     def micro_batch_unit(self, cfg: Config) -> int:
-        return 2 if self.applies(cfg) else 1  # a pair's two rows
+        return 2 if self.applies(cfg) and cfg.data.packing == "none" else 1  # a pair's two rows
 
     def objective(self, cfg: Config):
         return PreferenceObjective(cfg) if self.applies(cfg) else None
@@ -93,6 +94,12 @@ class Preference(Feature):
         return reference_copy.layout_part(p.reference_dtype, p.reference_memory == "host", trainable, sizes)
 
     bill_terms = BILL_TERMS
+
+    def extra_step_flops(self, cfg: Config, forward_flops: float) -> float:
+        """reference=base or model: one more forward of the whole model per step, under stop_gradient (precompute
+        runs its pass before training: the plan's preference section prices it)."""
+        with_forward = self.applies(cfg) and resolved_reference(cfg) in ("base", "model")
+        return forward_flops if with_forward else 0.0
 
     def plan_section(self, cfg: Config, bill, cost) -> dict | None:
         return preference_plan.precompute_section(cfg, bill, cost) if self.applies(cfg) else None

@@ -1,8 +1,10 @@
 """preference.reference=precompute: one pass over every pair with the run's initial weights before training writes
 each pair's reference log-probs (the sums over the chosen and the rejected completion's tokens, [pairs, 2] fp32)
 into the run folder, with a sha256 of the values and what decided them; a run (a resume too) that finds a file
-whose checksum and identity match reuses it. The batches then carry each row's sum (jaxmem.io.data.REFERENCE_KEY,
-at the row's first position), so no reference weights exist during training.
+whose checksum and identity match reuses it. The batches then carry each sequence's sum (jaxmem.io.data.REFERENCE_KEY,
+at the sequence's first position: a row's, or a packed segment's), so no reference weights exist during
+training. Packed pairs are computed in their packed rows (the forward training runs); the stored values are per
+pair either way.
 """
 from __future__ import annotations
 
@@ -20,7 +22,9 @@ from jaxmem.config.schema import Config, ConfigError, to_dict
 from jaxmem.core.plugins import FROZEN
 from jaxmem.core.program import stage_fn
 from jaxmem.io.data import REFERENCE_KEY, RecordSource, batch_keys
+from jaxmem.io.documents.pair_packing import PackedPairRows
 from jaxmem.mesh import sharding
+from jaxmem.preference.objective import segment_sums
 
 VALUES_FILE, CHECK_FILE = "reference_logps.npy", "reference_logps.json"
 
@@ -78,6 +82,28 @@ def reference_sums(prog, params, frozen, rows) -> np.ndarray:
     return out
 
 
+def packed_reference_sums(prog, params, frozen, rows) -> np.ndarray:
+    """reference_sums of packed rows (jaxmem.io.documents.pair_packing): the packed rows in their pack order, a
+    global micro-batch of rows at a time (the last one padded with row 0), each segment's sum read back to its
+    pair and side; the same forward (segments masked, positions restarting) as training's."""
+    if jax.process_count() > 1:
+        raise ConfigError("preference.reference: precompute runs in one process; use model (or base with LoRA)")
+    forward = stage_fn(prog, logprobs=True)
+    shard = NamedSharding(prog.mesh, sharding.batch_spec(prog.mesh))
+    keys = ("inputs", "labels", "segment_ids", "positions")
+    sums = jax.jit(lambda p, f, *batch: segment_sums(forward(p, *batch, base=f), batch[2]), out_shardings=None)
+    out = np.zeros((len(rows.pairs), 2), np.float32)
+    with prog.lowering():
+        for start in range(0, rows.n_rows, prog.rows):
+            ids = np.arange(start, start + prog.rows) % rows.n_rows
+            batch = rows.packed_rows(ids)
+            got = np.asarray(sums(params, frozen, *(jax.device_put(batch[k], shard) for k in keys)))
+            for i in range(min(prog.rows, rows.n_rows - start)):
+                for j, k in enumerate(rows.row_pairs(int(ids[i]))):
+                    out[k] = got[i, 2 * j:2 * j + 2]
+    return out
+
+
 def prepare_source(cfg: Config, prog, state, source: RecordSource, resumed: bool) -> RecordSource:
     """The pairs with their stored reference sums: reused from the run folder, else computed now from the initial
     weights (`state` on a fresh run; on a resume without the file, the initial weights rebuilt)."""
@@ -89,7 +115,8 @@ def prepare_source(cfg: Config, prog, state, source: RecordSource, resumed: bool
             state = prog.init_from(cfg.checkpoint.init_from) if cfg.checkpoint.init_from else prog.init_state()
         print(f"jaxmem train: preference.reference=precompute: one pass over {len(rows.pairs)} pairs with the "
               f"initial weights, stored in {out_dir / VALUES_FILE}", file=sys.stderr, flush=True)
-        values = reference_sums(prog, state["params"], state.get(FROZEN), rows)
+        pass_over = packed_reference_sums if isinstance(rows, PackedPairRows) else reference_sums
+        values = pass_over(prog, state["params"], state.get(FROZEN), rows)
         _store(out_dir, values, ident)
     else:
         print(f"jaxmem train: reusing the reference log-probs of {out_dir / VALUES_FILE} (checksum verified)",

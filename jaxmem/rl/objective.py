@@ -65,13 +65,13 @@ class GRPOObjective(Objective):
     def abstract_batch(self, prog) -> dict:
         return abstract_batch(prog)
 
-    def totals(self, labels_arbt) -> dict:
+    def totals(self, labels_arbt, segments_arbt=None) -> dict:
         a, rows = labels_arbt.shape[:2]
         tokens = jnp.sum(labels_arbt != IGNORE_INDEX).astype(jnp.float32)
         return {"completions": jnp.float32(a * rows), "tokens": jnp.maximum(tokens, 1.0),
                 "max_completion_len": jnp.float32(self.settings.max_completion_len)}
 
-    def micro_loss(self, policy_bt, stored_bt3, labels_bt, totals: dict):
+    def micro_loss(self, policy_bt, stored_bt3, labels_bt, totals: dict, segments_bt=None):
         s = self.settings
         mask = (labels_bt != IGNORE_INDEX).astype(jnp.float32)
         loss, kl, low, high = per_token_terms(

@@ -56,12 +56,12 @@ def objective_eval_step(prog: TrainProgram, chosen):
         params = offload.cast_for_grad(cfg, params, prec.grad_reduce)
 
         def one(carry, micro):
-            totals = dict(chosen.totals(micro[1][None]), scale=jnp.float32(1.0))
+            segments = None if micro[2] is None else micro[2][None]
+            totals = dict(chosen.totals(micro[1][None], segments), scale=jnp.float32(1.0))
             policy = logprob_fn(params, *micro[:4], base=frozen)
             reference = reference_logprobs(prog, chosen, logprob_fn, params, frozen, micro)
-            share, metrics = chosen.micro_loss(policy, reference, micro[1], totals)
-            has = jnp.any(micro[1][0::2] != IGNORE_INDEX, axis=-1)
-            pairs = jnp.sum(has).astype(jnp.float32)
+            share, metrics = chosen.micro_loss(policy, reference, micro[1], totals, micro[2])
+            pairs = totals["pair_count"]
             weighted = {k: v * pairs for k, v in metrics.items()}
             return jax.tree.map(jnp.add, carry, (pairs, share * pairs, weighted)), None
 
@@ -150,8 +150,7 @@ def _read_once(data: Batches, position: int, distinct: int):
 
 
 def _distinct_rows(source) -> int:
-    """The held-out rows (a token stream: its windows; preference pairs: two rows each)."""
+    """The held-out rows (a token stream: its windows; preference pairs: two rows each, or their packed rows)."""
     if not isinstance(source, RecordSource):
         return source.n_windows
-    rows = source.rows
-    return 2 * len(rows.pairs) if hasattr(rows, "pairs") else rows.n_rows
+    return source.rows.n_rows

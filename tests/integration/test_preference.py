@@ -328,4 +328,5 @@ def _cli_overrides(folder, objective):
     return MODEL + [f"checkpoint.init_from={root / 'hf'}", "lora.rank=4", "lora.alpha=16", "lora.targets=q_proj,v_proj",
                     "data.kind=jsonl", f"data.path={root / 'pairs.jsonl'}", f"data.tokenizer={tokenizer}",
                     "data.format=preference", f"data.cache_dir={root / 'cache'}", f"train.objective={objective}",
-                    f"train.micro_batch={2 * PAIRS}", f"train.seq_len={SEQ}", "parallel.fsdp=1", "preference.beta=0.2"]
+                    f"train.micro_batch={2 * PAIRS}", f"train.seq_len={SEQ}", "parallel.fsdp=1", "preference.beta=0.2",
+                    "data.packing=none"]  # a sequence a row (packed pairs: test_preference_packing.py)
