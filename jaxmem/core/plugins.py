@@ -133,6 +133,9 @@ class Objective:
     # ProgramPlugin.reference_inputs, no gradient), or "batch" (the batch array REFERENCE_KEY: stored values)
     reference = "none"
     metric_names: tuple = ()  # the metrics a step reports beside loss, named 'group/name'
+    # the log-probs are those of the logits divided by this (a sampling policy's temperature: GRPO's, as TRL
+    # takes them); the fused LM head path scales the hidden state instead, never building [tokens, vocab]
+    temperature = 1.0
 
     def totals(self, labels_arbt) -> dict:
         """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T]."""
@@ -258,6 +261,12 @@ class Feature:
     def search_meshes(self, load, cfg, n_devices: int) -> list[list[str]]:
         """Meshes tune also tries on a free mesh (a mixture of experts: its expert-parallel ones), as overrides
         that `load(overrides)` accepts."""
+        return []
+
+    def search_variants(self, cfg, n_devices: int) -> list[list[str]]:
+        """The settings of this feature tune tries every candidate with, as overrides, the fastest first (GRPO:
+        its rollout batch); [] where it has none. A run of several programs plans each candidate whole
+        (plan_run), so a variant's cost shows in its plan."""
         return []
 
     def expand_grid(self, grid: dict, load, cfg, n_devices: int) -> dict:

@@ -43,15 +43,18 @@ def check(cfg: Config) -> None:
         raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
 
 
-# what the commands that price one training program do not do for a run of two phases (rollout, training)
+# what the commands that price one training program do not do for a run of three phases
 UNSUPPORTED = {
-    "tune": "tune does not search a GRPO run yet (it prices one training program; GRPO adds a rollout phase): "
-            "`jaxmem plan` it and set rl.generation_batch and train.micro_batch by hand",
-    "sweep": "sweep does not take a GRPO run yet (its points are one training program's plans): `jaxmem plan` "
-             "each setting",
     "explain": "explain does not read a GRPO run's programs yet (it explains one training step's buffers): "
                "`jaxmem plan` gives each phase's peak",
 }
+
+
+def rollout_batches(cfg: Config) -> list[list[str]]:
+    """tune's choices of rl.generation_batch, the largest first (fewer decode loops per rollout): every divisor
+    of the rollout's completions (a batch the mesh's data ways do not split is refused by its plan)."""
+    n = cfg.rl.prompts_per_step * cfg.rl.group_size
+    return [[f"rl.generation_batch={rows}"] for rows in range(n, 0, -1) if n % rows == 0]
 
 
 class RL(Feature):
@@ -78,9 +81,12 @@ class RL(Feature):
             return None
         return f"train.objective=grpo: {UNSUPPORTED[command]}"
 
+    def search_variants(self, cfg: Config, n_devices: int) -> list[list[str]]:
+        return rollout_batches(cfg) if self.applies(cfg) else []
+
     def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
         """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""
-        return plan_rl(cfg, topo, planner, compile=compile) if self.applies(cfg) else None
+        return plan_rl(cfg, topo, planner, compile=compile, source=source) if self.applies(cfg) else None
 
 
 def _holds_copy(cfg: Config) -> bool:

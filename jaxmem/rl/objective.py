@@ -61,6 +61,7 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: Config):
         self.settings = cfg.rl
+        self.temperature = cfg.rl.temperature  # the rollout samples at it; the loss's log-probs take it too
 
     def abstract_batch(self, prog) -> dict:
         return abstract_batch(prog)
