@@ -91,7 +91,7 @@ def plan_rl(cfg: Config, topo: Topology, planner, compile: bool = True, source: 
     bill = planner.compute_bill(cfg, topo.n_devices, gpu=bool(topo.name),
                                 device_memory=topo.gpu.hbm_bytes if topo.gpu else None)
     cost = planner.estimate(cfg, bill, topo.gpu, topo.n_devices, bill.layout.grad_accum, bill.layout.rows)
-    generation = planner.plan_generation(rollout_config(cfg), topo, compile=compile)
+    generation = planner.plan_generation(rollout_config(cfg), topo, compile=compile, bucket_rows=False)
     estimated = plan_estimate.estimated_phases(cfg, bill, generation["cache_bytes"])
     live = plan_estimate.state_bytes(bill)
     compiled = None
