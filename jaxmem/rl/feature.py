@@ -34,6 +34,8 @@ def check(cfg: Config) -> None:
         raise ConfigError("rl.top_p must be in (0, 1] and rl.top_k >= 0")
     if rl.beta < 0 or not 0 <= rl.epsilon_low < 1 or rl.epsilon_high < 0:
         raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
+    if not (rl.sapo_temperature_pos > 0 and rl.sapo_temperature_neg > 0):
+        raise ConfigError("rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0")
     if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
                           f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")

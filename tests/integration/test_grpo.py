@@ -92,7 +92,7 @@ def _torch_logps(model, prompt_ids, completion_ids, completion_mask, temperature
     return selective_log_softmax(logits, completion_ids, temperature=temperature)
 
 
-def _trl_loss(model, loss_type, beta, inputs, temperature=1.0):
+def _trl_loss(model, loss_type, beta, inputs, temperature=1.0, epsilon_high=0.28):
     """GRPOTrainer._compute_loss on our inputs: its log-prob pass replaced by the same torch computation."""
     from trl import GRPOTrainer
 
@@ -105,8 +105,9 @@ def _trl_loss(model, loss_type, beta, inputs, temperature=1.0):
                                         reduce=lambda x, reduction: x, sync_gradients=True)
     stub = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=logps, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
-        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1),
+        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
+        args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
+                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
         use_vllm=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=COMPLETION, accelerator=accelerator, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
@@ -134,7 +135,8 @@ def program(folder):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("loss_type,beta,temperature", [("grpo", 0.04, 1.0), ("dr_grpo", 0.04, 1.0), ("dapo", 0.04, 1.0),
-                                                        ("dapo", 0.0, 1.0), ("grpo", 0.04, 0.7)])
+                                                        ("dapo", 0.0, 1.0), ("grpo", 0.04, 0.7), ("bnpo", 0.04, 1.0),
+                                                        ("cispo", 0.0, 1.0), ("sapo", 0.04, 1.0)])
 def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, temperature, tmp_path):
     cfg, prog, state, adapters = program
     prompts, completions, mask, rewards = _fixed_batch()
@@ -149,7 +151,8 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
     inputs = {"prompt_ids": p, "prompt_mask": torch.ones_like(p), "completion_ids": c, "completion_mask": m,
               "advantages": torch.tensor(advantages), "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": m.sum().float()}
-    ref_loss, ref_metrics = _trl_loss(model, loss_type, beta, inputs, temperature)
+    epsilon_high = 1.1 if loss_type == "cispo" else 0.28  # cispo's cap on the ratio itself: some tokens over it
+    ref_loss, ref_metrics = _trl_loss(model, loss_type, beta, inputs, temperature, epsilon_high)
 
     seq = np.concatenate([prompts, completions], 1)
     n, width = seq.shape
@@ -161,7 +164,7 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
     stored[:, PROMPT - 1:width - 1, 0], stored[:, PROMPT - 1:width - 1, 1] = old.numpy(), ref.numpy()
     stored[..., 2] = advantages[:, None]
     chosen = GRPOObjective(dataclasses.replace(cfg, rl=dataclasses.replace(
-        cfg.rl, loss_type=loss_type, beta=beta, epsilon_high=0.28, temperature=temperature)))
+        cfg.rl, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, temperature=temperature)))
     logprob_fn = stage_fn(prog, logprobs=True, temperature=chosen.temperature)  # as the program's step takes it
     grad_fn = jax.jit(core_objective.micro_grad_fn(prog, chosen, logprob_fn))
     y = jnp.asarray(labels)
@@ -169,9 +172,11 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
     grads, (loss, metrics) = grad_fn(adapters, (jnp.asarray(x), y, None, None, jnp.asarray(stored)), totals,
                                      state["base"], None)
     _assert_close(float(loss), ref_loss, "loss")
-    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean") + (("kl",) if beta else ()):
-        _assert_close(float(metrics[key]), ref_metrics[key], key, tol=1e-4 if ref_metrics[key] > 1e-3 else 1e-2)
-    assert ref_metrics["clip_ratio/region_mean"] > 0  # the noise on the old log-probs makes the ratio clip
+    clips = {"cispo": {"clip_ratio/high_mean": "cispo_clip_ratio"}, "sapo": {}}.get(loss_type, {
+        k: k for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")})
+    for ours, theirs in dict(clips, **({"kl": "kl"} if beta else {})).items():
+        _assert_close(float(metrics[ours]), ref_metrics[theirs], ours, tol=1e-4 if ref_metrics[theirs] > 1e-3 else 1e-2)
+    assert loss_type == "sapo" or ref_metrics[next(reversed(clips.values()))] > 0  # the noise makes the ratio clip
     ref_grads = _adapter_grads(model, cfg, tmp_path)
     for name, layer in grads["layers"].items():
         for part in ("a", "b"):
