@@ -319,6 +319,11 @@ class Feature:
         None."""
         return None
 
+    def explained_program(self, cfg) -> str | None:
+        """Which of this run's programs `jaxmem explain` reads, in one line, where the run is more than the one
+        train step (GRPO: its training phase); None otherwise."""
+        return None
+
     def render_plan(self, plan: dict, console) -> None:
         """Prints this feature's section of a plan's report, where the plan dict carries one."""
 

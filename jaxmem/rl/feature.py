@@ -45,11 +45,10 @@ def check(cfg: Config) -> None:
         raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
 
 
-# what the commands that price one training program do not do for a run of three phases
-UNSUPPORTED = {
-    "explain": "explain does not read a GRPO run's programs yet (it explains one training step's buffers): "
-               "`jaxmem plan` gives each phase's peak",
-}
+# what explain reads of a run of three phases: the training step's buffers (the rollout's and the log-prob
+# passes' programs are priced by `jaxmem plan`)
+EXPLAINED = ("train.objective=grpo: explained is the training phase (the GRPO step on a rollout's batch); "
+             "`jaxmem plan` gives the rollout and log-prob phases and the run's peak")
 
 
 def rollout_batches(cfg: Config) -> list[list[str]]:
@@ -78,10 +77,8 @@ class RL(Feature):
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
         return reference_copy.layout_part("bfloat16", False, trainable, sizes) if _holds_copy(cfg) else None
 
-    def unsupported(self, cfg: Config, command: str) -> str | None:
-        if not self.applies(cfg) or command not in UNSUPPORTED:
-            return None
-        return f"train.objective=grpo: {UNSUPPORTED[command]}"
+    def explained_program(self, cfg: Config) -> str | None:
+        return EXPLAINED if self.applies(cfg) else None
 
     def search_variants(self, cfg: Config, n_devices: int) -> list[list[str]]:
         return rollout_batches(cfg) if self.applies(cfg) else []

@@ -381,13 +381,20 @@ def test_an_export_of_a_lora_grpo_run_loads_in_transformers(folder, tmp_path):
     assert np.abs(base_logits - ours).max() > 1e-4  # the two GRPO steps moved the adapters
 
 
-def test_explain_refuses_grpo_in_one_line(folder, capsys):
-    """No SFT bill or traceback for a GRPO config: one line naming what is not supported yet, exit 2."""
+@pytest.mark.slow
+def test_explain_reads_the_training_phase(folder, tmp_path, capsys):
+    """explain of a grpo config: the training phase's step (the objective's batch, not next-token tokens),
+    named as such on its first line and in the JSON, its buffers listed."""
     from jaxmem import cli
 
-    assert cli.main(["explain", "configs/tiny.yaml", *_overrides(folder)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("jaxmem explain: config error: train.objective=grpo: explain "), err
+    out = tmp_path / "explain.json"
+    assert cli.main(["explain", "configs/tiny.yaml", *_overrides(folder), "--top", "3", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("train.objective=grpo: explained is the training phase"), text[:200]
+    result = json.loads(out.read_text())
+    assert result["program"].startswith("train.objective=grpo: explained is the training phase")
+    assert len(result["buffers"]) == 3 and result["peak_live_bytes"] <= result["compiled_device_bytes"]
+    assert {b["category"] for b in result["buffers"]} <= {"param", "grad", "optimizer", "activation", "logits", "temp"}
 
 
 def test_sweep_plans_each_rollout_batch(folder, tmp_path, capsys):
