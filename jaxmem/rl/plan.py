@@ -154,7 +154,8 @@ def render_lines(plan: dict) -> list[str]:
     lines = [f"GRPO plan per device ({rl['label']}):",
              f"  live across the phases (the train state): {gib(rl['live_across'])}"]
     for name, phase in phases.items():
-        lines.append(f"  {NAMES[name]}: {what[name]}: {gib(phase['peak'])} ({phase['label']}); "
-                     f"{rl['seconds']['logprob' if name == 'logprobs' else name]:.3g} s per step (estimated)")
+        seconds = rl["seconds"]["logprob" if name == "logprobs" else name]
+        timed = f"; {seconds:.3g} s per step (estimated)" if usable is not None else ""  # no GPU: no time
+        lines.append(f"  {NAMES[name]}: {what[name]}: {gib(phase['peak'])} ({phase['label']}){timed}")
     lines.append(f"  run peak: {gib(rl['run_peak'])} in the {NAMES[plan['peak_phase']]}: {verdict}")
     return lines

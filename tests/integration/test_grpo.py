@@ -134,9 +134,9 @@ def program(folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type,beta,temperature", [("grpo", 0.04, 1.0), ("dr_grpo", 0.04, 1.0), ("dapo", 0.04, 1.0),
-                                                        ("dapo", 0.0, 1.0), ("grpo", 0.04, 0.7), ("bnpo", 0.04, 1.0),
-                                                        ("cispo", 0.0, 1.0), ("sapo", 0.04, 1.0)])
+@pytest.mark.parametrize("loss_type,beta,temperature", [
+    ("grpo", 0.04, 1.0), ("dr_grpo", 0.04, 1.0), ("dapo", 0.04, 1.0), ("dapo", 0.0, 1.0), ("grpo", 0.04, 0.7),
+    ("bnpo", 0.04, 1.0), ("cispo", 0.0, 1.0), ("sapo", 0.04, 1.0)])
 def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, temperature, tmp_path):
     cfg, prog, state, adapters = program
     prompts, completions, mask, rewards = _fixed_batch()
@@ -302,7 +302,7 @@ def test_plan_compiles_both_phases(folder):
     assert result["peak_phase"] == max(phases, key=lambda k: phases[k]["peak"])
     assert {p["label"] for p in phases.values()} == {f"compiled for {resolve_topology(cfg).label} (attached devices)"}
     lines = "\n".join(result["lines"])
-    assert "  log-prob phase: the forward passes of the old log-probs" in lines and "(estimated)" in lines
+    assert "  log-prob phase: the forward passes of the old log-probs" in lines and "s per step" not in lines  # no GPU
     # without compile each phase is estimated from the step's bill and the analytic KV cache, within 2x of the
     # compiled figure on this tiny model (the bill's working set is coarse at its sizes), and the plan says so
     estimated = plan(cfg, resolve_topology(cfg), compile=False)
