@@ -11,6 +11,8 @@ memory (and a host side within the node's RAM) counts as fitting. The winner is 
 the most tokens per second (estimated), ties broken by headroom; so a candidate whose estimate cannot beat a
 fitting one already found is never compiled, and a larger micro-batch whose analytic bill, scaled by the
 compiled/analytic ratio of the micro-batch it grows from, is clearly over the usable memory is not either.
+A run of several programs (GRPO) is planned whole, its figure the largest phase, and a feature's own settings
+(its rollout batch: Feature.search_variants) are tried with every lever.
 """
 from __future__ import annotations
 
