@@ -506,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     if near and near.row else ""))
         return 1
     write_yaml(tuner, best, Path(args.out))
-    print("\n".join(phase_lines(tuner, best)))
+    for line in phase_lines(tuner, best):  # a run of several programs: each phase of the winner
+        print(line)
     print(f"chose {best.label}: {_gib(best.row['device_bytes'])} GiB per GPU (compiled for target), "
           f"{best.tokens_per_second():,.0f} tokens/s (estimated); wrote {args.out}")
     if args.verify:
