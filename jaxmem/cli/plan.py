@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     for path, cfg, topo in jobs:
         result = plan(cfg, topo, compile=not args.no_compile, source=path)
         if "lines" in result:  # a feature's run of several programs (GRPO: rollout and training), rendered by it
+            remember(result)  # its run peak, the largest phase, for the allocator of `jaxmem train`
             print("\n".join(result["lines"]))
             plans.append(result)
             continue

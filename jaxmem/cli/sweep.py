@@ -182,6 +182,7 @@ def _row(overrides: list[str], key: str, p: dict, cached: bool) -> dict:
         "tokens_per_step": p["cost"]["tokens_per_step"],
         "warnings": len(p["warnings"]), "target": p["target"]["name"], "devices": p["devices"],
         "usable_device_bytes": p["usable_device_bytes"],
+        "peak_phase": p.get("peak_phase"),  # a run of several programs (GRPO): the phase that sets its peak
     })
     return row
 

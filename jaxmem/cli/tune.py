@@ -11,10 +11,13 @@ memory (and a host side within the node's RAM) counts as fitting. The winner is 
 the most tokens per second (estimated), ties broken by headroom; so a candidate whose estimate cannot beat a
 fitting one already found is never compiled, and a larger micro-batch whose analytic bill, scaled by the
 compiled/analytic ratio of the micro-batch it grows from, is clearly over the usable memory is not either.
+A run of several programs (GRPO) is planned whole, its figure the largest phase, and a feature's own settings
+(its rollout batch: Feature.search_variants) are tried with every lever.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 
@@ -191,7 +194,12 @@ class Tuner:
         self.meshes = mesh_options(base, self.n)
         if self.meshes != [[]]:  # a free mesh: a feature may add its own (a mixture of experts: ep)
             self.meshes += [m for f in registry.FEATURES for m in f.search_meshes(self._load, base, self.n)]
+        # an active feature's own settings every candidate is also tried with (GRPO: its rollout batch)
+        self.variants = [[]]
+        for feature in registry.for_config(base).active:
+            self.variants = [a + b for a in self.variants for b in feature.search_variants(base, self.n) or [[]]]
         self.candidates: list[Candidate] = []
+        self.misses: list[Candidate] = []  # compiled, not fitting, with the phase of their peak (said in the path)
         self.path: list[str] = []
 
     # ------------------------------------------------------------ planning
@@ -207,7 +215,8 @@ class Tuner:
             return False
         usable = p["usable_device_bytes"]
         cand.analytic = {"device_total": p["analytic"]["device_total"], "usable": usable,
-                         "step_seconds": p["cost"]["step_seconds"], "tokens_per_step": p["cost"]["tokens_per_step"]}
+                         "step_seconds": p["cost"]["step_seconds"], "tokens_per_step": p["cost"]["tokens_per_step"],
+                         "peak_phase": p.get("peak_phase")}
         return p["analytic"]["device_total"] <= ANALYTIC_SLACK * usable
 
     def compile(self, cands: list[Candidate]) -> None:
@@ -236,6 +245,7 @@ class Tuner:
         least memory), until one fits; a doubtful one (over SURE_SHARE of the usable memory) is compiled with
         the next ones beside it, up to the worker count."""
         alive = [c for c in cands if self.analytic(c)]
+        self.misses += [c for c in cands if c not in alive and (c.analytic or {}).get("peak_phase")]
         alive = [c for c in sorted(alive, key=lambda c: (c.analytic["step_seconds"], c.analytic["device_total"]))
                  if self.could_win(c, best)]
         while alive and time.monotonic() < self.budget_end:
@@ -244,6 +254,7 @@ class Tuner:
                 max(1, self.workers)
             batch, alive = alive[:width], alive[width:]
             self.compile(batch)
+            self.misses += [c for c in batch if c.row is not None and not c.fits() and c.row.get("peak_phase")]
             hit = next((c for c in batch if c.fits()), None)
             if hit is not None:
                 return hit
@@ -258,7 +269,7 @@ class Tuner:
                 micro = self.global_batch // ways if "offload.params=host" in lever else self.unit
                 batch = batch_overrides(max(micro, self.unit), ways, self.global_batch)
                 if batch is not None:
-                    out.append(Candidate(BF16 + self.reset + lever + mesh + batch, name))
+                    out += [Candidate(BF16 + self.reset + lever + mesh + batch + v, name) for v in self.variants]
         return out
 
     # ------------------------------------------------------------ the flow
@@ -278,6 +289,8 @@ class Tuner:
                 fitting.append(hit)
                 first_fit = index if first_fit is None else first_fit
             self.path.append(f"{name}: " + self.stage_outcome(cands, hit, best))
+            self.path += [f"  {c.label}: {why_not(c)}" for c in self.misses]
+            self.misses = []
             if time.monotonic() >= self.budget_end:
                 self.path.append("budget spent")
                 break
@@ -338,6 +351,28 @@ class Tuner:
                 else float("inf")
         ranked = sorted(self.candidates, key=need)
         return ranked[0] if ranked else None
+
+
+def why_not(cand: Candidate) -> str:
+    """Why a candidate of a run of several programs does not fit: its largest phase against the usable memory,
+    compiled for the target or (not compiled) estimated well over it."""
+    row, est = cand.row, cand.analytic
+    if row is not None:
+        return (f"does not fit: its {row['peak_phase']} phase {_size(row['device_bytes'])} > "
+                f"{_size(row['usable_device_bytes'])} usable (compiled for the target)")
+    return (f"does not fit: its {est['peak_phase']} phase {_size(est['device_total'])} (estimated) > "
+            f"{ANALYTIC_SLACK} x the {_size(est['usable'])} usable (not compiled)")
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
+
+
+def phase_lines(tuner: Tuner, best: Candidate) -> list[str]:
+    """The winner's own summary where its plan is a run of several programs (GRPO: each phase, what it holds and
+    how that was obtained), read back from the plan cache; [] for one program."""
+    cached = tuner.cache_dir / f"{best.row.get('hash')}.json"
+    return json.loads(cached.read_text()).get("lines", []) if cached.is_file() else []
 
 
 def _data_ways(cfg, n_devices: int) -> int:
@@ -416,7 +451,6 @@ def verify(tuner: Tuner, best: Candidate, steps: int = 6) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
-    import json
     import sys
 
     ap = argparse.ArgumentParser(
@@ -472,6 +506,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     if near and near.row else ""))
         return 1
     write_yaml(tuner, best, Path(args.out))
+    for line in phase_lines(tuner, best):  # a run of several programs: each phase of the winner
+        print(line)
     print(f"chose {best.label}: {_gib(best.row['device_bytes'])} GiB per GPU (compiled for target), "
           f"{best.tokens_per_second():,.0f} tokens/s (estimated); wrote {args.out}")
     if args.verify:

@@ -504,10 +504,16 @@ class RLConfig:
                           "copy of the initial weights for a full fine-tune); 0: no reference is computed or "
                           "allocated")
     epsilon_low: float = _f(0.2, "the importance ratio's lower clip: 1 - epsilon_low")
-    epsilon_high: float = _f(0.2, "the importance ratio's upper clip: 1 + epsilon_high (DAPO: 0.28)")
-    loss_type: Literal["grpo", "dr_grpo", "dapo"] = _f(
-        "dapo", "the loss's normalization, one of grpo (per sequence mean, then the mean), dr_grpo (sum over "
-                "completions x max_completion_len), dapo (per token over the rollout)")
+    epsilon_high: float = _f(0.2, "the importance ratio's upper clip: 1 + epsilon_high (DAPO: 0.28); with "
+                                  "loss_type cispo, the ratio's cap itself")
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"] = _f(
+        "dapo", "the loss, as TRL's GRPOTrainer names it: grpo (clipped ratio; per sequence mean, then the mean), "
+                "dr_grpo (sum over completions x max_completion_len), dapo (per token over the rollout), bnpo (per "
+                "token over each micro-batch, then the mean), cispo (the capped ratio, without gradient, times the "
+                "advantage and the log-prob; per token over the rollout), sapo (a sigmoid gate of the ratio "
+                "instead of the clip, rl.sapo_temperature_*; per sequence mean, then the mean)")
+    sapo_temperature_pos: float = _f(1.0, "loss_type sapo: the gate's temperature where the advantage is > 0")
+    sapo_temperature_neg: float = _f(1.05, "loss_type sapo: the gate's temperature where the advantage is <= 0")
     updates_per_rollout: int = _f(1, "optimizer steps on each rollout (TRL's num_iterations), with the importance "
                                      "ratio to the rollout's log-probs")
     samples_every: int = _f(0, "write a few prompts with their completions and rewards to out_dir/samples.jsonl "

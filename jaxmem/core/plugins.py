@@ -133,6 +133,9 @@ class Objective:
     # ProgramPlugin.reference_inputs, no gradient), or "batch" (the batch array REFERENCE_KEY: stored values)
     reference = "none"
     metric_names: tuple = ()  # the metrics a step reports beside loss, named 'group/name'
+    # the log-probs are those of the logits divided by this (a sampling policy's temperature: GRPO's, as TRL
+    # takes them); the fused LM head path scales the hidden state instead, never building [tokens, vocab]
+    temperature = 1.0
 
     def totals(self, labels_arbt, segments_arbt=None) -> dict:
         """Step-wide counts (traced) from the labels of all micro-batches [A, rows, T] (and their segment ids
@@ -262,6 +265,12 @@ class Feature:
         that `load(overrides)` accepts."""
         return []
 
+    def search_variants(self, cfg, n_devices: int) -> list[list[str]]:
+        """The settings of this feature tune tries every candidate with, as overrides, the fastest first (GRPO:
+        its rollout batch); [] where it has none. A run of several programs plans each candidate whole
+        (plan_run), so a variant's cost shows in its plan."""
+        return []
+
     def expand_grid(self, grid: dict, load, cfg, n_devices: int) -> dict:
         """A sweep grid with this feature's `auto` values replaced by the ones `load` accepts."""
         return grid
@@ -316,6 +325,11 @@ class Feature:
     def unsupported(self, cfg, command: str) -> str | None:
         """Why `jaxmem COMMAND` (tune, sweep, explain) cannot take `cfg` yet, in one line naming the key, or
         None."""
+        return None
+
+    def explained_program(self, cfg) -> str | None:
+        """Which of this run's programs `jaxmem explain` reads, in one line, where the run is more than the one
+        train step (GRPO: its training phase); None otherwise."""
         return None
 
     def render_plan(self, plan: dict, console) -> None:

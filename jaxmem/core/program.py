@@ -300,7 +300,7 @@ def _head_grad_axes(prog: TrainProgram) -> tuple | None:
 
 
 def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bool = True, last: bool = True,
-             router_carry: bool = False, logprobs: bool = False):
+             router_carry: bool = False, logprobs: bool = False, temperature: float = 1.0):
     """fn(params, x, labels_bt, segment_ids_bt=None, positions_bt=None, *, base=None, dropout_key=None): the
     model's parts in order. `first`: x is tokens [B, T] and is embedded, else x is hidden states [B, T, D]; then
     the layers `params` hold; `last`: the final norm, LM head and loss -> (loss_sum, n_valid), else the hidden states.
@@ -310,7 +310,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
     `router_carry` (a mixture of experts' pipeline stage): a stage that is not first takes x = (hidden states,
     the earlier layers' router statistics), one that is not last returns (hidden states, statistics).
     `logprobs`: the last part gives the per-token log-probs of the labels [B, T] instead (an objective's,
-    jaxmem.core.objective), through the same fused kernels."""
+    jaxmem.core.objective), through the same fused kernels; `temperature`: of the logits divided by it (the
+    hidden state scaled by its inverse before the LM head, which is linear: no [tokens, vocab] logits)."""
     ctx = ctx or prog.ctx
     cfg, mesh = prog.cfg, prog.mesh
     constrainer = sharding.activation_constrainer(sharding.RULE_TABLES[cfg.parallel.rules], mesh)
@@ -343,6 +344,8 @@ def stage_fn(prog: TrainProgram, ctx: ForwardContext | None = None, *, first: bo
                 return h_btd
             h_btd = model.final_hidden(h_btd, run_ctx)
         w_dv = plugin.head_weight(prog, base, model)
+        if temperature != 1.0:
+            h_btd = h_btd * jnp.asarray(1.0 / temperature, h_btd.dtype)
         out = loss_impl(h_btd, w_dv, labels_bt)
         return (out, router) if router_losses else out
 
@@ -355,7 +358,8 @@ def _make_step(prog: TrainProgram):
         return replaced
     chosen = prog.features.objective(prog.cfg)  # a feature's loss instead of next-token cross-entropy
     if chosen is not None:
-        return objective.make_step(prog, chosen, functools.partial(stage_fn, prog, logprobs=True), _updated_state)
+        return objective.make_step(prog, chosen, functools.partial(stage_fn, prog, logprobs=True,
+                                                                       temperature=chosen.temperature), _updated_state)
     cfg = prog.cfg
     grad_fn, router_zero = _micro_grad_fn(prog)
     rows_grad_fn = embed_grad.grad_fn(prog, stage_fn(prog, first=False))

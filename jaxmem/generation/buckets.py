@@ -1,5 +1,6 @@
-"""Static shapes from bucketed lengths: a prompt length or a token budget rounded up to the next bucket, so a
-new length reuses a compiled program (powers of two from MIN_BUCKET)."""
+"""Static shapes from bucketed sizes: a prompt length or a token budget rounded up to the next bucket (powers of
+two from MIN_BUCKET), and a batch's rows to the next power of two (a multiple of the mesh's data ways), so a new
+length or batch size within a bucket reuses a compiled program."""
 from __future__ import annotations
 
 MIN_BUCKET = 16
@@ -11,3 +12,12 @@ def bucket(n: int) -> int:
     while size < n:
         size *= 2
     return size
+
+
+def batch_bucket(rows: int, multiple: int = 1) -> int:
+    """The rows a batch of `rows` is padded to: the smallest power of two >= rows, rounded up to a multiple of
+    `multiple` (the mesh's data ways)."""
+    size = 1
+    while size < rows:
+        size *= 2
+    return -(-size // multiple) * multiple

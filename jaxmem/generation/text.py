@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxmem.config.schema import ConfigError
-from jaxmem.generation.buckets import bucket
+from jaxmem.generation.buckets import batch_bucket, bucket
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.loop import generate_fn, left_pad
 from jaxmem.generation.sampling import Sampling
@@ -95,8 +95,9 @@ def hf_codec(folder: str | Path) -> TextCodec:
 
 @dataclasses.dataclass
 class Generator:
-    """A decoder, its weights and a codec; `rows_multiple`: batches are padded to a multiple of it (the
-    mesh's data ways)."""
+    """A decoder, its weights and a codec; batches are padded to their bucket (jaxmem.generation.buckets:
+    a power of two, a multiple of `rows_multiple`, the mesh's data ways), so a new batch size within a bucket
+    reuses the compiled program."""
 
     decoder: Decoder
     weights: object
@@ -110,7 +111,7 @@ class Generator:
         check_request(prompts, max_new_tokens, self.decoder.cfg, cache_dtype)
         stops = tuple(self.codec.stop_ids if stop_ids is None and self.codec else (stop_ids or ()))
         pad = self.codec.pad_id if self.codec else 0
-        rows = -(-len(prompts) // self.rows_multiple) * self.rows_multiple
+        rows = batch_bucket(len(prompts), self.rows_multiple)
         batch = list(prompts) + [prompts[0]] * (rows - len(prompts))  # filler rows, dropped below
         tokens, starts = left_pad(batch, bucket(max(map(len, prompts))), pad)
         key = (bucket(max_new_tokens), sampling, stops, pad, cache_dtype)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxmem.config.schema import Config, ConfigError
 from jaxmem.registry import build_program
-from jaxmem.generation.buckets import bucket
+from jaxmem.generation.buckets import batch_bucket, bucket
 from jaxmem.generation.decoder import Decoder
 from jaxmem.generation.loop import generate_fn
 from jaxmem.model import kv_cache
@@ -41,11 +41,13 @@ def shapes(cfg: Config) -> tuple[int, int, int]:
     return g.batch, bucket(g.prompt_len), bucket(g.max_new_tokens)
 
 
-def cache_bytes(cfg: Config, batch_ways: int = 1, head_ways: int = 1) -> int:
+def cache_bytes(cfg: Config, batch_ways: int = 1, head_ways: int = 1, rows: int | None = None) -> int:
     """Bytes of the key/value cache per device (analytic): per layer kind 2 x L x B x C x K x H x itemsize (+ the
-    int8 scales, 4 bytes per token and head), rows split over `batch_ways`, kv heads over `head_ways`."""
+    int8 scales, 4 bytes per token and head), `rows` (default generate.batch) split over `batch_ways`, kv heads
+    over `head_ways`."""
     m = cfg.model
-    rows, prompt, new = shapes(cfg)
+    batch, prompt, new = shapes(cfg)
+    rows = batch if rows is None else rows
     dtype = cache_dtype(cfg)
     per_slot = m.head_dim * _ITEMSIZE[dtype] + (4 if dtype == "int8" else 0)
     rows_here = -(-rows // batch_ways)
@@ -56,9 +58,10 @@ def cache_bytes(cfg: Config, batch_ways: int = 1, head_ways: int = 1) -> int:
     return total
 
 
-def plan_generation(cfg: Config, topo: Topology, compile: bool = True) -> dict:
+def plan_generation(cfg: Config, topo: Topology, compile: bool = True, bucket_rows: bool = True) -> dict:
     """{"cache_bytes": analytic per device, "device_peak": the compiled program's (None without compile),
-    "label": how the peak was obtained, and the shapes}."""
+    "label": how the peak was obtained, and the shapes}; `bucket_rows`: generate.batch padded to its bucket as
+    `jaxmem generate` pads a batch (a GRPO rollout decodes its chunks as they are: False)."""
     check(cfg)
     rows, prompt, new = shapes(cfg)
     out = {"batch": rows, "prompt_bucket": prompt, "new_bucket": new, "cache_dtype": cache_dtype(cfg),
@@ -67,7 +70,9 @@ def plan_generation(cfg: Config, topo: Topology, compile: bool = True) -> dict:
     with captured_stderr():
         prog = build_program(cfg, devices=list(topo.devices()))
     sizes = prog.layout.mesh_sizes
-    out["cache_bytes"] = cache_bytes(cfg, prog.layout.data_ways, sizes.get("tp", 1))
+    if bucket_rows:
+        rows = out["batch"] = batch_bucket(rows, prog.layout.data_ways)
+    out["cache_bytes"] = cache_bytes(cfg, prog.layout.data_ways, sizes.get("tp", 1), rows)
     if not compile:
         return out
     if rows % prog.layout.data_ways:

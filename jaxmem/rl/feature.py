@@ -34,6 +34,8 @@ def check(cfg: Config) -> None:
         raise ConfigError("rl.top_p must be in (0, 1] and rl.top_k >= 0")
     if rl.beta < 0 or not 0 <= rl.epsilon_low < 1 or rl.epsilon_high < 0:
         raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
+    if not (rl.sapo_temperature_pos > 0 and rl.sapo_temperature_neg > 0):
+        raise ConfigError("rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0")
     if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
                           f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")
@@ -43,15 +45,17 @@ def check(cfg: Config) -> None:
         raise ConfigError("train.objective=grpo: pipeline stages and optimizer.update_in_backward do not run it yet")
 
 
-# what the commands that price one training program do not do for a run of two phases (rollout, training)
-UNSUPPORTED = {
-    "tune": "tune does not search a GRPO run yet (it prices one training program; GRPO adds a rollout phase): "
-            "`jaxmem plan` it and set rl.generation_batch and train.micro_batch by hand",
-    "sweep": "sweep does not take a GRPO run yet (its points are one training program's plans): `jaxmem plan` "
-             "each setting",
-    "explain": "explain does not read a GRPO run's programs yet (it explains one training step's buffers): "
-               "`jaxmem plan` gives each phase's peak",
-}
+# what explain reads of a run of three phases: the training step's buffers (the rollout's and the log-prob
+# passes' programs are priced by `jaxmem plan`)
+EXPLAINED = ("train.objective=grpo: explained is the training phase (the GRPO step on a rollout's batch); "
+             "`jaxmem plan` gives the rollout and log-prob phases and the run's peak")
+
+
+def rollout_batches(cfg: Config) -> list[list[str]]:
+    """tune's choices of rl.generation_batch, the largest first (fewer decode loops per rollout): every divisor
+    of the rollout's completions (a batch the mesh's data ways do not split is refused by its plan)."""
+    n = cfg.rl.prompts_per_step * cfg.rl.group_size
+    return [[f"rl.generation_batch={rows}"] for rows in range(n, 0, -1) if n % rows == 0]
 
 
 class RL(Feature):
@@ -73,14 +77,15 @@ class RL(Feature):
     def layout_part(self, cfg: Config, sizes: dict[str, int], trainable: dict) -> dict | None:
         return reference_copy.layout_part("bfloat16", False, trainable, sizes) if _holds_copy(cfg) else None
 
-    def unsupported(self, cfg: Config, command: str) -> str | None:
-        if not self.applies(cfg) or command not in UNSUPPORTED:
-            return None
-        return f"train.objective=grpo: {UNSUPPORTED[command]}"
+    def explained_program(self, cfg: Config) -> str | None:
+        return EXPLAINED if self.applies(cfg) else None
+
+    def search_variants(self, cfg: Config, n_devices: int) -> list[list[str]]:
+        return rollout_batches(cfg) if self.applies(cfg) else []
 
     def plan_run(self, cfg: Config, features, topo, planner, *, compile: bool, source: str) -> dict | None:
         """Two programs, rollout and training, each beside the train state (jaxmem.rl.plan)."""
-        return plan_rl(cfg, topo, planner, compile=compile) if self.applies(cfg) else None
+        return plan_rl(cfg, topo, planner, compile=compile, source=source) if self.applies(cfg) else None
 
 
 def _holds_copy(cfg: Config) -> bool:

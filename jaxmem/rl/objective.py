@@ -2,7 +2,9 @@
 completion's tokens. Its `reference` is "batch": the rollout stores per token, in the batch's REFERENCE_KEY
 array [B, T, 3] float32, the log-probs the rollout's policy gave (old), the reference's (0 with rl.beta=0)
 and the completion's advantage. Per token: the clipped importance-ratio surrogate (PPO's) plus beta x the k3
-KL estimate to the reference; then normalized as rl.loss_type says, as TRL's GRPOTrainer does."""
+KL estimate to the reference (rl.loss_type cispo: the capped ratio without gradient times the advantage and the
+log-prob; sapo: a sigmoid gate of the ratio instead of the clip); then normalized as rl.loss_type says, as TRL's
+GRPOTrainer does."""
 from __future__ import annotations
 
 import jax
@@ -18,28 +20,39 @@ METRICS = ("kl", "clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regi
 OLD, REFERENCE, ADVANTAGE = 0, 1, 2  # the stored array's last axis
 
 
-def per_token_terms(policy_bt, old_bt, ref_bt, advantage_bt, *, beta, epsilon_low, epsilon_high):
-    """(loss per token, kl per token (0 with beta 0: no reference), low clipped, high clipped), each [B, T]."""
+def per_token_terms(policy_bt, old_bt, ref_bt, advantage_bt, *, beta, epsilon_low, epsilon_high, loss_type="dapo",
+                    sapo_temperatures=(1.0, 1.05)):
+    """(loss per token, kl per token (0 with beta 0: no reference), low clipped, high clipped), each [B, T]; with
+    loss_type cispo "high clipped" is where the ratio is over its cap (epsilon_high) with a positive advantage."""
     advantage_b1 = advantage_bt
     ratio = jnp.exp(policy_bt - old_bt)
-    clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
-    loss = -jnp.minimum(ratio * advantage_b1, clipped * advantage_b1)
+    if loss_type == "cispo":  # the capped ratio weighs the log-prob's gradient
+        loss = -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * advantage_b1 * policy_bt
+    elif loss_type == "sapo":  # a smooth gate, its temperature by the advantage's sign
+        tau = jnp.where(advantage_b1 > 0, *sapo_temperatures)
+        loss = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * advantage_b1
+    else:
+        clipped = jnp.clip(ratio, 1.0 - epsilon_low, 1.0 + epsilon_high)
+        loss = -jnp.minimum(ratio * advantage_b1, clipped * advantage_b1)
     kl = jnp.exp(ref_bt - policy_bt) - (ref_bt - policy_bt) - 1.0 if beta else jnp.zeros_like(policy_bt)
     if beta:
         loss = loss + beta * kl
     low = (ratio < 1.0 - epsilon_low) & (advantage_b1 < 0)
-    high = (ratio > 1.0 + epsilon_high) & (advantage_b1 > 0)
+    high = (ratio > (epsilon_high if loss_type == "cispo" else 1.0 + epsilon_high)) & (advantage_b1 > 0)
     return loss, kl, low, high
 
 
 def normalized(loss_bt, mask_bt, loss_type: str, totals: dict):
-    """This micro-batch's share of the step's loss: grpo (each completion's mean over its tokens, then the mean
-    over completions), dr_grpo (the sum over completions x rl.max_completion_len), dapo (over all tokens)."""
+    """This micro-batch's share of the step's loss: grpo and sapo (each completion's mean over its tokens, then
+    the mean over completions), dr_grpo (the sum over completions x rl.max_completion_len), bnpo (the mean over
+    the micro-batch's tokens, then over micro-batches), dapo and cispo (over all tokens)."""
     summed = jnp.sum(loss_bt * mask_bt, axis=-1)
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         return jnp.sum(summed / jnp.maximum(jnp.sum(mask_bt, axis=-1), 1.0)) / totals["completions"]
     if loss_type == "dr_grpo":
         return jnp.sum(summed) / (totals["completions"] * totals["max_completion_len"])
+    if loss_type == "bnpo":
+        return jnp.sum(summed) / jnp.maximum(jnp.sum(mask_bt), 1.0) / totals["micro_batches"]
     return jnp.sum(summed) / totals["tokens"]
 
 
@@ -61,6 +74,7 @@ class GRPOObjective(Objective):
 
     def __init__(self, cfg: Config):
         self.settings = cfg.rl
+        self.temperature = cfg.rl.temperature  # the rollout samples at it; the loss's log-probs take it too
 
     def abstract_batch(self, prog) -> dict:
         return abstract_batch(prog)
@@ -69,14 +83,16 @@ class GRPOObjective(Objective):
         a, rows = labels_arbt.shape[:2]
         tokens = jnp.sum(labels_arbt != IGNORE_INDEX).astype(jnp.float32)
         return {"completions": jnp.float32(a * rows), "tokens": jnp.maximum(tokens, 1.0),
-                "max_completion_len": jnp.float32(self.settings.max_completion_len)}
+                "micro_batches": jnp.float32(a), "max_completion_len": jnp.float32(self.settings.max_completion_len)}
 
     def micro_loss(self, policy_bt, stored_bt3, labels_bt, totals: dict, segments_bt=None):
         s = self.settings
         mask = (labels_bt != IGNORE_INDEX).astype(jnp.float32)
         loss, kl, low, high = per_token_terms(
             policy_bt, stored_bt3[..., OLD], stored_bt3[..., REFERENCE], stored_bt3[..., ADVANTAGE], beta=s.beta,
-            epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high)
+            epsilon_low=s.epsilon_low, epsilon_high=s.epsilon_high, loss_type=s.loss_type,
+            sapo_temperatures=(s.sapo_temperature_pos, s.sapo_temperature_neg))
+        # with cispo, clip_ratio/high_mean is TRL's cispo_clip_ratio (the ratio over its cap, advantage > 0)
         token_share = lambda x: jnp.sum(x.astype(jnp.float32) * mask) / totals["tokens"]  # noqa: E731
         metrics = {"kl": token_share(kl), "clip_ratio/low_mean": token_share(low),
                    "clip_ratio/high_mean": token_share(high), "clip_ratio/region_mean": token_share(low | high)}

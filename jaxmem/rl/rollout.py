@@ -47,9 +47,10 @@ def training_rows(prompt_ids: list, completions: np.ndarray, lengths: np.ndarray
 
 def logprob_fns(prog):
     """(policy, reference), each jitted fn(params, frozen, inputs [B, T], labels [B, T]) -> the per-token
-    log-probs of the labels [B, T]: the current policy's, and the reference's on the plug-in's reference_inputs
-    (the LoRA base with the adapters off, or a full fine-tune's frozen copy)."""
-    logprob_fn = stage_fn(prog, logprobs=True)
+    log-probs of the labels [B, T] under the sampling temperature (rl.temperature, as TRL takes them): the current
+    policy's, and the reference's on the plug-in's reference_inputs (the LoRA base with the adapters off, or a
+    full fine-tune's frozen copy)."""
+    logprob_fn = stage_fn(prog, logprobs=True, temperature=prog.cfg.rl.temperature)  # the sampling's, as the loss's
 
     def reference(params, frozen, inputs, labels):
         ref_params, ref_frozen = prog.plugin.reference_inputs(params, frozen)

@@ -50,7 +50,7 @@ def objective_eval_step(prog: TrainProgram, chosen):
     next-token loss (jaxmem.core.plugins.Objective: a preference loss), each micro-batch's shares weighted by
     its pairs so that the sums over batches divide by the pairs into means over every held-out pair."""
     cfg, prec = prog.cfg, prog.precision
-    logprob_fn = stage_fn(prog, logprobs=True)
+    logprob_fn = stage_fn(prog, logprobs=True, temperature=chosen.temperature)
 
     def step(params, frozen, batch):
         params = offload.cast_for_grad(cfg, params, prec.grad_reduce)

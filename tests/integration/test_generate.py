@@ -371,9 +371,14 @@ def test_new_lengths_within_a_bucket_reuse_the_compiled_program(models):
     second = gen.complete_ids(_prompts(97, (3, 12, 7), seed=1), max_new_tokens=12, stop_ids=())
     assert [len(r) for r in first] == [10, 10] and [len(r) for r in second] == [12] * 3
     (fn,) = gen._compiled.values()  # one budget bucket (16) ...
-    assert fn._cache_size() == 2  # ... and one compile per batch shape: [2, 16] and [3, 16], not per length
+    assert fn._cache_size() == 2  # ... and one compile per batch bucket: [2, 16] and [4, 16], not per length
     gen.complete_ids(_prompts(97, (2, 16), seed=2), max_new_tokens=16, stop_ids=())
     assert fn._cache_size() == 2
+    # 3 and 4 prompts share the batch bucket 4: the 4 reuse the program the 3 compiled, and a row's greedy
+    # completion does not depend on the filler rows beside it
+    four = _prompts(97, (3, 12, 7, 5), seed=1)
+    again = gen.complete_ids(four, max_new_tokens=12, stop_ids=())
+    assert fn._cache_size() == 2 and again[:3] == second
 
 
 def test_a_run_reads_its_tokenizer_template_and_stop_ids(hf_folder, lora_runs, capsys):

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from jaxmem.config import ConfigError
-from jaxmem.generation.buckets import bucket
+from jaxmem.generation.buckets import batch_bucket, bucket
 from jaxmem.generation.loop import completion_lengths, left_pad
 from jaxmem.generation.sampling import Sampling, next_token, top_k_filter, top_p_filter
 
@@ -86,6 +86,8 @@ def test_bad_settings_are_one_line_errors(kwargs, key):
 
 def test_buckets_and_left_padding():
     assert [bucket(n) for n in (1, 16, 17, 100, 128, 129)] == [16, 16, 32, 128, 128, 256]
+    assert [batch_bucket(n) for n in (1, 2, 3, 4, 5, 9)] == [1, 2, 4, 4, 8, 16]
+    assert [batch_bucket(n, 8) for n in (1, 3, 8, 9)] == [8, 8, 8, 16] and batch_bucket(5, 6) == 12
     tokens, starts = left_pad([[5, 6], [7, 8, 9]], 4, 0)
     np.testing.assert_array_equal(tokens, [[0, 0, 5, 6], [0, 7, 8, 9]])
     np.testing.assert_array_equal(starts, [2, 1])
