@@ -506,12 +506,22 @@ class RLConfig:
     epsilon_low: float = _f(0.2, "the importance ratio's lower clip: 1 - epsilon_low")
     epsilon_high: float = _f(0.2, "the importance ratio's upper clip: 1 + epsilon_high (DAPO: 0.28); with "
                                   "loss_type cispo, the ratio's cap itself")
-    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo"] = _f(
+    loss_type: Literal["grpo", "dr_grpo", "dapo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = _f(
         "dapo", "the loss, as TRL's GRPOTrainer names it: grpo (clipped ratio; per sequence mean, then the mean), "
                 "dr_grpo (sum over completions x max_completion_len), dapo (per token over the rollout), bnpo (per "
                 "token over each micro-batch, then the mean), cispo (the capped ratio, without gradient, times the "
                 "advantage and the log-prob; per token over the rollout), sapo (a sigmoid gate of the ratio "
-                "instead of the clip, rl.sapo_temperature_*; per sequence mean, then the mean)")
+                "instead of the clip, rl.sapo_temperature_*; per sequence mean, then the mean), luspo (the "
+                "clipped ratio; each sequence's sum, then the mean; its paper pairs it with "
+                "rl.importance_sampling_level=sequence), vespo (a gamma weight of the sequence's ratio, "
+                "rl.vespo_*, times the advantage and the log-prob; per token over the rollout)")
+    importance_sampling_level: Literal["token", "sequence"] = _f(
+        "token", "token: the importance ratio per token (TRL's default); sequence: one per completion, exp of the "
+                 "mean log-ratio over its tokens (GSPO)")
+    vespo_k_pos: float = _f(2.0, "loss_type vespo: the gamma weight's k where the advantage is >= 0")
+    vespo_lambda_pos: float = _f(3.0, "loss_type vespo: the gamma weight's lambda where the advantage is >= 0")
+    vespo_k_neg: float = _f(3.0, "loss_type vespo: the gamma weight's k where the advantage is < 0")
+    vespo_lambda_neg: float = _f(2.0, "loss_type vespo: the gamma weight's lambda where the advantage is < 0")
     sapo_temperature_pos: float = _f(1.0, "loss_type sapo: the gate's temperature where the advantage is > 0")
     sapo_temperature_neg: float = _f(1.05, "loss_type sapo: the gate's temperature where the advantage is <= 0")
     updates_per_rollout: int = _f(1, "optimizer steps on each rollout (TRL's num_iterations), with the importance "

@@ -92,7 +92,7 @@ def _torch_logps(model, prompt_ids, completion_ids, completion_mask, temperature
     return selective_log_softmax(logits, completion_ids, temperature=temperature)
 
 
-def _trl_loss(model, loss_type, beta, inputs, temperature=1.0, epsilon_high=0.28):
+def _trl_loss(model, loss_type, beta, inputs, temperature=1.0, epsilon_high=0.28, level="token"):
     """GRPOTrainer._compute_loss on our inputs: its log-prob pass replaced by the same torch computation."""
     from trl import GRPOTrainer
 
@@ -105,9 +105,10 @@ def _trl_loss(model, loss_type, beta, inputs, temperature=1.0, epsilon_high=0.28
                                         reduce=lambda x, reduction: x, sync_gradients=True)
     stub = types.SimpleNamespace(
         _get_per_token_logps_and_entropies=logps, top_entropy_quantile=1.0, off_policy_mask_threshold=None,
-        importance_sampling_level="token", beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
+        importance_sampling_level=level, get_gamma_weights=GRPOTrainer.get_gamma_weights, beta=beta, loss_type=loss_type, epsilon_low=0.2, epsilon_high=epsilon_high,
         args=types.SimpleNamespace(use_bias_correction_kl=False, delta=None, steps_per_generation=1,
-                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05),
+                                   sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                                   vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0),
         use_vllm=False, model=types.SimpleNamespace(training=True), current_gradient_accumulation_steps=1,
         max_completion_length=COMPLETION, accelerator=accelerator, _entropy_bonus_enabled=False,
         aux_loss_enabled=False, _metrics={"train": defaultdict(list)})
@@ -134,10 +135,12 @@ def program(folder):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("loss_type,beta,temperature", [
-    ("grpo", 0.04, 1.0), ("dr_grpo", 0.04, 1.0), ("dapo", 0.04, 1.0), ("dapo", 0.0, 1.0), ("grpo", 0.04, 0.7),
-    ("bnpo", 0.04, 1.0), ("cispo", 0.0, 1.0), ("sapo", 0.04, 1.0)])
-def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, temperature, tmp_path):
+@pytest.mark.parametrize("loss_type,beta,temperature,level", [
+    ("grpo", 0.04, 1.0, "token"), ("dr_grpo", 0.04, 1.0, "token"), ("dapo", 0.04, 1.0, "token"),
+    ("dapo", 0.0, 1.0, "token"), ("grpo", 0.04, 0.7, "token"), ("bnpo", 0.04, 1.0, "token"),
+    ("cispo", 0.0, 1.0, "token"), ("sapo", 0.04, 1.0, "token"), ("vespo", 0.04, 1.0, "token"),
+    ("luspo", 0.04, 1.0, "sequence"), ("dapo", 0.0, 1.0, "sequence")])  # the last two: GSPO's sequence ratio
+def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, temperature, level, tmp_path):
     cfg, prog, state, adapters = program
     prompts, completions, mask, rewards = _fixed_batch()
     advantages, _, _ = group_advantages(rewards[:, None], [1.0], GROUP)
@@ -152,7 +155,7 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
               "advantages": torch.tensor(advantages), "old_per_token_logps": old, "ref_per_token_logps": ref,
               "num_items_in_batch": m.sum().float()}
     epsilon_high = 1.1 if loss_type == "cispo" else 0.28  # cispo's cap on the ratio itself: some tokens over it
-    ref_loss, ref_metrics = _trl_loss(model, loss_type, beta, inputs, temperature, epsilon_high)
+    ref_loss, ref_metrics = _trl_loss(model, loss_type, beta, inputs, temperature, epsilon_high, level)
 
     seq = np.concatenate([prompts, completions], 1)
     n, width = seq.shape
@@ -164,7 +167,8 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
     stored[:, PROMPT - 1:width - 1, 0], stored[:, PROMPT - 1:width - 1, 1] = old.numpy(), ref.numpy()
     stored[..., 2] = advantages[:, None]
     chosen = GRPOObjective(dataclasses.replace(cfg, rl=dataclasses.replace(
-        cfg.rl, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, temperature=temperature)))
+        cfg.rl, loss_type=loss_type, beta=beta, epsilon_high=epsilon_high, temperature=temperature,
+        importance_sampling_level=level)))
     logprob_fn = stage_fn(prog, logprobs=True, temperature=chosen.temperature)  # as the program's step takes it
     grad_fn = jax.jit(core_objective.micro_grad_fn(prog, chosen, logprob_fn))
     y = jnp.asarray(labels)
@@ -172,11 +176,12 @@ def test_loss_and_adapter_gradients_equal_trl(folder, program, loss_type, beta, 
     grads, (loss, metrics) = grad_fn(adapters, (jnp.asarray(x), y, None, None, jnp.asarray(stored)), totals,
                                      state["base"], None)
     _assert_close(float(loss), ref_loss, "loss")
-    clips = {"cispo": {"clip_ratio/high_mean": "cispo_clip_ratio"}, "sapo": {}}.get(loss_type, {
+    clips = {"cispo": {"clip_ratio/high_mean": "cispo_clip_ratio"}, "sapo": {}, "vespo": {}}.get(loss_type, {
         k: k for k in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean")})
     for ours, theirs in dict(clips, **({"kl": "kl"} if beta else {})).items():
         _assert_close(float(metrics[ours]), ref_metrics[theirs], ours, tol=1e-4 if ref_metrics[theirs] > 1e-3 else 1e-2)
-    assert loss_type == "sapo" or ref_metrics[next(reversed(clips.values()))] > 0  # the noise makes the ratio clip
+    # the noise makes a token's ratio clip (a completion's mean ratio stays inside the clip here)
+    assert loss_type in ("sapo", "vespo") or level == "sequence" or ref_metrics[next(reversed(clips.values()))] > 0
     ref_grads = _adapter_grads(model, cfg, tmp_path)
     for name, layer in grads["layers"].items():
         for part in ("a", "b"):
