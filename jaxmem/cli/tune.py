@@ -27,14 +27,12 @@ from jaxmem.loader import load_config
 from jaxmem import registry
 from jaxmem.mesh.sharding import batch_ways, mesh_shape
 from jaxmem.optim import states
-from jaxmem.config.schema import to_dict
-from jaxmem.cli.sweep import plot_pareto
-from jaxmem.cli.bench import bench
 from jaxmem.runtime.aot import add_target_args
 from jaxmem.cli.help import HelpFormatter
 from jaxmem.plan import resolve_topology
 from jaxmem.plan import plan
 from jaxmem.cli.sweep import plan_points
+from jaxmem.cli.tune_report import _gib, phase_lines, plot, table, to_json, verify, write_yaml
 
 # How far above the usable memory an analytic bill may be and still be worth a compile: above the analytic
 # bill's error against the compiled figure (benchmarks/plan_accuracy.md, benchmarks/long_context.md).
@@ -368,86 +366,11 @@ def _size(n: int) -> str:
     return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else f"{n / 2**20:,.2f} MiB"
 
 
-def phase_lines(tuner: Tuner, best: Candidate) -> list[str]:
-    """The winner's own summary where its plan is a run of several programs (GRPO: each phase, what it holds and
-    how that was obtained), read back from the plan cache; [] for one program."""
-    cached = tuner.cache_dir / f"{best.row.get('hash')}.json"
-    return json.loads(cached.read_text()).get("lines", []) if cached.is_file() else []
-
-
 def _data_ways(cfg, n_devices: int) -> int:
     return batch_ways(mesh_shape(cfg.parallel, n_devices))  # dp x fsdp x ep: ep devices hold different tokens
 
 
-# ---------------------------------------------------------------- outputs and the command
-
-def _gib(x) -> str:
-    return f"{x / 2**30:,.2f}" if x is not None else "-"
-
-
-LINE = 120  # the most characters a candidate's line takes
-
-
-def table(tuner: Tuner) -> list[str]:
-    """One line per compiled candidate (at most LINE characters): device and host GiB per GPU (compiled for the
-    target), fits, tokens/s (estimated), levers (cut short with ... where longer; --json has them whole)."""
-    lines = [f"{'device':>8} {'host':>7} {'fits':>4} {'tok/s':>11}  levers (GiB per GPU compiled for the target; "
-             "tok/s estimated)"]
-    for c in tuner.candidates:
-        if c.row is None or c.row.get("status") == "failed":
-            continue
-        line = (f"{_gib(c.row['device_bytes']):>8} {_gib(c.row['host_bytes']):>7} {'yes' if c.fits() else 'no':>4} "
-                f"{c.tokens_per_second():>11,.0f}  {c.label}")
-        lines.append(line if len(line) <= LINE else line[:LINE - 3] + "...")
-    return lines
-
-
-def to_json(tuner: Tuner, best: Candidate | None) -> dict:
-    return {"config": tuner.config, "overrides": tuner.user, "target": tuner.topo.label,
-            "global_batch": tuner.global_batch, "path": tuner.path, "lossy_optimizer": tuner.allow_lossy,
-            "optimizer_note": optimizer_note(tuner.allow_lossy),
-            "best": None if best is None else {"overrides": best.overrides, "row": best.row,
-                                               "tokens_per_second_estimated": best.tokens_per_second()},
-            "candidates": [{"overrides": c.overrides, "stage": c.stage, "analytic": c.analytic, "compiled": c.row,
-                            "fits": c.fits()} for c in tuner.candidates],
-            "labels": {"device_bytes": "compiled for target (deviceless)", "analytic": "estimated (analytic)",
-                       "tokens_per_second": "estimated (cost model)"}}
-
-
-def write_yaml(tuner: Tuner, best: Candidate, path: Path) -> None:
-    import yaml
-
-    cfg = tuner._load(best.overrides)
-    head = [f"# written by jaxmem tune from {tuner.config} for {tuner.topo.label}",
-            f"# levers: {best.label}",
-            f"# device {_gib(best.row['device_bytes'])} GiB per GPU, host {_gib(best.row['host_bytes'])} GiB per GPU "
-            "(compiled for target, deviceless); "
-            f"{best.tokens_per_second():,.0f} tokens/s (estimated by the cost model)"]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(head) + "\n" + yaml.safe_dump(to_dict(cfg), sort_keys=False))
-
-
-def plot(tuner: Tuner, best: Candidate | None, path: Path) -> None:
-    rows = []
-    for c in tuner.candidates:
-        if c.row is not None and c.row.get("status") != "failed":
-            rows.append({**c.row, "point": c.label, "best": c is best,
-                         "fits": c.fits() if c.row["fits"] is not None else None})
-    if rows:
-        plot_pareto(rows, path)
-
-
-def verify(tuner: Tuner, best: Candidate, steps: int = 6) -> dict:
-    """`jaxmem bench` on the attached devices with the winner: planned vs measured."""
-    r = bench(tuner._load(best.overrides), steps=steps, warmup=2, source=tuner.config,
-              overrides=tuple(tuner.user + best.overrides))
-    mem, st = r["memory"], r["step_time"]
-    return {"planned_device_bytes": best.row["device_bytes"], "planned_label": "compiled for target (deviceless)",
-            "compiled_here_bytes": mem["planned_device_bytes"]["value"],
-            "measured_peak_bytes": mem["measured_peak_bytes"]["value"], "measured_label": mem["measured_peak_bytes"]["label"],
-            "estimated_step_seconds": best.row["step_seconds_estimated"],
-            "measured_step_seconds": st["measured_seconds"]["value"]}
-
+# ---------------------------------------------------------------- the command
 
 def main(argv: list[str] | None = None) -> int:
     import argparse
@@ -496,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(table(tuner)))
     print("path:\n" + "\n".join(f"  {step}" for step in tuner.path))
     if args.json_path:
-        Path(args.json_path).write_text(json.dumps(to_json(tuner, best), indent=2, default=str))
+        record = to_json(tuner, best, optimizer_note(tuner.allow_lossy))
+        Path(args.json_path).write_text(json.dumps(record, indent=2, default=str))
     if args.plot:
         plot(tuner, best, Path(args.plot))
     if best is None:

@@ -79,7 +79,8 @@ def test_bad_input_is_refused_by_name(tmp_path, capsys):
 def test_each_candidate_is_one_line_of_at_most_120_characters():
     from types import SimpleNamespace
 
-    from jaxmem.cli.tune import BF16, RESET, Candidate, table
+    from jaxmem.cli.tune import BF16, RESET, Candidate
+    from jaxmem.cli.tune_report import table
 
     row = {"device_bytes": 70 * 2**30, "host_bytes": 900 * 2**30, "fits": True, "host_fits": True,
            "step_seconds_estimated": 1.0, "tokens_per_step": 10**9, "status": "planned"}
