@@ -80,6 +80,7 @@ def verify(tuner: Tuner, best: Candidate, steps: int = 6) -> dict:
     mem, st = r["memory"], r["step_time"]
     return {"planned_device_bytes": best.row["device_bytes"], "planned_label": "compiled for target (deviceless)",
             "compiled_here_bytes": mem["planned_device_bytes"]["value"],
-            "measured_peak_bytes": mem["measured_peak_bytes"]["value"], "measured_label": mem["measured_peak_bytes"]["label"],
+            "measured_peak_bytes": mem["measured_peak_bytes"]["value"],
+            "measured_label": mem["measured_peak_bytes"]["label"],
             "estimated_step_seconds": best.row["step_seconds_estimated"],
             "measured_step_seconds": st["measured_seconds"]["value"]}
