@@ -24,10 +24,6 @@ def check(cfg: Config) -> None:
     for key in ("prompts_per_step", "max_prompt_len", "max_completion_len", "updates_per_rollout"):
         if getattr(rl, key) < 1:
             raise ConfigError(f"rl.{key}: {getattr(rl, key)} must be >= 1")
-    if cfg.distributed.num_processes > 1:  # the rollout reads every completion on one host
-        raise ConfigError(f"distributed.num_processes: {cfg.distributed.num_processes}: a GRPO run trains in one "
-                          "process for now (one host, any number of its GPUs); multi-process rollouts are not "
-                          "built yet")
     n = rl.prompts_per_step * rl.group_size
     if rl.generation_batch < 0 or (rl.generation_batch and n % rl.generation_batch):
         raise ConfigError(f"rl.generation_batch: {rl.generation_batch} must divide rl.prompts_per_step x "

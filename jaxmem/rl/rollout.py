@@ -9,8 +9,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxmem.config.schema import ConfigError
 from jaxmem.core.plugins import FROZEN, REFERENCE_KEY
@@ -20,7 +21,7 @@ from jaxmem.generation.loop import generate_fn, left_pad
 from jaxmem.generation.sampling import Sampling
 from jaxmem.kernels.cross_entropy.reference import IGNORE_INDEX
 from jaxmem.rl.advantages import group_advantages
-from jaxmem.rl.objective import ADVANTAGE, OLD, REFERENCE
+from jaxmem.rl.objective import ADVANTAGE, OLD, REFERENCE, abstract_batch
 from jaxmem.rl.rewards import score
 
 
@@ -43,6 +44,19 @@ def training_rows(prompt_ids: list, completions: np.ndarray, lengths: np.ndarray
         start = len(prompt) - 1
         labels[row, start:len(seq) - 1] = seq[len(prompt):]
     return inputs, labels
+
+
+def on_mesh(x: np.ndarray, sharding) -> jax.Array:
+    """A host array that every process holds whole, as one global array laid out by `sharding` (with several
+    processes, each places the pieces its own devices hold)."""
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def whole(x: jax.Array) -> np.ndarray:
+    """A global array whole on this host: fetched, or gathered from every process where it spans several."""
+    if not x.is_fully_addressable:
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(jax.device_get(x))
 
 
 def logprob_fns(prog):
@@ -76,6 +90,7 @@ class Rollouts:
                                             sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id,
                                             cache_dtype=cache_dtype))
         self.chunk = rl.generation_batch or self.n
+        self.replicated = NamedSharding(prog.mesh, P())  # the rollout's host rows, whole on every device
         self.policy_logprobs, self.reference_logprobs = logprob_fns(prog)
 
     def key(self, rollout: int):
@@ -98,9 +113,10 @@ class Rollouts:
         inputs, labels = training_rows(prompt_ids, completions, lengths, cfg.train.seq_len, self.codec.pad_id)
         stored = self._stored(state, inputs, labels, advantages)
         shape = (self.prog.grad_accum, self.prog.rows)
-        batch = {"inputs": inputs.reshape(shape + inputs.shape[1:]),
-                 "labels": labels.reshape(shape + labels.shape[1:]),
-                 REFERENCE_KEY: stored.reshape(shape + stored.shape[1:])}
+        host = {"inputs": inputs.reshape(shape + inputs.shape[1:]), "labels": labels.reshape(shape + labels.shape[1:]),
+                REFERENCE_KEY: stored.reshape(shape + stored.shape[1:])}
+        layout = abstract_batch(self.prog)
+        batch = {key: on_mesh(value, layout[key].sharding) for key, value in host.items()}
         metrics = self._metrics(per_function, total, lengths, completions, no_signal)
         samples = [{"record": int(i), "prompt": p, "completion": t, "rewards": dict(zip(
             [r.name for r in self.rewards], map(float, f))), "advantage": float(a)}
@@ -113,10 +129,10 @@ class Rollouts:
         outs = []
         for c, lo in enumerate(range(0, self.n, self.chunk)):
             chunk_key = key if self.chunk == self.n else jax.random.fold_in(key, c)
-            outs.append(jax.device_get(self.generate(weights, tokens[lo:lo + self.chunk], starts[lo:lo + self.chunk],
-                                                     chunk_key)))
-        return (np.concatenate([np.asarray(o.tokens) for o in outs]),
-                np.concatenate([np.asarray(o.lengths) for o in outs]))
+            rows = (on_mesh(a[lo:lo + self.chunk], self.replicated) for a in (tokens, starts))
+            out = self.generate(weights, *rows, chunk_key)
+            outs.append((whole(out.tokens), whole(out.lengths)))
+        return np.concatenate([t for t, _ in outs]), np.concatenate([n for _, n in outs])
 
     def _stored(self, state, inputs, labels, advantages):
         """[N, T, 3] float32: the old policy's log-probs, the reference's (0 with rl.beta 0), the advantage."""
@@ -125,10 +141,10 @@ class Rollouts:
         stored[..., ADVANTAGE] = advantages[:, None]
         step = self.prog.rows
         for lo in range(0, len(inputs), step):
-            x, y = jnp.asarray(inputs[lo:lo + step]), jnp.asarray(labels[lo:lo + step])
-            stored[lo:lo + step, :, OLD] = np.asarray(self.policy_logprobs(params, frozen, x, y))
+            x, y = (on_mesh(a[lo:lo + step], self.replicated) for a in (inputs, labels))
+            stored[lo:lo + step, :, OLD] = whole(self.policy_logprobs(params, frozen, x, y))
             if self.prog.cfg.rl.beta > 0:
-                stored[lo:lo + step, :, REFERENCE] = np.asarray(self.reference_logprobs(params, frozen, x, y))
+                stored[lo:lo + step, :, REFERENCE] = whole(self.reference_logprobs(params, frozen, x, y))
         return stored
 
     def _metrics(self, per_function, total, lengths, completions, no_signal) -> dict:

@@ -34,9 +34,6 @@ class _Position:
 
 
 def train_grpo(cfg, prog, ckpts, stop: StopRequest) -> dict:
-    if jax.process_count() > 1:  # started by SLURM or another launcher jax detected, not by distributed.*
-        raise NotImplementedError(f"train.objective=grpo: this run has {jax.process_count()} processes; a GRPO run "
-                                  "trains in one process for now (one host, any number of its GPUs)")
     codec = run_codec(cfg)
     rollouts = Rollouts(prog, codec, read_prompts(cfg, codec), load_rewards(cfg.rl.rewards, cfg.rl.reward_weights))
     state, start, _, resumed = loop.initial_state(prog, ckpts)

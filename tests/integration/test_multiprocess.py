@@ -113,3 +113,33 @@ def test_pipeline_across_two_processes_matches_one_and_its_checkpoints_resume(tm
         resumed = [r for r in read_jsonl(out_dir / "metrics.jsonl") if r["step"] > STEPS]
         assert [r["step"] for r in resumed] == [STEPS + 1, STEPS + 2]
         np.testing.assert_allclose([r["loss"] for r in resumed], [r["loss"] for r in want[STEPS:]], rtol=2e-5)
+
+
+@pytest.mark.slow
+def test_a_grpo_run_across_two_processes_matches_one(tmp_path):
+    """GRPO on two processes (the rollout's rows placed from every process, its completions and log-probs
+    gathered whole on each host, the rewards scored on each): the same completions, rewards and losses as one
+    process over the same 8 devices (configs/rl/tiny-grpo.yaml on scripts/rl_example.py's files, KL on)."""
+    example = tmp_path / "rl_example"
+    done = subprocess.run([sys.executable, "scripts/rl_example.py", str(example)], cwd=REPO, env=cpu_env(1),
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    files = [f"checkpoint.init_from={example / 'hf'}", f"data.tokenizer={example / 'hf' / 'tokenizer.json'}",
+             f"rl.prompts={example / 'prompts.jsonl'}", "parallel.fsdp=8", "train.micro_batch=4", "rl.beta=0.04",
+             "rl.samples_every=1", "checkpoint.enabled=false"]
+
+    def grpo(out_dir: Path, devices: int, extra: list[str]) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "jaxmem.cli", "train", "configs/rl/tiny-grpo.yaml", f"out_dir={out_dir}",
+               f"train.steps={STEPS}", "train.log_every=1", "train.progress=false", *files, *extra]
+        return subprocess.Popen(cmd, cwd=REPO, env=cpu_env(devices), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+
+    port = _free_port()
+    _wait([grpo(tmp_path / "multi", 4, [f"distributed.coordinator=127.0.0.1:{port}", "distributed.num_processes=2",
+                                        f"distributed.process_id={i}"]) for i in range(2)]
+          + [grpo(tmp_path / "single", 8, [])])
+    got, want = (read_jsonl(tmp_path / run / "metrics.jsonl") for run in ("multi", "single"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for key in ("loss", "grad_norm", "reward", "kl"):
+        np.testing.assert_allclose([r[key] for r in got], [r[key] for r in want], rtol=1e-5, atol=1e-7, err_msg=key)
+    assert (tmp_path / "multi" / "samples.jsonl").read_text() == (tmp_path / "single" / "samples.jsonl").read_text()
