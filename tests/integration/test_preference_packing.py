@@ -157,8 +157,12 @@ def test_data_preview_shows_segments_and_plan_plans(folder, capsys, tmp_path):  
         path = tmp_path / f"{packing}.json"
         code = cli.main(["plan", "configs/tiny.yaml", *overrides, f"data.packing={packing}", "--no-compile", "--json",
                          str(path)])
-        assert code in (0, 1) and "verdict:" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert code in (0, 1) and "verdict:" in printed
         plans[packing] = json.loads(path.read_text())
+        extra = (plans[packing][0] if isinstance(plans[packing], list) else plans[packing])["cost"]["breakdown"]
+        # the frozen base's forward (reference=base, LoRA's default) priced and said
+        assert extra["extra_flops"] > 0 and f"+{extra['extra_flops']:.3e} in passes beside the model's" in printed
     plans = {k: v[0] if isinstance(v, list) else v for k, v in plans.items()}
     assert any("whole pairs packed in rows" in n for n in plans["first_fit"]["analytic"]["notes"])
     assert plans["first_fit"]["cost"]["model_flops"] == plans["none"]["cost"]["model_flops"]
