@@ -156,7 +156,7 @@ def test_data_preview_shows_segments_and_plan_plans(folder, capsys, tmp_path):  
     for packing in ("first_fit", "none"):  # the same rows per micro-batch: the same bill, the batch's two more arrays
         path = tmp_path / f"{packing}.json"
         code = cli.main(["plan", "configs/tiny.yaml", *overrides, f"data.packing={packing}", "--no-compile", "--json",
-                         str(path)])
+                         str(path), "--target", "h100-80g", "--gpus-per-host", "1"])  # a GPU: the cost model runs
         printed = capsys.readouterr().out
         assert code in (0, 1) and "verdict:" in printed
         plans[packing] = json.loads(path.read_text())
