@@ -206,7 +206,7 @@ def render(plan: dict, console=None) -> None:
                       f"compiled/analytic = {avc['ratio']:.3f}", highlight=False)
     cost = plan["cost"]
     share = cost["recompute_flops"] / cost["model_flops"] if cost["model_flops"] else 0.0
-    extra = cost.get("breakdown", {}).get("extra_flops") or 0.0  # a feature's own passes in the step (a frozen reference's forward)
+    extra = cost.get("breakdown", {}).get("extra_flops") or 0.0  # a feature's own passes (a reference's forward)
     extra_words = f", +{extra:.3e} in passes beside the model's (a reference's forward)" if extra else ""
     console.print(f"model FLOPs/step {cost['model_flops']:.3e} (+{cost['recompute_flops']:.3e} recompute, "
                   f"+{share:.1%}{extra_words}; matmul FLOPs only: recomputed norms, RoPE, SiLU count 0), counted by "
