@@ -175,8 +175,8 @@ def _train(overrides, devices, rows=8, steps=4):
 
 @functools.cache
 def _one_device():
-    """The one-device step's 4 steps on the repeated batch, shared by the mesh and lever tests (a 2-step run is
-    its first two rows: the same batch every step)."""
+    """The one-device step's 4 steps on the repeated batch, shared by the mesh, router-coefficient and lever tests
+    (a 2-step run is its first two rows: the same batch every step)."""
     return _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
 
 
@@ -193,9 +193,9 @@ def test_tiny_moe_trains_on_the_mesh_like_one_device():
 
 @pytest.mark.slow
 def test_router_loss_coefficient_reaches_the_gradient():
-    base = ["parallel.fsdp=1", "train.micro_batch=8", "model.router_z_loss_coef=0"]
-    off = _train(base + ["model.router_aux_loss_coef=0"], jax.devices()[:1], steps=2)
-    on = _train(base + ["model.router_aux_loss_coef=10"], jax.devices()[:1], steps=2)
+    off = _one_device()[:2]  # the default coefficient, 0.001: next to 10, all but off
+    on = _train(["parallel.fsdp=1", "train.micro_batch=8", "model.router_aux_loss_coef=10"], jax.devices()[:1],
+                steps=2)
     np.testing.assert_allclose(off[0], on[0], rtol=1e-6)  # the first step's metrics: before any update
     assert abs(on[1, 0] - off[1, 0]) > 1e-4  # the first update differs
 
