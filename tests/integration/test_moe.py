@@ -2,6 +2,8 @@
 reference, the router losses against numpy and transformers, logits parity with transformers through
 `jaxmem.load_hf` and back out through `save_hf`, the presets' published sizes, training on the CPU mesh,
 and the one-line errors of bad settings."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,9 +173,16 @@ def _train(overrides, devices, rows=8, steps=4):
     return np.array(out)
 
 
+@functools.cache
+def _one_device():
+    """The one-device step's 4 steps on the repeated batch, shared by the mesh, router-coefficient and lever tests
+    (a 2-step run is its first two rows: the same batch every step)."""
+    return _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
+
+
 @pytest.mark.slow
 def test_tiny_moe_trains_on_the_mesh_like_one_device():
-    single = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1])
+    single = _one_device()
     assert single[-1, 0] < single[0, 0] - 0.5, single  # one batch, seen again: the loss falls
     assert np.all(single[:, 1] >= 2.0 - 1e-3) and np.all(single[:, 2] > 0)  # logged; balanced: k = 2
     np.testing.assert_allclose(_train(["parallel.fsdp=8"], jax.devices()), single, rtol=2e-5)
@@ -184,9 +193,9 @@ def test_tiny_moe_trains_on_the_mesh_like_one_device():
 
 @pytest.mark.slow
 def test_router_loss_coefficient_reaches_the_gradient():
-    base = ["parallel.fsdp=1", "train.micro_batch=8", "model.router_z_loss_coef=0"]
-    off = _train(base + ["model.router_aux_loss_coef=0"], jax.devices()[:1], steps=2)
-    on = _train(base + ["model.router_aux_loss_coef=10"], jax.devices()[:1], steps=2)
+    off = _one_device()[:2]  # the default coefficient, 0.001: next to 10, all but off
+    on = _train(["parallel.fsdp=1", "train.micro_batch=8", "model.router_aux_loss_coef=10"], jax.devices()[:1],
+                steps=2)
     np.testing.assert_allclose(off[0], on[0], rtol=1e-6)  # the first step's metrics: before any update
     assert abs(on[1, 0] - off[1, 0]) > 1e-4  # the first update differs
 
@@ -279,14 +288,15 @@ def test_moe_checkpoint_names_are_tagged_in_the_layer():
 @pytest.mark.slow
 @pytest.mark.parametrize("overrides,mesh", [
     (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=selective", "remat.granularity=segments"], 1),
-    (["parallel.fsdp=1", "train.micro_batch=8", "remat.preset=full", "remat.seq_tile=16"], 1),
     (["parallel.fsdp=4", "parallel.tp=2", "parallel.rules=fsdp_tp", "train.micro_batch=2"], 8),
     (["parallel.fsdp=4", "parallel.ep=2", "train.micro_batch=1", "remat.seq_tile=8"], 8),
 ])
 def test_moe_levers_keep_the_losses(overrides, mesh):
-    """Remat (segments; sequence tiles, each routing its own tokens, alone and with ep), fsdp x tp: the plain
-    step's loss and router losses."""
-    plain = _train(["parallel.fsdp=1", "train.micro_batch=8"], jax.devices()[:1], steps=2)
+    """Remat (segments; sequence tiles, each routing its own tokens, with ep), fsdp x tp: the plain step's loss
+    and router losses. Sequence tiles alone on one device (full remat) are test_lora.py's
+    test_a_quantized_base_trains_under_sequence_tiles_like_untiled[configs/tiny-gpt-oss.yaml] (a mixture of
+    experts whose tiles route their own tokens, against the untiled step)."""
+    plain = _one_device()[:2]
     np.testing.assert_allclose(_train(overrides, jax.devices()[:mesh], steps=2), plain, rtol=2e-5)
 
 

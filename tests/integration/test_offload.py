@@ -147,12 +147,14 @@ def test_deviceless_optimizer_and_params_on_host():
         (opt, par, layers)
 
 
-@pytest.mark.parametrize("gpus", [1, 8])
-def test_deviceless_gpu_host_update_through_the_kernel(gpus):
+def test_deviceless_gpu_host_update_through_the_kernel():
     """kernels.host_update=fused in a GPU program: the kernel, registered with the CUDA plugin for its host
-    programs, is compiled into the step's host computation (one call per state tensor; over 8 GPUs on each
+    programs, is compiled into the step's host computation (one call per state tensor, over 8 GPUs on each
     one's FSDP shard) and the step keeps XLA's update's host bytes per device and no more device bytes. auto
-    keeps XLA's update on a GPU (the kernel has not run on one yet)."""
+    keeps XLA's update on a GPU (the kernel has not run on one yet). One GPU is the same registration and call
+    per tensor with unsplit shards; the kernel's one-device step is tests/unit/test_host_adamw.py's
+    test_train_step_runs_the_kernel_and_resumes_exactly."""
+    gpus = 8
     pytest.importorskip("jax_cuda12_plugin")
     from jaxmem.kernels.host_adamw import build
     from jaxmem.runtime import aot
