@@ -1,4 +1,5 @@
-"""`jaxmem sweep`: grid points compiled in worker processes, cached by config hash, CSV/JSON/Pareto PNG."""
+"""`jaxmem sweep`: grid points compiled (here in-process; in worker processes by test_tune's flows, through the same
+plan_points), the init compile shared, cached by config hash, CSV/JSON/Pareto PNG."""
 import csv
 import json
 import os
@@ -33,14 +34,15 @@ def test_shipped_remat_sweep_names_real_presets():
 
 
 @pytest.mark.slow
-def test_sweep_compiles_in_workers_shares_the_init_then_hits_the_cache(tmp_path, capsys, monkeypatch):
+def test_sweep_shares_the_init_compile_then_hits_the_cache(tmp_path, capsys, monkeypatch):
     # with no figure cache of the user's, the sweep keeps one in its cache folder: two remat presets lower the same
-    # step-0 state program, so the second point (its own worker process, one at a time) reads the first one's
-    # init figures instead of compiling again; a second run reads every point back from the sweep's cache
+    # step-0 state program, so the second point reads the first one's init figures instead of compiling again; a
+    # second run reads every point back from the sweep's cache. In this process (--workers 0): the points' worker
+    # processes (plan_points' process pool, the same function) are test_tune's, whose flows compile in them
     monkeypatch.delenv("JAXMEM_FIGURE_CACHE", raising=False)
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["configs/tiny.yaml", "parallel.fsdp=8", "--grid", "remat.preset=full,none", "--target", "h100-80g",
-            "--out", str(out), "--cache", str(cache), "--workers", "1"]
+            "--out", str(out), "--cache", str(cache), "--workers", "0"]
     assert main(args) == 0
     first = json.loads((out / "sweep.json").read_text())
     assert [r["cached"] for r in first] == [False, False]
