@@ -15,6 +15,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from moe_explain import EP8, OVERRIDES, explained
+
 from jaxmem import cli
 from jaxmem.config import ConfigError
 from jaxmem.loader import load_config
@@ -224,21 +226,22 @@ def test_checkpoint_names_survive_the_dispatch():
 
 
 @pytest.mark.slow
-def test_deviceless_h100x8_ep8_step():
-    """tiny-moe with parallel.ep=8 builds for 8 x H100: all-to-alls in the HLO."""
+def test_deviceless_h100x8_ep8_step(built_once):
+    """tiny-moe with parallel.ep=8 builds for 8 x H100: the dispatch's all-to-alls in the optimized HLO (the
+    compile test_moe_plan_compiled explains, shared through built_once); with ep=1 no dispatch is lowered."""
     pytest.importorskip("jax_cuda12_plugin")
+    from jaxmem.plan import hlo_dump
     from jaxmem.runtime import aot
-    from jaxmem.runtime.compiled_memory import memory_figures
 
-    figures = {}
-    for ep in (1, 8):
-        cfg = load_config("configs/tiny-moe.yaml", ["parallel.fsdp=-1", f"parallel.ep={ep}", "model.n_layers=1",
-                                                    "train.seq_len=32"])
-        compiled = build_program(cfg, devices=aot.target_devices("h100-80g", 8)).lower().compile()
-        figures[ep] = memory_figures(compiled)["device"], compiled.as_text()
-    # the dispatch's all-to-alls (the shard_map's all_to_all); with ep=1 GSPMD may still reshard the grouped
-    # matmul's blocks with all-to-alls of its own, but none comes from a dispatch
-    dispatch = lambda text: [line for line in text.splitlines()  # noqa: E731
-                             if "all-to-all" in line and "shard_map/all_to_all" in line]
-    assert len(dispatch(figures[8][1])) >= 2 and not dispatch(figures[1][1])
-    assert 0 < figures[8][0] < 2**30
+    report, dump = explained(built_once, "moe_explain_ep8_capacity", EP8)
+    hlo = hlo_dump.find_dump(dump)[0].read_text()
+    dispatch = [line for line in hlo.splitlines() if "all-to-all" in line and "shard_map/all_to_all" in line]
+    assert len(dispatch) >= 2
+    assert 0 < report["compiled_device_bytes"] < 2**30
+    # ep=1 is only lowered: a dispatch is a shard_map all_to_all already in the lowered program (as in ep=8's),
+    # and GSPMD's own all-to-alls (it may reshard the grouped matmul's blocks with some) come only with a compile
+    lowered = {}
+    for ep, layout in ((1, ["parallel.fsdp=8"]), (8, EP8)):
+        cfg = load_config("configs/tiny-moe.yaml", OVERRIDES + layout)
+        lowered[ep] = build_program(cfg, devices=aot.target_devices("h100-80g", 8)).lower().as_text()
+    assert "all_to_all" in lowered[8] and "all_to_all" not in lowered[1]

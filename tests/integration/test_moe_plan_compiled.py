@@ -1,40 +1,29 @@
 """A mixture of experts planned deviceless (8 x h100-80g): the analytic bill within 10% of XLA's device total
 with the default grouped matmul (blocked), and the expert-parallel step holds the all-to-all buffers the bill's
 capacity rule sizes (one compile each, shared through built_once)."""
-import json
 import math
 
 import pytest
 
+from moe_explain import EP8, OVERRIDES, explained
+
 from jaxmem.loader import load_config
 from jaxmem.moe import bill as bill_moe
 from jaxmem.plan.bill import compute_bill
-from jaxmem.cli.explain import main
 
 pytestmark = pytest.mark.slow  # MoE steps compiled deviceless, shared by every test here
 
-OVERRIDES = ["target.name=h100-80g", "target.gpus_per_host=8", "remat.preset=full", "precision.param_dtype=bfloat16",
-             "precision.compute_dtype=bfloat16", "precision.master_weights=true"]
-EP8 = ["parallel.ep=8", "parallel.fsdp=1", "model.moe_capacity_factor=1.25"]  # the default kernel: blocked
 D, ROWS = 128, 16 * 64 * 2  # tiny-moe: d_model 128; 16 rows of 64 tokens per micro-batch, top 2
-
-
-def _explain(built_once, name, extra):
-    def build(directory):
-        args = ["configs/tiny-moe.yaml", *OVERRIDES, *extra, "--top", "40", "--json", str(directory / "top.json")]
-        assert main(args) == 0
-
-    return json.loads((built_once(name, build) / "top.json").read_text())
 
 
 @pytest.fixture(scope="module")
 def report(built_once):
-    return _explain(built_once, "moe_explain_blocked", [])
+    return explained(built_once, "moe_explain_blocked", [])[0]
 
 
 @pytest.fixture(scope="module")
-def report_ep8(built_once):
-    return _explain(built_once, "moe_explain_ep8_capacity", EP8)
+def report_ep8(built_once):  # test_expert_parallel reads the HLO of the same compile
+    return explained(built_once, "moe_explain_ep8_capacity", EP8)[0]
 
 
 def test_bill_is_within_ten_percent_of_the_compiled_total(report):

@@ -11,7 +11,9 @@ from jaxmem.registry import build_pipeline
 
 pytestmark = pytest.mark.slow  # deviceless compiles of a 1B model's pipeline stages, shared by every test here
 
-PLAN = ["model.preset=llama3.2-1b", "model.n_layers=8", "train.seq_len=1024", "train.micro_batch=1",
+# 4 layers: the balancer's two-layer probe is the even split itself (compiled once per process), and the split
+# it finds is the one the first test moves to; with 8 layers each of them was a pipeline compiled of its own
+PLAN = ["model.preset=llama3.2-1b", "model.n_layers=4", "train.seq_len=1024", "train.micro_batch=1",
         "train.grad_accum=4", "parallel.pp=2", "parallel.fsdp=4", "precision.param_dtype=bfloat16",
         "precision.compute_dtype=bfloat16", "remat.preset=selective", "target.name=h100-80g"]
 
@@ -37,9 +39,9 @@ def test_moving_a_layer_off_the_heavy_stage_lowers_its_compiled_peak(auto_plan):
     from jaxmem.pipeline.plan import stage_figures
 
     even = _stage_totals(auto_plan["pipeline"]["even_stage_bills"])
-    assert auto_plan["pipeline"]["even_layers"] == [4, 4]
+    assert auto_plan["pipeline"]["even_layers"] == [2, 2]
     heavy = int(np.argmax(even))  # here the last: the LM head and loss over a 128K vocabulary
-    counts = (5, 3) if heavy == 1 else (3, 5)
+    counts = (3, 1) if heavy == 1 else (1, 3)
     cfg = load_config("configs/tiny.yaml", PLAN)
     moved = stage_figures(build_pipeline(cfg, list(resolve_topology(cfg, None, None, None).devices()),
                                          counts=counts))
@@ -54,14 +56,14 @@ def test_auto_is_never_worse_than_even_and_the_plan_shows_every_stage(auto_plan,
 
     info = auto_plan["pipeline"]
     assert max(_stage_totals(info["stage_bills"])) <= max(_stage_totals(info["even_stage_bills"]))
-    assert sum(info["layers"]) == 8 and info["layers"] != [4, 4]  # the even split is not the best here
+    assert sum(info["layers"]) == 4 and info["layers"] != [2, 2]  # the even split is not the best here
     assert info["in_flight"] == [2, 1] and info["bubble"] == pytest.approx(1 / 5)
     worst = max(info["stage_bills"], key=lambda b: b["device_total"])
     assert auto_plan["compiled"]["device_total"] == worst["device_total"]
     assert "pipeline stage" in auto_plan["compiled"]["label"] and "deviceless" in auto_plan["compiled"]["label"]
     render(auto_plan, Console(width=200))
     out = capsys.readouterr().out
-    assert "pipeline stages, layers" in out and "even split for comparison, layers [4, 4]" in out
+    assert "pipeline stages, layers" in out and "even split for comparison, layers [2, 2]" in out
 
 
 def test_the_plan_names_each_stage_that_does_not_fit(auto_plan):

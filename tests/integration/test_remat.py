@@ -125,15 +125,14 @@ def _h100_bytes(preset: str, **extra) -> dict:
 @pytest.mark.slow
 def test_deviceless_h100_device_bytes_order_and_offload():
     pytest.importorskip("jax_cuda12_plugin")
-    figures = {p: _h100_bytes(p) for p in ("none", "selective", "full", "offload_layer_inputs",
-                                            "offload_selective")}
+    # offload_layer_inputs (saves what `full` saves, on the host instead) is not compiled again here:
+    # test_update_in_backward's test_deviceless_host_optimizer_leaves_the_device compiles it against `full` for
+    # one H100 (its host temporaries hold every layer input, its device total drops by at least half of them)
+    figures = {p: _h100_bytes(p) for p in ("none", "selective", "full", "offload_selective")}
     dev = {p: f["device"] for p, f in figures.items()}
     assert dev["full"] < dev["selective"] < dev["none"], dev
     for p in ("none", "selective", "full"):
         assert figures[p]["host_temp"] == 0, (p, figures[p])
-    # offload_layer_inputs saves what `full` saves, on the host instead
-    assert figures["offload_layer_inputs"]["host_temp"] > 0
-    assert dev["offload_layer_inputs"] < dev["full"]
     # offload_selective saves what `selective` saves, on the host instead
     assert figures["offload_selective"]["host_temp"] > 0
     assert dev["offload_selective"] < dev["selective"]

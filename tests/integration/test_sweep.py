@@ -1,4 +1,5 @@
-"""`jaxmem sweep`: grid points compiled in worker processes, cached by config hash, CSV/JSON/Pareto PNG."""
+"""`jaxmem sweep`: grid points compiled (here in-process; in worker processes by test_tune's flows, through the same
+plan_points), the init compile shared, cached by config hash, CSV/JSON/Pareto PNG."""
 import csv
 import json
 import os
@@ -33,10 +34,15 @@ def test_shipped_remat_sweep_names_real_presets():
 
 
 @pytest.mark.slow
-def test_sweep_compiles_in_workers_then_hits_the_cache(tmp_path, capsys):
+def test_sweep_shares_the_init_compile_then_hits_the_cache(tmp_path, capsys, monkeypatch):
+    # with no figure cache of the user's, the sweep keeps one in its cache folder: two remat presets lower the same
+    # step-0 state program, so the second point reads the first one's init figures instead of compiling again; a
+    # second run reads every point back from the sweep's cache. In this process (--workers 0): the points' worker
+    # processes (plan_points' process pool, the same function) are test_tune's, whose flows compile in them
+    monkeypatch.delenv("JAXMEM_FIGURE_CACHE", raising=False)
     out, cache = tmp_path / "out", tmp_path / "cache"
     args = ["configs/tiny.yaml", "parallel.fsdp=8", "--grid", "remat.preset=full,none", "--target", "h100-80g",
-            "--out", str(out), "--cache", str(cache)]
+            "--out", str(out), "--cache", str(cache), "--workers", "0"]
     assert main(args) == 0
     first = json.loads((out / "sweep.json").read_text())
     assert [r["cached"] for r in first] == [False, False]
@@ -44,6 +50,9 @@ def test_sweep_compiles_in_workers_then_hits_the_cache(tmp_path, capsys):
     none, full = sorted(first, key=lambda r: r["remat.preset"] == "full")
     assert full["device_bytes"] < none["device_bytes"]  # remat saves activations in the compiled step
     assert len(list(cache.glob("*.json"))) == 2
+    figures = cache / "figures"
+    assert len(list(figures.glob("*.json"))) == 3  # two steps and one init
+    assert len((figures / "hits.log").read_text().splitlines()) == 1
     assert main(args) == 0
     second = json.loads((out / "sweep.json").read_text())
     assert [r["cached"] for r in second] == [True, True]
@@ -54,6 +63,7 @@ def test_sweep_compiles_in_workers_then_hits_the_cache(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "[cached]" in text and "best under the budget" in text and "FAILED" not in text
     assert [r["status"] for r in second] == ["planned", "planned"] and sum(r["best"] for r in second) == 1
+    assert "JAXMEM_FIGURE_CACHE" not in os.environ  # handed back as it was
 
 
 def test_failed_points_are_failures_not_planned(tmp_path, capsys, monkeypatch):
@@ -108,19 +118,3 @@ def test_best_point_rule_and_legible_figures(tmp_path, capsys):
     assert "best under the budget" in text and text.count("ValueError: boom") == 1
     plot_pareto(rows, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 5000
-
-
-@pytest.mark.slow
-def test_points_share_the_init_compile_through_the_sweeps_figure_cache(tmp_path, monkeypatch):
-    # with no figure cache of the user's, the sweep keeps one in its cache folder: two remat presets lower the same
-    # step-0 state program, so the second point reads the first one's init figures instead of compiling again
-    monkeypatch.delenv("JAXMEM_FIGURE_CACHE", raising=False)
-    out, cache = tmp_path / "out", tmp_path / "cache"
-    assert main(["configs/tiny.yaml", "parallel.fsdp=8", "--grid", "remat.preset=full,none", "--target", "h100-80g",
-                 "--out", str(out), "--cache", str(cache), "--workers", "0"]) == 0
-    figures = cache / "figures"
-    assert len(list(figures.glob("*.json"))) == 3  # two steps and one init
-    assert len((figures / "hits.log").read_text().splitlines()) == 1
-    rows = json.loads((out / "sweep.json").read_text())
-    assert len({r["device_bytes"] for r in rows}) == 2  # the steps themselves were compiled each
-    assert "JAXMEM_FIGURE_CACHE" not in os.environ  # handed back as it was

@@ -78,10 +78,14 @@ def _head_dim_cfg(head_dim: int, *extra: str):
                               "parallel.fsdp=1", "target.name=h100-80g", "target.gpus_per_host=1", *extra])
 
 
-@pytest.mark.parametrize("head_dim", [64, 80, 96, 128, 256])
+# The other real head dims are compiled deviceless for an H100 (bf16, kernels.attention=auto) elsewhere, so they
+# are not compiled again here: 80 (padded to the 128 tile, like 96) by the explain test below, 64 (Llama-3.2-1B)
+# by test_pipeline_plan's stages, 128 (Llama-3-8B) by test_remat's deviceless steps; 24 (padded to 32) by the
+# Qwen3 folder test below.
+@pytest.mark.parametrize("head_dim", [96, 256])
 def test_every_real_head_dim_compiles_for_an_h100(head_dim):
-    """auto picks a kernel that takes the head dim (the Pallas kernel pads 80 and 96 to its 128 tile): the
-    step compiles deviceless and its figures say so."""
+    """auto picks a kernel that takes the head dim (the Pallas kernel pads 96 to its 128 tile): the step compiles
+    deviceless and its figures say so."""
     cfg = _head_dim_cfg(head_dim)
     _, figures = compile_for_plan(cfg, resolve_topology(cfg), init=False)
     assert figures.label == "compiled for 1 x h100-80g (deviceless)"
