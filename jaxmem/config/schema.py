@@ -529,6 +529,16 @@ class RLConfig:
     samples_every: int = _f(0, "write a few prompts with their completions and rewards to out_dir/samples.jsonl "
                                "every this many rollouts; 0: never")
 
+    @property
+    def completions(self) -> int:
+        """Completions a rollout generates and trains on: prompts_per_step x group_size."""
+        return self.prompts_per_step * self.group_size
+
+    @property
+    def rollout_rows(self) -> int:
+        """Completions decoded at once: generation_batch, or all of them."""
+        return self.generation_batch or self.completions
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:

@@ -6,18 +6,20 @@ from __future__ import annotations
 MIN_BUCKET = 16
 
 
-def bucket(n: int) -> int:
-    """The bucket holding n: the smallest power of two >= max(n, MIN_BUCKET)."""
-    size = MIN_BUCKET
+def power_of_two_at_least(n: int, smallest: int) -> int:
+    """The smallest power of two >= max(n, smallest), `smallest` a power of two."""
+    size = smallest
     while size < n:
         size *= 2
     return size
 
 
+def bucket(n: int) -> int:
+    """The bucket holding n: the smallest power of two >= max(n, MIN_BUCKET)."""
+    return power_of_two_at_least(n, MIN_BUCKET)
+
+
 def batch_bucket(rows: int, multiple: int = 1) -> int:
     """The rows a batch of `rows` is padded to: the smallest power of two >= rows, rounded up to a multiple of
     `multiple` (the mesh's data ways)."""
-    size = 1
-    while size < rows:
-        size *= 2
-    return -(-size // multiple) * multiple
+    return -(-power_of_two_at_least(rows, 1) // multiple) * multiple

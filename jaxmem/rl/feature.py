@@ -24,7 +24,7 @@ def check(cfg: Config) -> None:
     for key in ("prompts_per_step", "max_prompt_len", "max_completion_len", "updates_per_rollout"):
         if getattr(rl, key) < 1:
             raise ConfigError(f"rl.{key}: {getattr(rl, key)} must be >= 1")
-    n = rl.prompts_per_step * rl.group_size
+    n = rl.completions
     if rl.generation_batch < 0 or (rl.generation_batch and n % rl.generation_batch):
         raise ConfigError(f"rl.generation_batch: {rl.generation_batch} must divide rl.prompts_per_step x "
                           f"rl.group_size ({n}); 0: all at once")
@@ -36,9 +36,9 @@ def check(cfg: Config) -> None:
         raise ConfigError("rl.beta must be >= 0, rl.epsilon_low in [0, 1), rl.epsilon_high >= 0")
     if not (rl.sapo_temperature_pos > 0 and rl.sapo_temperature_neg > 0):
         raise ConfigError("rl.sapo_temperature_pos and rl.sapo_temperature_neg must be > 0")
-    if rl.prompts_per_step * rl.group_size % cfg.train.micro_batch:
+    if n % cfg.train.micro_batch:
         raise ConfigError(f"train.micro_batch: {cfg.train.micro_batch} must divide rl.prompts_per_step x "
-                          f"rl.group_size ({rl.prompts_per_step * rl.group_size} completions a rollout)")
+                          f"rl.group_size ({n} completions a rollout)")
     if cfg.train.seq_len < rl.max_prompt_len + rl.max_completion_len:
         raise ConfigError(f"train.seq_len: {cfg.train.seq_len} must hold rl.max_prompt_len + rl.max_completion_len")
     if cfg.parallel.pp > 1 or cfg.optimizer.update_in_backward:
@@ -54,7 +54,7 @@ EXPLAINED = ("train.objective=grpo: explained is the training phase (the GRPO st
 def rollout_batches(cfg: Config) -> list[list[str]]:
     """tune's choices of rl.generation_batch, the largest first (fewer decode loops per rollout): every divisor
     of the rollout's completions (a batch the mesh's data ways do not split is refused by its plan)."""
-    n = cfg.rl.prompts_per_step * cfg.rl.group_size
+    n = cfg.rl.completions
     return [[f"rl.generation_batch={rows}"] for rows in range(n, 0, -1) if n % rows == 0]
 
 

@@ -29,7 +29,7 @@ def rollout_config(cfg: Config) -> Config:
     """`cfg` with a generate: section sized like one decode of its rollouts (rl.generation_batch rows; the plan
     rounds the lengths up to buckets, so powers of two are planned exactly)."""
     rl = cfg.rl
-    generate = dataclasses.replace(cfg.generate, batch=rl.generation_batch or rl.prompts_per_step * rl.group_size,
+    generate = dataclasses.replace(cfg.generate, batch=rl.rollout_rows,
                                    prompt_len=rl.max_prompt_len, max_new_tokens=rl.max_completion_len)
     return dataclasses.replace(cfg, generate=generate)
 
@@ -110,7 +110,7 @@ def plan_rl(cfg: Config, topo: Topology, planner, compile: bool = True, source: 
     _verdict(out, phases[peak_phase]["peak"], peak_phase, phases[peak_phase]["label"])
     out["peak_phase"] = peak_phase
     out["rl"] = {"phases": phases, "estimated": estimated, "live_across": live, "run_peak": phases[peak_phase]["peak"],
-                 "rollout_rows": plan_estimate.rollout_rows(cfg), "cache_bytes": generation["cache_bytes"],
+                 "rollout_rows": cfg.rl.rollout_rows, "cache_bytes": generation["cache_bytes"],
                  "label": phases[peak_phase]["label"], "seconds": {k: run_cost.breakdown[f"{k}_seconds"] for k in
                                                                     ("rollout", "logprob", "training")}}
     return dict(out, lines=render_lines(out))

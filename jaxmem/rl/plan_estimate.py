@@ -15,14 +15,6 @@ STORED_BYTES = 2 * 4 + 3 * 4  # per token of the rollout's batch: inputs and lab
 HBM_EFFICIENCY = 0.7  # the share of the memory bandwidth a decode step reaches (the cost model's own constant)
 
 
-def completions(cfg: Config) -> int:
-    return cfg.rl.prompts_per_step * cfg.rl.group_size
-
-
-def rollout_rows(cfg: Config) -> int:
-    return cfg.rl.generation_batch or completions(cfg)
-
-
 def state_bytes(bill) -> int:
     """The train state per device (estimated): what stays live across the phases."""
     return sum(bill.device[k] for k in STATE_TERMS)
@@ -34,7 +26,7 @@ def estimated_phases(cfg: Config, bill, cache_bytes: int) -> dict:
     log-prob pass one layer's working set or the LM head's (the larger); training the step's bill and the
     rollout's stored batch."""
     m, ways = cfg.model, bill.layout.data_ways
-    rows = rollout_rows(cfg)
+    rows = cfg.rl.rollout_rows
     if rows % ways:
         raise ConfigError(f"rl.generation_batch: {rows} rows do not split over the mesh's {ways} data ways; use a "
                           "multiple")
@@ -42,7 +34,7 @@ def estimated_phases(cfg: Config, bill, cache_bytes: int) -> dict:
     rows_here = rows // ways
     prefill = rows_here * bucket(cfg.rl.max_prompt_len) * m.d_model * 4 * 4 + rows_here * m.vocab_size * 4 * 2
     d = bill.device
-    stored = -(-completions(cfg) // ways) * cfg.train.seq_len * STORED_BYTES
+    stored = -(-cfg.rl.completions // ways) * cfg.train.seq_len * STORED_BYTES
     # the decode loop carries its cache from one token to the next: two copies live while a step writes one
     return {"rollout": {"peak": state + 2 * cache_bytes + prefill, "label": ESTIMATED},
             "logprobs": {"peak": state + d["inputs"] + max(d["working_set"], d["logits"]), "label": ESTIMATED},
@@ -54,7 +46,7 @@ def rollout_seconds(cfg: Config, bill, gpu, cache_bytes: int) -> float:
     weights and the chunk's cache read once at the reached share of the memory bandwidth; 0 without a GPU."""
     if gpu is None:
         return 0.0
-    chunks = completions(cfg) // rollout_rows(cfg)
+    chunks = cfg.rl.completions // cfg.rl.rollout_rows
     weights = bill.device["params"] + bill.device["base"]
     return chunks * bucket(cfg.rl.max_completion_len) * (weights + cache_bytes) / (gpu.hbm_bandwidth * HBM_EFFICIENCY)
 

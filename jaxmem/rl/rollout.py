@@ -79,7 +79,7 @@ class Rollouts:
     def __init__(self, prog, codec, prompts, rewards):
         cfg, rl = prog.cfg, prog.cfg.rl
         self.prog, self.codec, self.prompts, self.rewards = prog, codec, prompts, rewards
-        self.n = rl.prompts_per_step * rl.group_size
+        self.n = rl.completions
         if self.n != prog.grad_accum * prog.rows:
             raise ConfigError(f"train.global_batch: a rollout trains on rl.prompts_per_step x rl.group_size = "
                               f"{self.n} completions; set train.global_batch={self.n} (now "
@@ -89,7 +89,7 @@ class Rollouts:
         self.generate = jax.jit(generate_fn(Decoder.from_program(prog), max_new=rl.max_completion_len,
                                             sampling=sampling, stop_ids=codec.stop_ids, pad_id=codec.pad_id,
                                             cache_dtype=cache_dtype))
-        self.chunk = rl.generation_batch or self.n
+        self.chunk = rl.rollout_rows
         self.replicated = NamedSharding(prog.mesh, P())  # the rollout's host rows, whole on every device
         self.policy_logprobs, self.reference_logprobs = logprob_fns(prog)
 
