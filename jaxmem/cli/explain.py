@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         name = " ".join([path, *overrides])
         result, steps = explain_with_timeline(cfg, topo, args.top, args.dump_dir if len(jobs) == 1 else None,
                                               timeline=wants_timeline, config=name)
-        which = next((n for n in (f.explained_program(cfg) for f in registry.for_config(cfg).active) if n), None)
+        which = registry.for_config(cfg).explained_program(cfg)
         if len(jobs) > 1:
             print(name)
         if which:  # a run of several programs: which of them this is

@@ -446,6 +446,10 @@ class Features:
         if reason:
             raise ConfigError(reason)
 
+    def explained_program(self, cfg) -> str | None:
+        """The first active feature's line on which of the run's programs explain reads, or None."""
+        return next((line for line in (f.explained_program(cfg) for f in self.active) if line), None)
+
     def terms(self, kind: str) -> tuple:
         """The planner's terms of `kind` (bill_terms, buffer_terms, search_axes) of every active feature."""
         return tuple(term for f in self.active for term in getattr(f, kind))
