@@ -60,23 +60,29 @@ def _store(out_dir: Path, values: np.ndarray, ident: str) -> None:
                                                   "pairs": len(values)}) + "\n")
 
 
-def reference_sums(prog, params, frozen, rows) -> np.ndarray:
-    """[pairs, 2] fp32: each pair's completion log-prob sums (chosen, rejected) under `params`, a global
-    micro-batch of pairs at a time (the last one padded with pair 0)."""
+def _sums_fn(prog, keys: tuple, summed):
+    """fn(params, frozen, host batch) -> numpy: `summed(per-token log-probs [B, T], the batch's arrays under
+    `keys`)` of one global micro-batch, through the training forward (jitted once)."""
     if jax.process_count() > 1:
         raise ConfigError("preference.reference: precompute runs in one process; use model (or base with LoRA)")
     forward = stage_fn(prog, logprobs=True)
     shard = NamedSharding(prog.mesh, sharding.batch_spec(prog.mesh))
-    sums = jax.jit(lambda p, f, x, y: jnp.sum(forward(p, x, y, base=f), axis=-1), out_shardings=None)
+    sums = jax.jit(lambda p, f, *batch: summed(forward(p, *batch, base=f), batch), out_shardings=None)
+    return lambda params, frozen, batch: np.asarray(sums(params, frozen, *(jax.device_put(batch[k], shard)
+                                                                           for k in keys)))
+
+
+def reference_sums(prog, params, frozen, rows) -> np.ndarray:
+    """[pairs, 2] fp32: each pair's completion log-prob sums (chosen, rejected) under `params`, a global
+    micro-batch of pairs at a time (the last one padded with pair 0)."""
+    sums = _sums_fn(prog, ("inputs", "labels"), lambda logps, batch: jnp.sum(logps, axis=-1))
     per_batch = prog.rows // 2
     n = len(rows.pairs)
     out = np.zeros((n, 2), np.float32)
     with prog.lowering():
         for start in range(0, n, per_batch):
             ids = np.arange(start, start + per_batch) % n  # the last batch repeats the first pairs
-            batch = rows.pair_rows(ids)
-            x, y = (jax.device_put(batch[k], shard) for k in ("inputs", "labels"))
-            got = np.asarray(sums(params, frozen, x, y)).reshape(-1, 2)
+            got = sums(params, frozen, rows.pair_rows(ids)).reshape(-1, 2)
             keep = min(per_batch, n - start)
             out[start:start + keep] = got[:keep]
     return out
@@ -86,18 +92,13 @@ def packed_reference_sums(prog, params, frozen, rows) -> np.ndarray:
     """reference_sums of packed rows (jaxmem.io.documents.pair_packing): the packed rows in their pack order, a
     global micro-batch of rows at a time (the last one padded with row 0), each segment's sum read back to its
     pair and side; the same forward (segments masked, positions restarting) as training's."""
-    if jax.process_count() > 1:
-        raise ConfigError("preference.reference: precompute runs in one process; use model (or base with LoRA)")
-    forward = stage_fn(prog, logprobs=True)
-    shard = NamedSharding(prog.mesh, sharding.batch_spec(prog.mesh))
-    keys = ("inputs", "labels", "segment_ids", "positions")
-    sums = jax.jit(lambda p, f, *batch: segment_sums(forward(p, *batch, base=f), batch[2]), out_shardings=None)
+    sums = _sums_fn(prog, ("inputs", "labels", "segment_ids", "positions"),
+                    lambda logps, batch: segment_sums(logps, batch[2]))
     out = np.zeros((len(rows.pairs), 2), np.float32)
     with prog.lowering():
         for start in range(0, rows.n_rows, prog.rows):
             ids = np.arange(start, start + prog.rows) % rows.n_rows
-            batch = rows.packed_rows(ids)
-            got = np.asarray(sums(params, frozen, *(jax.device_put(batch[k], shard) for k in keys)))
+            got = sums(params, frozen, rows.packed_rows(ids))
             for i in range(min(prog.rows, rows.n_rows - start)):
                 for j, k in enumerate(rows.row_pairs(int(ids[i]))):
                     out[k] = got[i, 2 * j:2 * j + 2]
