@@ -168,10 +168,6 @@ def test_the_likely_lever_follows_xlas_message():
 # ---------------------------------------------------------------- 3. explain's labels and advice are checked
 
 
-def _kept_levers(advisor, key, name=""):
-    return [lever for alternative in advisor.alternatives(key, name)[1] for lever in advice.levers(alternative)]
-
-
 def test_adafactor_is_not_advised_int8_moments_nor_master_weights_it_already_dropped():
     cfg = load_config(TINY, ["optimizer.name=adafactor", "precision.master_weights=false"])
     text = advice.Advisor(cfg).suggestion("optimizer")
